@@ -1,0 +1,5 @@
+"""`python -m infermux` runs the command line."""
+
+from infermux.cli import main
+
+main()

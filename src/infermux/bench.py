@@ -1,0 +1,366 @@
+"""The offline benchmark: every batch size on every unit, measured honestly, stored as it goes.
+
+Method (written into the code so no caller can skip it):
+- warm-up first (at least `warmup_s` and 5 batches), excluded from every figure;
+- each batch is timed from the start of its host→device copy to its outputs on the host, with
+  the device synchronized before the clock is read; phases come from CUDA events;
+- measurement goes on until both `min_duration_s` and `min_queries` (items) are reached — the
+  MLPerf LoadGen validity rule — or `max_duration_s` passes, which makes the point invalid;
+- with K instances, K runners (own stream, buffers and CUDA graph each) run in K threads from a
+  common start; throughput is all items over the common window.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from infermux.engines import Runner, create_engine
+from infermux.engines.base import DATA_PLACEMENTS, is_out_of_memory
+from infermux.env import capture_environment
+from infermux.errors import DeviceOutOfMemoryError, InfermuxError, UsageError
+from infermux.models import LoadedModel, ModelSpec, load_model
+from infermux.stats import latency_summary_ms
+from infermux.store import Sample, Store
+from infermux.units import Unit, discover, select_units
+
+__all__ = ["BenchConfig", "BenchReport", "Measurement", "measure", "run_bench"]
+
+#: progress(label, fraction) — fraction of the current point's validity rule met, 0..1.
+ProgressFn = Callable[[str, float], None]
+
+
+@dataclass
+class BenchConfig:
+    """Everything that decides what a benchmark measures; stored with its results."""
+
+    model: ModelSpec
+    units: str = "cpu"
+    batches: list[int] = field(default_factory=lambda: [1, 8, 64])
+    engine: str = "torch"
+    instances: int = 1
+    data: str = "host"
+    min_duration_s: float = 10.0
+    min_queries: int = 1024
+    warmup_s: float = 1.0
+    max_duration_s: float | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.instances < 1:
+            raise UsageError(f"--instances {self.instances} must be at least 1")
+        if self.data not in DATA_PLACEMENTS:
+            raise UsageError(f"--data {self.data!r} unknown: use host or device")
+        if self.min_queries < 1:
+            raise UsageError(f"--min-queries {self.min_queries} must be at least 1")
+        if any(b <= 0 for b in self.batches):
+            raise UsageError(f"batch sizes {self.batches} must all be at least 1")
+        if self.max_duration_s is not None and self.max_duration_s < self.min_duration_s:
+            raise UsageError(
+                f"--max-duration {self.max_duration_s}s is shorter than --min-duration "
+                f"{self.min_duration_s}s: raise it or drop it"
+            )
+
+    @property
+    def deadline_s(self) -> float:
+        """When a point stops even if its validity rule is not met."""
+        return self.max_duration_s or max(60.0, 3 * self.min_duration_s)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready copy."""
+        return {
+            "model": {"ref": self.model.ref, "weights": self.model.weights,
+                      "input_shape": list(self.model.input_shape or ())},
+            "units": self.units, "batches": self.batches, "engine": self.engine,
+            "instances": self.instances, "data": self.data,
+            "min_duration_s": self.min_duration_s, "min_queries": self.min_queries,
+            "warmup_s": self.warmup_s, "max_duration_s": self.deadline_s,
+            "options": self.options,
+        }
+
+
+@dataclass
+class Measurement:
+    """Raw samples of one (unit, batch) point plus the setup that produced them."""
+
+    model: str
+    unit: str
+    engine: str
+    batch: int
+    instances: int
+    data: str
+    min_duration_s: float
+    min_queries: int
+    samples: list[Sample] = field(default_factory=list)
+    window_s: float = 0.0
+    status: str = "ok"  # ok | oom | error | interrupted
+    error: str | None = None
+    build_s: float = 0.0
+    options: dict[str, Any] = field(default_factory=dict)
+    weights_note: str = ""
+
+    @property
+    def items(self) -> int:
+        """Items (queries, in offline terms) completed in the measured window."""
+        return len(self.samples) * self.batch
+
+    @property
+    def throughput(self) -> float | None:
+        """Items per second over the measured window."""
+        return self.items / self.window_s if self.window_s > 0 and self.samples else None
+
+    @property
+    def validity(self) -> tuple[bool, str]:
+        """(valid, why not): both the minimum duration and the minimum query count must hold."""
+        if self.status != "ok":
+            return False, f"{self.status}: {self.error or 'no measurement'}"
+        missing = []
+        if self.window_s < self.min_duration_s:
+            missing.append(f"ran {self.window_s:.2f}s < min duration {self.min_duration_s:g}s")
+        if self.items < self.min_queries:
+            missing.append(f"{self.items} items < min queries {self.min_queries}")
+        return (not missing), "; ".join(missing)
+
+    def record(self) -> dict[str, Any]:
+        """The point as stored and printed: setup, derived statistics, phase means."""
+        valid, note = self.validity
+        data: dict[str, Any] = {
+            "model": self.model, "unit": self.unit, "engine": self.engine, "batch": self.batch,
+            "instances": self.instances, "data": self.data, "status": self.status,
+            "valid": valid, "validity_note": note, "items": self.items,
+            "window_s": self.window_s, "throughput_items_per_s": self.throughput,
+            "build_s": self.build_s, "options": self.options, "error": self.error,
+            "weights_note": self.weights_note,
+        }
+        data.update(latency_summary_ms([s.latency_ns for s in self.samples]))
+        if self.samples:
+            for phase in ("h2d", "compute", "d2h"):
+                total = sum(getattr(s, f"{phase}_ns") for s in self.samples)
+                data[f"{phase}_ms"] = total / len(self.samples) / 1e6
+        return data
+
+
+def measure(
+    runners: list[Runner],
+    *,
+    min_duration_s: float,
+    min_queries: int,
+    warmup_s: float = 1.0,
+    deadline_s: float = 60.0,
+    progress: ProgressFn | None = None,
+    label: str = "",
+) -> tuple[list[Sample], float]:
+    """Warm up, then run every runner in its own thread until the validity rule holds.
+
+    Returns the samples of the measured window and its length in seconds. A KeyboardInterrupt
+    stops the loop; the samples so far are attached to the exception as `samples`/`window_s`.
+    """
+    batch = runners[0].batch
+    for runner in runners:
+        warm_start = time.perf_counter()
+        count = 0
+        while count < 5 or time.perf_counter() - warm_start < warmup_s:
+            runner.run()
+            count += 1
+    samples: list[Sample] = []
+    lock = threading.Lock()
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    start_ns = time.perf_counter_ns()
+    end_ns = [start_ns]
+
+    def done(now_ns: int) -> bool:
+        elapsed = (now_ns - start_ns) / 1e9
+        return (elapsed >= min_duration_s and len(samples) * batch >= min_queries) or (
+            elapsed >= deadline_s
+        )
+
+    def loop(instance: int, runner: Runner) -> None:
+        try:
+            while not stop.is_set():
+                timing = runner.run()
+                now = time.perf_counter_ns()
+                with lock:
+                    samples.append(Sample(instance, timing.latency_ns, timing.h2d_ns,
+                                          timing.compute_ns, timing.d2h_ns))
+                    end_ns[0] = max(end_ns[0], now)
+                    if done(now):
+                        stop.set()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+            errors.append(exc)
+            stop.set()
+
+    threads = [threading.Thread(target=loop, args=(i, r), name=f"infermux-bench-{i}", daemon=True)
+               for i, r in enumerate(runners[1:], start=1)]
+    for thread in threads:
+        thread.start()
+    try:
+        last_report = 0.0
+        if len(runners) == 1:
+            runner = runners[0]
+            while not stop.is_set():
+                timing = runner.run()
+                now = time.perf_counter_ns()
+                samples.append(Sample(0, timing.latency_ns, timing.h2d_ns, timing.compute_ns,
+                                      timing.d2h_ns))
+                end_ns[0] = now
+                if done(now):
+                    break
+                if progress is not None and now / 1e9 - last_report > 0.1:
+                    last_report = now / 1e9
+                    progress(label, _fraction(now, start_ns, len(samples) * batch,
+                                              min_duration_s, min_queries))
+        else:
+            loop_thread = threading.Thread(target=loop, args=(0, runners[0]), daemon=True)
+            loop_thread.start()
+            threads.append(loop_thread)
+            while not stop.wait(0.1):
+                if progress is not None:
+                    with lock:
+                        items = len(samples) * batch
+                    progress(label, _fraction(time.perf_counter_ns(), start_ns, items,
+                                              min_duration_s, min_queries))
+    except KeyboardInterrupt as exc:
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=5)
+        exc.samples = list(samples)  # type: ignore[attr-defined]
+        exc.window_s = (end_ns[0] - start_ns) / 1e9  # type: ignore[attr-defined]
+        raise
+    stop.set()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return samples, (end_ns[0] - start_ns) / 1e9
+
+
+def _fraction(now_ns: int, start_ns: int, items: int, min_s: float, min_q: int) -> float:
+    by_time = (now_ns - start_ns) / 1e9 / min_s if min_s > 0 else 1.0
+    return max(0.0, min(1.0, by_time, items / min_q))
+
+
+@dataclass
+class BenchReport:
+    """What `run_bench` returns: the run's id in the store and every measured point."""
+
+    run_id: int | None
+    model: LoadedModel
+    units: list[Unit]
+    measurements: list[Measurement]
+    status: str  # complete | interrupted
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: the run id, the model description and every point's record."""
+        return {
+            "run_id": self.run_id,
+            "status": self.status,
+            "model": self.model.describe(),
+            "units": [u.id for u in self.units],
+            "results": [m.record() for m in self.measurements],
+        }
+
+
+def run_bench(
+    config: BenchConfig,
+    *,
+    store: Store | None = None,
+    progress: ProgressFn | None = None,
+    command: str = "",
+) -> BenchReport:
+    """Measure every (unit, batch) point of `config`; each point is stored as soon as it ends.
+
+    A point that runs out of memory or fails is recorded with that status and the sweep goes
+    on. Ctrl-C stores the point in progress as `interrupted` and ends the run with what it has.
+    """
+    found = discover()
+    units = select_units(config.units, found)
+    engine = create_engine(config.engine)
+    for unit in units:
+        if not engine.supports(unit):
+            raise UsageError(
+                f"engine {config.engine!r} cannot run on unit {unit.id!r}; "
+                f"it runs {', '.join(engine.unit_kinds)} units"
+            )
+    model = load_model(config.model)
+    run_id = None
+    if store is not None:
+        cfg = config.to_dict()
+        cfg["resolved_units"] = [u.id for u in units]
+        cfg["model_description"] = model.describe()
+        run_id = store.begin_run("bench", cfg, capture_environment(), command)
+    report = BenchReport(run_id, model, units, [], "complete")
+    try:
+        for unit in units:
+            for batch in config.batches:
+                point = _measure_point(config, engine, model, unit, batch, progress)
+                report.measurements.append(point)
+                if store is not None and run_id is not None:
+                    store.add_result(run_id, point.record(), point.samples)
+                if point.status == "interrupted":
+                    raise KeyboardInterrupt
+    except KeyboardInterrupt:
+        report.status = "interrupted"
+    finally:
+        if store is not None and run_id is not None:
+            status = report.status
+            valid = sum(1 for m in report.measurements if m.validity[0])
+            store.finish_run(run_id, status, {"points": len(report.measurements), "valid": valid})
+        release = getattr(engine, "release", None)
+        if release is not None:
+            release()
+    return report
+
+
+def _measure_point(
+    config: BenchConfig,
+    engine: Any,
+    model: LoadedModel,
+    unit: Unit,
+    batch: int,
+    progress: ProgressFn | None,
+) -> Measurement:
+    point = Measurement(
+        model=model.name, unit=unit.id, engine=config.engine, batch=batch,
+        instances=config.instances, data=config.data, min_duration_s=config.min_duration_s,
+        min_queries=config.min_queries, weights_note=model.weights_note,
+    )
+    label = f"{unit.id} b{batch}" + (f" ×{config.instances}" if config.instances > 1 else "")
+    if progress is not None:
+        progress(label, 0.0)
+    try:
+        runners = [
+            engine.build(model, unit, batch, config.options, data=config.data, instance=i)
+            for i in range(config.instances)
+        ]
+        point.build_s = sum(r.build_s for r in runners)
+        point.options = runners[0].options
+        point.samples, point.window_s = measure(
+            runners, min_duration_s=config.min_duration_s, min_queries=config.min_queries,
+            warmup_s=config.warmup_s, deadline_s=config.deadline_s, progress=progress,
+            label=label,
+        )
+    except KeyboardInterrupt as exc:
+        point.status = "interrupted"
+        point.error = "interrupted by the user"
+        point.samples = getattr(exc, "samples", [])
+        point.window_s = getattr(exc, "window_s", 0.0)
+    except DeviceOutOfMemoryError as exc:
+        point.status, point.error = "oom", str(exc)
+    except InfermuxError as exc:
+        if isinstance(exc, UsageError):
+            raise
+        point.status, point.error = "error", str(exc)
+    except Exception as exc:  # noqa: BLE001 - one broken point must not end the sweep
+        oom = is_out_of_memory(exc)
+        point.status = "oom" if oom else "error"
+        point.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        release = getattr(engine, "release", None)
+        if oom and release is not None:
+            release()
+    if progress is not None:
+        progress(label, 1.0)
+    return point

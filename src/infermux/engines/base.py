@@ -1,0 +1,157 @@
+"""The engine contract: `Engine.build(model, unit, batch, options)` → `Runner`.
+
+A Runner owns its buffers: the batch is written into `host_input` (pinned host memory on a GPU
+unit, or device memory when inputs are pre-staged) and `run()` executes one batch synchronously,
+returning where the time went. `infer()` is the convenience path for correctness checks.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+from infermux.errors import UsageError
+from infermux.models import LoadedModel
+from infermux.units import Unit
+
+__all__ = [
+    "DATA_PLACEMENTS",
+    "BatchTiming",
+    "Engine",
+    "Runner",
+    "create_engine",
+    "engine_status",
+    "is_out_of_memory",
+    "list_engines",
+    "register_engine",
+]
+
+#: `host`: inputs start in (pinned) host memory and the copy is timed; `device`: pre-staged.
+DATA_PLACEMENTS = ("host", "device")
+
+
+@dataclass(frozen=True)
+class BatchTiming:
+    """One batch, in nanoseconds: host wall time from start to outputs on the host, and phases.
+
+    Phases are measured on the device (CUDA events) for GPU units; CPU units have only compute.
+    """
+
+    latency_ns: int
+    h2d_ns: int = 0
+    compute_ns: int = 0
+    d2h_ns: int = 0
+
+
+class Runner(ABC):
+    """A model compiled for one unit and one batch size, with preallocated buffers."""
+
+    engine: str
+    unit: Unit
+    batch: int
+    input_shape: tuple[int, ...]
+    #: Seconds spent building (compilation, warm-up, graph capture), reported with results.
+    build_s: float = 0.0
+    #: The resolved options actually used (defaults filled in), stored with results.
+    options: dict[str, Any]
+
+    @abstractmethod
+    def run(self) -> BatchTiming:
+        """Execute one batch from the input buffer to the output buffer; return when done."""
+
+    @abstractmethod
+    def set_input(self, batch: np.ndarray) -> None:
+        """Copy a batch (shape `(batch, *input_shape)`) into the input buffer."""
+
+    @abstractmethod
+    def outputs(self) -> list[np.ndarray]:
+        """The last batch's outputs, as float32 host arrays (copies)."""
+
+    def infer(self, batch: np.ndarray) -> list[np.ndarray]:
+        """Run one batch of given data and return its outputs (for correctness checks)."""
+        self.set_input(batch)
+        self.run()
+        return self.outputs()
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release what the runner holds (graphs, sessions); the default holds nothing."""
+
+
+class Engine(ABC):
+    """Turns a loaded model into runners for the units it supports; caches within its life."""
+
+    name: ClassVar[str]
+    #: The unit kinds this engine can drive.
+    unit_kinds: ClassVar[tuple[str, ...]]
+
+    @classmethod
+    def available(cls) -> tuple[bool, str]:
+        """Whether the engine's library is importable here, and if not, how to get it."""
+        return True, ""
+
+    def supports(self, unit: Unit) -> bool:
+        """Whether this engine can run on `unit`."""
+        return unit.kind in self.unit_kinds
+
+    @abstractmethod
+    def build(
+        self,
+        model: LoadedModel,
+        unit: Unit,
+        batch: int,
+        options: dict[str, Any] | None = None,
+        data: str = "host",
+        instance: int = 0,
+    ) -> Runner:
+        """Compile `model` for `unit` at a fixed `batch` and return a ready runner.
+
+        Runners with different `instance` numbers are distinct (own buffers, streams, graphs)
+        but may share the prepared model's weights.
+        """
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether `exc` is a device out-of-memory error, by type (torch's, or ours)."""
+    import sys
+
+    from infermux.errors import DeviceOutOfMemoryError
+
+    if isinstance(exc, DeviceOutOfMemoryError):
+        return True
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return False
+    oom_type = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
+    return isinstance(exc, oom_type)
+
+
+_ENGINES: dict[str, type[Engine]] = {}
+
+
+def register_engine(cls: type[Engine]) -> type[Engine]:
+    """Class decorator: make an engine creatable by its `name`."""
+    _ENGINES[cls.name] = cls
+    return cls
+
+
+def list_engines() -> list[str]:
+    """Names of every registered engine, usable here or not."""
+    return sorted(_ENGINES)
+
+
+def engine_status() -> dict[str, tuple[bool, str]]:
+    """Each engine's availability on this machine and, if absent, how to install it."""
+    return {name: cls.available() for name, cls in sorted(_ENGINES.items())}
+
+
+def create_engine(name: str) -> Engine:
+    """The engine called `name`; a clear error for unknown or uninstalled engines."""
+    if name not in _ENGINES:
+        raise UsageError(f"unknown engine {name!r}; engines: {', '.join(list_engines())}")
+    ok, why = _ENGINES[name].available()
+    if not ok:
+        raise UsageError(f"engine {name!r} is not usable here: {why}")
+    return _ENGINES[name]()

@@ -1,0 +1,281 @@
+"""Models: where a network comes from, its input spec, and loading it without running pickles.
+
+Sources, in the order a bare name is tried: an ONNX file (`*.onnx`), a Python factory
+(`path/to/file.py:build`), `torchvision:NAME`, `timm:NAME`, then a bare architecture name looked
+up in torchvision and then timm. Without `weights` the network is randomly initialised and
+`LoadedModel.weights_note` says so; every result carries that note.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import importlib
+import importlib.util
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from infermux.errors import RunError, UsageError
+
+__all__ = ["LoadedModel", "ModelSpec", "list_models", "load_model"]
+
+_STATE_DICT_KEYS = ("state_dict", "model_state_dict", "model", "module", "net")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the user asked for: a model reference, optional weights, optional input shape."""
+
+    ref: str
+    weights: str | None = None
+    input_shape: tuple[int, ...] | None = None
+    dtype: str = "float32"
+
+
+@dataclass
+class LoadedModel:
+    """A network ready for an engine: a torch module (or an ONNX file) and its input spec."""
+
+    spec: ModelSpec
+    name: str
+    source: str  # torchvision | timm | factory | onnx
+    input_shape: tuple[int, ...]
+    dtype: str
+    weights_note: str
+    module: Any = None  # torch.nn.Module in eval mode on the CPU, None for ONNX
+    onnx_path: Path | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def randomly_initialised(self) -> bool:
+        """True when no weights were loaded: outputs are meaningless, timings are not."""
+        return self.spec.weights is None and self.source != "onnx"
+
+    @property
+    def key(self) -> str:
+        """A stable key for caches: reference, weights file identity, shape and dtype."""
+        weights = ""
+        if self.spec.weights:
+            stat = Path(self.spec.weights).stat()
+            weights = f"{Path(self.spec.weights).resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+        text = f"{self.source}|{self.name}|{weights}|{self.input_shape}|{self.dtype}"
+        return hashlib.sha1(text.encode()).hexdigest()[:16]
+
+    def describe(self) -> dict[str, Any]:
+        """The model's part of a result record."""
+        return {
+            "name": self.name,
+            "source": self.source,
+            "ref": self.spec.ref,
+            "weights": self.spec.weights,
+            "weights_note": self.weights_note,
+            "input_shape": list(self.input_shape),
+            "dtype": self.dtype,
+            **self.info,
+        }
+
+
+def _torchvision_names() -> list[str]:
+    import torchvision
+
+    return sorted(torchvision.models.list_models(module=torchvision.models))
+
+
+def _timm() -> Any | None:
+    try:
+        return importlib.import_module("timm")
+    except ImportError:
+        return None
+
+
+def list_models(pattern: str = "*") -> dict[str, list[str]]:
+    """Architecture names per source that match a glob (`resnet*`)."""
+    import fnmatch
+
+    found = {"torchvision": [n for n in _torchvision_names() if fnmatch.fnmatch(n, pattern)]}
+    timm = _timm()
+    if timm is not None:
+        found["timm"] = list(timm.list_models(pattern))
+    return found
+
+
+def _build_torchvision(name: str) -> Any:
+    import torchvision
+
+    return torchvision.models.get_model(name, weights=None)
+
+
+def _build_timm(name: str) -> Any:
+    timm = _timm()
+    if timm is None:
+        raise UsageError(f"model 'timm:{name}' needs timm: pip install 'infermux[timm]'")
+    if name not in timm.list_models():
+        close = difflib.get_close_matches(name, timm.list_models(), n=5)
+        raise UsageError(f"timm has no model {name!r}; close names: {', '.join(close) or 'none'}")
+    return timm.create_model(name, pretrained=False)
+
+
+def _build_factory(ref: str) -> Any:
+    path_text, _, func = ref.rpartition(":")
+    path = Path(path_text)
+    if not path.is_file():
+        raise UsageError(f"factory file {path_text!r} does not exist: write path/to/file.py:function")
+    module_spec = importlib.util.spec_from_file_location(f"_infermux_factory_{path.stem}", path)
+    if module_spec is None or module_spec.loader is None:
+        raise UsageError(f"cannot import {path_text!r} as Python: write path/to/file.py:function")
+    module = importlib.util.module_from_spec(module_spec)
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as exc:
+        raise RunError(f"importing factory file {path_text!r} failed: {exc}") from exc
+    factory = getattr(module, func, None)
+    if not callable(factory):
+        names = [n for n in dir(module) if callable(getattr(module, n)) and not n.startswith("_")]
+        raise UsageError(f"{path_text!r} has no function {func!r}; it has: {', '.join(names)}")
+    try:
+        return factory()
+    except Exception as exc:
+        raise RunError(f"factory {ref!r} raised: {exc}") from exc
+
+
+def _load_weights(module: Any, weights: str) -> str:
+    """Load a state dict or a checkpoint holding one, with `weights_only` so no code runs."""
+    import torch
+
+    path = Path(weights)
+    if not path.is_file():
+        raise UsageError(f"weights file {weights!r} does not exist: pass --weights path/to/file.pt")
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            state = load_file(str(path))
+        else:
+            state = torch.load(str(path), map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise UsageError(
+            f"weights file {weights!r} is not a readable state dict or checkpoint ({exc}); "
+            "save it with torch.save(model.state_dict(), path)"
+        ) from exc
+    if isinstance(state, dict):
+        for key in _STATE_DICT_KEYS:
+            inner = state.get(key)
+            if isinstance(inner, dict) and inner and all(isinstance(k, str) for k in inner):
+                state = inner
+                break
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise UsageError(
+            f"weights file {weights!r} holds no state dict of tensors; "
+            "save it with torch.save(model.state_dict(), path)"
+        )
+    if all(k.startswith("module.") for k in state):  # saved from DataParallel/DDP
+        state = {k[len("module."):]: v for k, v in state.items()}
+    try:
+        result = module.load_state_dict(state, strict=True)
+    except RuntimeError as exc:
+        first = str(exc).splitlines()[0:3]
+        raise UsageError(
+            f"weights file {weights!r} does not match the architecture: {' '.join(first)[:300]}; "
+            "check the model name or pass weights saved from it"
+        ) from exc
+    del result
+    return f"weights loaded from {path.name}"
+
+
+def _default_shape(module: Any, source: str) -> tuple[int, ...] | None:
+    shape = getattr(module, "input_shape", None)
+    if shape:
+        return tuple(int(s) for s in shape)
+    cfg = getattr(module, "pretrained_cfg", None) or getattr(module, "default_cfg", None)
+    if isinstance(cfg, dict) and cfg.get("input_size"):
+        return tuple(int(s) for s in cfg["input_size"])
+    if source == "torchvision":
+        name = type(module).__name__.lower()
+        return (3, 299, 299) if "inception" in name else (3, 224, 224)
+    return None
+
+
+def _onnx_shape(path: Path) -> tuple[tuple[int, ...] | None, str]:
+    try:
+        onnx = importlib.import_module("onnx")
+    except ImportError:
+        return None, "float32"
+    try:
+        graph = onnx.load(str(path), load_external_data=False).graph
+    except Exception as exc:
+        raise UsageError(f"ONNX file {str(path)!r} cannot be read: {exc}") from exc
+    initialisers = {i.name for i in graph.initializer}
+    inputs = [i for i in graph.input if i.name not in initialisers]
+    if not inputs:
+        return None, "float32"
+    dims = inputs[0].type.tensor_type.shape.dim[1:]
+    shape = tuple(d.dim_value for d in dims)
+    elem = onnx.helper.tensor_dtype_to_np_dtype(inputs[0].type.tensor_type.elem_type).name
+    return (shape if all(s > 0 for s in shape) else None), elem
+
+
+def resolve_source(ref: str) -> tuple[str, str]:
+    """(`source`, `name`) for a model reference; raises a UsageError naming close matches."""
+    if ref.endswith(".onnx"):
+        return "onnx", ref
+    if ".py:" in ref:
+        return "factory", ref
+    for prefix in ("torchvision:", "timm:"):
+        if ref.startswith(prefix):
+            return prefix[:-1], ref[len(prefix):]
+    if ref in _torchvision_names():
+        return "torchvision", ref
+    timm = _timm()
+    if timm is not None and ref in timm.list_models():
+        return "timm", ref
+    names = _torchvision_names() + (list(timm.list_models()) if timm is not None else [])
+    close = difflib.get_close_matches(ref, names, n=5)
+    hint = f"close names: {', '.join(close)}" if close else "run `infermux models` to list them"
+    raise UsageError(
+        f"unknown model {ref!r}: not a torchvision or timm architecture, an ONNX file or "
+        f"file.py:function; {hint}"
+    )
+
+
+def load_model(spec: ModelSpec | str) -> LoadedModel:
+    """Build the network on the CPU in eval mode, load its weights, and settle its input spec."""
+    if isinstance(spec, str):
+        spec = ModelSpec(ref=spec)
+    source, name = resolve_source(spec.ref)
+    if source == "onnx":
+        path = Path(name)
+        if not path.is_file():
+            raise UsageError(f"ONNX file {name!r} does not exist")
+        shape, dtype = _onnx_shape(path)
+        shape = spec.input_shape or shape
+        if shape is None:
+            raise UsageError(
+                f"cannot tell the input shape of {name!r}: pass --input-shape, e.g. 3x224x224"
+            )
+        return LoadedModel(spec, path.stem, "onnx", shape, dtype, "weights from the ONNX file",
+                           onnx_path=path)
+    builders = {"torchvision": _build_torchvision, "timm": _build_timm, "factory": _build_factory}
+    if source == "torchvision" and name not in _torchvision_names():
+        close = difflib.get_close_matches(name, _torchvision_names(), n=5)
+        raise UsageError(f"torchvision has no model {name!r}; close names: {', '.join(close)}")
+    module = builders[source](name)
+    import torch
+
+    if not isinstance(module, torch.nn.Module):
+        raise UsageError(f"{spec.ref!r} returned {type(module).__name__}, not a torch.nn.Module")
+    note = "randomly initialised (no --weights): outputs are meaningless, timings are not"
+    if spec.weights:
+        note = _load_weights(module, spec.weights)
+    module.eval()
+    shape = spec.input_shape or _default_shape(module, source)
+    if shape is None:
+        raise UsageError(
+            f"cannot tell the input shape of {spec.ref!r}: pass --input-shape, e.g. 3x224x224, "
+            "or give the module an `input_shape` attribute"
+        )
+    display = Path(name.rpartition(":")[0]).stem + ":" + name.rpartition(":")[2] if (
+        source == "factory") else name
+    params = sum(p.numel() for p in module.parameters())
+    return LoadedModel(spec, display, source, shape, spec.dtype, note, module=module,
+                       info={"parameters": int(params)})
