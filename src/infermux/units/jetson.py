@@ -12,11 +12,12 @@ from typing import Any
 
 __all__ = ["read_jetson"]
 
+#: Where L4T kernels put the DLA nodes: `platform/host1x` (older 5.x), `platform/13e40000.host1x`
+#: (Orin, L4T 35), `platform/bus@0/13e00000.host1x` (L4T 36), `13e10000.host1x` (Xavier, L4T 32).
 _DLA_GLOBS = (
-    "sys/devices/platform/host1x/*nvdla*",
-    "sys/devices/platform/bus@0/*/*nvdla*",
-    "sys/devices/platform/*nvdla*",
-    "sys/devices/*nvdla*",
+    "sys/devices/platform/*host1x/*nvdla*",
+    "sys/devices/platform/bus@0/*host1x/*nvdla*",
+    "sys/devices/*host1x/*nvdla*",
 )
 
 

@@ -1,0 +1,68 @@
+"""Shared fixtures: small real models and a temporary results database."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+
+TINY_CNN = '''
+import torch
+from torch import nn
+
+
+class Tiny(nn.Module):
+    input_shape = (3, 32, 32)
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+            nn.Conv2d(8, 16, 3, stride=2, padding=1), nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10),
+        )
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def build():
+    torch.manual_seed(0)
+    return Tiny()
+
+
+def no_shape():
+    return nn.Linear(4, 2)
+
+
+def not_a_module():
+    return 42
+'''
+
+
+@pytest.fixture(scope="session")
+def tiny_factory(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Path to a Python file defining a tiny CNN; `<path>:build` is a model reference."""
+    path = tmp_path_factory.mktemp("models") / "tiny.py"
+    path.write_text(TINY_CNN)
+    return str(path)
+
+
+@pytest.fixture
+def db(tmp_path: Path) -> Path:
+    return tmp_path / "results.db"
+
+
+def run_cli(*args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run `python -m infermux ARGS` in a fresh process, as a user would."""
+    full_env = {**os.environ, "COLUMNS": "200", **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "infermux", *args],
+        capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT,
+    )

@@ -1,0 +1,106 @@
+import numpy as np
+import pytest
+import torch
+
+from infermux.engines import create_engine, engine_status, list_engines
+from infermux.errors import UsageError
+from infermux.models import load_model
+from infermux.units import discover, select_units
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine")
+
+
+@pytest.fixture(scope="module")
+def found():
+    return discover(with_runtimes=False)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_factory):
+    return load_model(f"{tiny_factory}:build")
+
+
+def test_registry():
+    assert "torch" in list_engines()
+    assert engine_status()["torch"] == (True, "")
+    with pytest.raises(UsageError, match="unknown engine 'nope'"):
+        create_engine("nope")
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_cpu_runner_matches_plain_forward(found, tiny, batch):
+    engine = create_engine("torch")
+    unit = select_units("cpu", found)[0]
+    runner = engine.build(tiny, unit, batch)
+    x = np.random.default_rng(batch).standard_normal((batch, 3, 32, 32)).astype(np.float32)
+    (out,) = runner.infer(x)
+    with torch.inference_mode():
+        expected = tiny.module(torch.from_numpy(x)).numpy()
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
+    assert runner.options["threads"] == len(unit.cores)
+    assert runner.options["cuda_graph"] is False
+    timing = runner.run()
+    assert timing.latency_ns > 0 and timing.compute_ns == timing.latency_ns
+    assert engine.build(tiny, unit, batch) is runner  # cached per (model, unit, options, batch)
+    assert engine.build(tiny, unit, batch, instance=1) is not runner
+
+
+def test_core_set_unit_limits_threads(found, tiny):
+    first = min(found.cpu["usable_cores"])
+    unit = select_units(f"cpu:{first}", found)[0]
+    runner = create_engine("torch").build(tiny, unit, 2)
+    runner.run()
+    assert runner.options["threads"] == 1
+    assert torch.get_num_threads() == 1
+
+
+def test_mobilenet_runner_matches(found):
+    model = load_model("mobilenet_v3_small")
+    runner = create_engine("torch").build(model, select_units("cpu", found)[0], 2)
+    x = np.random.default_rng(0).standard_normal((2, 3, 224, 224)).astype(np.float32)
+    (out,) = runner.infer(x)
+    with torch.inference_mode():
+        expected = model.module(torch.from_numpy(x)).numpy()
+    np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"cuda_graph": True}, "needs a CUDA unit"),
+    ({"compile": "fastest"}, "compile='fastest'"),
+    ({"turbo": 1}, "turbo"),
+])
+def test_bad_options(found, tiny, options, message):
+    with pytest.raises(UsageError, match=message):
+        create_engine("torch").build(tiny, select_units("cpu", found)[0], 1, options)
+
+
+def test_wrong_input_shape_is_rejected(found, tiny):
+    runner = create_engine("torch").build(tiny, select_units("cpu", found)[0], 2)
+    with pytest.raises(UsageError, match="runner takes"):
+        runner.set_input(np.zeros((3, 3, 32, 32), np.float32))
+
+
+@needs_cuda
+@pytest.mark.parametrize("mode", ["fp32", "fp16"])
+def test_cuda_runner_graph_matches_eager(found, tiny, mode):
+    unit = select_units(f"cuda:0/{mode}", found)[0]
+    engine = create_engine("torch")
+    graph = engine.build(tiny, unit, 4)
+    eager = engine.build(tiny, unit, 4, {"cuda_graph": False})
+    assert graph.options["cuda_graph"] and not eager.options["cuda_graph"]
+    x = np.random.default_rng(1).standard_normal((4, 3, 32, 32)).astype(np.float32)
+    a, b = graph.infer(x)[0], eager.infer(x)[0]
+    with torch.inference_mode():
+        ref = tiny.module(torch.from_numpy(x)).numpy()
+    tol = 1e-4 if mode == "fp32" else 2e-2
+    np.testing.assert_allclose(a, b, rtol=tol, atol=tol)
+    np.testing.assert_allclose(a, ref, rtol=tol, atol=tol)
+    timing = graph.run()
+    assert timing.h2d_ns > 0 and timing.compute_ns > 0
+
+
+@needs_cuda
+def test_cuda_device_data_skips_copy(found, tiny):
+    unit = select_units("cuda:0/fp16", found)[0]
+    runner = create_engine("torch").build(tiny, unit, 4, data="device")
+    assert runner.run().h2d_ns < 50_000
