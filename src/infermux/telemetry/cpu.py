@@ -106,15 +106,20 @@ class CpuSource(Source):
         super().__init__()
         self._cores = list(cores) if cores is not None else None
         self._process = psutil.Process()
-        # Prime psutil's "since the last call" counters so the first tick is meaningful.
-        psutil.cpu_percent(percpu=True)
-        self._process.cpu_percent()
+        # Utilisation is computed from two reads of the tick counters (/proc/stat and
+        # /proc/self/stat), one file each per tick: psutil's cpu_percent() reads more.
+        self._last_cores = psutil.cpu_times(percpu=True)
+        self._last_process = (time.perf_counter_ns(), self._process_cpu_s())
         domains, note = find_rapl(powercap)
         if note:
             self.notes.append(note)
         self._rapl = [_RaplCounter(d) for d in domains]
         self._last: tuple[int, float] | None = None
-        self._has_freq = psutil.cpu_freq() is not None
+        # Clocks only from cpufreq in sysfs: without it psutil parses /proc/cpuinfo (slow on
+        # many-core hosts), whose "cpu MHz" is a fixed nominal value on most virtual machines.
+        self._has_freq = Path("/sys/devices/system/cpu/cpu0/cpufreq/scaling_cur_freq").exists()
+        if not self._has_freq:
+            self.notes.append("cpu: no cpufreq in sysfs: CPU clocks are not recorded")
 
     @property
     def devices(self) -> list[str]:
@@ -134,16 +139,37 @@ class CpuSource(Source):
         data["energy"] = "rapl-counter" if self.has_energy else "none"
         return data
 
+    def _process_cpu_s(self) -> float:
+        times = self._process.cpu_times()
+        return float(times.user + times.system)
+
+    def _cores_util_pct(self) -> tuple[float, ...]:
+        now = psutil.cpu_times(percpu=True)
+        util = []
+        for before, after in zip(self._last_cores, now, strict=False):
+            total = sum(after) - sum(before)
+            if total <= 0:  # no tick of the kernel's clock since the last read: no figure
+                return ()
+            idle = (after.idle - before.idle) + (getattr(after, "iowait", 0.0)
+                                                 - getattr(before, "iowait", 0.0))
+            util.append(max(0.0, min(100.0, 100.0 * (total - idle) / total)))
+        self._last_cores = now
+        return tuple(util)
+
     def read(self) -> list[Reading]:
         """One reading for the CPU."""
-        cores = tuple(float(v) for v in psutil.cpu_percent(percpu=True))
+        cores = self._cores_util_pct()
         chosen = [cores[i] for i in self._cores if i < len(cores)] if self._cores else list(cores)
         reading = Reading(
             source=self.name, device="cpu", cores_util_pct=cores,
             util_pct=sum(chosen) / len(chosen) if chosen else None,
         )
         with contextlib.suppress(psutil.Error):
-            reading.extra["process_cpu_pct"] = float(self._process.cpu_percent())
+            now_ns, cpu_s = time.perf_counter_ns(), self._process_cpu_s()
+            last_ns, last_s = self._last_process
+            if now_ns > last_ns:
+                reading.extra["process_cpu_pct"] = 100.0 * (cpu_s - last_s) / ((now_ns - last_ns) / 1e9)
+            self._last_process = (now_ns, cpu_s)
         if self._has_freq:
             freq = psutil.cpu_freq()
             if freq is not None and freq.current:
