@@ -70,6 +70,17 @@ def _holds_cuda_memory(cuda_index: int) -> bool:
     return bool(torch.cuda.memory_reserved(cuda_index) > 0)
 
 
+def instant_power_mw(pynvml: Any, gpu: _Gpu) -> int | None:
+    """The GPU's instantaneous power in mW from NVML's field values; None if not supported."""
+    try:
+        value = pynvml.nvmlDeviceGetFieldValues(gpu.handle, [gpu.instant_field])[0]
+    except pynvml.NVMLError:
+        return None
+    if value.nvmlReturn != pynvml.NVML_SUCCESS:
+        return None
+    return int(value.value.uiVal)
+
+
 class _Gpu:
     """One GPU's handle and the facts read once at start."""
 
@@ -99,6 +110,11 @@ class _Gpu:
         self.reasons = getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or (
             pynvml.nvmlDeviceGetCurrentClocksThrottleReasons)
         self.processes_ok = True
+        # Newer drivers average nvmlDeviceGetPowerUsage over ~1 s on Ampere and later; the
+        # instantaneous field, where it exists, is what a 10 Hz trace and a peak need.
+        self.instant_field = getattr(pynvml, "NVML_FI_DEV_POWER_INSTANT", None)
+        if self.instant_field is not None and instant_power_mw(pynvml, self) is None:
+            self.instant_field = None
 
 
 class NvmlSource(Source):
@@ -151,6 +167,7 @@ class NvmlSource(Source):
         data["gpus"] = [
             {"device": g.device, "nvml_index": g.nvml_index, "name": g.name,
              "energy": "counter" if g.has_energy else "power-integrated",
+             "power": "instant" if g.instant_field is not None else "nvmlDeviceGetPowerUsage",
              "temp_slowdown_c": g.slowdown_c, "power_limit_w": g.power_limit_w}
             for g in self._gpus
         ]
@@ -170,7 +187,10 @@ class NvmlSource(Source):
     def _read_gpu(self, gpu: _Gpu) -> Reading:
         nv, h, get = self._nvml, gpu.handle, self._try
         reading = Reading(source=self.name, device=gpu.device, temp_slowdown_c=gpu.slowdown_c)
-        if (mw := get(nv.nvmlDeviceGetPowerUsage, h)) is not None:
+        mw = instant_power_mw(nv, gpu) if gpu.instant_field is not None else None
+        if mw is None:
+            mw = get(nv.nvmlDeviceGetPowerUsage, h)
+        if mw is not None:
             reading.power_w = mw / 1000.0
         if gpu.has_energy and (mj := get(nv.nvmlDeviceGetTotalEnergyConsumption, h)) is not None:
             reading.energy_j = (mj - gpu.energy_origin_mj) / 1000.0
@@ -199,11 +219,11 @@ class NvmlSource(Source):
         nv = self._nvml
         try:
             procs = list(nv.nvmlDeviceGetComputeRunningProcesses(gpu.handle))
-            procs += list(nv.nvmlDeviceGetGraphicsRunningProcesses(gpu.handle))
         except nv.NVMLError:
             gpu.processes_ok = False  # not supported (MIG, permissions): stop asking
             return None
-        pids = sorted({int(p.pid) for p in procs})
+        procs += self._try(nv.nvmlDeviceGetGraphicsRunningProcesses, gpu.handle) or []
+        pids = sorted({int(p.pid) for p in procs if int(p.pid) > 0})
         me = os.getpid()
         if me in pids:
             return tuple(p for p in pids if p != me)
