@@ -7,7 +7,11 @@ Method (written into the code so no caller can skip it):
 - measurement goes on until both `min_duration_s` and `min_queries` (items) are reached — the
   MLPerf LoadGen validity rule — or `max_duration_s` passes, which makes the point invalid;
 - with K instances, K runners (own stream, buffers and CUDA graph each) run in K threads from a
-  common start; throughput is all items over the common window.
+  common start; throughput is all items over the common window;
+- a telemetry sampler (10 Hz by default) runs beside the whole sweep; each point's window gives
+  its energy per item, mean and peak power, items/s per watt, per-unit utilisation and the
+  validity flags of `infermux.telemetry.energy` (thermal/hardware slowdown, temperature at the
+  slowdown point and other processes on the GPU make a point invalid).
 """
 
 from __future__ import annotations
@@ -25,9 +29,10 @@ from infermux.errors import DeviceOutOfMemoryError, InfermuxError, UsageError
 from infermux.models import LoadedModel, ModelSpec, load_model
 from infermux.stats import latency_summary_ms
 from infermux.store import Sample, Store
+from infermux.telemetry import DEFAULT_INTERVAL_S, EnergySummary, Sampler, TelemetryWindow
 from infermux.units import Unit, discover, select_units
 
-__all__ = ["BenchConfig", "BenchReport", "Measurement", "measure", "run_bench"]
+__all__ = ["BenchConfig", "BenchReport", "Measurement", "measure", "run_bench", "telemetry_device"]
 
 #: progress(label, fraction) — fraction of the current point's validity rule met, 0..1.
 ProgressFn = Callable[[str, float], None]
@@ -48,6 +53,8 @@ class BenchConfig:
     warmup_s: float = 1.0
     max_duration_s: float | None = None
     options: dict[str, Any] = field(default_factory=dict)
+    #: Telemetry sampling period; None turns the sampler off.
+    telemetry_interval_s: float | None = DEFAULT_INTERVAL_S
 
     def __post_init__(self) -> None:
         if self.instances < 1:
@@ -78,7 +85,7 @@ class BenchConfig:
             "instances": self.instances, "data": self.data,
             "min_duration_s": self.min_duration_s, "min_queries": self.min_queries,
             "warmup_s": self.warmup_s, "max_duration_s": self.deadline_s,
-            "options": self.options,
+            "options": self.options, "telemetry_interval_s": self.telemetry_interval_s,
         }
 
 
@@ -101,6 +108,9 @@ class Measurement:
     build_s: float = 0.0
     options: dict[str, Any] = field(default_factory=dict)
     weights_note: str = ""
+    #: The measured window's telemetry and its summary (None when the sampler is off).
+    telemetry: TelemetryWindow | None = field(default=None, repr=False)
+    energy: EnergySummary | None = field(default=None, repr=False)
 
     @property
     def items(self) -> int:
@@ -122,6 +132,8 @@ class Measurement:
             missing.append(f"ran {self.window_s:.2f}s < min duration {self.min_duration_s:g}s")
         if self.items < self.min_queries:
             missing.append(f"{self.items} items < min queries {self.min_queries}")
+        if self.energy is not None:
+            missing.extend(self.energy.invalid_flags)
         return (not missing), "; ".join(missing)
 
     def record(self) -> dict[str, Any]:
@@ -140,6 +152,10 @@ class Measurement:
             for phase in ("h2d", "compute", "d2h"):
                 total = sum(getattr(s, f"{phase}_ns") for s in self.samples)
                 data[f"{phase}_ms"] = total / len(self.samples) / 1e6
+        if self.energy is not None:
+            data.update(self.energy.record(self.items))
+        if self.telemetry is not None:
+            data["sampler_cost"] = self.telemetry.cost.to_dict()
         return data
 
 
@@ -152,11 +168,14 @@ def measure(
     deadline_s: float = 60.0,
     progress: ProgressFn | None = None,
     label: str = "",
+    on_window: Callable[[int, int], None] | None = None,
 ) -> tuple[list[Sample], float]:
     """Warm up, then run every runner in its own thread until the validity rule holds.
 
     Returns the samples of the measured window and its length in seconds. A KeyboardInterrupt
     stops the loop; the samples so far are attached to the exception as `samples`/`window_s`.
+    `on_window(start_ns, end_ns)` receives the window on the `time.perf_counter_ns` clock
+    (telemetry uses it to slice its series).
     """
     batch = runners[0].batch
     for runner in runners:
@@ -235,6 +254,8 @@ def measure(
         thread.join()
     if errors:
         raise errors[0]
+    if on_window is not None:
+        on_window(start_ns, end_ns[0])
     return samples, (end_ns[0] - start_ns) / 1e9
 
 
@@ -252,6 +273,8 @@ class BenchReport:
     units: list[Unit]
     measurements: list[Measurement]
     status: str  # complete | interrupted
+    #: What the telemetry sampler read and what it could not (None when it was off).
+    telemetry: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: the run id, the model description and every point's record."""
@@ -261,6 +284,7 @@ class BenchReport:
             "model": self.model.describe(),
             "units": [u.id for u in self.units],
             "results": [m.record() for m in self.measurements],
+            "telemetry": self.telemetry,
         }
 
 
@@ -293,18 +317,26 @@ def run_bench(
         cfg["model_description"] = model.describe()
         run_id = store.begin_run("bench", cfg, capture_environment(), command)
     report = BenchReport(run_id, model, units, [], "complete")
+    sampler = None
+    if config.telemetry_interval_s is not None:
+        sampler = Sampler.for_units(units, interval_s=config.telemetry_interval_s).start()
+        report.telemetry = sampler.describe()
     try:
         for unit in units:
             for batch in config.batches:
-                point = _measure_point(config, engine, model, unit, batch, progress)
+                point = _measure_point(config, engine, model, unit, batch, progress, sampler)
                 report.measurements.append(point)
                 if store is not None and run_id is not None:
-                    store.add_result(run_id, point.record(), point.samples)
+                    result_id = store.add_result(run_id, point.record(), point.samples)
+                    if point.telemetry is not None:
+                        store.add_telemetry(run_id, result_id, point.telemetry.rows())
                 if point.status == "interrupted":
                     raise KeyboardInterrupt
     except KeyboardInterrupt:
         report.status = "interrupted"
     finally:
+        if sampler is not None:
+            sampler.stop()
         if store is not None and run_id is not None:
             status = report.status
             valid = sum(1 for m in report.measurements if m.validity[0])
@@ -315,6 +347,13 @@ def run_bench(
     return report
 
 
+def telemetry_device(unit: Unit) -> str:
+    """The telemetry device that observes `unit` (`cuda:0`, `cpu`, `dla:1`)."""
+    if unit.kind == "cpu" or unit.device.upper().startswith("OPENVINO:CPU"):
+        return "cpu"
+    return unit.device
+
+
 def _measure_point(
     config: BenchConfig,
     engine: Any,
@@ -322,6 +361,7 @@ def _measure_point(
     unit: Unit,
     batch: int,
     progress: ProgressFn | None,
+    sampler: Sampler | None = None,
 ) -> Measurement:
     point = Measurement(
         model=model.name, unit=unit.id, engine=config.engine, batch=batch,
@@ -338,11 +378,15 @@ def _measure_point(
         ]
         point.build_s = sum(r.build_s for r in runners)
         point.options = runners[0].options
+        window: list[int] = []
         point.samples, point.window_s = measure(
             runners, min_duration_s=config.min_duration_s, min_queries=config.min_queries,
             warmup_s=config.warmup_s, deadline_s=config.deadline_s, progress=progress,
-            label=label,
+            label=label, on_window=lambda t0, t1: window.extend((t0, t1)),
         )
+        if sampler is not None and window:
+            point.telemetry = sampler.window(window[0], window[1])
+            point.energy = point.telemetry.summary([telemetry_device(unit)])
     except KeyboardInterrupt as exc:
         point.status = "interrupted"
         point.error = "interrupted by the user"

@@ -49,10 +49,18 @@ def bench_table(results: Iterable[dict[str, Any]], title: str = "Offline benchma
                          ("p99 ms", "right"), ("max ms", "right"),
                          ("h2d/comp/d2h ms", "right"), ("valid", "left")):
         table.add_column(col, justify=justify, overflow="fold")  # type: ignore[arg-type]
+    results = list(results)
+    energy = any(r.get("energy_per_item_j") is not None for r in results)
+    if energy:
+        table.add_column("J/item", justify="right")
+        table.add_column("W mean/peak", justify="right")
     for r in results:
+        extra = [_num(r.get("energy_per_item_j"), 4),
+                 f"{_num(r.get('mean_power_w'))}/{_num(r.get('peak_power_w'))}"] if energy else []
         if r["status"] != "ok":
             table.add_row(r["unit"], r["engine"], str(r["batch"]), str(r["instances"]),
-                          r["status"].upper(), "", "", "", "", (r.get("error") or "")[:80])
+                          r["status"].upper(), "", "", "", "", (r.get("error") or "")[:80],
+                          *(["", ""] if energy else []))
             continue
         phases = "/".join(_num(r.get(f"{p}_ms"), 2) for p in ("h2d", "compute", "d2h"))
         if not r.get("h2d_ms") and not r.get("d2h_ms"):
@@ -61,7 +69,7 @@ def bench_table(results: Iterable[dict[str, Any]], title: str = "Offline benchma
             r["unit"], r["engine"], str(r["batch"]), str(r["instances"]),
             _num(r.get("throughput_items_per_s")), _num(r.get("p50_ms"), 2),
             _num(r.get("p99_ms"), 2), _num(r.get("max_ms"), 2), phases,
-            "yes" if r["valid"] else f"no: {r.get('validity_note', '')}",
+            "yes" if r["valid"] else f"no: {r.get('validity_note', '')}", *extra,
         )
     return table
 

@@ -67,6 +67,22 @@ CREATE TABLE IF NOT EXISTS samples (
 );
 CREATE INDEX IF NOT EXISTS samples_by_result ON samples(result_id);
 CREATE INDEX IF NOT EXISTS results_by_run ON results(run_id);
+CREATE TABLE IF NOT EXISTS telemetry (
+    run_id INTEGER NOT NULL REFERENCES runs(id) ON DELETE CASCADE,
+    result_id INTEGER REFERENCES results(id) ON DELETE CASCADE,
+    seq INTEGER NOT NULL,
+    t_ns INTEGER NOT NULL,
+    source TEXT NOT NULL,
+    device TEXT NOT NULL,
+    power_w REAL,
+    energy_j REAL,
+    util_pct REAL,
+    clock_mhz REAL,
+    temp_c REAL,
+    reading_json TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS telemetry_by_result ON telemetry(result_id);
+CREATE INDEX IF NOT EXISTS telemetry_by_run ON telemetry(run_id);
 """
 
 #: Result columns shown in lists, comparisons and CSV, in order.
@@ -180,7 +196,43 @@ class Store:
             )
         return result_id
 
+    def add_telemetry(self, run_id: int, result_id: int | None, rows: Sequence[dict[str, Any]]) -> int:
+        """Store a telemetry time series (rows of `TelemetryWindow.rows()`) for a result or a run.
+
+        `t_ns` is relative to the window's start; the whole reading is kept as JSON beside the
+        columns most queries need.
+        """
+        with self._tx() as db:
+            db.executemany(
+                "INSERT INTO telemetry(run_id, result_id, seq, t_ns, source, device, power_w, "
+                "energy_j, util_pct, clock_mhz, temp_c, reading_json) "
+                "VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                [
+                    (run_id, result_id, row["seq"], row["t_ns"], r.source, r.device, r.power_w,
+                     r.energy_j, r.util_pct, r.clock_mhz, r.temp_c, json.dumps(r.to_dict()))
+                    for row in rows
+                    for r in (row["reading"],)
+                ],
+            )
+        return len(rows)
+
     # -- reading ----------------------------------------------------------------------------
+
+    def telemetry(self, *, result_id: int | None = None, run_id: int | None = None
+                  ) -> list[dict[str, Any]]:
+        """The stored telemetry of one result (or of a run's own window, e.g. from `monitor`)."""
+        if result_id is not None:
+            where, arg = "result_id = ?", result_id
+        elif run_id is not None:
+            where, arg = "run_id = ? AND result_id IS NULL", run_id
+        else:
+            raise UsageError("give a result id or a run id to read telemetry")
+        rows = self._db.execute(
+            f"SELECT seq, t_ns, reading_json FROM telemetry WHERE {where} ORDER BY seq, rowid",
+            (arg,),
+        ).fetchall()
+        return [{"seq": r["seq"], "t_ns": r["t_ns"], **json.loads(r["reading_json"])} for r in rows]
+
 
     def runs(self, limit: int = 50) -> list[dict[str, Any]]:
         """The latest runs, newest first, with their result counts."""

@@ -1,0 +1,139 @@
+"""`infermux monitor`: live readings of every telemetry source; optionally recorded to the store."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+import time
+from typing import Annotated, Any
+
+import typer
+from rich.live import Live
+from rich.table import Table
+
+from infermux.cli import DbOpt, JsonOpt, _print_json, app, err, out
+
+__all__ = ["monitor", "readings_table"]
+
+
+def _fmt(value: Any, digits: int = 1) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, float):
+        return f"{value:,.{digits}f}"
+    return str(value)
+
+
+def readings_table(tick: Any, title: str = "Telemetry") -> Table:
+    """One row per device reading of a tick: power, energy, utilisation, clocks, temperature."""
+    table = Table(title=title)
+    for col, justify in (("source", "left"), ("device", "left"), ("power W", "right"),
+                         ("energy J", "right"), ("util %", "right"), ("mem util %", "right"),
+                         ("clock MHz", "right"), ("temp °C", "right"), ("notes", "left")):
+        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    if tick is None:
+        return table
+    for r in tick.readings:
+        notes = []
+        if r.throttle:
+            notes.append("clocks: " + ",".join(r.throttle))
+        if r.other_processes:
+            notes.append(f"{len(r.other_processes)} other process(es)")
+        if r.rails_w:
+            notes.append(" ".join(f"{k}={v:.2f}W" for k, v in r.rails_w.items()))
+        if r.cores_util_pct:
+            notes.append("cores " + " ".join(f"{c:.0f}" for c in r.cores_util_pct))
+        if r.mem_used_bytes is not None:
+            notes.append(f"mem {r.mem_used_bytes / 2**30:.1f} GiB")
+        notes.extend(f"{k}={v:g}" for k, v in r.extra.items())
+        table.add_row(r.source, r.device, _fmt(r.power_w), _fmt(r.energy_j), _fmt(r.util_pct),
+                      _fmt(r.mem_util_pct), _fmt(r.clock_mhz, 0), _fmt(r.temp_c),
+                      "; ".join(notes))
+    return table
+
+
+@app.command()
+def monitor(
+    duration: Annotated[str | None, typer.Option("--duration", "-d", help="How long, e.g. 30s; default until Ctrl-C (2s with --json).")] = None,
+    interval: Annotated[str, typer.Option("--interval", "-i", help="Sampling period, e.g. 100ms.")] = "100ms",
+    units: Annotated[str | None, typer.Option("--units", "-u", help="Only the sources for these units, e.g. cuda:0/fp16.")] = None,
+    record: Annotated[bool, typer.Option("--record", help="Store the window's time series and summary in the database.")] = False,
+    db: DbOpt = "infermux.db",
+    as_json: JsonOpt = False,
+) -> None:
+    """Live power, energy, utilisation, clocks and throttling of every source."""
+    from infermux._parse import parse_duration_s
+    from infermux.errors import UsageError
+    from infermux.telemetry import Sampler
+
+    interval_s = parse_duration_s(interval, name="--interval")
+    duration_s = parse_duration_s(duration, name="--duration") if duration else (
+        2.0 if as_json else None)
+    if duration_s is not None and duration_s <= 0:
+        raise UsageError(f"--duration {duration!r} must be more than 0, e.g. --duration 10s")
+    if units:
+        from infermux.units import discover, select_units
+
+        sampler = Sampler.for_units(select_units(units, discover(with_runtimes=False)),
+                                    interval_s=interval_s)
+    else:
+        sampler = Sampler(interval_s=interval_s)
+    interrupted = False
+    with sampler:
+        t0 = time.perf_counter_ns()
+        try:
+            if as_json:
+                time.sleep(duration_s or 0)
+            else:
+                with Live(readings_table(sampler.latest()), console=out, auto_refresh=False,
+                          transient=False) as live:
+                    end = None if duration_s is None else time.monotonic() + duration_s
+                    while end is None or time.monotonic() < end:
+                        step = interval_s if end is None else min(interval_s, end - time.monotonic())
+                        time.sleep(max(0.0, step))
+                        live.update(readings_table(sampler.latest(), title="Telemetry (Ctrl-C to stop)"),
+                                    refresh=True)
+        except KeyboardInterrupt:
+            interrupted = True
+        t1 = time.perf_counter_ns()
+        window = sampler.window(t0, t1)
+    summary = window.summary()
+    setup = sampler.describe()
+    result: dict[str, Any] = {
+        "duration_s": (t1 - t0) / 1e9,
+        "interval_s": interval_s,
+        "sources": setup["sources"],
+        "notes": setup["notes"],
+        "summary": {d: s.to_dict() for d, s in summary.devices.items()},
+        "energy_j": summary.energy_j,
+        "energy_source": summary.energy_source,
+        "flags": summary.flags,
+        "sampler_cost": window.cost.to_dict(),
+        "latest": [r.to_dict() for r in (window.ticks[-1].readings if window.ticks else [])],
+    }
+    if record:
+        from infermux.env import capture_environment
+        from infermux.store import open_store
+
+        command = "infermux " + shlex.join(sys.argv[1:])
+        with open_store(db) as store:
+            run_id = store.begin_run("monitor", {"interval_s": interval_s, "units": units,
+                                                 "duration_s": duration_s},
+                                     capture_environment(), command)
+            store.add_telemetry(run_id, None, window.rows())
+            store.finish_run(run_id, "interrupted" if interrupted else "complete",
+                             {k: result[k] for k in ("duration_s", "summary", "energy_j",
+                                                     "energy_source", "flags", "sampler_cost")})
+        result["run_id"] = run_id
+    if as_json:
+        _print_json(result)
+        return
+    for note in setup["notes"]:
+        out.print(f"[dim]{note}[/]")
+    cost = window.cost
+    out.print(f"[dim]{len(window.ticks)} ticks over {result['duration_s']:.1f}s; sampler cost "
+              f"{cost.cpu_per_tick_us:.0f} µs CPU per tick ({cost.cpu_share_pct:.2f}% of a core)[/]")
+    for flag in summary.flags:
+        err.print(f"flag: {flag}")
+    if record:
+        out.print(f"[dim]stored as run {result['run_id']} in {db}[/]")
