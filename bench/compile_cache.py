@@ -1,6 +1,6 @@
 """torch.compile's artefacts kept between runs: build time cold vs warm, in two fresh processes.
 
-    python3 bench/compile_cache.py --model resnet18 --unit cpu --mode default
+python3 bench/compile_cache.py --model resnet18 --unit cpu --mode default
 """
 
 from __future__ import annotations
