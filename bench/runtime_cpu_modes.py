@@ -3,7 +3,8 @@
 Each CPU worker owns a core set and runs one runner. Two ways to host several of them:
 threads in one process (each pinned to its cores with sched_setaffinity, which Linux applies to
 the calling thread) or one process per worker (pinned the same way). Both are measured against
-one instance on one core and one instance on all cores, same model, batch and duration.
+one instance on one core and one instance on all cores, same model, batch and duration: first
+as bare runner loops, then through the runtime (offline scenario, dispatcher and all).
 
     PYTHONPATH=src python bench/runtime_cpu_modes.py --model mobilenet_v3_small --batch 8 --duration 5
 """
@@ -87,6 +88,22 @@ def run_processes(model_ref: str, core_sets: list[tuple[int, ...]], batch: int,
     return total / duration_s
 
 
+def run_runtime(model_ref: str, shape: tuple[int, ...] | None, batch: int, duration_s: float,
+                cores: list[int], hosting: str) -> float:
+    """Offline samples/s of a one-model plan with one worker per core, through the runtime."""
+    from infermux.runtime import parse_plan, run_plan
+
+    plan = parse_plan({
+        "models": [{"name": "m", "model": model_ref,
+                    "input_shape": list(shape) if shape else None,
+                    "replicas": [{"unit": f"cpu:{c}", "batch": batch} for c in cores]}],
+        "dispatcher": {"cpu_workers": hosting},
+        "load": {"scenario": "offline", "min_duration_s": duration_s, "min_queries": 1},
+    })
+    report = run_plan(plan)
+    return float(report.final["throughput_samples_per_s"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="mobilenet_v3_small")
@@ -95,6 +112,7 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=5.0)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--json", dest="json_out", default=None, help="write results here")
+    parser.add_argument("--skip-runtime", action="store_true", help="bare runner loops only")
     args = parser.parse_args()
     shape = tuple(int(s) for s in args.input_shape.split("x")) if args.input_shape else None
     cores = sorted(os.sched_getaffinity(0))
@@ -109,6 +127,14 @@ def main() -> None:
         f"{len(cores)} processes, 1 core each": lambda: run_processes(
             args.model, singles, args.batch, shape, args.duration),
     }
+    if not args.skip_runtime:
+        for hosting in ("thread", "process"):
+            cases[f"runtime: 1 worker on 1 core ({hosting})"] = (
+                lambda h=hosting: run_runtime(args.model, shape, args.batch, args.duration,
+                                              cores[:1], h))
+            cases[f"runtime: {len(cores)} workers, 1 core each ({hosting})"] = (
+                lambda h=hosting: run_runtime(args.model, shape, args.batch, args.duration,
+                                              cores, h))
     results: dict[str, list[float]] = {name: [] for name in cases}
     for _ in range(args.repeats):
         for name, fn in cases.items():

@@ -9,6 +9,9 @@
 - **SLO-aware placement.** With a model's `latency_bound_ms`, a worker whose expected
   completion (moving average of its batch latency) would break the oldest item's bound leaves
   the items when another worker can meet it once free (`placement.slo_take`).
+- **Dynamic placement.** A worker whose own model's queue is empty serves another model it
+  holds a runner for, when that model's queue has a full batch waiting or its oldest item has
+  waited out the queue delay (its own workers are behind). `move()` reassigns a worker for good.
 - **Faults.** A worker whose batch fails is taken out of service; the batch's items go back to
   the front of the queue for another worker, at most `max_retries` times, then their queries are
   reported failed. Nothing is dropped silently.
@@ -81,6 +84,7 @@ class WorkerState:
     busy_until_ns: int = 0
     in_flight: int = 0
     own_queue: deque[Item] = field(default_factory=deque)
+    last_served: str | None = None
 
     @property
     def batch(self) -> int:
@@ -118,9 +122,13 @@ class Dispatcher:
         latency_bound_ns: dict[str, int | None] | None = None,
         policy: str = "pull",
         max_retries: int = 2,
+        dynamic: bool = False,
         clock_ns: Callable[[], int] = time.perf_counter_ns,
     ) -> None:
         self.models = list(models)
+        #: Dynamic placement: an idle worker serves another model whose queue has grown.
+        self.dynamic = dynamic
+        self.max_events = 10_000
         self.max_queue_delay_ns = max_queue_delay_ns
         self.latency_bound_ns = dict(latency_bound_ns or {})
         self.policy = policy
@@ -168,11 +176,15 @@ class Dispatcher:
     def _live(self, model: str) -> list[WorkerState]:
         return [w for w in self.workers.values() if w.alive and w.model == model]
 
+    def _can_serve(self, model: str) -> bool:
+        return any(w.alive and (w.model == model or (self.dynamic and model in w.serves))
+                   for w in self.workers.values())
+
     def _place(self, item: Item, front: bool = False) -> bool:
         live = self._live(item.model)
-        if not live:
+        if not self._can_serve(item.model):
             return False
-        if self.policy == "round_robin":
+        if self.policy == "round_robin" and live:
             idx = self._rr[item.model] % len(live)
             self._rr[item.model] += 1
             queue = live[idx].own_queue
@@ -213,6 +225,28 @@ class Dispatcher:
     def _queue_of(self, w: WorkerState) -> deque[Item]:
         return w.own_queue if self.policy == "round_robin" else self.queues[w.model]
 
+    def _borrow(self, w: WorkerState, now: int) -> tuple[str | None, float]:
+        """Dynamic placement: another model for idle worker `w` to serve, or (None, wait).
+
+        A model qualifies when `w` holds a runner for it and its queue has outgrown its own
+        workers: a full batch waits, or the oldest item has waited out the queue delay.
+        """
+        best: tuple[int, str] | None = None
+        wait_ns = WAIT_FOREVER
+        for model in w.serves:
+            queue = self.queues.get(model)
+            if model == w.model or not queue:
+                continue
+            oldest = queue[0].enqueued_ns
+            if len(queue) >= w.batch or now - oldest >= self.max_queue_delay_ns or self._flush:
+                if best is None or oldest < best[0]:
+                    best = (oldest, model)
+            else:
+                wait_ns = min(wait_ns, oldest + self.max_queue_delay_ns - now)
+        if best is None:
+            return None, wait_ns / 1e9 if wait_ns != WAIT_FOREVER else WAIT_FOREVER
+        return best[1], 0.0
+
     def poll(self, w: WorkerState) -> Batch | float | None:
         """A batch for worker `w`, else seconds to wait before asking again, else None (exit).
 
@@ -220,19 +254,24 @@ class Dispatcher:
         """
         if self._stopped or not w.alive:
             return None
-        queue = self._queue_of(w)
+        model, queue = w.model, self._queue_of(w)
+        now = self.clock_ns()
+        if not queue and self.dynamic and self.policy == "pull":
+            borrowed, wait_s = self._borrow(w, now)
+            if borrowed is None:
+                return None if self._closed else wait_s
+            model, queue = borrowed, self.queues[borrowed]
         if not queue:
             return None if self._closed else WAIT_FOREVER
-        now = self.clock_ns()
         oldest = queue[0].enqueued_ns
         take_now, wait_ns = batch_ready(len(queue), w.batch, oldest, now, self.max_queue_delay_ns,
                                         self._flush)
         if not take_now:
             return wait_ns / 1e9
         n = min(len(queue), w.batch)
-        bound = self.latency_bound_ns.get(w.model)
+        bound = self.latency_bound_ns.get(model)
         if bound is not None and self.policy == "pull":
-            others = [o.view() for o in self._live(w.model) if o.id != w.id]
+            others = [o.view() for o in self._live(model) if o.id != w.id]
             n = slo_take(w.view(), others, n, oldest + bound, now)
             if n == 0:
                 # Another worker will meet the bound once free: look again when it should be.
@@ -244,7 +283,12 @@ class Dispatcher:
         start = max(now, w.busy_until_ns) if w.in_flight else now
         w.busy_until_ns = int(start + w.estimate.expected_ns(bucket))
         w.in_flight += 1
-        return Batch(w.model, items, bucket, now, ready)
+        if model != w.last_served:
+            if w.last_served is not None and len(self.events) < self.max_events:
+                self.events.append({"t_ns": now, "event": "serve", "worker": w.name,
+                                    "unit": w.unit, "from": w.last_served, "to": model})
+            w.last_served = model
+        return Batch(model, items, bucket, now, ready)
 
     def next_batch(self, w: WorkerState, *, block: bool = True) -> Batch | None:
         """Block until `poll` gives a batch, or None when the worker should exit.
@@ -299,7 +343,7 @@ class Dispatcher:
                     self.retried += 1
             # A model left without workers fails whatever is still queued for it.
             for model, queue in self.queues.items():
-                if queue and not self._live(model):
+                if queue and not self._can_serve(model):
                     give_up.extend(queue)
                     queue.clear()
             self.cond.notify_all()

@@ -176,6 +176,7 @@ class _Runtime:
                               else None for m in plan.models},
             policy=d.policy,
             max_retries=d.max_retries,
+            dynamic=plan.placement == "dynamic",
         )
         self.recorder = Recorder()
         self.dispatcher.on_batch_done = self.recorder.on_batch_done
