@@ -31,37 +31,37 @@ def _runner(model_ref: str, cores: tuple[int, ...], batch: int, shape: tuple[int
     return create_engine("torch").build(model, unit, batch)
 
 
-def _loop(runner: Any, cores: tuple[int, ...], start_at: float, duration_s: float) -> int:
-    """Pin the calling thread, wait for the common start, count items until the end."""
+def _loop(runner: Any, cores: tuple[int, ...], barrier: Any, duration_s: float) -> int:
+    """Pin the calling thread, warm up, wait for every other instance, count items."""
     import torch
 
     os.sched_setaffinity(0, cores)
     torch.set_num_threads(len(cores))
     runner.run()  # warm on the pinned cores
-    while time.time() < start_at:
-        time.sleep(0.001)
+    barrier.wait()
+    end = time.perf_counter() + duration_s
     items = 0
-    while time.time() < start_at + duration_s:
+    while time.perf_counter() < end:
         runner.run()
         items += runner.batch
     return items
 
 
-def _process_main(args: tuple, start_at: float, duration_s: float, out: Any) -> None:
+def _process_main(args: tuple, barrier: Any, duration_s: float, out: Any) -> None:
     model_ref, cores, batch, shape = args
     os.sched_setaffinity(0, cores)
     runner = _runner(model_ref, cores, batch, shape)
-    out.put(_loop(runner, cores, start_at, duration_s))
+    out.put(_loop(runner, cores, barrier, duration_s))
 
 
 def run_threads(model_ref: str, core_sets: list[tuple[int, ...]], batch: int,
                 shape: tuple[int, ...] | None, duration_s: float) -> float:
     runners = [_runner(model_ref, cores, batch, shape) for cores in core_sets]
     counts = [0] * len(runners)
-    start_at = time.time() + 1.0
+    barrier = threading.Barrier(len(runners))
 
     def target(i: int) -> None:
-        counts[i] = _loop(runners[i], core_sets[i], start_at, duration_s)
+        counts[i] = _loop(runners[i], core_sets[i], barrier, duration_s)
 
     threads = [threading.Thread(target=target, args=(i,)) for i in range(len(runners))]
     for t in threads:
@@ -76,13 +76,12 @@ def run_processes(model_ref: str, core_sets: list[tuple[int, ...]], batch: int,
                   shape: tuple[int, ...] | None, duration_s: float) -> float:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    # Children load the model themselves (spawn): give them time before the common start.
-    start_at = time.time() + 8.0
-    procs = [ctx.Process(target=_process_main, args=((model_ref, cores, batch, shape), start_at,
+    barrier = ctx.Barrier(len(core_sets))  # every child starts measuring once all are built
+    procs = [ctx.Process(target=_process_main, args=((model_ref, cores, batch, shape), barrier,
                                                      duration_s, out)) for cores in core_sets]
     for p in procs:
         p.start()
-    total = sum(out.get(timeout=120) for _ in procs)
+    total = sum(out.get(timeout=300) for _ in procs)
     for p in procs:
         p.join()
     return total / duration_s

@@ -245,3 +245,25 @@ def test_rebalance_moves_an_idle_worker_to_the_longest_backlog():
                      {1: 1.0}, {1: {"a", "b"}}) is None
     assert rebalance([ModelLoad("a", 10, [0], 1000), ModelLoad("b", 0, [1, 2], 1000)],
                      {1: 1.0}, {1: {"a", "b"}}) is None
+
+
+def test_tail_take_keeps_a_slow_unit_off_the_last_items():
+    from infermux.runtime.placement import tail_take
+
+    fast = WorkerView(0, [8], _est({8: 8}))  # one item per ms
+    slow = WorkerView(1, [8], _est({8: 80}))
+    assert not tail_take(slow, [fast], 8, 16, 0)  # the fast one clears 16 items in 16 ms
+    assert tail_take(slow, [fast], 8, 800, 0)  # 800 items: the slow batch (80 ms) helps
+    twin = WorkerView(2, [8], _est({8: 8}))
+    assert tail_take(twin, [fast], 8, 8, 0)  # equal units share the tail
+
+
+def test_dispatcher_drain_leaves_the_tail_to_the_fast_unit():
+    clock = Clock()
+    fast = worker(0, buckets=(8,), est_ms={8: 8})
+    slow = worker(1, buckets=(8,), est_ms={8: 80})
+    d, _ = make(clock, fast, slow)
+    d.submit(queries(16))
+    d.end()
+    assert not isinstance(d.poll(slow), Batch)
+    assert isinstance(d.poll(fast), Batch)

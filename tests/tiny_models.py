@@ -28,7 +28,7 @@ class TinyCNN(nn.Module):
 class FlakyCNN(TinyCNN):
     """Raises an engine-side error once it has run `fail_after` batches pinned to core 1."""
 
-    fail_after = 12
+    fail_after = 20
 
     def __init__(self) -> None:
         super().__init__()

@@ -14,6 +14,8 @@ from infermux.errors import UsageError
 
 __all__ = ["plan_command", "run_command"]
 
+_SCENARIOS = ("offline", "server", "single-stream", "multi-stream")
+
 
 def _num(value: Any, digits: int = 1) -> str:
     if value is None:
@@ -110,8 +112,7 @@ def run_command(
     from infermux.store import open_store
 
     plan = load_plan(plan_file)
-    if scenario is not None and scenario not in ("offline", "server", "single-stream",
-                                                 "multi-stream"):
+    if scenario is not None and scenario not in _SCENARIOS:
         raise UsageError(f"--scenario {scenario!r} unknown: use offline, server, single-stream "
                          "or multi-stream")
     if find_peak and scenario is None:
@@ -126,7 +127,13 @@ def run_command(
     with _progress() as progress:
         task = progress.add_task("starting", total=1.0)
 
+        seen: set[str] = set()
+
         def on_progress(label: str, fraction: float) -> None:
+            if label in _SCENARIOS and label not in seen:
+                # A line in the log (the bar is transient): when each trial's load began.
+                seen.add(label)
+                progress.console.print(f"[dim]workers ready; running the {label} scenario[/]")
             progress.update(task, description=label, completed=fraction)
 
         report = run_plan(plan, store=store, progress=on_progress, command=command)

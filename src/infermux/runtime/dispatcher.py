@@ -12,6 +12,9 @@
 - **Dynamic placement.** A worker whose own model's queue is empty serves another model it
   holds a runner for, when that model's queue has a full batch waiting or its oldest item has
   waited out the queue delay (its own workers are behind). `move()` reassigns a worker for good.
+- **Tail.** Once no more items will come, a worker takes a batch only if it would finish no
+  later than the other workers would clear the rest without it (`placement.tail_take`): a slow
+  unit does not stretch the end of an offline run.
 - **Faults.** A worker whose batch fails is taken out of service; the batch's items go back to
   the front of the queue for another worker, at most `max_retries` times, then their queries are
   reported failed. Nothing is dropped silently.
@@ -30,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from infermux.load.base import CompletionFn, Query
-from infermux.runtime.placement import LatencyEstimate, WorkerView, slo_take
+from infermux.runtime.placement import LatencyEstimate, WorkerView, slo_take, tail_take
 
 __all__ = ["Batch", "Dispatcher", "Item", "WorkerState", "batch_ready"]
 
@@ -269,6 +272,11 @@ class Dispatcher:
         if not take_now:
             return wait_ns / 1e9
         n = min(len(queue), w.batch)
+        if self._flush and self.policy == "pull":
+            others = [o.view() for o in self._live(model) if o.id != w.id]
+            if others and not tail_take(w.view(), others, n, len(queue), now):
+                soonest = min((o.busy_until_ns for o in others), default=now)
+                return max(1e-4, (soonest - now) / 1e9)
         bound = self.latency_bound_ns.get(model)
         if bound is not None and self.policy == "pull":
             others = [o.view() for o in self._live(model) if o.id != w.id]

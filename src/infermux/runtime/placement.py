@@ -9,7 +9,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["LatencyEstimate", "ModelLoad", "Move", "WorkerView", "rebalance", "slo_take"]
+__all__ = [
+    "LatencyEstimate", "ModelLoad", "Move", "WorkerView", "rebalance", "slo_take", "tail_take",
+]
 
 
 class LatencyEstimate:
@@ -84,6 +86,27 @@ def slo_take(
         if other.alive and other.id != me.id and other.finish_ns(1, now_ns) <= deadline_ns:
             return 0
     return n
+
+
+def tail_take(me: WorkerView, others: Sequence[WorkerView], n: int, queued: int,
+              now_ns: int) -> bool:
+    """Whether `me` should take `n` of the last `queued` items (no more will come).
+
+    At the end of a run a slow unit that takes a batch can finish after every fast unit has
+    drained the rest, stretching the run. It takes the batch only if it finishes no later than
+    the others would clear the whole queue without it (from their estimated rates).
+    """
+    rate_per_ns = 0.0
+    for other in others:
+        if other.alive and other.id != me.id:
+            est = other.estimate.expected_ns(other.buckets[-1])
+            if est > 0:
+                rate_per_ns += other.buckets[-1] / est
+    if rate_per_ns <= 0:
+        return True
+    others_done = max(now_ns, min((o.busy_until_ns for o in others), default=now_ns)) + (
+        queued / rate_per_ns)
+    return me.finish_ns(n, now_ns) <= others_done
 
 
 @dataclass
