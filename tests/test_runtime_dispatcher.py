@@ -256,6 +256,9 @@ def test_tail_take_keeps_a_slow_unit_off_the_last_items():
     assert tail_take(slow, [fast], 8, 800, 0)  # 800 items: the slow batch (80 ms) helps
     twin = WorkerView(2, [8], _est({8: 8}))
     assert tail_take(twin, [fast], 8, 8, 0)  # equal units share the tail
+    # one item left: the fast unit takes it even though the slow one's rate looks high
+    assert tail_take(fast, [slow], 1, 1, 0)
+    assert not tail_take(slow, [fast], 1, 1, 0)
 
 
 def test_dispatcher_drain_leaves_the_tail_to_the_fast_unit():
@@ -267,3 +270,16 @@ def test_dispatcher_drain_leaves_the_tail_to_the_fast_unit():
     d.end()
     assert not isinstance(d.poll(slow), Batch)
     assert isinstance(d.poll(fast), Batch)
+
+
+
+def test_dispatcher_drain_never_leaves_the_last_item_behind():
+    clock = Clock()
+    fast = worker(0, buckets=(1,), est_ms={1: 2.4})
+    slow = worker(1, buckets=(32,), est_ms={32: 75})  # a high rate, but 75 ms per batch
+    d, done = make(clock, fast, slow)
+    d.submit(queries(1))
+    d.end()
+    assert not isinstance(d.poll(slow), Batch)
+    last = d.poll(fast)
+    assert isinstance(last, Batch) and len(last.items) == 1

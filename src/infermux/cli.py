@@ -274,7 +274,10 @@ def results_export(
 def main(argv: list[str] | None = None) -> None:
     """Entry point: run the app, turning infermux errors into one line and an exit code."""
     try:
-        app(args=argv, standalone_mode=False)
+        # Without standalone mode click returns the code of a `typer.Exit` instead of exiting.
+        code = app(args=argv, standalone_mode=False)
+        if isinstance(code, int) and code:
+            sys.exit(code)
     except InfermuxError as exc:
         if _state["debug"]:
             raise

@@ -96,16 +96,19 @@ def tail_take(me: WorkerView, others: Sequence[WorkerView], n: int, queued: int,
     drained the rest, stretching the run. It takes the batch only if it finishes no later than
     the others would clear the whole queue without it (from their estimated rates).
     """
+    live = [o for o in others if o.alive and o.id != me.id]
     rate_per_ns = 0.0
-    for other in others:
-        if other.alive and other.id != me.id:
-            est = other.estimate.expected_ns(other.buckets[-1])
-            if est > 0:
-                rate_per_ns += other.buckets[-1] / est
+    for other in live:
+        est = other.estimate.expected_ns(other.buckets[-1])
+        if est > 0:
+            rate_per_ns += other.buckets[-1] / est
     if rate_per_ns <= 0:
         return True
-    others_done = max(now_ns, min((o.busy_until_ns for o in others), default=now_ns)) + (
-        queued / rate_per_ns)
+    # The others cannot be done before the best of them finishes this batch, nor before
+    # their combined rate clears the queue. The worker that would finish the batch first
+    # always takes it, so the queue never stalls.
+    best_single = min(o.finish_ns(n, now_ns) for o in live)
+    others_done = max(best_single, now_ns + queued / rate_per_ns)
     return me.finish_ns(n, now_ns) <= others_done
 
 
