@@ -30,7 +30,7 @@ def make(clock, *workers_, delay_ms=5.0, **kw):
     d = Dispatcher(sorted({m for w in workers_ for m in w.serves}), max_queue_delay_ns=int(delay_ms * MS),
                    clock_ns=clock, **kw)
     done = []
-    d.set_completion(lambda q, n, ok, t: done.append((q, n, ok)))
+    d.set_completion(lambda pairs, ok, t: done.extend((q, n, ok) for q, n in pairs))
     for w in workers_:
         d.add_worker(w)
     return d, done
@@ -277,7 +277,7 @@ def test_dispatcher_drain_never_leaves_the_last_item_behind():
     clock = Clock()
     fast = worker(0, buckets=(1,), est_ms={1: 2.4})
     slow = worker(1, buckets=(32,), est_ms={32: 75})  # a high rate, but 75 ms per batch
-    d, done = make(clock, fast, slow)
+    d, _ = make(clock, fast, slow)
     d.submit(queries(1))
     d.end()
     assert not isinstance(d.poll(slow), Batch)

@@ -21,8 +21,9 @@ class Query:
     samples: tuple[int, ...]
 
 
-#: complete(query_id, samples_done, ok, when_ns): the SUT reports finished samples of a query.
-CompletionFn = Callable[[int, int, bool, int], None]
+#: complete([(query_id, samples_done), ...], ok, when_ns): the SUT reports finished samples,
+#: a batch at a time (one call per batch keeps the per-sample cost off the hot path).
+CompletionFn = Callable[[Sequence[tuple[int, int]], bool, int], None]
 
 
 class SystemUnderTest(Protocol):

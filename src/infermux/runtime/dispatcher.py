@@ -168,11 +168,19 @@ class Dispatcher:
         now = self.clock_ns()
         dead: list[Item] = []
         with self.cond:
+            servable: dict[str, bool] = {}
             for q in queries:
+                ok = servable.get(q.model)
+                if ok is None:
+                    ok = servable[q.model] = self._can_serve(q.model)
                 for s in q.samples:
                     item = Item(q.id, q.model, s, now)
-                    if not self._place(item):
+                    if not ok:
                         dead.append(item)
+                    elif self.policy == "round_robin":
+                        self._place(item)
+                    else:
+                        self.queues[q.model].append(item)
             self.cond.notify_all()
         self._fail_items(dead, now)
 
@@ -367,8 +375,7 @@ class Dispatcher:
         if self._on_complete is None:
             return
         per_query = Counter(it.query for it in items)
-        for query, count in per_query.items():
-            self._on_complete(query, count, ok, when_ns)
+        self._on_complete(list(per_query.items()), ok, when_ns)
 
     # -- placement --------------------------------------------------------------------------
 

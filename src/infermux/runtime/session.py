@@ -17,7 +17,7 @@ from typing import Any
 from infermux.engines import Runner, create_engine
 from infermux.env import capture_environment
 from infermux.errors import InfermuxError, RunError, UsageError
-from infermux.load.base import Query, QuerySampleLibrary
+from infermux.load.base import CompletionFn, Query, QuerySampleLibrary
 from infermux.load.scenarios import LoadGenerator, ScenarioResult, find_peak
 from infermux.models import LoadedModel, ModelSpec, load_model
 from infermux.runtime.dispatcher import Dispatcher, WorkerState
@@ -116,7 +116,7 @@ class RuntimeSUT:
     def __init__(self, dispatcher: Dispatcher) -> None:
         self.dispatcher = dispatcher
 
-    def start(self, on_complete: Callable[[int, int, bool, int], None]) -> None:
+    def start(self, on_complete: CompletionFn) -> None:
         """Report completions to the load generator."""
         self.dispatcher.set_completion(on_complete)
 
