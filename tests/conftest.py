@@ -66,3 +66,21 @@ def run_cli(*args: str, timeout: float = 300, env: dict | None = None) -> subpro
         [sys.executable, "-m", "infermux", *args],
         capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT,
     )
+TINY = "tests/tiny_models.py"
+
+
+@pytest.fixture(autouse=True)
+def _repo_root_cwd(monkeypatch):
+    # Factory references like tests/tiny_models.py:tiny_cnn are relative to the repository root.
+    monkeypatch.chdir(ROOT)
+
+
+def usable_cores() -> list[int]:
+    return sorted(os.sched_getaffinity(0))
+
+
+needs_two_cores = pytest.mark.skipif(
+    len(os.sched_getaffinity(0)) < 2, reason="needs two usable CPU cores for two core-set units"
+)
+
+sys.path.insert(0, str(ROOT / "src"))

@@ -274,6 +274,7 @@ def results_export(
 def main(argv: list[str] | None = None) -> None:
     """Entry point: run the app, turning infermux errors into one line and an exit code."""
     try:
+        # Without standalone mode click returns the code of a `typer.Exit` instead of exiting.
         code = app(args=argv, standalone_mode=False)
         if isinstance(code, int) and code:
             sys.exit(code)
@@ -301,3 +302,4 @@ def main(argv: list[str] | None = None) -> None:
                   "traceback)", markup=False, highlight=False, soft_wrap=True)
         sys.exit(1)
 from infermux import cli_monitor as _cli_monitor  # noqa: E402,F401
+from infermux import cli_run as _cli_run  # noqa: E402,F401

@@ -83,6 +83,81 @@ CREATE TABLE IF NOT EXISTS telemetry (
 );
 CREATE INDEX IF NOT EXISTS telemetry_by_result ON telemetry(result_id);
 CREATE INDEX IF NOT EXISTS telemetry_by_run ON telemetry(run_id);
+-- The runtime (`infermux run`, runs of kind 'run'): one row per trial (a plain run has one; a
+-- peak search has the offline trial 0 and its server trials), per model and per worker, plus
+-- the raw batches and queries every figure is derived from.
+CREATE TABLE IF NOT EXISTS run_trials (
+    run_id INTEGER NOT NULL REFERENCES runs(id) ON DELETE CASCADE,
+    trial INTEGER NOT NULL,
+    scenario TEXT NOT NULL,
+    rate_qps REAL,
+    valid INTEGER NOT NULL,
+    validity_note TEXT,
+    duration_s REAL NOT NULL,
+    completed INTEGER NOT NULL,
+    failed INTEGER NOT NULL,
+    throughput_samples_per_s REAL,
+    p50_ms REAL,
+    p90_ms REAL,
+    p99_ms REAL,
+    record_json TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS run_models (
+    run_id INTEGER NOT NULL REFERENCES runs(id) ON DELETE CASCADE,
+    trial INTEGER NOT NULL,
+    model TEXT NOT NULL,
+    completed INTEGER NOT NULL,
+    failed INTEGER NOT NULL,
+    throughput_samples_per_s REAL,
+    p50_ms REAL,
+    p99_ms REAL,
+    queueing_p99_ms REAL,
+    batching_wait_p99_ms REAL,
+    compute_p99_ms REAL,
+    batch_histogram_json TEXT NOT NULL,
+    record_json TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS run_workers (
+    run_id INTEGER NOT NULL REFERENCES runs(id) ON DELETE CASCADE,
+    trial INTEGER NOT NULL,
+    worker TEXT NOT NULL,
+    unit TEXT NOT NULL,
+    model TEXT NOT NULL,
+    status TEXT NOT NULL,
+    error TEXT,
+    batches INTEGER NOT NULL,
+    items INTEGER NOT NULL,
+    share REAL NOT NULL,
+    busy_s REAL NOT NULL,
+    batch_histogram_json TEXT NOT NULL,
+    record_json TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS run_batches (
+    run_id INTEGER NOT NULL REFERENCES runs(id) ON DELETE CASCADE,
+    trial INTEGER NOT NULL,
+    worker TEXT NOT NULL,
+    model TEXT NOT NULL,
+    size INTEGER NOT NULL,
+    bucket INTEGER NOT NULL,
+    taken_ns INTEGER NOT NULL,
+    start_ns INTEGER NOT NULL,
+    end_ns INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS run_queries (
+    run_id INTEGER NOT NULL REFERENCES runs(id) ON DELETE CASCADE,
+    trial INTEGER NOT NULL,
+    query INTEGER NOT NULL,
+    model TEXT NOT NULL,
+    samples INTEGER NOT NULL,
+    issued_ns INTEGER NOT NULL,
+    latency_ns INTEGER,
+    ok INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS run_trials_by_run ON run_trials(run_id);
+CREATE INDEX IF NOT EXISTS run_models_by_run ON run_models(run_id);
+CREATE INDEX IF NOT EXISTS run_workers_by_run ON run_workers(run_id);
+CREATE INDEX IF NOT EXISTS run_batches_by_run ON run_batches(run_id);
+CREATE INDEX IF NOT EXISTS run_queries_by_run ON run_queries(run_id);
 """
 
 #: Result columns shown in lists, comparisons and CSV, in order.
@@ -215,6 +290,67 @@ class Store:
                 ],
             )
         return len(rows)
+    def add_runtime_trial(self, run_id: int, trial: int, record: dict[str, Any], result: Any,
+                          batches: Sequence[Any]) -> None:
+        """Store one runtime trial: headline, per model, per worker, raw batches and queries.
+
+        `result` is a `load.ScenarioResult`, `batches` the runtime's `BatchRecord`s.
+        """
+        lat = record.get("latency") or {}
+        start = result.start_ns
+        with self._tx() as db:
+            db.execute(
+                "INSERT INTO run_trials(run_id, trial, scenario, rate_qps, valid, validity_note, "
+                "duration_s, completed, failed, throughput_samples_per_s, p50_ms, p90_ms, p99_ms, "
+                "record_json) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                (run_id, trial, record["scenario"], record.get("rate_qps"), int(record["valid"]),
+                 "; ".join(record.get("validity_notes", [])), record["duration_s"],
+                 record["completed"], record["failed"], record.get("throughput_samples_per_s"),
+                 lat.get("p50_ms"), lat.get("p90_ms"), lat.get("p99_ms"), json.dumps(record)),
+            )
+            for name, m in record.get("models", {}).items():
+                ph = m.get("phases", {})
+                db.execute(
+                    "INSERT INTO run_models(run_id, trial, model, completed, failed, "
+                    "throughput_samples_per_s, p50_ms, p99_ms, queueing_p99_ms, "
+                    "batching_wait_p99_ms, compute_p99_ms, batch_histogram_json, record_json) "
+                    "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                    (run_id, trial, name, m["completed"], m["failed"],
+                     m.get("throughput_samples_per_s"), m["latency"].get("p50_ms"),
+                     m["latency"].get("p99_ms"), ph.get("queueing", {}).get("p99_ms"),
+                     ph.get("batching_wait", {}).get("p99_ms"), ph.get("compute", {}).get("p99_ms"),
+                     json.dumps(m.get("batch_histogram", {})), json.dumps(m)),
+                )
+            for name, w in record.get("workers", {}).items():
+                db.execute(
+                    "INSERT INTO run_workers(run_id, trial, worker, unit, model, status, error, "
+                    "batches, items, share, busy_s, batch_histogram_json, record_json) "
+                    "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                    (run_id, trial, name, w["unit"], w["model"], w["status"], w.get("error"),
+                     w["batches"], w["items"], w["share"], w["busy_s"],
+                     json.dumps(w.get("batch_histogram", {})), json.dumps(w)),
+                )
+            db.executemany(
+                "INSERT INTO run_batches(run_id, trial, worker, model, size, bucket, taken_ns, "
+                "start_ns, end_ns) VALUES (?,?,?,?,?,?,?,?,?)",
+                [(run_id, trial, b.worker, b.model, b.size, b.bucket, b.taken_ns - start,
+                  b.start_ns - start, b.end_ns - start) for b in batches],
+            )
+            db.executemany(
+                "INSERT INTO run_queries(run_id, trial, query, model, samples, issued_ns, "
+                "latency_ns, ok) VALUES (?,?,?,?,?,?,?,?)",
+                [(run_id, trial, q, m, n, i - start, (c - i) if c else None, int(ok and bool(c)))
+                 for q, (m, n, i, c, ok) in enumerate(zip(
+                     result.query_model, result.query_samples, result.issued_ns,
+                     result.completed_ns, result.ok, strict=True))],
+            )
+
+    def runtime_trials(self, run_id: int) -> list[dict[str, Any]]:
+        """The stored trials of a runtime run, each its full record (models, workers, ...)."""
+        rows = self._db.execute(
+            "SELECT record_json FROM run_trials WHERE run_id = ? ORDER BY trial", (run_id,)
+        ).fetchall()
+        return [json.loads(r["record_json"]) for r in rows]
 
     # -- reading ----------------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ returning where the time went. `infer()` is the convenience path for correctness
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -69,6 +70,40 @@ class Runner(ABC):
     @abstractmethod
     def outputs(self) -> list[np.ndarray]:
         """The last batch's outputs, as float32 host arrays (copies)."""
+
+    #: True when `launch()` returns before the batch is done (GPU runners): the caller may
+    #: prepare the next batch with `gather_input` while this one runs.
+    asynchronous: bool = False
+
+    def prepare_pool(self, samples: np.ndarray) -> Any:
+        """The sample pool (float32, `(count, *input_shape)`) as `gather_input` reads it best.
+
+        The default keeps the numpy array; a runner may convert it to its dtype and device.
+        """
+        return samples
+
+    def pool_layout(self) -> tuple[str, ...]:
+        """Runners with equal layouts can share one prepared pool."""
+        return ("numpy",)
+
+    def gather_input(self, pool: Any, indices: Sequence[int]) -> None:
+        """Copy rows `indices` of `pool` into the first rows of the input buffer.
+
+        The rows after them are padding. Safe to call while a launched batch is still running.
+        """
+        rows = np.asarray(pool)[list(indices)]
+        if len(rows) < self.batch:
+            pad = np.zeros((self.batch - len(rows), *rows.shape[1:]), dtype=rows.dtype)
+            rows = np.concatenate([rows, pad])
+        self.set_input(rows)
+
+    def launch(self) -> None:
+        """Start one batch from the input buffer; the default runs it to completion."""
+        self._launched = self.run()
+
+    def collect(self) -> BatchTiming:
+        """Wait for the launched batch and return its timing."""
+        return self._launched
 
     def infer(self, batch: np.ndarray) -> list[np.ndarray]:
         """Run one batch of given data and return its outputs (for correctness checks)."""

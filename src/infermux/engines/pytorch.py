@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -125,6 +126,8 @@ class TorchRunner(Runner):
         self._on_gpu = unit.kind == "cuda"
         self._device = torch.device(unit.device if self._on_gpu else "cpu")
         self._graph: Any = None
+        self._in_flight = False
+        self.asynchronous = self._on_gpu
         shape = (batch, *input_shape)
         memory_format = (
             torch.channels_last if options.channels_last and len(shape) == 4
@@ -191,11 +194,22 @@ class TorchRunner(Runner):
         """One batch, synchronized; phases from CUDA events on GPU units."""
         if not self._on_gpu:
             return self._run_cpu()
+        self.launch()
+        return self.collect()
+
+    def launch(self) -> None:
+        """Enqueue copy in, compute and copy out on the runner's stream.
+
+        On a GPU it returns before the batch is done (`collect()` waits).
+        """
+        if not self._on_gpu:
+            self._launched = self._run_cpu()
+            return
         import torch
 
         ev = self._events
         stream = self._stream
-        start = time.perf_counter_ns()
+        self._launch_ns = time.perf_counter_ns()
         # set_stream is cheaper than the `torch.cuda.stream()` context manager (measured ~14 us
         # per enter/exit on an H200 host), which matters for batch-1 eager runners.
         previous = torch.cuda.current_stream(self._device)
@@ -216,8 +230,16 @@ class TorchRunner(Runner):
             ev[3].record(stream)
         finally:
             torch.cuda.set_stream(previous)
+        self._in_flight = True
+
+    def collect(self) -> BatchTiming:
+        """Wait for the launched batch; its host latency and device phases."""
+        if not self._on_gpu:
+            return self._launched
+        ev = self._events
         ev[3].synchronize()
-        latency = time.perf_counter_ns() - start
+        self._in_flight = False
+        latency = time.perf_counter_ns() - self._launch_ns
         return BatchTiming(
             latency_ns=latency,
             h2d_ns=int(ev[0].elapsed_time(ev[1]) * 1e6),
@@ -235,6 +257,45 @@ class TorchRunner(Runner):
         self._y_host = self._forward()
         latency = time.perf_counter_ns() - start
         return BatchTiming(latency_ns=latency, compute_ns=latency)
+
+    def prepare_pool(self, samples: np.ndarray) -> Any:
+        """The pool in the compute dtype, on the device when inputs are pre-staged."""
+        import torch
+
+        pool = torch.from_numpy(np.ascontiguousarray(samples)).to(self._dtype)
+        if self._x_host.device != pool.device:
+            pool = pool.to(self._x_host.device)
+        return pool
+
+    def pool_layout(self) -> tuple[str, ...]:
+        """Dtype and device of the buffer `gather_input` writes."""
+        return (str(self._dtype), str(self._x_host.device))
+
+    def gather_input(self, pool: Any, indices: Sequence[int]) -> None:
+        """Gather rows of `pool` into the input buffer with one indexed copy.
+
+        Host buffers wait for the previous batch's copy to the device first (the copy reads
+        them asynchronously); device buffers are written on the runner's stream, in order.
+        """
+        import torch
+
+        if not isinstance(pool, torch.Tensor):
+            super().gather_input(pool, indices)
+            return
+        n = len(indices)
+        dst = self._x_host.narrow(0, 0, n)
+        if dst.is_cuda:
+            with torch.cuda.stream(self._stream):
+                idx = torch.as_tensor(list(indices), dtype=torch.long).to(self._device)
+                dst.copy_(pool.index_select(0, idx))
+            return
+        if self._in_flight and self._x_host is not self._x_dev:
+            self._events[1].synchronize()
+        idx = torch.as_tensor(list(indices), dtype=torch.long)
+        if dst.is_contiguous() and pool.dtype == dst.dtype:
+            torch.index_select(pool, 0, idx, out=dst)
+        else:
+            dst.copy_(pool.index_select(0, idx))
 
     def set_input(self, batch: np.ndarray) -> None:
         """Copy `batch` into the input buffer (host pinned, or device when pre-staged)."""

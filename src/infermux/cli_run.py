@@ -1,0 +1,192 @@
+"""`infermux run PLAN` and `infermux plan`: run a plan under a load scenario, write plans."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from infermux.cli import DbOpt, JsonOpt, _print_json, _progress, app, err, out
+from infermux.errors import UsageError
+
+__all__ = ["plan_command", "run_command"]
+
+_SCENARIOS = ("offline", "server", "single-stream", "multi-stream")
+
+
+def _num(value: Any, digits: int = 1) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, float):
+        return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.{digits}f}"
+    return str(value)
+
+
+def _models_table(record: dict[str, Any]) -> Table:
+    table = Table(title="Models")
+    for col in ("model", "completed", "failed", "samples/s", "p50 ms", "p99 ms",
+                "queue p99", "batch-wait p99", "compute p99", "batch sizes"):
+        table.add_column(col, justify="left" if col in ("model", "batch sizes") else "right")
+    for m in record.get("models", {}).values():
+        ph = m["phases"]
+        hist = " ".join(f"{k}×{v}" for k, v in m["batch_histogram"].items())
+        table.add_row(m["model"], str(m["completed"]), str(m["failed"]),
+                      _num(m["throughput_samples_per_s"]), _num(m["latency"].get("p50_ms"), 2),
+                      _num(m["latency"].get("p99_ms"), 2),
+                      _num(ph["queueing"].get("p99_ms"), 2),
+                      _num(ph["batching_wait"].get("p99_ms"), 2),
+                      _num(ph["compute"].get("p99_ms"), 2), hist[:40])
+    return table
+
+
+def _workers_table(record: dict[str, Any]) -> Table:
+    table = Table(title="Workers")
+    for col in ("worker", "unit", "status", "batches", "items", "share", "utilisation",
+                "batch sizes"):
+        table.add_column(col)
+    for w in record.get("workers", {}).values():
+        hist = " ".join(f"{k}×{v}" for k, v in w["batch_histogram"].items())
+        status = w["status"] if not w.get("error") else f"{w['status']}: {w['error'][:50]}"
+        table.add_row(w["worker"], w["unit"], status, str(w["batches"]), str(w["items"]),
+                      f"{w['share']:.1%}", _num((w.get("utilisation") or 0) * 100, 0) + "%",
+                      hist[:40])
+    return table
+
+
+def _headline(record: dict[str, Any]) -> str:
+    lat = record.get("latency", {})
+    parts = [f"[bold]{record['scenario']}[/]",
+             "[green]valid[/]" if record["valid"] else "[red]INVALID[/]",
+             f"{_num(record.get('throughput_samples_per_s'))} samples/s",
+             f"{record['completed']} queries in {record['duration_s']:.2f}s",
+             f"p50 {_num(lat.get('p50_ms'), 2)} / p90 {_num(lat.get('p90_ms'), 2)} / "
+             f"p99 {_num(lat.get('p99_ms'), 2)} ms"]
+    if record.get("rate_qps"):
+        parts.append(f"at {record['rate_qps']:.1f} qps")
+    text = " · ".join(parts)
+    if record.get("validity_notes"):
+        text += "\n[dim]" + "; ".join(record["validity_notes"]) + "[/]"
+    return text
+
+
+def _timeline_text(record: dict[str, Any]) -> str:
+    """Which unit served which model over time, when any unit served more than one model."""
+    rows = record.get("timeline", {}).get("rows", [])
+    per_unit: dict[str, set[str]] = {}
+    for r in rows:
+        per_unit.setdefault(r["unit"], set()).add(r["model"])
+    if not rows or all(len(models) <= 1 for models in per_unit.values()):
+        return ""
+    units = sorted(per_unit)
+    lines = ["timeline (items served per unit and model, by completion time):"]
+    for t in sorted({r["t_s"] for r in rows}):
+        cells = []
+        for unit in units:
+            served = {r["model"]: r["items"] for r in rows if r["t_s"] == t and r["unit"] == unit}
+            text = ", ".join(f"{m} {n}" for m, n in sorted(served.items())) or "idle"
+            cells.append(f"{unit}: {text}")
+        lines.append(f"  {t:6.2f}s  " + " | ".join(cells))
+    return "\n".join(lines)
+
+
+@app.command("run")
+def run_command(
+    plan_file: Annotated[str, typer.Argument(help="Plan file (YAML or JSON); see `infermux plan --example`.")],
+    scenario: Annotated[str | None, typer.Option("--scenario", help="offline, server, single-stream or multi-stream.")] = None,
+    qps: Annotated[float | None, typer.Option("--qps", help="Server: Poisson arrival rate, queries/s.")] = None,
+    p99: Annotated[float | None, typer.Option("--p99", help="Server: p99 latency bound in ms.")] = None,
+    find_peak: Annotated[bool, typer.Option("--find-peak", help="Server: search the highest rate within --p99.")] = False,
+    duration: Annotated[str | None, typer.Option("--duration", help="Minimum duration, e.g. 10s.")] = None,
+    min_queries: Annotated[int | None, typer.Option("--min-queries", help="Minimum queries (samples offline).")] = None,
+    seed: Annotated[int | None, typer.Option("--seed", help="Seed of arrivals and sample choice.")] = None,
+    db: DbOpt = "infermux.db",
+    no_store: Annotated[bool, typer.Option("--no-store", help="Do not write the results database.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Run a plan: workers on its units, its load scenario, metrics stored as a run."""
+    from infermux._parse import parse_duration_s
+    from infermux.runtime import load_plan, run_plan, with_load
+    from infermux.store import open_store
+
+    plan = load_plan(plan_file)
+    if scenario is not None and scenario not in _SCENARIOS:
+        raise UsageError(f"--scenario {scenario!r} unknown: use offline, server, single-stream "
+                         "or multi-stream")
+    if find_peak and scenario is None:
+        scenario = "server"
+    plan = with_load(
+        plan, scenario=scenario, rate_qps=qps, p99_bound_ms=p99, find_peak=find_peak or None,
+        min_duration_s=parse_duration_s(duration, name="--duration") if duration else None,
+        min_queries=min_queries, seed=seed,
+    )
+    store = None if no_store else open_store(db)
+    command = "infermux " + shlex.join(sys.argv[1:])
+    with _progress() as progress:
+        task = progress.add_task("starting", total=1.0)
+
+        seen: set[str] = set()
+
+        def on_progress(label: str, fraction: float) -> None:
+            if label in _SCENARIOS and label not in seen:
+                # A line in the log (the bar is transient): when each trial's load began.
+                seen.add(label)
+                progress.console.print(f"[dim]workers ready; running the {label} scenario[/]")
+            progress.update(task, description=label, completed=fraction)
+
+        report = run_plan(plan, store=store, progress=on_progress, command=command)
+    if as_json:
+        _print_json(report.to_dict())
+    else:
+        record = report.final
+        if report.peak is not None:
+            peak = report.peak
+            frac = peak.get("peak_fraction_of_offline")
+            out.print(f"[bold]peak[/] {_num(peak.get('peak_qps'))} qps within p99 ≤ "
+                      f"{peak['p99_bound_ms']:g} ms; offline {_num(peak.get('offline_samples_per_s'))}"
+                      f" samples/s" + (f" ({frac:.0%} of offline)" if frac else ""))
+            for t in peak["trials"]:
+                out.print(f"  {t['rate_qps']:.1f} qps: p99 {_num(t['p99_ms'], 2)} ms "
+                          f"{'valid' if t['valid'] else 'invalid'}")
+        if record is not None:
+            out.print(_headline(record))
+            out.print(_models_table(record))
+            out.print(_workers_table(record))
+            timeline = _timeline_text(record)
+            if timeline:
+                out.print(timeline)
+        if report.run_id is not None:
+            out.print(f"[dim]stored as run {report.run_id} in {db}[/]")
+    if report.status == "interrupted":
+        err.print("interrupted: what was measured so far is kept")
+        raise typer.Exit(130)
+
+
+@app.command("plan")
+def plan_command(
+    example: Annotated[bool, typer.Option("--example", help="Print an annotated example plan.")] = False,
+    check: Annotated[str | None, typer.Option("--check", help="Validate a plan file.")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Write an example plan, or check one (every bad field is named with what is allowed)."""
+    from infermux.runtime import EXAMPLE_PLAN, load_plan, parse_plan
+
+    if example == (check is not None):
+        raise UsageError("pass one of --example (print a plan) or --check FILE (validate one)")
+    if example:
+        if as_json:
+            import yaml
+
+            _print_json(parse_plan(yaml.safe_load(EXAMPLE_PLAN)).to_dict())
+        else:
+            sys.stdout.write(EXAMPLE_PLAN)
+        return
+    plan = load_plan(check or "")
+    if as_json:
+        _print_json({"valid": True, "plan": plan.to_dict()})
+        return
+    workers = sum(r.instances for m in plan.models for r in m.replicas)
+    out.print(f"[green]valid[/]: {check} — {len(plan.models)} model(s), {workers} worker(s), "
+              f"scenario {plan.load.scenario}, placement {plan.placement}")

@@ -1,0 +1,423 @@
+"""The four MLPerf LoadGen scenarios, their validity rules and the server peak search.
+
+- offline: every sample is available at once; measured is throughput. Rather than queueing the
+  whole run's samples up front, the generator keeps a backlog of twice what the SUT can hold in
+  flight, topped up on every completion: the SUT never waits for work, memory stays bounded, and
+  the drain at the end is at most two batches per worker.
+- server: single-sample queries with Poisson arrivals at `rate_qps` from a seeded generator;
+  valid only if the 99th percentile latency is at most `p99_bound_ms`.
+- single-stream: the next query is issued when the last completes; the metric is p90 latency.
+- multi-stream: the same with `samples_per_query` samples per query; the metric is p99 latency.
+Every scenario is valid only if it ran at least `min_duration_s` and `min_queries` (samples for
+offline, queries otherwise); `max_duration_s` stops it early and makes it invalid.
+Latency is measured by the generator, from a query's issue to its last sample's completion.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from infermux.load.base import Query, SystemUnderTest
+from infermux.stats import latency_summary_ms
+
+__all__ = ["LoadGenerator", "PeakResult", "ScenarioResult", "find_peak", "poisson_schedule"]
+
+#: progress(label, fraction)
+ProgressFn = Callable[[str, float], None]
+_METRIC = {"offline": None, "server": 99, "single-stream": 90, "multi-stream": 99}
+
+
+def poisson_schedule(rate_qps: float, count: int, seed: int) -> np.ndarray:
+    """Arrival times in seconds of `count` queries of a Poisson process at `rate_qps`."""
+    rng = np.random.default_rng(seed)
+    return np.cumsum(rng.exponential(1.0 / rate_qps, count))
+
+
+@dataclass
+class ScenarioResult:
+    """Raw per-query records of one scenario run plus the settings that produced them."""
+
+    scenario: str
+    settings: dict[str, Any]
+    models: list[str]
+    query_model: list[str] = field(default_factory=list)
+    query_samples: list[int] = field(default_factory=list)
+    issued_ns: list[int] = field(default_factory=list)
+    completed_ns: list[int] = field(default_factory=list)  # 0: not completed
+    ok: list[bool] = field(default_factory=list)
+    start_ns: int = 0
+    end_ns: int = 0
+    interrupted: bool = False
+    stopped_early: bool = False
+
+    @property
+    def duration_s(self) -> float:
+        """From the first issue to the last completion (or the stop)."""
+        return max(0.0, (self.end_ns - self.start_ns) / 1e9)
+
+    def latencies_ns(self, model: str | None = None) -> list[int]:
+        """Latencies of completed, successful queries (optionally of one model)."""
+        return [c - i for m, i, c, ok in zip(self.query_model, self.issued_ns, self.completed_ns,
+                                             self.ok, strict=True)
+                if ok and c and (model is None or m == model)]
+
+    def counts(self, model: str | None = None) -> dict[str, int]:
+        """Issued, completed, failed and unfinished queries and completed samples."""
+        issued = completed = failed = samples = 0
+        for m, c, ok, n in zip(self.query_model, self.completed_ns, self.ok, self.query_samples,
+                               strict=True):
+            if model is not None and m != model:
+                continue
+            issued += 1
+            if c and ok:
+                completed += 1
+                samples += n
+            elif c:
+                failed += 1
+        return {"issued": issued, "completed": completed, "failed": failed,
+                "unfinished": issued - completed - failed, "completed_samples": samples}
+
+    def validity(self) -> tuple[bool, list[str]]:
+        """LoadGen's rules: duration, query count, no failures, and the server's p99 bound."""
+        notes = []
+        s = self.settings
+        counts = self.counts()
+        if self.interrupted:
+            notes.append("interrupted by the user")
+        if self.stopped_early:
+            notes.append(f"stopped at max_duration_s {s.get('max_duration_s')}")
+        if self.duration_s < s["min_duration_s"]:
+            notes.append(f"ran {self.duration_s:.2f}s < min_duration_s {s['min_duration_s']:g}")
+        done = counts["completed_samples"] if self.scenario == "offline" else counts["completed"]
+        unit = "samples" if self.scenario == "offline" else "queries"
+        if done < s["min_queries"]:
+            notes.append(f"{done} {unit} < min_queries {s['min_queries']}")
+        if counts["failed"] or counts["unfinished"]:
+            notes.append(f"{counts['failed']} failed and {counts['unfinished']} unfinished queries")
+        bound = s.get("p99_bound_ms")
+        if self.scenario == "server" and bound is not None:
+            p99 = self.summary_latency().get("p99_ms")
+            if p99 is None or p99 > bound:
+                notes.append(f"p99 {p99 if p99 is None else round(p99, 3)} ms > bound {bound:g} ms")
+        return not notes, notes
+
+    def summary_latency(self, model: str | None = None) -> dict[str, float]:
+        """Latency percentiles (ms) of completed queries."""
+        return latency_summary_ms(self.latencies_ns(model))
+
+    def record(self) -> dict[str, Any]:
+        """The scenario's headline figures, as stored and printed."""
+        valid, notes = self.validity()
+        counts = self.counts()
+        dur = self.duration_s
+        rec: dict[str, Any] = {
+            "scenario": self.scenario, "valid": valid, "validity_notes": notes,
+            "duration_s": dur, **counts,
+            "throughput_qps": counts["completed"] / dur if dur else None,
+            "throughput_samples_per_s": counts["completed_samples"] / dur if dur else None,
+            "latency": self.summary_latency(),
+            "interrupted": self.interrupted,
+        }
+        if self.scenario == "server":
+            rec["rate_qps"] = self.settings.get("rate_qps")
+            issued = [i for i in self.issued_ns if i]
+            span = (max(issued) - min(issued)) / 1e9 if len(issued) > 1 else 0.0
+            rec["achieved_issue_rate_qps"] = (len(issued) - 1) / span if span else None
+        metric = _METRIC[self.scenario]
+        if metric is not None:
+            rec["metric"] = f"p{metric}_ms"
+            rec["metric_value_ms"] = rec["latency"].get(f"p{metric}_ms")
+        else:
+            rec["metric"] = "throughput_samples_per_s"
+            rec["metric_value"] = rec["throughput_samples_per_s"]
+        rec["per_model"] = {
+            m: {**self.counts(m), "latency": self.summary_latency(m)} for m in self.models
+        }
+        return rec
+
+
+class LoadGenerator:
+    """Drives a SUT through one scenario from the calling thread and records every query.
+
+    `clock_ns` and `sleep` are injectable; the defaults are `time.perf_counter_ns` and
+    `time.sleep`.
+    """
+
+    def __init__(
+        self,
+        settings: dict[str, Any],
+        shares: dict[str, float],
+        *,
+        mix: list[dict[str, Any]] | None = None,
+        clock_ns: Callable[[], int] = time.perf_counter_ns,
+        sleep: Callable[[float], None] = time.sleep,
+        progress: ProgressFn | None = None,
+    ) -> None:
+        self.settings = dict(settings)
+        self.scenario = settings["scenario"]
+        self.models = list(shares)
+        self._phases = [(0.0, shares)] if not mix else [(p["at_s"], p["shares"]) for p in mix]
+        self._clock = clock_ns
+        self._sleep = sleep
+        self._progress = progress
+        self._cond = threading.Condition()
+        self._result = ScenarioResult(self.scenario, self.settings, self.models)
+        self._remaining: dict[int, int] = {}
+        self._failed: set[int] = set()
+        self._outstanding: dict[str, int] = dict.fromkeys(self.models, 0)
+        self._done_samples = 0
+        self._done_queries = 0
+
+    # -- the SUT's side ---------------------------------------------------------------------
+
+    def on_complete(self, done: Sequence[tuple[int, int]], ok: bool, when_ns: int) -> None:
+        """Record finished samples, as (query id, samples) pairs (thread-safe; the SUT calls it)."""
+        r = self._result
+        finished = False
+        with self._cond:
+            for query_id, samples in done:
+                left = self._remaining.get(query_id)
+                if left is None:
+                    continue
+                if not ok:
+                    self._failed.add(query_id)
+                left -= samples
+                if left > 0:
+                    self._remaining[query_id] = left
+                    continue
+                del self._remaining[query_id]
+                r.completed_ns[query_id] = when_ns
+                r.ok[query_id] = query_id not in self._failed
+                n = r.query_samples[query_id]
+                self._outstanding[r.query_model[query_id]] -= n
+                self._done_samples += n
+                self._done_queries += 1
+                finished = True
+            if finished:
+                self._cond.notify_all()
+
+    # -- issuing ----------------------------------------------------------------------------
+
+    def shares_at(self, t_s: float) -> dict[str, float]:
+        """The model shares in force `t_s` seconds into the run, normalised."""
+        shares = self._phases[0][1]
+        for at_s, phase in self._phases:
+            if t_s >= at_s:
+                shares = phase
+        full = {m: float(shares.get(m, 0.0)) for m in self.models}
+        total = sum(full.values()) or 1.0
+        return {m: v / total for m, v in full.items()}
+
+    def _new_query(self, model: str, samples: tuple[int, ...], now_ns: int) -> Query:
+        r = self._result
+        qid = len(r.issued_ns)
+        r.query_model.append(model)
+        r.query_samples.append(len(samples))
+        r.issued_ns.append(now_ns)
+        r.completed_ns.append(0)
+        r.ok.append(False)
+        self._remaining[qid] = len(samples)
+        self._outstanding[model] += len(samples)
+        return Query(qid, model, samples)
+
+    def run(self, sut: SystemUnderTest, pools: dict[str, int]) -> ScenarioResult:
+        """Run the scenario against `sut`; `pools` is each model's QSL size (sample indices).
+
+        Ctrl-C ends issuing; the result keeps what completed and is marked interrupted.
+        """
+        self._pools = pools
+        self._rng = np.random.default_rng(self.settings.get("seed", 0))
+        self._index_buf: dict[str, list[int]] = {}
+        sut.start(self.on_complete)
+        self._result.start_ns = self._clock()
+        try:
+            {"offline": self._offline, "server": self._server,
+             "single-stream": self._stream, "multi-stream": self._stream}[self.scenario](sut)
+            sut.end()
+            self._drain()
+        except KeyboardInterrupt:
+            self._result.interrupted = True
+            sut.end()
+        with self._cond:
+            ends = [c for c in self._result.completed_ns if c]
+            self._result.end_ns = max(ends) if ends and not self._result.interrupted else (
+                self._clock())
+        return self._result
+
+    def _samples(self, model: str, n: int) -> tuple[int, ...]:
+        # Indices are drawn in blocks: one generator call per sample costs ~30 µs of the GIL.
+        buf = self._index_buf.get(model)
+        if buf is None or len(buf) < n:
+            fresh = self._rng.integers(0, self._pools[model], max(4096, n)).tolist()
+            buf = self._index_buf[model] = (buf or []) + fresh
+        out = tuple(buf[-n:])
+        del buf[-n:]
+        return out
+
+    def _elapsed_s(self) -> float:
+        return (self._clock() - self._result.start_ns) / 1e9
+
+    def _report(self, fraction: float) -> None:
+        if self._progress is not None:
+            self._progress(self.scenario, max(0.0, min(1.0, fraction)))
+
+    def _rule_met(self, done: int) -> tuple[bool, bool]:
+        """(validity rule met, hard stop reached) for `done` samples/queries so far."""
+        elapsed = self._elapsed_s()
+        s = self.settings
+        met = elapsed >= s["min_duration_s"] and done >= s["min_queries"]
+        cap = s.get("max_duration_s")
+        stop = cap is not None and elapsed >= cap
+        frac = min(elapsed / s["min_duration_s"] if s["min_duration_s"] else 1.0,
+                   done / s["min_queries"])
+        self._report(frac)
+        return met, stop
+
+    def _offline(self, sut: SystemUnderTest) -> None:
+        backlog = {m: max(16, 2 * sut.capacity_items(m)) for m in self.models}
+        while True:
+            with self._cond:
+                met, stop = self._rule_met(self._done_samples)
+                if met or stop:
+                    self._result.stopped_early = stop and not met
+                    return
+                shares = self.shares_at(self._elapsed_s())
+                batch = []
+                now = self._clock()
+                for m in self.models:
+                    want = math.ceil(backlog[m] * shares[m] * len(self.models))
+                    want = min(want, backlog[m]) if shares[m] > 0 else 0
+                    for _ in range(max(0, want - self._outstanding[m])):
+                        batch.append(self._new_query(m, self._samples(m, 1), now))
+            if batch:
+                sut.issue(batch)
+            with self._cond:
+                self._cond.wait(0.05)
+
+    def _server(self, sut: SystemUnderTest) -> None:
+        s = self.settings
+        rate = float(s["rate_qps"])
+        count = max(int(s["min_queries"]), math.ceil(rate * s["min_duration_s"]))
+        times = poisson_schedule(rate, count, int(s.get("seed", 0)))
+        # The run lasts at least min_duration_s even if the last arrival falls before it.
+        if times[-1] < s["min_duration_s"]:
+            extra = poisson_schedule(rate, count, int(s.get("seed", 0)) + 1) + times[-1]
+            times = np.concatenate([times, extra[extra <= s["min_duration_s"] * 1.01]])
+        cap = s.get("max_duration_s")
+        if cap is not None and times[-1] > cap:
+            times = times[times <= cap]
+            self._result.stopped_early = True
+        choices = self._model_choices(times)
+        start = self._result.start_ns
+        i = 0
+        n = len(times)
+        while i < n:
+            due_ns = start + int(times[i] * 1e9)
+            now = self._clock()
+            if now < due_ns:
+                # Sleep, never spin: a spinning generator would hold the GIL the workers need.
+                self._sleep((due_ns - now) / 1e9)
+                continue
+            batch = []
+            with self._cond:
+                while i < n and start + int(times[i] * 1e9) <= now:
+                    m = choices[i]
+                    batch.append(self._new_query(m, self._samples(m, 1), now))
+                    i += 1
+            sut.issue(batch)
+            self._report(i / n)
+
+    def _model_choices(self, times: np.ndarray) -> list[str]:
+        if len(self.models) == 1:
+            return [self.models[0]] * len(times)
+        picks = self._rng.random(len(times))
+        out = []
+        for t, p in zip(times, picks, strict=True):
+            shares = self.shares_at(float(t))
+            acc = 0.0
+            chosen = self.models[-1]
+            for m in self.models:
+                acc += shares[m]
+                if p < acc:
+                    chosen = m
+                    break
+            out.append(chosen)
+        return out
+
+    def _stream(self, sut: SystemUnderTest) -> None:
+        per_query = int(self.settings["samples_per_query"]) if self.scenario == "multi-stream" else 1
+        while True:
+            with self._cond:
+                met, stop = self._rule_met(self._done_queries)
+                if met or stop:
+                    self._result.stopped_early = stop and not met
+                    return
+                m = self._model_choices(np.array([self._elapsed_s()]))[0]
+                query = self._new_query(m, self._samples(m, per_query), self._clock())
+            sut.issue([query])
+            with self._cond:
+                while query.id in self._remaining:
+                    self._cond.wait(0.5)
+
+    def _drain(self, timeout_s: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._remaining and time.monotonic() < deadline:
+                self._cond.wait(0.1)
+
+
+@dataclass
+class PeakResult:
+    """The server peak search: every trial's rate, p99 and validity, and the best valid rate."""
+
+    bound_ms: float
+    trials: list[dict[str, Any]]
+    peak_qps: float | None
+    offline_samples_per_s: float | None
+
+    def record(self) -> dict[str, Any]:
+        """JSON-ready, with the peak as a fraction of offline throughput."""
+        frac = (self.peak_qps / self.offline_samples_per_s
+                if self.peak_qps and self.offline_samples_per_s else None)
+        return {"p99_bound_ms": self.bound_ms, "peak_qps": self.peak_qps,
+                "offline_samples_per_s": self.offline_samples_per_s,
+                "peak_fraction_of_offline": frac, "trials": self.trials}
+
+
+def find_peak(
+    run_server: Callable[[float], ScenarioResult],
+    *,
+    upper_qps: float,
+    bound_ms: float,
+    iterations: int = 6,
+    lower_qps: float = 0.0,
+) -> PeakResult:
+    """The highest server rate whose run is valid, by bisection.
+
+    Between `lower_qps` (assumed valid) and `upper_qps` (the offline throughput, which no server
+    rate can beat); the first trial is at half the upper bound.
+    """
+    trials: list[dict[str, Any]] = []
+    lo, hi = lower_qps, upper_qps
+    best: float | None = None
+    for _ in range(iterations):
+        rate = (lo + hi) / 2 if best is not None or lo > 0 else hi * 0.5
+        result = run_server(rate)
+        valid, notes = result.validity()
+        p99 = result.summary_latency().get("p99_ms")
+        trials.append({"rate_qps": rate, "p99_ms": p99, "valid": valid, "notes": notes})
+        if result.interrupted:
+            break
+        if valid:
+            best = rate if best is None else max(best, rate)
+            lo = rate
+        else:
+            hi = rate
+    return PeakResult(bound_ms, trials, best, upper_qps)

@@ -1,0 +1,28 @@
+"""The multi-tenant runtime: plans, workers, the dispatcher, placement and run metrics.
+
+`run_plan(load_plan("plan.yaml"))` builds one worker per instance, drives the plan's load
+(`infermux.load`) through the dispatcher and returns (and stores) what it measured.
+"""
+
+from infermux.runtime.dispatcher import Batch, Dispatcher, Item, WorkerState, batch_ready
+from infermux.runtime.placement import LatencyEstimate, rebalance, slo_take
+from infermux.runtime.plan import EXAMPLE_PLAN, Plan, load_plan, parse_plan
+from infermux.runtime.session import RunReport, run_plan, with_load
+
+__all__ = [
+    "EXAMPLE_PLAN",
+    "Batch",
+    "Dispatcher",
+    "Item",
+    "LatencyEstimate",
+    "Plan",
+    "RunReport",
+    "WorkerState",
+    "batch_ready",
+    "load_plan",
+    "parse_plan",
+    "rebalance",
+    "run_plan",
+    "slo_take",
+    "with_load",
+]

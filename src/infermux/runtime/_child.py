@@ -1,0 +1,80 @@
+"""The child process of a process-hosted CPU worker (`python -m infermux.runtime._child`).
+
+It pins itself to its cores, builds its runners and its copy of the sample library, then runs
+batches of sample indices sent by the parent's worker thread until told to close.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from multiprocessing.connection import Connection
+from typing import Any
+
+from infermux.engines.base import Runner, is_out_of_memory
+
+
+def child_main(conn_in: Any, conn_out: Any) -> None:
+    """Pin, build every runner, then serve batches until told to close.
+
+    Ctrl-C is ignored here: the parent ends the run and closes its children.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    cores, specs = conn_in.recv()
+    try:
+        if cores:
+            os.sched_setaffinity(0, cores)
+        import torch
+
+        torch.set_num_threads(max(1, len(cores) or (os.cpu_count() or 1)))
+        from infermux.engines import create_engine
+        from infermux.load.base import QuerySampleLibrary
+        from infermux.models import ModelSpec, load_model
+        from infermux.units import discover, select_units
+
+        found = discover(with_runtimes=False)
+        engines: dict[str, Any] = {}
+        runners: dict[tuple[str, int], Runner] = {}
+        pools: dict[str, Any] = {}
+        info: dict[str, dict[int, dict[str, Any]]] = {}
+        for spec in specs:
+            unit = select_units([spec.unit], found)[0]
+            model = load_model(ModelSpec(spec.ref, spec.weights, spec.input_shape))
+            engine = engines.setdefault(spec.engine, create_engine(spec.engine))
+            qsl = QuerySampleLibrary(spec.model, model.input_shape, spec.pool_count, spec.seed)
+            info[spec.model] = {}
+            for bucket in spec.buckets:
+                runner = engine.build(model, unit, bucket, spec.options, data=spec.data,
+                                      instance=spec.instance)
+                runners[(spec.model, bucket)] = runner
+                pools.setdefault(spec.model, runner.prepare_pool(qsl.data))
+                info[spec.model][bucket] = {
+                    "engine": runner.engine, "unit": runner.unit, "build_s": runner.build_s,
+                    "input_shape": list(runner.input_shape), "options": runner.options,
+                }
+        conn_out.send(("ready", info))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises it
+        conn_out.send(("error", is_out_of_memory(exc), f"{type(exc).__name__}: {exc}"))
+        return
+    while True:
+        try:
+            msg = conn_in.recv()
+        except EOFError:
+            return
+        if msg[0] == "close":
+            return
+        _, model_name, bucket, indices = msg
+        try:
+            runner = runners[(model_name, bucket)]
+            runner.gather_input(pools[model_name], indices)
+            timing = runner.run()
+            conn_out.send(("ok", (timing.latency_ns, timing.h2d_ns, timing.compute_ns,
+                                  timing.d2h_ns)))
+        except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises it
+            conn_out.send(("error", is_out_of_memory(exc), f"{type(exc).__name__}: {exc}"))
+
+
+if __name__ == "__main__":
+    child_main(Connection(int(sys.argv[1]), writable=False),
+                Connection(int(sys.argv[2]), readable=False))

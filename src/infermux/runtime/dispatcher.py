@@ -1,0 +1,391 @@
+"""The dispatcher: one queue per model, pulled by free workers, batched with a deadline.
+
+- **Pull (work stealing).** A worker that is free takes the oldest queued items of its model;
+  a faster unit comes back sooner and so takes more. `round_robin` instead assigns every item
+  to the next worker on arrival (each worker has its own queue): the blind baseline.
+- **Dynamic batching.** A worker takes up to its batch size; with fewer items queued it waits
+  until the oldest has waited `max_queue_delay_ms`, then takes what is there. After the load
+  generator's last query (`end()`) partial batches go at once.
+- **SLO-aware placement.** With a model's `latency_bound_ms`, a worker whose expected
+  completion (moving average of its batch latency) would break the oldest item's bound leaves
+  the items when another worker can meet it once free (`placement.slo_take`).
+- **Dynamic placement.** A worker whose own model's queue is empty serves another model it
+  holds a runner for, when that model's queue has a full batch waiting or its oldest item has
+  waited out the queue delay (its own workers are behind). `move()` reassigns a worker for good.
+- **Tail.** Once no more items will come, a worker takes a batch only if it would finish no
+  later than the other workers would clear the rest without it (`placement.tail_take`): a slow
+  unit does not stretch the end of an offline run.
+- **Faults.** A worker whose batch fails is taken out of service; the batch's items go back to
+  the front of the queue for another worker, at most `max_retries` times, then their queries are
+  reported failed. Nothing is dropped silently.
+
+`poll()` is the non-blocking core, driven by an injectable clock, so batching and placement are
+testable deterministically; `next_batch()` is its blocking form for worker threads.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from infermux.load.base import CompletionFn, Query
+from infermux.runtime.placement import LatencyEstimate, WorkerView, slo_take, tail_take
+
+__all__ = ["Batch", "Dispatcher", "Item", "WorkerState", "batch_ready"]
+
+#: `poll` returns this (seconds to wait) when only a new item or event can change anything.
+WAIT_FOREVER = float("inf")
+
+
+@dataclass
+class Item:
+    """One sample of a query waiting in a model's queue."""
+
+    query: int
+    model: str
+    sample: int
+    enqueued_ns: int
+    attempts: int = 0
+
+
+@dataclass
+class Batch:
+    """Items a worker took, with when each became ready (a free worker and the item present)."""
+
+    model: str
+    items: list[Item]
+    bucket: int
+    taken_ns: int
+    ready_ns: list[int]
+
+    @property
+    def samples(self) -> list[int]:
+        """The QSL indices of the batch's items, in order."""
+        return [it.sample for it in self.items]
+
+
+@dataclass
+class WorkerState:
+    """The dispatcher's view of one worker."""
+
+    id: int
+    name: str
+    unit: str
+    model: str
+    buckets: list[int]
+    serves: set[str]
+    estimate: LatencyEstimate
+    #: Batches it may hold at once: 2 for workers that prepare the next batch while one runs.
+    depth: int = 1
+    alive: bool = True
+    error: str | None = None
+    free_since_ns: int = 0
+    busy_until_ns: int = 0
+    in_flight: int = 0
+    own_queue: deque[Item] = field(default_factory=deque)
+    last_served: str | None = None
+
+    @property
+    def batch(self) -> int:
+        """The largest batch it takes."""
+        return self.buckets[-1]
+
+    def view(self) -> WorkerView:
+        """The placement functions' view of this worker."""
+        return WorkerView(self.id, self.buckets, self.estimate, self.busy_until_ns, self.alive)
+
+    def bucket_for(self, n: int) -> int:
+        """The smallest runner batch size holding `n` items."""
+        return next((b for b in self.buckets if b >= n), self.buckets[-1])
+
+
+def batch_ready(queued: int, batch: int, oldest_ns: int, now_ns: int, max_delay_ns: int,
+                flush: bool) -> tuple[bool, int]:
+    """(take now, else ns to wait): full batch, the oldest item's delay spent, or flushing."""
+    if queued >= batch or flush:
+        return True, 0
+    due = oldest_ns + max_delay_ns
+    if now_ns >= due:
+        return True, 0
+    return False, due - now_ns
+
+
+class Dispatcher:
+    """Per-model queues, pulled by workers; see the module docstring for the rules."""
+
+    def __init__(
+        self,
+        models: Iterable[str],
+        *,
+        max_queue_delay_ns: int,
+        latency_bound_ns: dict[str, int | None] | None = None,
+        policy: str = "pull",
+        max_retries: int = 2,
+        dynamic: bool = False,
+        clock_ns: Callable[[], int] = time.perf_counter_ns,
+    ) -> None:
+        self.models = list(models)
+        #: Dynamic placement: an idle worker serves another model whose queue has grown.
+        self.dynamic = dynamic
+        self.max_events = 10_000
+        self.max_queue_delay_ns = max_queue_delay_ns
+        self.latency_bound_ns = dict(latency_bound_ns or {})
+        self.policy = policy
+        self.max_retries = max_retries
+        self.clock_ns = clock_ns
+        self.workers: dict[int, WorkerState] = {}
+        self.queues: dict[str, deque[Item]] = {m: deque() for m in self.models}
+        self.cond = threading.Condition()
+        self._rr: Counter[str] = Counter()
+        self._on_complete: CompletionFn | None = None
+        self._flush = False
+        self._closed = False
+        self._stopped = False
+        self.retried = 0
+        self.failed_items = 0
+        self.on_batch_done: Callable[[WorkerState, Batch, int, int, Any], None] | None = None
+        self.events: list[dict[str, Any]] = []
+
+    # -- set-up -----------------------------------------------------------------------------
+
+    def add_worker(self, worker: WorkerState) -> None:
+        """Register a worker before the run starts."""
+        worker.free_since_ns = self.clock_ns()
+        self.workers[worker.id] = worker
+
+    def set_completion(self, on_complete: CompletionFn) -> None:
+        """Where finished (or failed) samples are reported: the load generator."""
+        self._on_complete = on_complete
+
+    # -- the load's side --------------------------------------------------------------------
+
+    def submit(self, queries: Sequence[Query]) -> None:
+        """Queue every sample of `queries`; a model with no live worker fails them at once."""
+        now = self.clock_ns()
+        dead: list[Item] = []
+        with self.cond:
+            servable: dict[str, bool] = {}
+            for q in queries:
+                ok = servable.get(q.model)
+                if ok is None:
+                    ok = servable[q.model] = self._can_serve(q.model)
+                for s in q.samples:
+                    item = Item(q.id, q.model, s, now)
+                    if not ok:
+                        dead.append(item)
+                    elif self.policy == "round_robin":
+                        self._place(item)
+                    else:
+                        self.queues[q.model].append(item)
+            self.cond.notify_all()
+        self._fail_items(dead, now)
+
+    def _live(self, model: str) -> list[WorkerState]:
+        return [w for w in self.workers.values() if w.alive and w.model == model]
+
+    def _can_serve(self, model: str) -> bool:
+        return any(w.alive and (w.model == model or (self.dynamic and model in w.serves))
+                   for w in self.workers.values())
+
+    def _place(self, item: Item, front: bool = False) -> bool:
+        live = self._live(item.model)
+        if not self._can_serve(item.model):
+            return False
+        if self.policy == "round_robin" and live:
+            idx = self._rr[item.model] % len(live)
+            self._rr[item.model] += 1
+            queue = live[idx].own_queue
+        else:
+            queue = self.queues[item.model]
+        if front:
+            queue.appendleft(item)
+        else:
+            queue.append(item)
+        return True
+
+    def end(self) -> None:
+        """No more items will come: partial batches go without waiting."""
+        with self.cond:
+            self._flush = True
+            self.cond.notify_all()
+
+    def close(self) -> None:
+        """Workers exit once the queues they serve are empty."""
+        with self.cond:
+            self._flush = True
+            self._closed = True
+            self.cond.notify_all()
+
+    def stop(self) -> None:
+        """Workers exit after the batch in hand (Ctrl-C); queued items stay unfinished."""
+        with self.cond:
+            self._flush = self._closed = self._stopped = True
+            self.cond.notify_all()
+
+    def queued(self, model: str) -> int:
+        """Items of `model` waiting (in the shared queue or workers' own queues)."""
+        own = sum(len(w.own_queue) for w in self.workers.values() if w.model == model)
+        return len(self.queues[model]) + own
+
+    # -- the workers' side ------------------------------------------------------------------
+
+    def _queue_of(self, w: WorkerState) -> deque[Item]:
+        return w.own_queue if self.policy == "round_robin" else self.queues[w.model]
+
+    def _borrow(self, w: WorkerState, now: int) -> tuple[str | None, float]:
+        """Dynamic placement: another model for idle worker `w` to serve, or (None, wait).
+
+        A model qualifies when `w` holds a runner for it and its queue has outgrown its own
+        workers: a full batch waits, or the oldest item has waited out the queue delay.
+        """
+        best: tuple[int, str] | None = None
+        wait_ns = WAIT_FOREVER
+        for model in w.serves:
+            queue = self.queues.get(model)
+            if model == w.model or not queue:
+                continue
+            oldest = queue[0].enqueued_ns
+            if len(queue) >= w.batch or now - oldest >= self.max_queue_delay_ns or self._flush:
+                if best is None or oldest < best[0]:
+                    best = (oldest, model)
+            else:
+                wait_ns = min(wait_ns, oldest + self.max_queue_delay_ns - now)
+        if best is None:
+            return None, wait_ns / 1e9 if wait_ns != WAIT_FOREVER else WAIT_FOREVER
+        return best[1], 0.0
+
+    def poll(self, w: WorkerState) -> Batch | float | None:
+        """A batch for worker `w`, else seconds to wait before asking again, else None (exit).
+
+        Call with `self.cond` held (or from one thread, as tests do).
+        """
+        if self._stopped or not w.alive:
+            return None
+        model, queue = w.model, self._queue_of(w)
+        now = self.clock_ns()
+        if not queue and self.dynamic and self.policy == "pull":
+            borrowed, wait_s = self._borrow(w, now)
+            if borrowed is None:
+                return None if self._closed else wait_s
+            model, queue = borrowed, self.queues[borrowed]
+        if not queue:
+            return None if self._closed else WAIT_FOREVER
+        oldest = queue[0].enqueued_ns
+        take_now, wait_ns = batch_ready(len(queue), w.batch, oldest, now, self.max_queue_delay_ns,
+                                        self._flush)
+        if not take_now:
+            return wait_ns / 1e9
+        n = min(len(queue), w.batch)
+        if self._flush and self.policy == "pull":
+            others = [o.view() for o in self._live(model) if o.id != w.id]
+            if others and not tail_take(w.view(), others, n, len(queue), now):
+                soonest = min((o.busy_until_ns for o in others), default=now)
+                return max(1e-4, (soonest - now) / 1e9)
+        bound = self.latency_bound_ns.get(model)
+        if bound is not None and self.policy == "pull":
+            others = [o.view() for o in self._live(model) if o.id != w.id]
+            n = slo_take(w.view(), others, n, oldest + bound, now)
+            if n == 0:
+                # Another worker will meet the bound once free: look again when it should be.
+                soonest = min((o.busy_until_ns for o in others), default=now)
+                return max(1e-4, (soonest - now) / 1e9)
+        items = [queue.popleft() for _ in range(n)]
+        bucket = w.bucket_for(n)
+        ready = [max(it.enqueued_ns, w.free_since_ns) for it in items]
+        start = max(now, w.busy_until_ns) if w.in_flight else now
+        w.busy_until_ns = int(start + w.estimate.expected_ns(bucket))
+        w.in_flight += 1
+        if model != w.last_served:
+            if w.last_served is not None and len(self.events) < self.max_events:
+                self.events.append({"t_ns": now, "event": "serve", "worker": w.name,
+                                    "unit": w.unit, "from": w.last_served, "to": model})
+            w.last_served = model
+        return Batch(model, items, bucket, now, ready)
+
+    def next_batch(self, w: WorkerState, *, block: bool = True) -> Batch | None:
+        """Block until `poll` gives a batch, or None when the worker should exit.
+
+        With `block=False`, return None at once when no batch is ready yet.
+        """
+        with self.cond:
+            while True:
+                got = self.poll(w)
+                if got is None or isinstance(got, Batch):
+                    return got
+                if not block:
+                    return None
+                self.cond.wait(None if got == WAIT_FOREVER else got)
+
+    @property
+    def closed(self) -> bool:
+        """True once workers should exit when their queue is empty."""
+        return self._closed
+
+    def finished(self, w: WorkerState, batch: Batch, start_ns: int, end_ns: int,
+                 timing: Any = None) -> None:
+        """A batch completed: update the estimate, report the samples, free the worker."""
+        w.estimate.update(batch.bucket, end_ns - start_ns)
+        if self.on_batch_done is not None:
+            self.on_batch_done(w, batch, start_ns, end_ns, timing)
+        with self.cond:
+            w.in_flight -= 1
+            if w.in_flight == 0:
+                w.free_since_ns = end_ns
+                w.busy_until_ns = end_ns
+            self.cond.notify_all()
+        self._report(batch.items, ok=True, when_ns=end_ns)
+
+    def failed(self, w: WorkerState, batches: Sequence[Batch], exc: BaseException) -> None:
+        """A worker failed: take it out of service and retry or fail every item it held."""
+        now = self.clock_ns()
+        give_up: list[Item] = []
+        with self.cond:
+            w.alive = False
+            w.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            w.in_flight = 0
+            self.events.append({"t_ns": now, "event": "worker_failed", "worker": w.name,
+                                "error": w.error})
+            held = [it for b in batches for it in b.items] + list(w.own_queue)
+            w.own_queue.clear()
+            for item in reversed(held):
+                item.attempts += 1
+                if item.attempts > self.max_retries or not self._place(item, front=True):
+                    give_up.append(item)
+                else:
+                    self.retried += 1
+            # A model left without workers fails whatever is still queued for it.
+            for model, queue in self.queues.items():
+                if queue and not self._can_serve(model):
+                    give_up.extend(queue)
+                    queue.clear()
+            self.cond.notify_all()
+        self._fail_items(give_up, now)
+
+    def _fail_items(self, items: list[Item], now: int) -> None:
+        if items:
+            with self.cond:
+                self.failed_items += len(items)
+            self._report(items, ok=False, when_ns=now)
+
+    def _report(self, items: Sequence[Item], *, ok: bool, when_ns: int) -> None:
+        if self._on_complete is None:
+            return
+        per_query = Counter(it.query for it in items)
+        self._on_complete(list(per_query.items()), ok, when_ns)
+
+    # -- placement --------------------------------------------------------------------------
+
+    def move(self, worker_id: int, model: str, reason: str = "") -> None:
+        """Serve `model` with this worker from its next batch on (dynamic placement)."""
+        with self.cond:
+            w = self.workers[worker_id]
+            if model not in w.serves:
+                raise ValueError(f"worker {w.name} has no runner for model {model!r}")
+            self.events.append({"t_ns": self.clock_ns(), "event": "move", "worker": w.name,
+                                "unit": w.unit, "from": w.model, "to": model, "reason": reason})
+            w.model = model
+            self.cond.notify_all()

@@ -1,0 +1,164 @@
+"""Run metrics: raw batch records in, per-run / per-model / per-worker figures out.
+
+A batch record is the raw sample (who ran which items when); every figure is derived from the
+records and the load generator's per-query timings. Each item's latency splits into
+- queueing: from arrival until a free worker of its model could take it,
+- batching wait: from then until its batch was taken (waiting for a fuller batch),
+- compute: from the take to the batch's completion (gather, copies, the run).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from infermux.load.scenarios import ScenarioResult
+from infermux.runtime.dispatcher import Batch, WorkerState
+from infermux.stats import latency_summary_ms
+
+__all__ = ["BatchRecord", "Recorder", "summarise"]
+
+
+@dataclass
+class BatchRecord:
+    """One completed batch."""
+
+    worker: str
+    unit: str
+    model: str
+    size: int
+    bucket: int
+    taken_ns: int
+    start_ns: int
+    end_ns: int
+    enqueued_ns: list[int]
+    ready_ns: list[int]
+    device_compute_ns: int = 0
+
+
+class Recorder:
+    """Collects batch records from worker threads (installed as the dispatcher's hook)."""
+
+    def __init__(self) -> None:
+        self.records: list[BatchRecord] = []
+        self._lock = threading.Lock()
+
+    def reset(self) -> None:
+        """Forget everything (between the trials of a peak search)."""
+        with self._lock:
+            self.records = []
+
+    def on_batch_done(self, w: WorkerState, batch: Batch, start_ns: int, end_ns: int,
+                      timing: Any) -> None:
+        """The dispatcher's hook: one record per finished batch."""
+        rec = BatchRecord(
+            w.name, w.unit, batch.model, len(batch.items), batch.bucket, batch.taken_ns,
+            start_ns, end_ns, [it.enqueued_ns for it in batch.items], list(batch.ready_ns),
+            int(getattr(timing, "compute_ns", 0) or 0),
+        )
+        with self._lock:
+            self.records.append(rec)
+
+
+def _phases(records: Sequence[BatchRecord]) -> dict[str, dict[str, float]]:
+    queue, wait, compute = [], [], []
+    for r in records:
+        for enq, ready in zip(r.enqueued_ns, r.ready_ns, strict=True):
+            queue.append(ready - enq)
+            wait.append(max(0, r.taken_ns - ready))
+            compute.append(r.end_ns - r.taken_ns)
+    return {"queueing": latency_summary_ms(queue), "batching_wait": latency_summary_ms(wait),
+            "compute": latency_summary_ms(compute)}
+
+
+def _histogram(records: Sequence[BatchRecord]) -> dict[str, int]:
+    counts = Counter(r.size for r in records)
+    return {str(k): counts[k] for k in sorted(counts)}
+
+
+def summarise(
+    result: ScenarioResult,
+    records: Sequence[BatchRecord],
+    workers: Sequence[WorkerState],
+    worker_models: dict[str, str],
+    *,
+    events: Sequence[dict[str, Any]] = (),
+    timeline_bins: int = 20,
+) -> dict[str, Any]:
+    """The run's record: scenario headline, per-model and per-worker figures, timeline."""
+    run = result.record()
+    duration = result.duration_s
+    total_items = sum(r.size for r in records) or 1
+    models: dict[str, dict[str, Any]] = {}
+    for name in result.models:
+        recs = [r for r in records if r.model == name]
+        base = run["per_model"][name]
+        items = sum(r.size for r in recs)
+        models[name] = {
+            "model": name,
+            **{k: base[k] for k in ("issued", "completed", "failed", "unfinished",
+                                    "completed_samples")},
+            "throughput_qps": base["completed"] / duration if duration else None,
+            "throughput_samples_per_s": base["completed_samples"] / duration if duration else None,
+            "latency": base["latency"],
+            "phases": _phases(recs),
+            "batch_histogram": _histogram(recs),
+            "batches": len(recs),
+            "mean_batch": items / len(recs) if recs else None,
+        }
+    per_worker: dict[str, dict[str, Any]] = {}
+    for w in workers:
+        recs = [r for r in records if r.worker == w.name]
+        items = sum(r.size for r in recs)
+        busy = sum(r.end_ns - r.start_ns for r in recs) / 1e9
+        served: Counter[str] = Counter()
+        for r in recs:
+            served[r.model] += r.size
+        per_worker[w.name] = {
+            "worker": w.name, "unit": w.unit, "model": worker_models.get(w.name, w.model),
+            "status": "ok" if w.alive else "failed", "error": w.error,
+            "batches": len(recs), "items": items, "share": items / total_items,
+            "items_by_model": dict(served),
+            "busy_s": busy, "utilisation": busy / duration if duration else None,
+            "items_per_s": items / duration if duration else None,
+            "batch_histogram": _histogram(recs),
+            "latency_estimate_ms": {str(b): v / 1e6 for b, v in w.estimate.snapshot().items()},
+        }
+    run["models"] = models
+    run["workers"] = per_worker
+    run["timeline"] = timeline(records, result.start_ns, duration, timeline_bins)
+    run["events"] = [{**e, "t_s": (e["t_ns"] - result.start_ns) / 1e9} for e in events
+                     if e["t_ns"] >= result.start_ns]
+    return run
+
+
+def timeline(records: Sequence[BatchRecord], start_ns: int, duration_s: float,
+             bins: int) -> dict[str, Any]:
+    """Items each worker served for each model, per time bin (by batch completion)."""
+    if not records or duration_s <= 0:
+        return {"bin_s": 0.0, "rows": []}
+    bin_s = duration_s / bins
+    table: Counter[tuple[int, str, str, str]] = Counter()
+    for r in records:
+        idx = min(bins - 1, max(0, int((r.end_ns - start_ns) / 1e9 / bin_s)))
+        table[(idx, r.worker, r.unit, r.model)] += r.size
+    rows = [{"t_s": round(i * bin_s, 4), "worker": w, "unit": u, "model": m, "items": n}
+            for (i, w, u, m), n in sorted(table.items())]
+    return {"bin_s": bin_s, "rows": rows}
+
+
+def records_array(records: Sequence[BatchRecord]) -> list[dict[str, Any]]:
+    """Batch records as plain dicts (for JSON)."""
+    return [asdict(r) for r in records]
+
+
+def percentile_ms(values_ns: Sequence[int], q: float) -> float | None:
+    """One percentile of ns values, in ms."""
+    if not values_ns:
+        return None
+    return float(np.percentile(np.asarray(values_ns, dtype=np.float64), q) / 1e6)

@@ -1,0 +1,360 @@
+"""The Plan: what to run where, how to dispatch it, and what load to put on it.
+
+A Plan is the one contract between whoever decides (a person's YAML, the tuner, the partitioner)
+and the runtime. It is validated when it is built: every error names the field path, the bad
+value and what is allowed, as one line.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from infermux.errors import UsageError
+from infermux.units import parse_core_set
+
+__all__ = [
+    "EXAMPLE_PLAN",
+    "DispatcherSettings",
+    "LoadSettings",
+    "MixPhase",
+    "ModelEntry",
+    "Plan",
+    "Replica",
+    "load_plan",
+    "parse_plan",
+]
+
+SCENARIOS = ("offline", "server", "single-stream", "multi-stream")
+_UNIT_RE = re.compile(
+    r"^(cpu|cpu:[0-9+\-]+|cuda:\d+/(fp32|tf32|fp16|bf16)|dla:\d+/(fp16|int8)|openvino:[A-Za-z0-9_.]+)$"
+)
+_UNIT_HELP = "cpu, cpu:0-3, cuda:0/fp16 (fp32, tf32, fp16, bf16), dla:0/fp16 or openvino:CPU"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Replica(_Strict):
+    """Instances of one model on one unit; every instance is one worker."""
+
+    unit: str = Field(description=_UNIT_HELP)
+    engine: str = "torch"
+    instances: int = Field(1, ge=1, le=64)
+    batch: int = Field(1, ge=1, le=4096)
+    #: Batch sizes with their own runner (a partial batch runs in the smallest that holds it,
+    #: padded): `pow2` = 1, 2, 4, ... up to `batch`; `none` = only `batch` (always padded).
+    batch_buckets: Literal["pow2", "none"] | list[int] = "pow2"
+    options: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("unit")
+    @classmethod
+    def _unit(cls, value: str) -> str:
+        if not _UNIT_RE.match(value):
+            raise ValueError(f"unit {value!r} is not a unit id; allowed: {_UNIT_HELP}")
+        if value.startswith("cpu:"):
+            parse_core_set(value[4:])
+        return value
+
+    @field_validator("batch_buckets")
+    @classmethod
+    def _buckets(cls, value: Any) -> Any:
+        if isinstance(value, list) and (not value or any(b < 1 for b in value)):
+            raise ValueError(f"batch_buckets {value!r} must be positive batch sizes, pow2 or none")
+        return value
+
+    @model_validator(mode="after")
+    def _fit(self) -> Replica:
+        if isinstance(self.batch_buckets, list) and max(self.batch_buckets) > self.batch:
+            raise ValueError(
+                f"batch_buckets {self.batch_buckets} go past batch {self.batch}: "
+                "every bucket must be at most the batch size"
+            )
+        cores = self.cores
+        if cores and self.instances > len(cores):
+            raise ValueError(
+                f"{self.instances} instances on {self.unit} ({len(cores)} cores) oversubscribe it: "
+                f"use at most {len(cores)} instances or a larger core set"
+            )
+        return self
+
+    @property
+    def cores(self) -> tuple[int, ...]:
+        """The explicit core set of a `cpu:` unit; empty for other units and bare `cpu`."""
+        return parse_core_set(self.unit[4:]) if self.unit.startswith("cpu:") else ()
+
+    def buckets(self) -> list[int]:
+        """The batch sizes that get a runner, ascending, always ending at `batch`."""
+        if self.batch_buckets == "none":
+            return [self.batch]
+        if self.batch_buckets == "pow2":
+            sizes = [1 << i for i in range(self.batch.bit_length()) if (1 << i) < self.batch]
+            return [*sizes, self.batch]
+        return sorted({*self.batch_buckets, self.batch})
+
+
+class ModelEntry(_Strict):
+    """One network of the plan and where its replicas run."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.\-]+$", max_length=64)
+    model: str = Field(description="resnet50, timm:NAME, path/file.py:function or file.onnx")
+    weights: str | None = None
+    input_shape: list[int] | None = None
+    replicas: list[Replica] = Field(min_length=1)
+    #: A latency bound per query: SLO-aware placement keeps queries off units that would break it.
+    latency_bound_ms: float | None = Field(None, gt=0)
+    #: Share of the queries that go to this model (normalised over the plan's models).
+    share: float = Field(1.0, ge=0)
+
+    @field_validator("input_shape")
+    @classmethod
+    def _shape(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and (not value or any(s <= 0 for s in value)):
+            raise ValueError(f"input_shape {value} needs positive sizes, e.g. [3, 224, 224]")
+        return value
+
+
+class DispatcherSettings(_Strict):
+    """How queries reach workers."""
+
+    #: `pull`: one queue per model, free workers pull (work stealing); `round_robin`: each
+    #: query is assigned to the next worker on arrival (the blind baseline).
+    policy: Literal["pull", "round_robin"] = "pull"
+    #: The longest a worker waits for a fuller batch after the oldest query arrived.
+    max_queue_delay_ms: float = Field(1.0, ge=0, le=60_000)
+    #: Weight of the newest batch in the moving-average latency estimate of each worker.
+    estimate_alpha: float = Field(0.2, gt=0, le=1)
+    #: How CPU-unit workers are hosted: `process` (one pinned process each) or `thread`.
+    cpu_workers: Literal["process", "thread"] = "process"
+    #: A failed batch is retried on another worker this many times before its queries fail.
+    max_retries: int = Field(2, ge=0, le=10)
+
+
+class MixPhase(_Strict):
+    """From `at_s` seconds on, queries go to models in these proportions."""
+
+    at_s: float = Field(ge=0)
+    shares: dict[str, float]
+
+    @field_validator("shares")
+    @classmethod
+    def _shares(cls, value: dict[str, float]) -> dict[str, float]:
+        if not value or any(v < 0 for v in value.values()) or sum(value.values()) <= 0:
+            raise ValueError(f"shares {value} must be non-negative with a positive sum")
+        return value
+
+
+class LoadSettings(_Strict):
+    """The load, after MLPerf LoadGen's scenarios and validity rules."""
+
+    scenario: Literal["offline", "server", "single-stream", "multi-stream"] = "offline"
+    #: Server: the mean Poisson arrival rate in queries per second.
+    rate_qps: float | None = Field(None, gt=0)
+    #: Server: the run is valid only if the 99th percentile latency is at most this.
+    p99_bound_ms: float | None = Field(None, gt=0)
+    #: Server: search the highest rate whose p99 holds the bound.
+    find_peak: bool = False
+    min_duration_s: float = Field(10.0, ge=0)
+    min_queries: int = Field(1024, ge=1)
+    #: Hard stop: issuing ends here even if the validity rule is not met (the run is invalid).
+    max_duration_s: float | None = Field(None, gt=0)
+    samples_per_query: int = Field(8, ge=1, le=1024)
+    #: The query sample library: how many distinct samples per model are held in memory.
+    sample_pool: int = Field(256, ge=1, le=65536)
+    seed: int = 0
+    mix: list[MixPhase] | None = None
+    #: `host`: samples start in host memory and the copy is timed; `device`: pre-staged.
+    data: Literal["host", "device"] = "host"
+
+    @model_validator(mode="after")
+    def _consistent(self) -> LoadSettings:
+        if self.max_duration_s is not None and self.max_duration_s < self.min_duration_s:
+            raise ValueError(
+                f"max_duration_s {self.max_duration_s} is shorter than min_duration_s "
+                f"{self.min_duration_s}: raise it or drop it"
+            )
+        if self.mix:
+            times = [p.at_s for p in self.mix]
+            if times != sorted(times) or times[0] != 0:
+                raise ValueError(f"mix phases start at {times}: they must begin at 0 and ascend")
+        return self
+
+
+class Plan(_Strict):
+    """Models and their replicas, the dispatcher, the placement policy and the load."""
+
+    name: str = "plan"
+    models: list[ModelEntry] = Field(min_length=1)
+    dispatcher: DispatcherSettings = Field(default_factory=lambda: DispatcherSettings.model_validate({}))
+    #: `static`: workers serve their own model; `dynamic`: idle workers move to the model whose
+    #: queue grows (each worker holds a runner for every model).
+    placement: Literal["static", "dynamic"] = "static"
+    #: Seconds between two placement decisions (dynamic placement).
+    placement_interval_s: float = Field(0.2, gt=0, le=60)
+    load: LoadSettings = Field(default_factory=lambda: LoadSettings.model_validate({}))
+
+    @model_validator(mode="after")
+    def _whole(self) -> Plan:
+        names = [m.name for m in self.models]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"model names {dupes} appear twice: give every model its own name")
+        owners: dict[int, str] = {}
+        whole_cpu = []
+        for mi, model in enumerate(self.models):
+            for ri, rep in enumerate(model.replicas):
+                where = f"models[{mi}].replicas[{ri}]"
+                if rep.unit == "cpu":
+                    whole_cpu.append(where)
+                for core in rep.cores:
+                    if core in owners:
+                        raise ValueError(
+                            f"{where}.unit {rep.unit!r} shares core {core} with {owners[core]}: "
+                            "CPU workers get disjoint core sets; split the cores between them"
+                        )
+                    owners[core] = f"{where} ({rep.unit})"
+        if whole_cpu and (owners or len(whole_cpu) > 1):
+            raise ValueError(
+                f"{whole_cpu[0]}.unit 'cpu' takes every core but other replicas use CPU cores too: "
+                "give each CPU replica its own core set, e.g. cpu:0-1 and cpu:2-3"
+            )
+        if self.load.mix:
+            for pi, phase in enumerate(self.load.mix):
+                unknown = sorted(set(phase.shares) - set(names))
+                if unknown:
+                    raise ValueError(
+                        f"load.mix[{pi}].shares names {unknown}, not models of this plan "
+                        f"(models: {', '.join(names)})"
+                    )
+        if all(m.share == 0 for m in self.models) and not self.load.mix:
+            raise ValueError("every model has share 0: give at least one model a positive share")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready copy (what is stored with every run)."""
+        return self.model_dump(mode="json")
+
+
+def _path(loc: tuple[Any, ...]) -> str:
+    text = ""
+    for part in loc:
+        if isinstance(part, int):
+            text += f"[{part}]"
+        else:
+            text += ("." if text else "") + str(part)
+    return text or "plan"
+
+
+def _allowed(model: type[BaseModel], loc: tuple[Any, ...]) -> str:
+    """The fields allowed where an unknown key was found."""
+    current: Any = model
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        field = getattr(current, "model_fields", {}).get(part)
+        if field is None:
+            return ""
+        annotation = field.annotation
+        args = getattr(annotation, "__args__", ()) or (annotation,)
+        nested = [a for a in args if isinstance(a, type) and issubclass(a, BaseModel)]
+        if not nested:
+            return ""
+        current = nested[0]
+    return ", ".join(getattr(current, "model_fields", {}))
+
+
+def parse_plan(data: Any, *, source: str = "plan") -> Plan:
+    """Validate a plan given as a dict; a UsageError names the field path, value and fix."""
+    if not isinstance(data, dict):
+        raise UsageError(f"{source}: a plan is a mapping with a `models` list, not {type(data).__name__}")
+    try:
+        return Plan.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = tuple(err["loc"])
+        path = _path(loc)
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            allowed = _allowed(Plan, loc)
+            raise UsageError(
+                f"{source}: field {path} is not a plan field; allowed here: {allowed}"
+            ) from None
+        if err["type"] == "missing":
+            raise UsageError(f"{source}: field {path} is required but missing") from None
+        if err["type"] in ("value_error", "assertion_error") and not loc:
+            raise UsageError(f"{source}: {msg}") from None
+        value = err.get("input")
+        if isinstance(value, dict):  # a check across several fields of one entry
+            raise UsageError(f"{source}: field {path}: {msg}") from None
+        shown = json.dumps(value, default=str)
+        raise UsageError(f"{source}: field {path} = {shown[:80]}: {msg}") from None
+
+
+def load_plan(path: str | Path) -> Plan:
+    """Read and validate a YAML or JSON plan file."""
+    import yaml
+
+    file = Path(path)
+    if not file.is_file():
+        raise UsageError(f"plan file {str(path)!r} does not exist: write one with `infermux plan --example`")
+    try:
+        data = yaml.safe_load(file.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise UsageError(f"plan file {str(path)!r} is not valid YAML{where}: {exc}") from None
+    return parse_plan(data, source=str(path))
+
+
+EXAMPLE_PLAN = """\
+# An infermux plan: which models run on which units, how queries reach them, and the load.
+# Validate it with `infermux plan --check plan.yaml`; run it with `infermux run plan.yaml`.
+name: two-models
+models:
+  - name: cnn                      # the name queries and results use
+    model: mobilenet_v3_small      # torchvision/timm name, timm:NAME, file.py:function, x.onnx
+    # weights: cnn.pt              # state dict; without it the weights are random (timings hold)
+    # input_shape: [3, 224, 224]   # one item, without the batch axis
+    latency_bound_ms: null         # SLO: keep queries off units that would break this bound
+    share: 1.0                     # share of the queries (normalised over the models)
+    replicas:
+      - unit: cpu:0                # a core set: cpu:0-3, cpu:0-1+4-5; or cuda:0/fp16, ...
+        engine: torch
+        instances: 1               # one worker each; CPU instances split the core set
+        batch: 8                   # the largest batch a worker takes
+        batch_buckets: pow2        # runners for 1, 2, 4, 8 (pow2), only `batch` (none), or a list
+        options: {}                # engine options, e.g. {cuda_graph: true}
+  - name: resnet
+    model: resnet18
+    share: 1.0
+    replicas:
+      - {unit: cpu:1, engine: torch, instances: 1, batch: 4}
+dispatcher:
+  policy: pull                     # pull: free workers pull (work stealing); round_robin
+  max_queue_delay_ms: 2.0          # wait at most this long for a fuller batch
+  estimate_alpha: 0.2              # moving average of batch latency (SLO-aware placement)
+  cpu_workers: process             # CPU workers as pinned processes (measured) or threads
+  max_retries: 2                   # a failed batch is retried elsewhere, then reported failed
+placement: static                  # dynamic: idle workers move to the model whose queue grows
+placement_interval_s: 0.2
+load:
+  scenario: server                 # offline | server | single-stream | multi-stream
+  rate_qps: 40                     # server: Poisson arrivals per second
+  p99_bound_ms: 200                # server: valid only if p99 latency <= this
+  find_peak: false                 # server: search the highest rate that holds p99_bound_ms
+  min_duration_s: 10               # validity: at least this long ...
+  min_queries: 256                 # ... and at least this many queries
+  max_duration_s: null             # hard stop (the run is invalid if the rule is not met)
+  samples_per_query: 8             # multi-stream
+  sample_pool: 256                 # distinct samples per model held in memory
+  seed: 0                          # arrivals and model choice are reproducible
+  data: host                       # host: copies timed; device: samples pre-staged
+  # mix:                           # shift the load between models mid-run
+  #   - {at_s: 0, shares: {cnn: 0.9, resnet: 0.1}}
+  #   - {at_s: 5, shares: {cnn: 0.1, resnet: 0.9}}
+"""

@@ -1,0 +1,457 @@
+"""Running a Plan: resolve units, build workers, drive the load, summarise, store.
+
+`run_plan(plan)` is the library entry point the CLI, the tuner and the benchmarks call. It
+builds every worker once; a peak search reuses them for all its trials.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from infermux.engines import Runner, create_engine
+from infermux.env import capture_environment
+from infermux.errors import InfermuxError, RunError, UsageError
+from infermux.load.base import CompletionFn, Query, QuerySampleLibrary
+from infermux.load.scenarios import LoadGenerator, ScenarioResult, find_peak
+from infermux.models import LoadedModel, ModelSpec, load_model
+from infermux.runtime.dispatcher import Dispatcher, WorkerState
+from infermux.runtime.metrics import Recorder, summarise
+from infermux.runtime.placement import LatencyEstimate, ModelLoad, rebalance
+from infermux.runtime.plan import Plan, Replica, parse_plan
+from infermux.runtime.worker import ProcessHost, RunnerSpec, Worker
+from infermux.store import Store
+from infermux.units import Discovery, Unit, discover, select_units
+
+__all__ = ["RunReport", "RuntimeSUT", "WorkerPlan", "layout_workers", "run_plan", "with_load"]
+
+#: progress(label, fraction 0..1)
+ProgressFn = Callable[[str, float], None]
+
+
+@dataclass
+class WorkerPlan:
+    """One instance of a replica: its name, unit (a core share for CPU) and hosting."""
+
+    id: int
+    name: str
+    model: str
+    model_index: int
+    replica_index: int
+    replica: Replica
+    unit: Unit
+    cores: tuple[int, ...]
+    hosting: str  # thread | process
+
+
+def _split(cores: tuple[int, ...], parts: int) -> list[tuple[int, ...]]:
+    size, extra = divmod(len(cores), parts)
+    out, at = [], 0
+    for i in range(parts):
+        n = size + (1 if i < extra else 0)
+        out.append(cores[at:at + n])
+        at += n
+    return out
+
+
+def layout_workers(plan: Plan, found: Discovery) -> list[WorkerPlan]:
+    """Resolve every replica's unit on this machine and give each instance its share.
+
+    A CPU replica's cores are split between its instances (disjoint, never oversubscribed).
+    Errors name the plan field.
+    """
+    workers: list[WorkerPlan] = []
+    for mi, entry in enumerate(plan.models):
+        for ri, rep in enumerate(entry.replicas):
+            where = f"models[{mi}].replicas[{ri}]"
+            try:
+                unit = select_units([rep.unit], found)[0]
+            except UsageError as exc:
+                raise UsageError(f"plan field {where}.unit: {exc}") from None
+            try:
+                engine = create_engine(rep.engine)
+            except UsageError as exc:
+                raise UsageError(f"plan field {where}.engine: {exc}") from None
+            if not engine.supports(unit):
+                raise UsageError(
+                    f"plan field {where}.engine: {rep.engine!r} cannot run on {unit.id!r}; "
+                    f"it runs {', '.join(engine.unit_kinds)} units"
+                )
+            if unit.kind == "cpu":
+                if rep.instances > len(unit.cores):
+                    raise UsageError(
+                        f"plan field {where}.instances: {rep.instances} instances on {unit.id} "
+                        f"({len(unit.cores)} usable cores) would oversubscribe it"
+                    )
+                shares = _split(unit.cores, rep.instances)
+            else:
+                shares = [()] * rep.instances
+            for i, cores in enumerate(shares):
+                wunit = unit
+                if cores:
+                    wunit = select_units(["cpu:" + "+".join(str(c) for c in cores)], found)[0]
+                hosting = (plan.dispatcher.cpu_workers if unit.kind == "cpu" else "thread")
+                workers.append(WorkerPlan(
+                    len(workers), f"{entry.name}/{wunit.id}#{i}", entry.name, mi, ri, rep, wunit,
+                    tuple(cores), hosting,
+                ))
+    return workers
+
+
+def with_load(plan: Plan, **changes: Any) -> Plan:
+    """A copy of `plan` with load settings changed (None values ignored), validated again."""
+    data = plan.to_dict()
+    data["load"].update({k: v for k, v in changes.items() if v is not None})
+    return parse_plan(data, source="plan (with command-line overrides)")
+
+
+class RuntimeSUT:
+    """The runtime as a LoadGen system under test: queries in, completions out."""
+
+    def __init__(self, dispatcher: Dispatcher) -> None:
+        self.dispatcher = dispatcher
+
+    def start(self, on_complete: CompletionFn) -> None:
+        """Report completions to the load generator."""
+        self.dispatcher.set_completion(on_complete)
+
+    def issue(self, queries: Sequence[Query]) -> None:
+        """Queue the queries' samples."""
+        self.dispatcher.submit(queries)
+
+    def capacity_items(self, model: str) -> int:
+        """Items the live workers of `model` can hold at once."""
+        return sum(w.batch * w.depth for w in self.dispatcher.workers.values()
+                   if w.alive and (w.model == model or model in w.serves))
+
+    def end(self) -> None:
+        """Flush partial batches: no more queries will come."""
+        self.dispatcher.end()
+
+
+@dataclass
+class RunReport:
+    """What `run_plan` returns: the stored run id, status, every trial's record."""
+
+    run_id: int | None
+    plan: Plan
+    status: str  # complete | interrupted | failed
+    trials: list[dict[str, Any]] = field(default_factory=list)
+    peak: dict[str, Any] | None = None
+    build: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+
+    @property
+    def final(self) -> dict[str, Any] | None:
+        """The trial that answers the question: the last one, or the peak's best valid one."""
+        if self.peak is not None and self.peak.get("peak_qps") is not None:
+            best = [t for t in self.trials if t.get("scenario") == "server" and t.get("valid")]
+            if best:
+                return max(best, key=lambda t: t.get("rate_qps") or 0)
+        return self.trials[-1] if self.trials else None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready."""
+        return {"run_id": self.run_id, "status": self.status, "error": self.error,
+                "plan": self.plan.to_dict(), "build": self.build, "peak": self.peak,
+                "result": self.final, "trials": self.trials}
+
+
+class _Runtime:
+    """The built machinery of one plan: dispatcher, workers, hosts, sample libraries."""
+
+    def __init__(self, plan: Plan, progress: ProgressFn | None) -> None:
+        self.plan = plan
+        self.progress = progress
+        d = plan.dispatcher
+        self.dispatcher = Dispatcher(
+            [m.name for m in plan.models],
+            max_queue_delay_ns=int(d.max_queue_delay_ms * 1e6),
+            latency_bound_ns={m.name: int(m.latency_bound_ms * 1e6) if m.latency_bound_ms
+                              else None for m in plan.models},
+            policy=d.policy,
+            max_retries=d.max_retries,
+            dynamic=plan.placement == "dynamic",
+        )
+        self.recorder = Recorder()
+        self.dispatcher.on_batch_done = self.recorder.on_batch_done
+        self.workers: list[Worker] = []
+        self.states: list[WorkerState] = []
+        self.hosts: list[ProcessHost] = []
+        self.engines: dict[str, Any] = {}
+        self.models: dict[str, LoadedModel] = {}
+        self.qsl: dict[str, QuerySampleLibrary] = {}
+        self.build_errors: dict[str, str] = {}
+        self._placer: threading.Thread | None = None
+        self._placer_stop = threading.Event()
+
+    def _note(self, label: str, fraction: float) -> None:
+        if self.progress is not None:
+            self.progress(label, fraction)
+
+    def build(self) -> dict[str, Any]:
+        started = time.perf_counter()
+        plan = self.plan
+        needs_runtimes = any(not r.unit.startswith(("cpu", "cuda")) for m in plan.models
+                             for r in m.replicas)
+        found = discover(with_runtimes=needs_runtimes)
+        layout = layout_workers(plan, found)
+        for mi, entry in enumerate(plan.models):
+            self._note(f"loading {entry.name}", mi / len(plan.models))
+            try:
+                self.models[entry.name] = load_model(ModelSpec(
+                    entry.model, entry.weights,
+                    tuple(entry.input_shape) if entry.input_shape else None))
+            except UsageError as exc:
+                raise UsageError(f"plan field models[{mi}].model: {exc}") from None
+            self.qsl[entry.name] = QuerySampleLibrary(
+                entry.name, self.models[entry.name].input_shape, plan.load.sample_pool,
+                plan.load.seed)
+        dynamic = plan.placement == "dynamic"
+        # Child processes first: they build in parallel with this process's runners.
+        for wp in layout:
+            if wp.hosting != "process":
+                continue
+            entries = [m for m in plan.models if dynamic or m.name == wp.model]
+            specs = [RunnerSpec(
+                m.name, m.model, m.weights, tuple(m.input_shape) if m.input_shape else None,
+                wp.replica.engine, wp.unit.id, tuple(wp.replica.buckets()), wp.replica.options,
+                plan.load.data, wp.id, plan.load.sample_pool, plan.load.seed) for m in entries]
+            host = ProcessHost(wp.name, wp.cores, specs)
+            host.start()
+            self.hosts.append(host)
+        cpu_taken = {c for wp in layout for c in wp.cores}
+        host_cores = tuple(c for c in sorted(os.sched_getaffinity(0)) if c not in cpu_taken)
+        feeders = sum(1 for wp in layout if wp.unit.kind != "cpu")
+        feeder_threads = max(1, len(host_cores) // max(1, feeders))
+        hosts = iter(self.hosts)
+        built_s: dict[str, float] = {}
+        for i, wp in enumerate(layout):
+            self._note(f"building {wp.name}", i / max(1, len(layout)))
+            serves = {wp.model} if not dynamic else {m.name for m in plan.models}
+            runners: dict[str, dict[int, Runner]] = {}
+            error: str | None = None
+            if wp.hosting == "process":
+                host = next(hosts)
+                try:
+                    host.wait_ready()
+                    runners = host.runners()
+                except InfermuxError as exc:
+                    error = str(exc)
+            else:
+                engine = self.engines.setdefault(wp.replica.engine,
+                                                 create_engine(wp.replica.engine))
+                for name in sorted(serves):
+                    try:
+                        runners[name] = {
+                            b: engine.build(self.models[name], wp.unit, b, wp.replica.options,
+                                            data=plan.load.data, instance=wp.id)
+                            for b in wp.replica.buckets()}
+                    except UsageError:
+                        raise
+                    except InfermuxError as exc:
+                        if name == wp.model:
+                            error = str(exc)
+                            break
+            built_s[wp.name] = sum(r.build_s for rs in runners.values() for r in rs.values())
+            asynchronous = any(r.asynchronous for rs in runners.values() for r in rs.values())
+            state = WorkerState(
+                wp.id, wp.name, wp.unit.id, wp.model, wp.replica.buckets(),
+                set(runners) if not error else {wp.model},
+                LatencyEstimate(plan.dispatcher.estimate_alpha), depth=2 if asynchronous else 1,
+            )
+            if error is not None:
+                state.alive = False
+                state.error = error
+                self.build_errors[wp.name] = error
+            else:
+                self._prime(state, runners)
+            self.dispatcher.add_worker(state)
+            self.states.append(state)
+            if error is None:
+                cores = wp.cores if wp.hosting == "thread" else ()
+                threads = len(wp.cores) if wp.cores and wp.hosting == "thread" else None
+                if wp.unit.kind != "cpu":
+                    cores, threads = host_cores, feeder_threads
+                self.workers.append(Worker(
+                    state, runners, {m: self.qsl[m].data for m in runners}, self.dispatcher,
+                    cores=cores, threads=threads))
+        for entry in plan.models:
+            if not any(s.alive and s.model == entry.name for s in self.states):
+                errors = "; ".join(self.build_errors.values()) or "no worker"
+                raise RunError(f"no worker of model {entry.name!r} could be built: {errors}")
+        self._note("built", 1.0)
+        return {"build_s": time.perf_counter() - started, "runner_build_s": built_s,
+                "workers": [{"worker": s.name, "unit": s.unit, "model": s.model,
+                             "hosting": wp.hosting, "cores": list(wp.cores),
+                             "buckets": s.buckets, "error": s.error}
+                            for s, wp in zip(self.states, layout, strict=True)],
+                "host_cores": list(host_cores)}
+
+    def _prime(self, state: WorkerState, runners: dict[str, dict[int, Runner]]) -> None:
+        """Seed the latency estimate from the build's warm-up: one timed run per bucket."""
+        for bucket, runner in runners.get(state.model, {}).items():
+            with contextlib.suppress(Exception):  # a failing runner fails in the run, visibly
+                runner.gather_input(runner.prepare_pool(self.qsl[state.model].data[:1]),
+                                    [0] * bucket)
+                for _ in range(2):
+                    state.estimate.update(bucket, runner.run().latency_ns)
+
+    def start(self) -> None:
+        for worker in self.workers:
+            worker.start()
+        if self.plan.placement == "dynamic":
+            self._placer = threading.Thread(target=self._place_loop, name="infermux-placement",
+                                            daemon=True)
+            self._placer.start()
+
+    def _place_loop(self) -> None:
+        d = self.dispatcher
+        while not self._placer_stop.wait(self.plan.placement_interval_s):
+            with d.cond:
+                now = d.clock_ns()
+                loads = []
+                for name in d.models:
+                    live = [w for w in d.workers.values() if w.alive and w.model == name]
+                    cap = 0.0
+                    for w in live:
+                        est = w.estimate.expected_ns(w.batch)
+                        cap += w.batch / (est / 1e9) if est > 0 else 0.0
+                    loads.append(ModelLoad(name, d.queued(name), [w.id for w in live], cap))
+                idle = {w.id: (now - w.free_since_ns) / 1e9 for w in d.workers.values()
+                        if w.alive and w.in_flight == 0}
+                can = {w.id: set(w.serves) for w in d.workers.values()}
+            move = rebalance(loads, idle, can)
+            if move is not None:
+                d.move(move.worker, move.dst, reason="queue growing while this worker idled")
+
+    def run_trial(self, settings: dict[str, Any], shares: dict[str, float],
+                  mix: list[dict[str, Any]] | None) -> tuple[ScenarioResult, dict[str, Any]]:
+        self.recorder.reset()
+        with self.dispatcher.cond:
+            self.dispatcher._flush = False
+        gen = LoadGenerator(settings, shares, mix=mix, progress=self.progress)
+        pools = {m: q.count for m, q in self.qsl.items()}
+        result = gen.run(RuntimeSUT(self.dispatcher), pools)
+        record = summarise(result, list(self.recorder.records), self.states, {},
+                           events=list(self.dispatcher.events))
+        record["settings"] = settings
+        record["retried_items"] = self.dispatcher.retried
+        record["failed_items"] = self.dispatcher.failed_items
+        return result, record
+
+    def shutdown(self, *, now: bool) -> None:
+        self._placer_stop.set()
+        if now:
+            self.dispatcher.stop()
+        else:
+            self.dispatcher.close()
+        for worker in self.workers:
+            worker.join(30)
+        for host in self.hosts:
+            host.close()
+        for engine in self.engines.values():
+            release = getattr(engine, "release", None)
+            if release is not None:
+                with contextlib.suppress(Exception):
+                    release()
+
+
+def run_plan(
+    plan: Plan,
+    *,
+    store: Store | None = None,
+    progress: ProgressFn | None = None,
+    command: str = "",
+) -> RunReport:
+    """Run `plan` under its load; every trial is stored as soon as it ends.
+
+    Ctrl-C ends the run with what was measured (status `interrupted`); a worker that fails is
+    taken out of service and the run goes on (its status and error are in the result).
+    """
+    rt = _Runtime(plan, progress)
+    report = RunReport(None, plan, "complete")
+    load = plan.load
+    settings = load.model_dump(mode="json")
+    shares = {m.name: m.share for m in plan.models}
+    mix = [p.model_dump() for p in load.mix] if load.mix else None
+    if store is not None:
+        report.run_id = store.begin_run("run", {"plan": plan.to_dict(), "model": plan.name},
+                                        capture_environment(), command)
+    built = False
+    try:
+        report.build = rt.build()
+        built = True
+        rt.start()
+        if load.scenario == "server" and load.find_peak:
+            _peak(rt, report, settings, shares, mix, store)
+        else:
+            if load.scenario == "server" and load.rate_qps is None:
+                raise UsageError("plan field load.rate_qps is required by the server scenario: "
+                                 "set it or pass --qps, or use --find-peak")
+            result, record = rt.run_trial(settings, shares, mix)
+            _keep(rt, report, store, 0, result, record)
+    except KeyboardInterrupt:
+        report.status = "interrupted"
+    except Exception as exc:
+        report.status = "failed"
+        report.error = str(exc) if isinstance(exc, InfermuxError) else f"{type(exc).__name__}: {exc}"
+        raise
+    finally:
+        _finish(rt, report, store, built)
+    return report
+
+
+def _finish(rt: _Runtime, report: RunReport, store: Store | None, built: bool) -> None:
+    rt.shutdown(now=report.status != "complete" or not built)
+    if store is not None and report.run_id is not None:
+        final = report.final or {}
+        summary = {k: final.get(k) for k in ("scenario", "valid", "validity_notes", "duration_s",
+                                               "throughput_samples_per_s", "throughput_qps",
+                                               "metric", "metric_value_ms", "completed",
+                                               "failed")}
+        summary["latency"] = final.get("latency")
+        summary["peak"] = report.peak and {k: v for k, v in report.peak.items() if k != "trials"}
+        summary["error"] = report.error
+        summary["build_errors"] = rt.build_errors
+        store.finish_run(report.run_id, report.status, summary)
+
+
+def _keep(rt: _Runtime, report: RunReport, store: Store | None, trial: int,
+          result: ScenarioResult, record: dict[str, Any]) -> None:
+    record["trial"] = trial
+    report.trials.append(record)
+    if result.interrupted:
+        report.status = "interrupted"
+    if store is not None and report.run_id is not None:
+        store.add_runtime_trial(report.run_id, trial, record, result,
+                                list(rt.recorder.records))
+
+
+def _peak(rt: _Runtime, report: RunReport, settings: dict[str, Any], shares: dict[str, float],
+          mix: list[dict[str, Any]] | None, store: Store | None) -> None:
+    bound = settings.get("p99_bound_ms")
+    if bound is None:
+        raise UsageError("--find-peak needs a latency bound: set load.p99_bound_ms or pass --p99")
+    offline = {**settings, "scenario": "offline", "find_peak": False}
+    result, record = rt.run_trial(offline, shares, mix)
+    _keep(rt, report, store, 0, result, record)
+    if result.interrupted:
+        return
+    upper = record.get("throughput_samples_per_s") or 0.0
+    trial = [0]
+
+    def server(rate: float) -> ScenarioResult:
+        trial[0] += 1
+        s = {**settings, "scenario": "server", "rate_qps": rate, "find_peak": False}
+        res, rec = rt.run_trial(s, shares, mix)
+        _keep(rt, report, store, trial[0], res, rec)
+        return res
+
+    peak = find_peak(server, upper_qps=upper, bound_ms=bound)
+    report.peak = peak.record()
