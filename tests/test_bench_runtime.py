@@ -4,7 +4,7 @@ import json
 import subprocess
 import sys
 
-from conftest import ROOT
+from .conftest import ROOT
 
 
 def test_runtime_gpu_bench_smoke(tmp_path):

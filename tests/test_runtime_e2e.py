@@ -12,7 +12,7 @@ import time
 import pytest
 import yaml
 
-from conftest import TINY, needs_two_cores
+from .conftest import TINY, needs_two_cores
 from infermux.runtime import parse_plan, run_plan
 from infermux.store import Store
 
