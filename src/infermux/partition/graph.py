@@ -60,7 +60,7 @@ class ModelGraph:
 
     module: Any  # torch.fx.GraphModule
     method: str  # fx | export
-    nodes: list[Any]  # every node in topological order, placeholder first, output last
+    nodes: list[Any]  # every node in topological order, output last
     cuts: list[CutPoint]
     input: TensorInfo
     outputs: list[TensorInfo]
@@ -86,7 +86,7 @@ class ModelGraph:
     def position(self, boundary: str) -> int:
         """Node position of a boundary (`input` → 0, `output` → position of the output node)."""
         if boundary == "input":
-            return 0
+            return next(i for i, n in enumerate(self.nodes) if n.op == "placeholder")
         if boundary == "output":
             return len(self.nodes) - 1
         return self.cut(boundary).position
@@ -116,7 +116,13 @@ def _trace(module: Any, example: Any) -> tuple[Any, str, list[str]]:
         notes.append(f"torch.fx could not trace it ({type(exc).__name__}: "
                      f"{str(exc).splitlines()[0][:120] if str(exc) else ''}); used torch.export")
     try:
-        exported = torch.export.export(module, (example,))
+        try:  # a symbolic batch axis keeps batch sizes out of the graph (views, reshapes)
+            batch = torch.export.Dim("batch", min=1, max=1 << 16)
+            exported = torch.export.export(module, (example,), dynamic_shapes=({0: batch},))
+        except Exception:  # noqa: BLE001 - retried with static shapes, noted below
+            exported = torch.export.export(module, (example,))
+            notes.append("torch.export specialised the batch size: segments may need batch "
+                         f"{example.shape[0]}")
     except Exception as exc:
         raise RunError(
             f"cannot capture the graph of {type(module).__name__}: torch.fx and torch.export both "
@@ -127,6 +133,10 @@ def _trace(module: Any, example: Any) -> tuple[Any, str, list[str]]:
     # The unlifted module wraps inputs and outputs in pytree code; plain fx codegen is what the
     # segment builder reuses, and the graph itself is already flat.
     graph_module.graph._codegen = fx.graph.CodeGen()
+    for node in list(graph_module.graph.nodes):
+        # Input guards check the example's shapes; segments run at other batch sizes.
+        if node.op == "call_module" and node.target == "_guards_fn":
+            graph_module.graph.erase_node(node)
     graph_module.recompile()
     return graph_module, "export", notes
 
@@ -151,7 +161,8 @@ def capture_graph(module: Any, input_shape: tuple[int, ...], *, example_batch: i
 
     example = torch.randn(example_batch, *input_shape)
     graph_module, method, notes = _trace(module, example)
-    graph_module.eval()
+    if method == "fx":  # an exported module is already in inference form and refuses eval()
+        graph_module.eval()
     graph = graph_module.graph
     graph.eliminate_dead_code()
     graph_module.recompile()

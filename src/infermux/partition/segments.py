@@ -53,7 +53,7 @@ def build_segment(graph: ModelGraph, start: str, end: str) -> Any:
     if hi <= lo:
         raise UsageError(f"segment {start!r} → {end!r} is empty or reversed: the end must come later")
     nodes = graph.nodes
-    source = nodes[0] if start == "input" else next(n for n in nodes if n.name == start)
+    source = nodes[lo] if start == "input" else next(n for n in nodes if n.name == start)
     new = fx.Graph()
     env: dict[Any, Any] = {source: new.placeholder("x")}
 
