@@ -63,15 +63,27 @@ class Candidate:
 class ProfileCost:
     """The cost model over a `Profile`: pull in + compute + copy out, rates adding on duplication.
 
-    A unit's time per batch in a stage is: the slowest pull of the incoming tensor from any unit of
+    Compute times are scaled by `profile.scale(unit)`: whole model with every unit busy ÷ sum of
+    its pieces (`calibration="together"`, for pipelines, where every unit is busy), or whole
+    model alone ÷ sum of pieces (`"alone"`, for one unit by itself), or not at all (`None`). A unit's time per batch in a stage is: the
+    slowest pull of the incoming tensor from any unit of
     the previous stage (from the host for the first), plus the sum of its pieces' compute times,
     plus its copy of the outgoing tensor into its own output buffer (into the host for the last).
     """
 
-    def __init__(self, profile: Any) -> None:
+    def __init__(self, profile: Any, *, calibration: str | None = "together") -> None:
+        if calibration not in ("together", "alone", None):
+            raise UsageError(f"calibration {calibration!r}: use together, alone or None")
         self.profile = profile
+        scale = getattr(profile, "scale", None)
+
+        def factor(unit: str) -> float:
+            if calibration is None or scale is None:
+                return 1.0
+            return float(scale(unit, alone=calibration == "alone"))
+
         self._prefix = {
-            unit: list(itertools.accumulate(times, initial=0.0))
+            unit: list(itertools.accumulate((t * factor(unit) for t in times), initial=0.0))
             for unit, times in profile.compute_s.items()
         }
         self.n = profile.pieces

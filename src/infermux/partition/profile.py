@@ -5,6 +5,10 @@ Everything at the stage batch size and for real.
 Method: a segment is built by the torch engine like any model (`create_engine("torch").build`) and
 run until `min_time_s` and `min_runs` both hold, after the engine's warm-up; its time is the median
 of the engine's compute phase (CUDA events on GPUs, wall clock on CPUs, on the unit's cores).
+Then the whole model is timed on each unit alone and on all units at once (threads, each on its
+unit): pieces timed one by one run with warm caches and without neighbours, so their sum
+underestimates a stage in a running pipeline. `Profile.scale` (whole model with every unit busy
+÷ sum of its pieces alone) corrects each unit's piece times for both; the raw times are kept.
 A transfer is timed as the pipeline performs it (`transfer.copy_into`, issued by the consumer),
 median of `min_runs` copies after one untimed copy. Profiles are taken one at a time, alone: they
 say nothing about contention, which is why the best candidates are then measured as pipelines.
@@ -13,6 +17,7 @@ say nothing about contention, which is why the best candidates are then measured
 from __future__ import annotations
 
 import statistics
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -45,6 +50,15 @@ class Profile:
     compute_s: dict[str, list[float]] = field(default_factory=dict)
     transfer_s: dict[tuple[str, str], dict[int, float]] = field(default_factory=dict)
     bytes_per_item: list[int] = field(default_factory=list)
+    whole_alone_s: dict[str, float] = field(default_factory=dict)
+    whole_together_s: dict[str, float] = field(default_factory=dict)
+
+    def scale(self, unit: str, *, alone: bool = False) -> float:
+        """Correction of `unit`'s piece times: whole model with all units busy (or alone) ÷ sum
+        of its pieces; 1 when the whole model was not timed."""
+        whole = (self.whole_alone_s if alone else self.whole_together_s).get(unit)
+        pieces = sum(self.compute_s[unit])
+        return whole / pieces if whole and pieces > 0 else 1.0
 
     @property
     def pieces(self) -> int:
@@ -56,6 +70,8 @@ class Profile:
         return {
             "batch": self.batch, "boundaries": self.boundaries, "units": self.units,
             "compute_s": self.compute_s, "bytes_per_item": self.bytes_per_item,
+            "whole_alone_s": self.whole_alone_s, "whole_together_s": self.whole_together_s,
+            "scale": {u: self.scale(u) for u in self.compute_s},
             "transfer_s": {f"{s}>{d}": {str(b): t for b, t in v.items()}
                            for (s, d), v in self.transfer_s.items()},
         }
@@ -99,6 +115,30 @@ def _time_runner(runner: Any, unit: Unit, min_time_s: float, min_runs: int) -> f
     return statistics.median(times) / 1e9
 
 
+def _time_together(runners: list[Any], units: list[Unit], min_time_s: float,
+                   min_runs: int) -> list[float]:
+    """Median seconds per batch of each runner while all run at once, each on its unit."""
+    results: list[float] = [0.0] * len(runners)
+    errors: list[BaseException] = []
+    start = threading.Barrier(len(runners))
+
+    def loop(i: int) -> None:
+        try:
+            start.wait()
+            results[i] = _time_runner(runners[i], units[i], min_time_s, min_runs)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=loop, args=(i,), daemon=True) for i in range(len(runners))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
 def profile_segments(
     model: LoadedModel,
     segments: list[Segment],
@@ -133,6 +173,17 @@ def profile_segments(
                 done += 1
             profile.compute_s[unit.id] = times
             getattr(engine, "release", lambda: None)()
+    finally:
+        getattr(engine, "release", lambda: None)()
+    if progress is not None:
+        progress("profile the whole model alone and on all units at once", done / steps)
+    try:
+        runners = [engine.build(model, u, batch, options, data="device", instance=i)
+                   for i, u in enumerate(units)]
+        for unit, runner in zip(units, runners, strict=True):
+            profile.whole_alone_s[unit.id] = _time_runner(runner, unit, min_time_s, min_runs)
+        together = _time_together(runners, units, 2 * min_time_s, min_runs)
+        profile.whole_together_s = {u.id: t for u, t in zip(units, together, strict=True)}
     finally:
         getattr(engine, "release", lambda: None)()
     if progress is not None:

@@ -226,7 +226,8 @@ def run_partition(
         cost = ProfileCost(profile)
         found_plans = solve(profile.pieces, list(units), cost, max_stages=config.max_stages,
                             max_dup=config.max_dup, top_k=config.top_k)
-        single = {u: config.batch / cost(0, profile.pieces, (u,), ("host",)) for u in units}
+        alone = ProfileCost(profile, calibration="alone")
+        single = {u: config.batch / alone(0, profile.pieces, (u,), ("host",)) for u in units}
         report = PartitionReport(run_id, model, graph, segments, profile, [], single, None)
         for rank, candidate in enumerate(found_plans, start=1):
             plan = to_plan(config, profile, candidate, model)
