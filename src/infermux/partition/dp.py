@@ -65,8 +65,8 @@ class ProfileCost:
 
     Compute times are scaled by `profile.scale(unit)`: whole model with every unit busy ÷ sum of
     its pieces (`calibration="together"`, for pipelines, where every unit is busy), or whole
-    model alone ÷ sum of pieces (`"alone"`, for one unit by itself), or not at all (`None`). A unit's time per batch in a stage is: the
-    slowest pull of the incoming tensor from any unit of
+    model alone ÷ sum of pieces (`"alone"`, for one unit by itself), or not at all (`None`).
+    A unit's time per batch in a stage is: the slowest pull of the incoming tensor from any unit of
     the previous stage (from the host for the first), plus the sum of its pieces' compute times,
     plus its copy of the outgoing tensor into its own output buffer (into the host for the last).
     """

@@ -54,8 +54,10 @@ class Profile:
     whole_together_s: dict[str, float] = field(default_factory=dict)
 
     def scale(self, unit: str, *, alone: bool = False) -> float:
-        """Correction of `unit`'s piece times: whole model with all units busy (or alone) ÷ sum
-        of its pieces; 1 when the whole model was not timed."""
+        """Whole model with all units busy (or alone) ÷ the sum of `unit`'s pieces.
+
+        1 when the whole model was not timed.
+        """
         whole = (self.whole_alone_s if alone else self.whole_together_s).get(unit)
         pieces = sum(self.compute_s[unit])
         return whole / pieces if whole and pieces > 0 else 1.0
