@@ -425,7 +425,8 @@ def test_cli_show(tiny_factory):
     console = Console(record=True, width=120)
     for table in _show_tables(data, "tiny"):
         console.print(table)
-    assert "crossing tensor" in console.export_text() and "body_0" in console.export_text()
+    text = console.export_text()
+    assert "crossing tensor" in text and "body_0" in text
 
 
 @two_cores
