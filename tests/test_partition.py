@@ -400,6 +400,12 @@ def test_gpu_pipeline_and_transfers(units):
     with torch.inference_mode():
         expected = model.module(torch.from_numpy(x))[0].numpy()
     np.testing.assert_allclose(logits, expected, rtol=1e-4, atol=1e-5)
+    # Across precisions: an fp16 middle stage stays within fp16's tolerance of the fp32 model.
+    half = select_units("cuda:0/fp16", found)[0]
+    plan16 = _plan([("input", "cat", [cpu], 2), ("cat", "output", [half.id], 2)])
+    with Pipeline(plan16, model, graph, {**all_units, half.id: half}) as pipeline:
+        logits16, _ = pipeline.run(x)
+    np.testing.assert_allclose(logits16, expected, rtol=2e-2, atol=2e-2)
     assert time_transfer(units[cpu], gpu, [(8, 64, 56, 56)]) > 0
     assert time_transfer(gpu, None, [(8, 64, 56, 56)]) > 0
     if torch.cuda.device_count() > 1:
