@@ -12,9 +12,10 @@ import time
 import pytest
 import yaml
 
-from .conftest import TINY, needs_two_cores
 from infermux.runtime import parse_plan, run_plan
 from infermux.store import Store
+
+from .conftest import TINY, needs_two_cores
 
 MNV3 = {"model": "mobilenet_v3_small", "input_shape": [3, 64, 64]}
 

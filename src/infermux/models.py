@@ -39,13 +39,29 @@ class LoadedModel:
 
     spec: ModelSpec
     name: str
-    source: str  # torchvision | timm | factory | onnx
+    source: str  # torchvision | timm | factory | onnx | module
     input_shape: tuple[int, ...]
     dtype: str
     weights_note: str
     module: Any = None  # torch.nn.Module in eval mode on the CPU, None for ONNX
     onnx_path: Path | None = None
     info: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_module(
+        cls,
+        module: Any,
+        *,
+        name: str,
+        input_shape: tuple[int, ...],
+        dtype: str = "float32",
+        weights_note: str = "an in-memory module",
+    ) -> LoadedModel:
+        """Wrap a torch module already in memory (a pipeline segment, a notebook's network)."""
+        module.eval()
+        return cls(ModelSpec(ref=name, input_shape=input_shape, dtype=dtype), name, "module",
+                   tuple(input_shape), dtype, weights_note, module=module,
+                   info={"parameters": int(sum(p.numel() for p in module.parameters()))})
 
     @property
     def randomly_initialised(self) -> bool:
@@ -59,6 +75,8 @@ class LoadedModel:
         if self.spec.weights:
             stat = Path(self.spec.weights).stat()
             weights = f"{Path(self.spec.weights).resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+        if self.source == "module":  # two in-memory modules may share a name, never an identity
+            weights = f"id:{id(self.module)}"
         text = f"{self.source}|{self.name}|{weights}|{self.input_shape}|{self.dtype}"
         return hashlib.sha1(text.encode()).hexdigest()[:16]
 

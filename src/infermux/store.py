@@ -209,6 +209,11 @@ class Store:
                 "pass another path or move that file away"
             ) from exc
 
+    @property
+    def connection(self) -> sqlite3.Connection:
+        """The open connection, for areas that keep tables of their own (CREATE TABLE IF NOT EXISTS)."""
+        return self._db
+
     def close(self) -> None:
         """Close the connection."""
         self._db.close()

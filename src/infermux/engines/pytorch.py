@@ -297,6 +297,42 @@ class TorchRunner(Runner):
         else:
             dst.copy_(pool.index_select(0, idx))
 
+    def compute(self, x: Any) -> list[Any]:
+        """Run one batch from tensor `x` and return the outputs where they were computed.
+
+        For pipelines, which move data between stages themselves: `x` is on this unit's device
+        (any dtype; it is converted into the input buffer, which a CUDA graph reads), nothing is
+        copied back to the host, and the returned tensors are overwritten by the next call.
+        Synchronized on return.
+        """
+        import torch
+
+        if not self._on_gpu:
+            threads = self._opts.threads or 1
+            if torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)
+            if x.dtype == self._dtype:
+                with torch.inference_mode():
+                    out = self._module(x)
+                from torch.utils._pytree import tree_flatten
+
+                return [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+            self._x_dev.copy_(x)
+            return self._forward()
+        previous = torch.cuda.current_stream(self._device)
+        torch.cuda.set_stream(self._stream)
+        try:
+            self._x_dev.copy_(x, non_blocking=True)
+            if self._graph is not None:
+                self._graph.replay()
+            else:
+                self._precision.apply()
+                self._y_dev = self._forward()
+        finally:
+            torch.cuda.set_stream(previous)
+        self._stream.synchronize()
+        return self._y_dev
+
     def set_input(self, batch: np.ndarray) -> None:
         """Copy `batch` into the input buffer (host pinned, or device when pre-staged)."""
         import torch

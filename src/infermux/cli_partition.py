@@ -1,0 +1,141 @@
+"""`infermux partition`: cut points of a network, and a balanced pipeline plan across units."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from infermux.cli import DbOpt, JsonOpt, _print_json, _progress, app, err, out, parse_options
+
+__all__ = ["partition"]
+
+
+def _num(value: float | None, digits: int = 1) -> str:
+    if value is None:
+        return "–"
+    return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.{digits}f}"
+
+
+def _show_tables(shown: dict[str, Any], name: str) -> list[Table]:
+    cuts = Table(title=f"{name} — cut points ({shown['capture']})")
+    for col, justify in (("#", "right"), ("after node", "left"), ("crossing tensor", "left"),
+                         ("dtype", "left"), ("KiB/item", "right")):
+        cuts.add_column(col, justify=justify)  # type: ignore[arg-type]
+    for i, c in enumerate(shown["cuts"], start=1):
+        cuts.add_row(str(i), c["node"], "×".join(map(str, c["shape"])), c["dtype"],
+                     _num(c["bytes_per_item"] / 1024))
+    segs = Table(title="Segments between consecutive cut points")
+    for col, justify in (("#", "right"), ("segment", "left"), ("MFLOPs/item", "right"),
+                         ("parameters", "right")):
+        segs.add_column(col, justify=justify)  # type: ignore[arg-type]
+    for i, s in enumerate(shown["segments"]):
+        segs.add_row(str(i), f"{s['start']}→{s['end']}", _num(s["flops_per_item"] / 1e6),
+                     f"{s['parameters']:,}")
+    return [cuts, segs]
+
+
+def _candidates_table(report: dict[str, Any]) -> Table:
+    table = Table(title=f"{report['model']['name']} — pipeline candidates at batch {report['batch']}")
+    for col, justify in (("#", "right"), ("plan", "left"), ("predicted/s", "right"),
+                         ("measured/s", "right"), ("error", "right"), ("stage busy", "left"),
+                         ("", "left")):
+        table.add_column(col, justify=justify, overflow="fold")  # type: ignore[arg-type]
+    for c in report["candidates"]:
+        m = c["measurement"] or {}
+        busy = " ".join(f"{b:.0%}" for b in m.get("stage_busy", []))
+        err_pct = f"{c['error_pct']:+.0f}%" if c["error_pct"] is not None else c["status"]
+        table.add_row(str(c["rank"]), c["plan"], _num(c["predicted_items_per_s"]),
+                      _num(c["measured_items_per_s"]), err_pct, busy,
+                      "kept" if c["chosen"] else "")
+    return table
+
+
+@app.command()
+def partition(
+    model: Annotated[str, typer.Option("--model", "-m", help="resnet50, timm:NAME, file.py:fn")],
+    show: Annotated[bool, typer.Option("--show", help="Only list cut points and segments.")] = False,
+    units: Annotated[str, typer.Option("--units", "-u", help="Units for the stages, e.g. cpu:0,cpu:1.")] = "cpu:0,cpu:1",
+    stages: Annotated[int | None, typer.Option("--stages", help="Most stages (default: one per unit).")] = None,
+    batch: Annotated[int, typer.Option("--batch", "-b", help="Items per batch in every stage.")] = 8,
+    duplicate: Annotated[int, typer.Option("--duplicate", help="Most units one stage may be duplicated on.")] = 1,
+    measure_top: Annotated[int, typer.Option("--measure-top", help="Measure this many best predicted plans.")] = 3,
+    max_pieces: Annotated[int, typer.Option("--max-pieces", help="Most pieces to profile (cut points kept).")] = 12,
+    buffers: Annotated[int, typer.Option("--buffers", help="Buffered batches per stage copy.")] = 2,
+    duration: Annotated[str, typer.Option("--duration", help="Measured window per candidate.")] = "3s",
+    warmup: Annotated[str, typer.Option("--warmup", help="Warm-up per candidate, excluded.")] = "1s",
+    out_path: Annotated[str | None, typer.Option("--out", "-o", help="Write the kept plan as YAML.")] = None,
+    weights: Annotated[str | None, typer.Option("--weights", help="State dict or checkpoint file.")] = None,
+    input_shape: Annotated[str | None, typer.Option("--input-shape", help="One item, e.g. 3x224x224.")] = None,
+    option: Annotated[list[str] | None, typer.Option("--option", help="Torch engine option KEY=VALUE.")] = None,
+    db: DbOpt = "infermux.db",
+    no_store: Annotated[bool, typer.Option("--no-store", help="Do not write the results database.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Cut a network into pipeline stages across units: profile, balance (exact DP), measure."""
+    from infermux._parse import parse_duration_s, parse_shape
+    from infermux.models import ModelSpec, load_model
+    from infermux.partition.graph import capture_graph
+    from infermux.partition.search import PartitionConfig, describe_graph, run_partition
+    from infermux.partition.segments import split
+    from infermux.store import open_store
+
+    spec = ModelSpec(model, weights, parse_shape(input_shape) if input_shape else None)
+    if show:
+        loaded = load_model(spec)
+        if loaded.module is None:
+            from infermux.errors import UsageError
+
+            raise UsageError(f"{loaded.name} is an ONNX file: partitioning needs a torch model")
+        with _progress() as progress:
+            progress.add_task("capturing the graph", total=None)
+            graph = capture_graph(loaded.module, loaded.input_shape)
+            shown = describe_graph(graph, split(graph))
+        if as_json:
+            _print_json({"model": loaded.describe(), **shown})
+            return
+        for table in _show_tables(shown, loaded.name):
+            out.print(table)
+        for note in shown["notes"]:
+            out.print(f"[dim]{note}[/]")
+        return
+    config = PartitionConfig(
+        model=spec, units=units, batch=batch, max_stages=stages, max_dup=duplicate,
+        top_k=measure_top, max_pieces=max_pieces, buffers=buffers,
+        measure_s=parse_duration_s(duration, name="--duration"),
+        warmup_s=parse_duration_s(warmup, name="--warmup"),
+        options=parse_options(option or []),
+    )
+    store = None if no_store else open_store(db)
+    command = "infermux " + shlex.join(sys.argv[1:])
+    try:
+        with _progress() as progress:
+            task = progress.add_task("starting", total=1.0)
+
+            def on_progress(label: str, fraction: float) -> None:
+                progress.update(task, description=label[:70], completed=fraction)
+
+            report = run_partition(config, store=store, progress=on_progress, command=command)
+    finally:
+        if store is not None:
+            store.close()
+    if out_path and report.best is not None:
+        report.best.save(out_path)
+    data = report.to_dict()
+    if as_json:
+        _print_json(data)
+        return
+    out.print(_candidates_table(data))
+    single = ", ".join(f"{u} {_num(v)}" for u, v in report.single_unit.items())
+    out.print(f"[dim]predicted single unit, items/s: {single}[/]")
+    out.print(f"[dim]model: {report.model.weights_note}[/]")
+    if report.best is None:
+        err.print("no candidate could be measured: see the errors above")
+        raise typer.Exit(1)
+    if out_path:
+        out.print(f"plan written to {out_path}")
+    if report.run_id is not None:
+        out.print(f"[dim]stored as run {report.run_id} in {db}[/]")

@@ -1,0 +1,290 @@
+"""The partitioner end to end: graph → pieces → profiles → exact DP → measured top candidates.
+
+Profiles are taken alone and lie under contention (two stages share memory bandwidth, caches, the
+GIL, a GPU's copy engines), so the DP's best `top_k` plans are each built and measured as real
+pipelines, and the best *measured* one is kept. Every profile and candidate goes to the store.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from infermux.env import capture_environment
+from infermux.errors import DeviceOutOfMemoryError, InfermuxError, UsageError
+from infermux.models import LoadedModel, ModelSpec, load_model
+from infermux.partition import records
+from infermux.partition.dp import Candidate, ProfileCost, solve
+from infermux.partition.graph import ModelGraph, capture_graph
+from infermux.partition.pipeline import Pipeline, PipelineMeasurement
+from infermux.partition.plan import PipelinePlan, StageSpec
+from infermux.partition.profile import Profile, profile_segments
+from infermux.partition.segments import Segment, split
+from infermux.store import Sample, Store
+from infermux.units import Unit, discover, select_units
+
+__all__ = [
+    "CandidateResult", "PartitionConfig", "PartitionReport", "choose_boundaries",
+    "describe_graph", "run_partition", "to_plan",
+]
+
+ProgressFn = Callable[[str, float], None]
+
+
+@dataclass
+class PartitionConfig:
+    """What a partitioning run searches and how long it measures; stored with the run."""
+
+    model: ModelSpec
+    units: str = "cpu:0,cpu:1"
+    batch: int = 8
+    max_stages: int | None = None
+    max_dup: int = 1
+    top_k: int = 3
+    max_pieces: int = 12
+    buffers: int = 2
+    measure_s: float = 3.0
+    warmup_s: float = 1.0
+    profile_s: float = 0.2
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name, value in (("--batch", self.batch), ("--measure-top", self.top_k),
+                            ("--max-pieces", self.max_pieces), ("--buffers", self.buffers),
+                            ("--duplicate", self.max_dup)):
+            if value < 1:
+                raise UsageError(f"{name} {value} must be at least 1")
+        if self.max_stages is not None and self.max_stages < 1:
+            raise UsageError(f"--stages {self.max_stages} must be at least 1")
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready copy."""
+        return {
+            "model": {"ref": self.model.ref, "weights": self.model.weights,
+                      "input_shape": list(self.model.input_shape or ())},
+            "units": self.units, "batch": self.batch, "max_stages": self.max_stages,
+            "max_dup": self.max_dup, "top_k": self.top_k, "max_pieces": self.max_pieces,
+            "buffers": self.buffers, "measure_s": self.measure_s, "warmup_s": self.warmup_s,
+            "profile_s": self.profile_s, "options": self.options,
+        }
+
+
+@dataclass
+class CandidateResult:
+    """One plan: predicted by the DP, then measured as a pipeline (or why it could not be)."""
+
+    rank: int
+    plan: PipelinePlan
+    predicted_items_per_s: float
+    stage_times_s: list[float]
+    measured: PipelineMeasurement | None = None
+    status: str = "ok"  # ok | oom | error | not measured
+    error: str | None = None
+    chosen: bool = False
+
+    @property
+    def measured_items_per_s(self) -> float | None:
+        """Measured throughput, None when not measured."""
+        return self.measured.items_per_s if self.measured is not None else None
+
+    @property
+    def error_pct(self) -> float | None:
+        """(predicted − measured) / measured, in percent."""
+        m = self.measured_items_per_s
+        return 100.0 * (self.predicted_items_per_s - m) / m if m else None
+
+    def record(self) -> dict[str, Any]:
+        """JSON-ready."""
+        return {
+            "rank": self.rank, "plan": self.plan.describe(), "stages": len(self.plan.stages),
+            "units": self.plan.units, "predicted_items_per_s": self.predicted_items_per_s,
+            "stage_times_s": self.stage_times_s,
+            "measured_items_per_s": self.measured_items_per_s, "error_pct": self.error_pct,
+            "measurement": self.measured.to_dict() if self.measured else None,
+            "status": self.status, "error": self.error, "chosen": self.chosen,
+        }
+
+
+@dataclass
+class PartitionReport:
+    """A run's outcome: the pieces, their profile, every candidate and the plan kept."""
+
+    run_id: int | None
+    model: LoadedModel
+    graph: ModelGraph
+    segments: list[Segment]
+    profile: Profile
+    candidates: list[CandidateResult]
+    single_unit: dict[str, float]
+    best: PipelinePlan | None
+    status: str = "complete"
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready."""
+        return {
+            "run_id": self.run_id, "status": self.status, "model": self.model.describe(),
+            "capture": self.graph.method, "batch": self.profile.batch,
+            "pieces": [s.to_dict() for s in self.segments],
+            "profile": self.profile.to_dict(),
+            "predicted_single_unit_items_per_s": self.single_unit,
+            "candidates": [c.record() for c in self.candidates],
+            "plan": self.best.model_entry() if self.best else None,
+        }
+
+
+def describe_graph(graph: ModelGraph, segments: list[Segment]) -> dict[str, Any]:
+    """`--show`: the cut points with their crossing tensors and each segment's FLOPs/params."""
+    return {
+        "capture": graph.method, "notes": graph.notes, "input": graph.input.to_dict(),
+        "outputs": [o.to_dict() for o in graph.outputs],
+        "cuts": [c.to_dict() for c in graph.cuts],
+        "segments": [s.to_dict() for s in segments],
+    }
+
+
+def choose_boundaries(graph: ModelGraph, segments: list[Segment], max_pieces: int) -> list[str]:
+    """At most `max_pieces` pieces: cut points nearest to equal shares of the FLOPs.
+
+    `segments` are the atomic ones (between consecutive cut points). Fewer pieces keep profiling
+    short; the DP is exact over the pieces it is given.
+    """
+    names = graph.boundaries
+    if len(segments) <= max_pieces:
+        return names
+    cumulative = list(itertools.accumulate(s.flops_per_item for s in segments))
+    total = cumulative[-1] or 1
+    inner = cumulative[:-1]  # FLOPs done before each cut point
+    chosen: list[int] = []
+    for q in range(1, max_pieces):
+        target = total * q / max_pieces
+        best = min(range(len(inner)), key=lambda k: (abs(inner[k] - target), k))
+        if best not in chosen:
+            chosen.append(best)
+    return ["input", *(graph.cuts[k].node for k in sorted(chosen)), "output"]
+
+
+def to_plan(config: PartitionConfig, profile: Profile, candidate: Candidate,
+            model: LoadedModel) -> PipelinePlan:
+    """A DP candidate as a PipelinePlan at the profiled batch size."""
+    names = profile.boundaries
+    return PipelinePlan(
+        model=config.model.ref, weights=config.model.weights,
+        input_shape=list(model.input_shape), options=config.options,
+        stages=[StageSpec(start=names[s.start], end=names[s.end], units=list(s.units),
+                          batch=profile.batch, buffers=config.buffers, predicted_time_s=s.time_s)
+                for s in candidate.stages],
+        predicted_items_per_s=candidate.items_per_s(profile.batch),
+    )
+
+
+def measure_plan(plan: PipelinePlan, model: LoadedModel, graph: ModelGraph,
+                 units: dict[str, Unit], *, duration_s: float, warmup_s: float
+                 ) -> PipelineMeasurement:
+    """Build `plan` as a pipeline and measure its throughput."""
+    with Pipeline(plan, model, graph, units) as pipeline:
+        return pipeline.measure(duration_s, warmup_s)
+
+
+def run_partition(
+    config: PartitionConfig,
+    *,
+    store: Store | None = None,
+    progress: ProgressFn | None = None,
+    command: str = "",
+) -> PartitionReport:
+    """Profile, balance, measure the top candidates and keep the best measured plan."""
+    found = discover(with_runtimes=False)
+    unit_list = select_units(config.units, found)
+    for unit in unit_list:
+        if unit.kind not in ("cpu", "cuda"):
+            raise UsageError(f"unit {unit.id!r}: pipeline stages run on cpu and cuda units")
+    units = {u.id: u for u in unit_list}
+    model = load_model(config.model)
+    if model.module is None:
+        raise UsageError(f"{model.name} is an ONNX file: partitioning needs a torch model")
+    if progress is not None:
+        progress("capturing the graph", 0.0)
+    graph = capture_graph(model.module, model.input_shape)
+    if not graph.cuts:
+        raise UsageError(f"{model.name} has no valid cut point: it can only run whole")
+    atomic = split(graph)
+    segments = split(graph, choose_boundaries(graph, atomic, config.max_pieces))
+    run_id = None
+    if store is not None:
+        records.ensure_tables(store)
+        cfg = config.to_dict() | {"resolved_units": list(units), "capture": graph.method,
+                                  "model_description": model.describe()}
+        run_id = store.begin_run("partition", cfg, capture_environment(), command)
+    status = "failed"
+    try:
+        profile = profile_segments(model, segments, unit_list, config.batch, options=config.options,
+                                   min_time_s=config.profile_s, progress=progress)
+        if store is not None and run_id is not None:
+            records.add_profile(store, run_id, profile)
+        cost = ProfileCost(profile)
+        found_plans = solve(profile.pieces, list(units), cost, max_stages=config.max_stages,
+                            max_dup=config.max_dup, top_k=config.top_k)
+        alone = ProfileCost(profile, calibration="alone")
+        single = {u: config.batch / alone(0, profile.pieces, (u,), ("host",)) for u in units}
+        report = PartitionReport(run_id, model, graph, segments, profile, [], single, None)
+        for rank, candidate in enumerate(found_plans, start=1):
+            plan = to_plan(config, profile, candidate, model)
+            result = CandidateResult(rank, plan, candidate.items_per_s(config.batch),
+                                     [s.time_s for s in candidate.stages])
+            if progress is not None:
+                progress(f"measuring #{rank}: {plan.describe()}", rank / (len(found_plans) + 1))
+            try:
+                result.measured = measure_plan(plan, model, graph, units,
+                                               duration_s=config.measure_s,
+                                               warmup_s=config.warmup_s)
+            except DeviceOutOfMemoryError as exc:
+                result.status, result.error = "oom", str(exc)
+            except InfermuxError as exc:
+                if isinstance(exc, UsageError):
+                    raise
+                result.status, result.error = "error", str(exc)
+            report.candidates.append(result)
+            if store is not None and run_id is not None:
+                _store_candidate(store, run_id, model, plan, result)
+        measured = [c for c in report.candidates if c.measured_items_per_s]
+        if measured:
+            best = max(measured, key=lambda c: c.measured_items_per_s or 0.0)
+            best.chosen = True
+            best.plan.measured_items_per_s = best.measured_items_per_s
+            report.best = best.plan
+            if store is not None and run_id is not None:
+                store.connection.execute(
+                    "UPDATE partition_candidates SET chosen = 1 WHERE run_id = ? AND rank = ?",
+                    (run_id, best.rank))
+                store.connection.commit()
+        status = "complete"
+        report.status = status
+        return report
+    except KeyboardInterrupt:
+        status = "interrupted"
+        raise
+    finally:
+        if store is not None and run_id is not None:
+            store.finish_run(run_id, status, {"capture": graph.method, "pieces": len(segments)})
+
+
+def _store_candidate(store: Store, run_id: int, model: LoadedModel, plan: PipelinePlan,
+                     result: CandidateResult) -> None:
+    record = result.record()
+    records.add_candidate(store, run_id, record, plan.to_yaml())
+    m = result.measured
+    point = {
+        "model": model.name, "unit": "|".join("+".join(s.units) for s in plan.stages),
+        "engine": "torch-pipeline", "batch": plan.stages[0].batch,
+        "instances": plan.pipeline_replicas, "data": "host", "status": result.status,
+        "valid": m is not None and m.items > 0,
+        "validity_note": "" if m is not None else (result.error or ""),
+        "items": m.items if m else 0, "window_s": m.window_s if m else 0.0,
+        "throughput_items_per_s": result.measured_items_per_s, "error": result.error,
+        "plan": plan.describe(), "predicted_items_per_s": result.predicted_items_per_s,
+    }
+    # Samples are chunks, feed to sink: the pipeline's end-to-end latency.
+    samples = [Sample(0, ns, 0, ns, 0) for ns in (m.latencies_ns if m else [])]
+    store.add_result(run_id, point, samples)
