@@ -147,8 +147,6 @@ class TorchRunner(Runner):
             self._x_dev.copy_(self._x_host)
         self._y_dev: list[Any] = []
         self._y_host: list[Any] = []
-        self._rows: tuple[Any, list[int]] | None = None  # pool rows the next launch copies
-        self._stage: Any = None
         self._warm_up(options.warmup_iters)
         self.build_s = time.perf_counter() - started
 
@@ -218,10 +216,7 @@ class TorchRunner(Runner):
         torch.cuda.set_stream(stream)
         try:
             ev[0].record(stream)
-            if self._rows is not None:
-                self._copy_rows(*self._rows)
-                self._rows = None
-            elif self._x_host is not self._x_dev:
+            if self._x_host is not self._x_dev:
                 self._x_dev.copy_(self._x_host, non_blocking=True)
             ev[1].record(stream)
             if self._graph is not None:
@@ -270,9 +265,6 @@ class TorchRunner(Runner):
         pool = torch.from_numpy(np.ascontiguousarray(samples)).to(self._dtype)
         if self._x_host.device != pool.device:
             pool = pool.to(self._x_host.device)
-        elif self._on_gpu:
-            # Pinned, so each sample's row can go straight to the device (see gather_input).
-            pool = pool.pin_memory()
         return pool
 
     def pool_layout(self) -> tuple[str, ...]:
@@ -297,12 +289,6 @@ class TorchRunner(Runner):
                 idx = torch.as_tensor(list(indices), dtype=torch.long).to(self._device)
                 dst.copy_(pool.index_select(0, idx))
             return
-        if self._on_gpu and pool.is_pinned():
-            # No host-side gather: the launch copies each row from the pinned pool to the
-            # device. A host gather of a ResNet50 fp16 batch of 256 (77 MB of random rows) took
-            # longer than the batch's compute on an H200 host and cost 16% of throughput.
-            self._rows = (pool, list(indices))
-            return
         if self._in_flight and self._x_host is not self._x_dev:
             self._events[1].synchronize()
         idx = torch.as_tensor(list(indices), dtype=torch.long)
@@ -310,31 +296,6 @@ class TorchRunner(Runner):
             torch.index_select(pool, 0, idx, out=dst)
         else:
             dst.copy_(pool.index_select(0, idx))
-
-    def _copy_rows(self, pool: Any, indices: list[int]) -> None:
-        """Host→device copies of pool rows into the input, runs of consecutive rows coalesced.
-
-        Rows land in a contiguous device staging buffer when the input is channels_last, so the
-        layout change is one device-side copy instead of one per row.
-        """
-        n = len(indices)
-        dst = self._x_dev if self._x_dev.is_contiguous() else self._staging()
-        i = 0
-        while i < n:
-            j = i + 1
-            while j < n and indices[j] == indices[j - 1] + 1:
-                j += 1
-            dst.narrow(0, i, j - i).copy_(pool.narrow(0, indices[i], j - i), non_blocking=True)
-            i = j
-        if dst is not self._x_dev:
-            self._x_dev.narrow(0, 0, n).copy_(dst.narrow(0, 0, n))
-
-    def _staging(self) -> Any:
-        import torch
-
-        if self._stage is None:
-            self._stage = torch.empty(self._x_dev.shape, dtype=self._dtype, device=self._device)
-        return self._stage
 
     def compute(self, x: Any) -> list[Any]:
         """Run one batch from tensor `x` and return the outputs where they were computed.
