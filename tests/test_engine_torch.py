@@ -104,3 +104,20 @@ def test_cuda_device_data_skips_copy(found, tiny):
     unit = select_units("cuda:0/fp16", found)[0]
     runner = create_engine("torch").build(tiny, unit, 4, data="device")
     assert runner.run().h2d_ns < 50_000
+
+
+@needs_cuda
+@pytest.mark.parametrize("mode", ["fp32", "fp16"])
+def test_cuda_gather_from_pool_matches_direct_input(found, tiny, mode):
+    unit = select_units(f"cuda:0/{mode}", found)[0]
+    runner = create_engine("torch").build(tiny, unit, 8)
+    samples = np.random.default_rng(2).standard_normal((32, 3, 32, 32)).astype(np.float32)
+    pool = runner.prepare_pool(samples)
+    for indices in ([3, 4, 5, 9, 0, 31, 30, 7], [5, 6]):  # a full and a partial batch
+        runner.gather_input(pool, indices)
+        runner.run()
+        got = runner.outputs()[0][: len(indices)]
+        full = np.zeros((8, 3, 32, 32), np.float32)
+        full[: len(indices)] = samples[indices]
+        want = runner.infer(full)[0][: len(indices)]
+        np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3)
