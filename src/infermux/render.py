@@ -44,22 +44,36 @@ def bench_table(results: Iterable[dict[str, Any]], title: str = "Offline benchma
     for col, justify in (("unit", "left"), ("engine", "left"), ("batch", "right"),
                          ("inst", "right"), ("items/s", "right"), ("p50 ms", "right"),
                          ("p90", "right"), ("p95", "right"), ("p99", "right"), ("max", "right"),
-                         ("h2d/compute/d2h ms", "right"), ("valid", "left")):
+                         ("h2d/compute/d2h ms", "right"), ("agree", "left"), ("valid", "left")):
         table.add_column(col, justify=justify)  # type: ignore[arg-type]
     for r in results:
         if r["status"] != "ok":
             table.add_row(r["unit"], r["engine"], str(r["batch"]), str(r["instances"]),
-                          r["status"].upper(), "", "", "", "", "", "", (r.get("error") or "")[:60])
+                          r["status"].upper(), "", "", "", "", "", "", "",
+                          (r.get("error") or "")[:60])
             continue
         phases = "/".join(_num(r.get(f"{p}_ms"), 2) for p in ("h2d", "compute", "d2h"))
         table.add_row(
             r["unit"], r["engine"], str(r["batch"]), str(r["instances"]),
             _num(r.get("throughput_items_per_s")), _num(r.get("p50_ms"), 2),
             _num(r.get("p90_ms"), 2), _num(r.get("p95_ms"), 2), _num(r.get("p99_ms"), 2),
-            _num(r.get("max_ms"), 2), phases,
+            _num(r.get("max_ms"), 2), phases, _agreement(r.get("agreement")),
             "yes" if r["valid"] else f"no: {r.get('validity_note', '')}",
         )
     return table
+
+
+def _agreement(entry: dict[str, Any] | None) -> str:
+    """`ok 3e-06` / `FAIL 0.4` / `skipped`: the agreement check in a few characters."""
+    if not entry:
+        return "–"
+    if entry.get("status") == "skipped":
+        return "skipped"
+    err = entry.get("rel_err")
+    figure = f" {err:.0e}" if isinstance(err, float) else ""
+    if entry.get("status") == "fail":
+        return f"[bold red]FAIL{figure}[/]"
+    return f"ok{figure} {entry.get('precision', '')}".rstrip()
 
 
 def runs_table(runs: Iterable[dict[str, Any]]) -> Table:
