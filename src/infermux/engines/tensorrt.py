@@ -176,7 +176,7 @@ def calibration_batches(data: str, input_shape: tuple[int, ...], batch: int,
                         items: int) -> Iterator[np.ndarray]:
     """Float32 batches for calibration: images resized and normalised, or seeded noise.
 
-    Images are read with torchvision, resized to the model's input (H, W) and normalised with
+    Images are read with Pillow, resized to the model's input (H, W) and normalised with
     ImageNet statistics; a folder with fewer images than `items` is cycled.
     """
     count = max(1, -(-items // batch))
@@ -191,21 +191,20 @@ def calibration_batches(data: str, input_shape: tuple[int, ...], batch: int,
     if len(input_shape) != 3 or input_shape[0] not in (1, 3):
         raise UsageError(f"image calibration needs a (C, H, W) input with 1 or 3 channels, not "
                          f"{input_shape}: use calibration_data=random")
-    import torch
-    from torchvision.io import ImageReadMode, decode_image
-    from torchvision.transforms.functional import resize
+    from PIL import Image  # a torchvision dependency
 
-    mode = ImageReadMode.RGB if input_shape[0] == 3 else ImageReadMode.GRAY
+    mode = "RGB" if input_shape[0] == 3 else "L"
     mean = _MEAN if input_shape[0] == 3 else _MEAN[:1]
     std = _STD if input_shape[0] == 3 else _STD[:1]
+    height, width = input_shape[1:]
     i = 0
     for _ in range(count):
         out = np.empty((batch, *input_shape), dtype=np.float32)
         for j in range(batch):
-            raw = torch.frombuffer(bytearray(files[i % len(files)].read_bytes()), dtype=torch.uint8)
-            image = resize(decode_image(raw, mode=mode), list(input_shape[1:]), antialias=True)
-            pixels = image.float().numpy() / 255.0
-            out[j] = (pixels - mean[:, None, None]) / std[:, None, None]
+            with Image.open(files[i % len(files)]) as image:
+                resized = image.convert(mode).resize((width, height), Image.Resampling.BILINEAR)
+            pixels = np.asarray(resized, dtype=np.float32).reshape(height, width, -1) / 255.0
+            out[j] = (pixels.transpose(2, 0, 1) - mean[:, None, None]) / std[:, None, None]
             i += 1
         yield out
 
