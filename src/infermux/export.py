@@ -150,13 +150,15 @@ def _torch_export(model: LoadedModel, path: Path, opset: int) -> None:
     flat = outputs if isinstance(outputs, (list, tuple)) else [outputs]
     output_names = [f"output{i}" if i else "output" for i in range(len(flat))]
     dynamic: dict[str, Any] = {n: {0: "batch"} for n in (INPUT_NAME, *output_names)}
+    # torch ≥ 2.5 has both exporters and (from 2.9) defaults to dynamo; older ones only this one.
+    which = {"dynamo": False} if "dynamo" in inspect.signature(torch.onnx.export).parameters else {}
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the exporter's deprecation notice, not ours to fix
             torch.onnx.export(
-                module, (example,), str(path), dynamo=False, opset_version=opset,
-                input_names=[INPUT_NAME], output_names=output_names, dynamic_axes=dynamic,
-                do_constant_folding=True,
+                module, (example,), str(path), opset_version=opset, input_names=[INPUT_NAME],
+                output_names=output_names, dynamic_axes=dynamic, do_constant_folding=True,
+                **which,
             )
     except Exception as exc:
         operator = _failing_operator(exc)
