@@ -39,6 +39,8 @@ from infermux.units import discover
 
 @dataclass
 class Row:
+    """One (model, batch, engine) pair: infermux's throughput and the by-hand one."""
+
     model: str
     batch: int
     engine: str
@@ -51,6 +53,7 @@ class Row:
 
     @property
     def ratio(self) -> float | None:
+        """Infermux / by hand."""
         if self.infermux_items_per_s and self.by_hand_items_per_s:
             return self.infermux_items_per_s / self.by_hand_items_per_s
         return None

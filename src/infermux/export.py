@@ -151,7 +151,8 @@ def _torch_export(model: LoadedModel, path: Path, opset: int) -> None:
     output_names = [f"output{i}" if i else "output" for i in range(len(flat))]
     dynamic: dict[str, Any] = {n: {0: "batch"} for n in (INPUT_NAME, *output_names)}
     # torch ≥ 2.5 has both exporters and (from 2.9) defaults to dynamo; older ones only this one.
-    which = {"dynamo": False} if "dynamo" in inspect.signature(torch.onnx.export).parameters else {}
+    which: dict[str, Any] = (
+        {"dynamo": False} if "dynamo" in inspect.signature(torch.onnx.export).parameters else {})
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the exporter's deprecation notice, not ours to fix
