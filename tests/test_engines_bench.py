@@ -90,3 +90,24 @@ def test_cli_bench_engine_auto_json(tmp_path: Path, capsys: pytest.CaptureFixtur
         main(["bench", "-m", f"{TINY}:build", "--engine", "nope", "--db", str(db)])
     assert failed.value.code == 2
     assert "unknown engine 'nope'" in capsys.readouterr().err
+
+
+def test_auto_on_an_onnx_file_leaves_out_the_torch_engine(tmp_path: Path) -> None:
+    from infermux.export import export_onnx
+    from infermux.models import load_model
+
+    onnx_file = tmp_path / "tiny.onnx"
+    onnx_file.write_bytes(export_onnx(load_model(f"{TINY}:build")).path.read_bytes())
+    model = load_model(str(onnx_file))
+    cpu = [discover(with_runtimes=False).get("cpu")]
+    names = [n for _, n in engines_for("auto", cpu, model)]
+    assert "torch" not in names and sorted(names) == sorted(
+        n for n in _usable_on_cpu() if n != "torch")
+    with pytest.raises(UsageError, match="cannot run model 'tiny'"):
+        engines_for("torch", cpu, model)
+    config = BenchConfig(model=ModelSpec(str(onnx_file)), units="cpu", batches=[2],
+                         engine="auto", min_duration_s=0.1, min_queries=2, warmup_s=0.01)
+    report = run_bench(config)
+    assert {m.engine for m in report.measurements} == set(names)
+    assert all(m.agreement and m.agreement["reference"] == "onnxruntime-fp32-cpu"
+               and m.agreement["status"] == "pass" for m in report.measurements)

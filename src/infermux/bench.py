@@ -292,9 +292,10 @@ def run_bench(
     """
     found = discover()
     units = select_units(config.units, found)
-    plan = engines_for(config.engine, units)
-    engines = {name: create_engine(name) for name in sorted({n for _, n in plan})}
+    engines_for(config.engine, units)  # usage errors before the model is loaded
     model = load_model(config.model)
+    plan = engines_for(config.engine, units, model)
+    engines = {name: create_engine(name) for name in sorted({n for _, n in plan})}
     run_id = None
     if store is not None:
         cfg = config.to_dict()
@@ -331,30 +332,36 @@ def run_bench(
     return report
 
 
-def engines_for(spec: str, units: list[Unit]) -> list[tuple[Unit, str]]:
+def engines_for(spec: str, units: list[Unit], model: LoadedModel | None = None
+                ) -> list[tuple[Unit, str]]:
     """(unit, engine) pairs to measure: `auto` → every usable engine that supports each unit.
 
     `spec` is one engine name, a comma-separated list, or `auto`. A named engine that cannot run
-    a unit is a usage error; `auto` skips it (and an engine not installed) silently.
+    a unit (or the model) is a usage error; `auto` skips it, and engines not installed, silently.
     """
     names = [n.strip() for n in spec.split(",") if n.strip()]
     if not names:
         raise UsageError(f"--engine {spec!r} is empty: use one of {', '.join(list_engines())}, auto")
-    status = engine_status()
     if names == ["auto"]:
-        usable = [n for n, (ok, _) in status.items() if ok]
-        plan = [(u, n) for u in units for n in usable if create_engine(n).supports(u)]
+        usable = [create_engine(n) for n, (ok, _) in engine_status().items() if ok]
+        plan = [(u, e.name) for u in units for e in usable
+                if e.supports(u) and (model is None or e.accepts(model))]
         if not plan:
             raise UsageError(f"no engine installed here runs {', '.join(u.id for u in units)}")
         return plan
     plan = []
     for name in names:
         engine = create_engine(name)  # unknown or uninstalled: one clear line
+        if model is not None and not engine.accepts(model):
+            raise UsageError(f"engine {name!r} cannot run model {model.name!r} "
+                             f"({model.source}); use --engine auto or an ONNX engine")
         for unit in units:
             if not engine.supports(unit):
+                why = getattr(engine, "unsupported_reason", lambda _u: "")(unit)
                 raise UsageError(
-                    f"engine {name!r} cannot run on unit {unit.id!r}; "
-                    f"it runs {', '.join(engine.unit_kinds)} units (or use --engine auto)"
+                    f"engine {name!r} cannot run on unit {unit.id!r}: "
+                    + (why or f"it runs {', '.join(engine.unit_kinds)} units")
+                    + " (or use --engine auto)"
                 )
             plan.append((unit, name))
     return sorted(plan, key=lambda p: units.index(p[0]))

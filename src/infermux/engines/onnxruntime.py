@@ -257,6 +257,22 @@ class OrtEngine(Engine):
         self._exports: dict[tuple[str, int | None], ExportedModel] = {}
         self._runners: dict[tuple[Any, ...], OrtRunner] = {}
 
+    def supports(self, unit: Unit) -> bool:
+        """A GPU unit only where the provider it needs is installed (onnxruntime-gpu)."""
+        return unit.kind in self.unit_kinds and not self.unsupported_reason(unit)
+
+    def unsupported_reason(self, unit: Unit) -> str:
+        """Why `unit` cannot run here ("" when it can)."""
+        import onnxruntime as ort
+
+        if unit.kind == "cpu":
+            return ""
+        needed = ("TensorrtExecutionProvider" if unit.kind == "dla" or unit.mode in ("fp16", "int8")
+                  else "CUDAExecutionProvider")
+        if needed not in ort.get_available_providers():
+            return f"{unit.id} needs ONNX Runtime's {needed}: pip install onnxruntime-gpu"
+        return ""
+
     def onnx_for(self, model: LoadedModel, opset: int | None) -> ExportedModel:
         """The model's ONNX file (exported once per engine life and cached on disk)."""
         key = (model.key, opset)
@@ -276,7 +292,7 @@ class OrtEngine(Engine):
         """A session for `unit` (one per instance: each owns its intra-op pool) at `batch`."""
         import onnxruntime as ort
 
-        if not self.supports(unit):
+        if unit.kind not in self.unit_kinds:
             raise UsageError(f"the onnxruntime engine cannot run on unit {unit.id!r} "
                              f"(it runs {', '.join(self.unit_kinds)})")
         if data not in DATA_PLACEMENTS:
