@@ -300,6 +300,9 @@ class OrtEngine(Engine):
         if batch <= 0:
             raise UsageError(f"batch size {batch} must be at least 1")
         opts = _parse_options(options).resolve(unit)
+        if opts.cuda_graph and data != "device":
+            raise UsageError("option cuda_graph=true needs inputs and outputs in device memory "
+                             "(ONNX Runtime replays fixed addresses): add --data device")
         key = (model.key, unit.id, opts.model_dump_json(), batch, data, instance)
         if key in self._runners:
             return self._runners[key]
