@@ -165,6 +165,7 @@ def main() -> None:
 
     found = discover()
     cores = len(found.cpu["usable_cores"])
+    load_before = os.getloadavg()[0]
     have = {name: importlib.util.find_spec(name) is not None for name in ("onnxruntime",
                                                                            "openvino")}
     wanted = [e.strip() for e in args.engines.split(",") if e.strip()]
@@ -210,7 +211,7 @@ def main() -> None:
                 print(f"  {row.model} b{batch} {engine}: infermux {_fmt(best_mux)}, "
                       f"by hand {_fmt(best_hand)} items/s", file=sys.stderr, flush=True)
 
-    print(_markdown(rows, found.cpu, cores, args, notes))
+    print(_markdown(rows, found.cpu, cores, args, notes, (load_before, os.getloadavg()[0])))
     if args.json:
         with open(args.json, "w") as f:
             json.dump([{**asdict(r), "ratio": r.ratio} for r in rows], f, indent=2)
@@ -221,7 +222,7 @@ def _fmt(value: float | None) -> str:
 
 
 def _markdown(rows: list[Row], cpu: dict[str, Any], cores: int, args: argparse.Namespace,
-              notes: list[str]) -> str:
+              notes: list[str], load: tuple[float, float]) -> str:
     import torch
 
     versions = [f"torch {torch.__version__}"]
@@ -232,8 +233,8 @@ def _markdown(rows: list[Row], cpu: dict[str, Any], cores: int, args: argparse.N
     command = "python " + shlex.join(["bench/engines_cpu.py", *sys.argv[1:]])
     lines = [
         f"Machine: {cpu['model']}, {cores} usable cores, ISA {' '.join(cpu['isa'])}; "
-        f"Python {platform.python_version()}; {', '.join(versions)}; load average before: "
-        f"{os.getloadavg()[0]:.2f}.",
+        f"Python {platform.python_version()}; {', '.join(versions)}; 1-minute load average "
+        f"{load[0]:.2f} before, {load[1]:.2f} after.",
         f"Command: `{command}`",
         "",
         "| model | batch | engine | unit | precision | infermux items/s | by hand items/s "
