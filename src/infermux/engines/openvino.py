@@ -16,6 +16,8 @@ from __future__ import annotations
 import collections
 import threading
 import time
+import weakref
+from collections.abc import Callable
 from typing import Any, Literal
 
 import numpy as np
@@ -126,9 +128,12 @@ class OvRunner(Runner):
         self._queue = ov.AsyncInferQueue(compiled, self._n)
         for i in range(self._n):
             self._queue[i].set_input_tensor(x_tensor)
+        # The callback closes over these two, not over the runner, so a runner nobody holds is
+        # collected; the finalizer then (or at exit) waits for its requests before they go.
         self._done: collections.deque[tuple[int, int, int]] = collections.deque()
         self._cond = threading.Condition()
-        self._queue.set_callback(self._on_done)
+        self._queue.set_callback(_on_done(self._done, self._cond))
+        self._finalizer = weakref.finalize(self, self._queue.wait_all)
         self._in_flight = 0
         self._next_id = 0
         self._last_request = 0
@@ -143,28 +148,28 @@ class OvRunner(Runner):
             self.run()
         self.build_s = time.perf_counter() - started
 
-    def _on_done(self, request: Any, userdata: tuple[int, int]) -> None:
-        # Runs on an OpenVINO thread: note when and which request; run() does the rest.
-        now = time.perf_counter_ns()
-        submitted, slot = userdata
-        with self._cond:
-            self._done.append((submitted, now, slot))
-            self._cond.notify()
-
     def run(self) -> BatchTiming:
-        """Top the pool up to N batches in flight, then return the timing of the next one done."""
-        while self._in_flight < self._n:
-            slot = self._queue.get_idle_request_id()  # the request start_async takes next
-            self._queue.start_async(userdata=(time.perf_counter_ns(), slot))
+        """Keep N batches in flight; return the timing of the next one that finishes.
+
+        The submission comes first and waits inside OpenVINO for a free request, as
+        benchmark_app's loop does, so a finished request is refilled without a Python hop; its
+        callback has recorded the finish by then, and that record is what this call returns.
+        """
+        while self._in_flight < self._n:  # after a drain: fill the pool
+            self._submit()
             self._in_flight += 1
+        self._submit()  # blocks until one of the N finishes, then reuses it
         with self._cond:
             while not self._done:
                 self._cond.wait()
             submitted, finished, slot = self._done.popleft()
-        self._in_flight -= 1
         self._last_request = slot
         latency = finished - submitted
         return BatchTiming(latency_ns=latency, compute_ns=latency)
+
+    def _submit(self) -> None:
+        slot = self._queue.get_idle_request_id()  # blocks for a free one; start_async takes it
+        self._queue.start_async(userdata=(time.perf_counter_ns(), slot))
 
     def _drain(self) -> None:
         self._queue.wait_all()
@@ -181,7 +186,12 @@ class OvRunner(Runner):
         self._x[...] = batch
 
     def outputs(self) -> list[np.ndarray]:
-        """The outputs of the last batch `run()` returned, as float32 copies."""
+        """Outputs for the current input, as float32 copies, once the pool has gone idle.
+
+        Every request in flight reads the one input buffer, so once they are done any of them
+        holds the outputs of that input; the last one `run()` returned is read.
+        """
+        self._drain()
         request = self._queue[self._last_request]
         return [np.array(request.get_output_tensor(i).data, dtype=np.float32, copy=True)
                 for i in range(len(self._compiled.outputs))]
@@ -189,6 +199,20 @@ class OvRunner(Runner):
     def close(self) -> None:
         """Wait for the requests in flight, then let the compiled model go."""
         self._drain()
+
+
+def _on_done(done: collections.deque[tuple[int, int, int]],
+             cond: threading.Condition) -> Callable[[Any, tuple[int, int]], None]:
+    """The pool's completion callback: notes when and which request finished."""
+
+    def callback(_request: Any, userdata: tuple[int, int]) -> None:
+        now = time.perf_counter_ns()  # runs on an OpenVINO thread
+        submitted, slot = userdata
+        with cond:
+            done.append((submitted, now, slot))
+            cond.notify()
+
+    return callback
 
 
 def _int_property(compiled: Any, name: str) -> int | None:
