@@ -11,7 +11,11 @@ Method (written into the code so no caller can skip it):
 - a telemetry sampler (10 Hz by default) runs beside the whole sweep; each point's window gives
   its energy per item, mean and peak power, items/s per watt, per-unit utilisation and the
   validity flags of `infermux.telemetry.energy` (thermal/hardware slowdown, temperature at the
-  slowdown point and other processes on the GPU make a point invalid).
+  slowdown point and other processes on the GPU make a point invalid);
+- before timing, each point's runner is checked against the PyTorch fp32 reference on the same
+  inputs (`infermux.agreement`); wrong results make the point invalid, loudly.
+
+`engine="auto"` measures every engine usable here that supports the unit, side by side.
 """
 
 from __future__ import annotations
@@ -22,8 +26,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from infermux.engines import Runner, create_engine
-from infermux.engines.base import DATA_PLACEMENTS, is_out_of_memory
+from infermux import agreement
+from infermux.engines import Runner, create_engine, engine_status, list_engines
+from infermux.engines.base import DATA_PLACEMENTS, Engine, is_out_of_memory
 from infermux.env import capture_environment
 from infermux.errors import DeviceOutOfMemoryError, InfermuxError, UsageError
 from infermux.models import LoadedModel, ModelSpec, load_model
@@ -32,7 +37,10 @@ from infermux.store import Sample, Store
 from infermux.telemetry import DEFAULT_INTERVAL_S, EnergySummary, Sampler, TelemetryWindow
 from infermux.units import Unit, discover, select_units
 
-__all__ = ["BenchConfig", "BenchReport", "Measurement", "measure", "run_bench", "telemetry_device"]
+__all__ = [
+    "BenchConfig", "BenchReport", "Measurement", "engine_options", "engines_for", "measure",
+    "run_bench", "telemetry_device",
+]
 
 #: progress(label, fraction) — fraction of the current point's validity rule met, 0..1.
 ProgressFn = Callable[[str, float], None]
@@ -55,6 +63,8 @@ class BenchConfig:
     options: dict[str, Any] = field(default_factory=dict)
     #: Telemetry sampling period; None turns the sampler off.
     telemetry_interval_s: float | None = DEFAULT_INTERVAL_S
+    #: Check each point against the PyTorch fp32 reference (one small batch, before timing).
+    check_agreement: bool = True
 
     def __post_init__(self) -> None:
         if self.instances < 1:
@@ -111,6 +121,8 @@ class Measurement:
     #: The measured window's telemetry and its summary (None when the sampler is off).
     telemetry: TelemetryWindow | None = field(default=None, repr=False)
     energy: EnergySummary | None = field(default=None, repr=False)
+    #: The numerical agreement check (`infermux.agreement.Agreement.to_dict()`), None if not run.
+    agreement: dict[str, Any] | None = None
 
     @property
     def items(self) -> int:
@@ -127,6 +139,8 @@ class Measurement:
         """(valid, why not): both the minimum duration and the minimum query count must hold."""
         if self.status != "ok":
             return False, f"{self.status}: {self.error or 'no measurement'}"
+        if self.agreement is not None and self.agreement.get("status") == "fail":
+            return False, f"WRONG RESULTS: {self.agreement.get('message')}"
         missing = []
         if self.window_s < self.min_duration_s:
             missing.append(f"ran {self.window_s:.2f}s < min duration {self.min_duration_s:g}s")
@@ -145,7 +159,7 @@ class Measurement:
             "valid": valid, "validity_note": note, "items": self.items,
             "window_s": self.window_s, "throughput_items_per_s": self.throughput,
             "build_s": self.build_s, "options": self.options, "error": self.error,
-            "weights_note": self.weights_note,
+            "weights_note": self.weights_note, "agreement": self.agreement,
         }
         data.update(latency_summary_ms([s.latency_ns for s in self.samples]))
         if self.samples:
@@ -302,18 +316,15 @@ def run_bench(
     """
     found = discover()
     units = select_units(config.units, found)
-    engine = create_engine(config.engine)
-    for unit in units:
-        if not engine.supports(unit):
-            raise UsageError(
-                f"engine {config.engine!r} cannot run on unit {unit.id!r}; "
-                f"it runs {', '.join(engine.unit_kinds)} units"
-            )
+    engines_for(config.engine, units)  # usage errors before the model is loaded
     model = load_model(config.model)
+    plan = engines_for(config.engine, units, model)
+    engines = {name: create_engine(name) for name in sorted({n for _, n in plan})}
     run_id = None
     if store is not None:
         cfg = config.to_dict()
         cfg["resolved_units"] = [u.id for u in units]
+        cfg["resolved_engines"] = [[u.id, n] for u, n in plan]
         cfg["model_description"] = model.describe()
         run_id = store.begin_run("bench", cfg, capture_environment(), command)
     report = BenchReport(run_id, model, units, [], "complete")
@@ -321,10 +332,12 @@ def run_bench(
     if config.telemetry_interval_s is not None:
         sampler = Sampler.for_units(units, interval_s=config.telemetry_interval_s).start()
         report.telemetry = sampler.describe()
+    reference: list[agreement.Reference] = []
     try:
-        for unit in units:
+        for unit, name in plan:
             for batch in config.batches:
-                point = _measure_point(config, engine, model, unit, batch, progress, sampler)
+                point = _measure_point(config, name, engines[name], model, unit, batch, progress,
+                                       reference, sampler)
                 report.measurements.append(point)
                 if store is not None and run_id is not None:
                     result_id = store.add_result(run_id, point.record(), point.samples)
@@ -332,6 +345,9 @@ def run_bench(
                         store.add_telemetry(run_id, result_id, point.telemetry.rows())
                 if point.status == "interrupted":
                     raise KeyboardInterrupt
+            release = getattr(engines[name], "release", None)
+            if release is not None:  # one (unit, engine) at a time holds memory
+                release()
     except KeyboardInterrupt:
         report.status = "interrupted"
     finally:
@@ -341,9 +357,10 @@ def run_bench(
             status = report.status
             valid = sum(1 for m in report.measurements if m.validity[0])
             store.finish_run(run_id, status, {"points": len(report.measurements), "valid": valid})
-        release = getattr(engine, "release", None)
-        if release is not None:
-            release()
+        for engine in engines.values():
+            release = getattr(engine, "release", None)
+            if release is not None:
+                release()
     return report
 
 
@@ -352,33 +369,100 @@ def telemetry_device(unit: Unit) -> str:
     if unit.kind == "cpu" or unit.device.upper().startswith("OPENVINO:CPU"):
         return "cpu"
     return unit.device
+def engines_for(spec: str, units: list[Unit], model: LoadedModel | None = None
+                ) -> list[tuple[Unit, str]]:
+    """(unit, engine) pairs to measure: `auto` → every usable engine that supports each unit.
+
+    `spec` is one engine name, a comma-separated list, or `auto`. A named engine that cannot run
+    a unit (or the model) is a usage error; `auto` skips it, and engines not installed, silently.
+    """
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    if not names:
+        raise UsageError(f"--engine {spec!r} is empty: use one of {', '.join(list_engines())}, auto")
+    if names == ["auto"]:
+        usable = [create_engine(n) for n, (ok, _) in engine_status().items() if ok]
+        plan = [(u, e.name) for u in units for e in usable
+                if e.supports(u) and (model is None or e.accepts(model))]
+        if not plan:
+            raise UsageError(f"no engine installed here runs {', '.join(u.id for u in units)}")
+        return plan
+    plan = []
+    for name in names:
+        engine = create_engine(name)  # unknown or uninstalled: one clear line
+        if model is not None and not engine.accepts(model):
+            raise UsageError(f"engine {name!r} cannot run model {model.name!r} "
+                             f"({model.source}); use --engine auto or an ONNX engine")
+        for unit in units:
+            if not engine.supports(unit):
+                why = getattr(engine, "unsupported_reason", lambda _u: "")(unit)
+                raise UsageError(
+                    f"engine {name!r} cannot run on unit {unit.id!r}: "
+                    + (why or f"it runs {', '.join(engine.unit_kinds)} units")
+                    + " (or use --engine auto)"
+                )
+            plan.append((unit, name))
+    return sorted(plan, key=lambda p: units.index(p[0]))
+
+
+def engine_options(engine: str, options: dict[str, Any]) -> dict[str, Any]:
+    """The options meant for `engine`: plain keys go to every engine, `NAME.key` only to NAME."""
+    known = set(list_engines())
+    chosen: dict[str, Any] = {}
+    for key, value in options.items():
+        prefix, dot, rest = key.partition(".")
+        if dot and prefix in known:
+            if prefix == engine:
+                chosen[rest] = value
+        elif dot:
+            raise UsageError(f"option {key!r}: {prefix!r} is not an engine "
+                             f"({', '.join(sorted(known))}); write ENGINE.option=value")
+        else:
+            chosen[key] = value
+    return chosen
+
+
+def _check_agreement(runner: Runner, model: LoadedModel,
+                     reference: list[agreement.Reference]) -> dict[str, Any]:
+    """The point's agreement entry; the reference is computed once per run, on first use."""
+    try:
+        if not reference:
+            reference.append(agreement.reference_for(model))
+    except ImportError as exc:
+        return agreement.skipped(runner, f"no reference runtime: {exc}").to_dict()
+    return agreement.check(runner, reference[0]).to_dict()
 
 
 def _measure_point(
     config: BenchConfig,
-    engine: Any,
+    engine_name: str,
+    engine: Engine,
     model: LoadedModel,
     unit: Unit,
     batch: int,
     progress: ProgressFn | None,
+    reference: list[agreement.Reference],
     sampler: Sampler | None = None,
 ) -> Measurement:
     point = Measurement(
-        model=model.name, unit=unit.id, engine=config.engine, batch=batch,
+        model=model.name, unit=unit.id, engine=engine_name, batch=batch,
         instances=config.instances, data=config.data, min_duration_s=config.min_duration_s,
         min_queries=config.min_queries, weights_note=model.weights_note,
     )
-    label = f"{unit.id} b{batch}" + (f" ×{config.instances}" if config.instances > 1 else "")
+    label = f"{unit.id} {engine_name} b{batch}" + (
+        f" ×{config.instances}" if config.instances > 1 else "")
     if progress is not None:
         progress(label, 0.0)
     try:
+        options = engine_options(engine_name, config.options)
         runners = [
-            engine.build(model, unit, batch, config.options, data=config.data, instance=i)
+            engine.build(model, unit, batch, options, data=config.data, instance=i)
             for i in range(config.instances)
         ]
         point.build_s = sum(r.build_s for r in runners)
         point.options = runners[0].options
         window: list[int] = []
+        if config.check_agreement:
+            point.agreement = _check_agreement(runners[0], model, reference)
         point.samples, point.window_s = measure(
             runners, min_duration_s=config.min_duration_s, min_queries=config.min_queries,
             warmup_s=config.warmup_s, deadline_s=config.deadline_s, progress=progress,

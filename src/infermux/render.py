@@ -47,7 +47,7 @@ def bench_table(results: Iterable[dict[str, Any]], title: str = "Offline benchma
     for col, justify in (("unit", "left"), ("engine", "left"), ("batch", "right"),
                          ("inst", "right"), ("items/s", "right"), ("p50 ms", "right"),
                          ("p99 ms", "right"), ("max ms", "right"),
-                         ("h2d/comp/d2h ms", "right"), ("valid", "left")):
+                         ("h2d/comp/d2h ms", "right"), ("agree", "left"), ("valid", "left")):
         table.add_column(col, justify=justify, overflow="fold")  # type: ignore[arg-type]
     results = list(results)
     energy = any(r.get("energy_per_item_j") is not None for r in results)
@@ -59,7 +59,7 @@ def bench_table(results: Iterable[dict[str, Any]], title: str = "Offline benchma
                  f"{_num(r.get('mean_power_w'))}/{_num(r.get('peak_power_w'))}"] if energy else []
         if r["status"] != "ok":
             table.add_row(r["unit"], r["engine"], str(r["batch"]), str(r["instances"]),
-                          r["status"].upper(), "", "", "", "", (r.get("error") or "")[:80],
+                          r["status"].upper(), "", "", "", "", "", (r.get("error") or "")[:80],
                           *(["", ""] if energy else []))
             continue
         phases = "/".join(_num(r.get(f"{p}_ms"), 2) for p in ("h2d", "compute", "d2h"))
@@ -69,9 +69,23 @@ def bench_table(results: Iterable[dict[str, Any]], title: str = "Offline benchma
             r["unit"], r["engine"], str(r["batch"]), str(r["instances"]),
             _num(r.get("throughput_items_per_s")), _num(r.get("p50_ms"), 2),
             _num(r.get("p99_ms"), 2), _num(r.get("max_ms"), 2), phases,
+            _agreement(r.get("agreement")),
             "yes" if r["valid"] else f"no: {r.get('validity_note', '')}", *extra,
         )
     return table
+
+
+def _agreement(entry: dict[str, Any] | None) -> str:
+    """`ok 3e-06` / `FAIL 0.4` / `skipped`: the agreement check in a few characters."""
+    if not entry:
+        return "–"
+    if entry.get("status") == "skipped":
+        return "skipped"
+    err = entry.get("rel_err")
+    figure = f" {err:.0e}" if isinstance(err, float) else ""
+    if entry.get("status") == "fail":
+        return f"[bold red]FAIL{figure}[/]"
+    return f"ok{figure} {entry.get('precision', '')}".rstrip()
 
 
 def runs_table(runs: Iterable[dict[str, Any]]) -> Table:

@@ -131,6 +131,10 @@ class Engine(ABC):
         """Whether this engine can run on `unit`."""
         return unit.kind in self.unit_kinds
 
+    def accepts(self, model: LoadedModel) -> bool:
+        """Whether this engine can run `model` (engines that need a torch module say no to ONNX)."""
+        return True
+
     @abstractmethod
     def build(
         self,

@@ -366,6 +366,10 @@ class TorchEngine(Engine):
         self._modules: dict[tuple[str, str, str], Any] = {}
         self._runners: dict[tuple[str, str, str, int, str, int], TorchRunner] = {}
 
+    def accepts(self, model: LoadedModel) -> bool:
+        """Only torch modules: an ONNX file is for the ONNX engines."""
+        return model.module is not None
+
     def _prepare(self, model: LoadedModel, unit: Unit, opts: TorchOptions) -> Any:
         import copy
 

@@ -1,0 +1,377 @@
+"""The ONNX Runtime engine: CPU, CUDA and TensorRT execution providers over one exported file.
+
+Units: `cpu` and core sets (CPU provider, intra-op threads = the unit's cores per instance),
+`cuda:N/fp32|tf32` (CUDA provider), `cuda:N/fp16|int8` and `dla:N/fp16|int8` (TensorRT provider,
+with its engine and timing caches). The GPU providers need the `onnxruntime-gpu` wheel.
+
+A batch costs one `run_with_iobinding` call: the input and outputs are bound once to preallocated
+buffers (numpy on the host, OrtValues on the GPU), so no per-batch dict, list or array is built.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from infermux.engines.base import DATA_PLACEMENTS, BatchTiming, Engine, Runner, register_engine
+from infermux.errors import RunError, UsageError
+from infermux.export import ExportedModel, cache_dir, export_onnx
+from infermux.models import LoadedModel
+from infermux.units import Unit
+
+__all__ = ["OrtEngine", "OrtOptions", "OrtRunner", "check_batch_dim", "provider_config"]
+
+Provider = Literal["cpu", "cuda", "tensorrt"]
+_PROVIDER_NAMES = {
+    "cpu": "CPUExecutionProvider",
+    "cuda": "CUDAExecutionProvider",
+    "tensorrt": "TensorrtExecutionProvider",
+}
+_OPT_LEVELS = ("disable", "basic", "extended", "all")
+_NP_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16,
+             "tensor(double)": np.float64, "tensor(uint8)": np.uint8, "tensor(int8)": np.int8}
+
+
+class OrtOptions(BaseModel):
+    """Options of the ONNX Runtime engine; `None` means "the engine decides for the unit"."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    provider: Provider | None = None
+    intra_op_threads: int | None = Field(None, ge=1)
+    inter_op_threads: int | None = Field(None, ge=1)
+    graph_optimization: Literal["disable", "basic", "extended", "all"] = "all"
+    execution_mode: Literal["sequential", "parallel"] = "sequential"
+    #: Intra-op threads spin while waiting for work: faster alone, wasteful beside other instances.
+    allow_spinning: bool = True
+    #: Pin the pool's threads to the unit's cores (on a core-set unit such as cpu:0-3).
+    pin_threads: bool | None = None
+    fp16: bool | None = None
+    int8: bool | None = None
+    int8_calibration_table: str | None = None
+    dla_core: int | None = Field(None, ge=0)
+    cuda_graph: bool = False
+    engine_cache_dir: str | None = None
+    opset: int | None = None
+    warmup_iters: int = Field(3, ge=0)
+
+    def resolve(self, unit: Unit) -> OrtOptions:
+        """Fill the defaults for `unit` and reject what the unit cannot do, naming the option."""
+        update: dict[str, Any] = {}
+        provider = self.provider
+        if unit.kind == "cpu":
+            provider = provider or "cpu"
+            if provider != "cpu":
+                raise UsageError(f"option provider={provider} needs a GPU unit, not {unit.id!r}")
+            if self.fp16 or self.int8 or self.dla_core is not None or self.cuda_graph:
+                raise UsageError(
+                    f"options fp16/int8/dla_core/cuda_graph need the TensorRT or CUDA provider; "
+                    f"unit {unit.id!r} runs the CPU provider: use a cuda:N/fp16 or dla:N unit"
+                )
+            update["intra_op_threads"] = self.intra_op_threads or len(unit.cores) or 1
+            update["pin_threads"] = (self.pin_threads if self.pin_threads is not None
+                                     else unit.id != "cpu")
+        elif unit.kind in ("cuda", "dla"):
+            if unit.mode == "bf16":
+                raise UsageError(f"ONNX Runtime has no bf16 mode for {unit.id!r}: use fp16 or tf32")
+            needs_trt = unit.kind == "dla" or unit.mode in ("fp16", "int8")
+            provider = provider or ("tensorrt" if needs_trt else "cuda")
+            if needs_trt and provider != "tensorrt":
+                raise UsageError(
+                    f"option provider={provider} cannot run {unit.id!r}: {unit.mode} and DLA units "
+                    "run on the TensorRT provider (provider=tensorrt)"
+                )
+            if provider == "cpu":
+                raise UsageError(f"option provider=cpu on GPU unit {unit.id!r}: use the unit cpu")
+            update["fp16"] = self.fp16 if self.fp16 is not None else unit.mode == "fp16"
+            update["int8"] = self.int8 if self.int8 is not None else unit.mode == "int8"
+            if unit.kind == "dla":
+                update["dla_core"] = unit.index if self.dla_core is None else self.dla_core
+            elif self.dla_core is not None:
+                raise UsageError(f"option dla_core={self.dla_core} needs a dla:N unit, not {unit.id!r}")
+            update["intra_op_threads"] = self.intra_op_threads or 1
+        else:
+            raise UsageError(f"the onnxruntime engine cannot run on unit {unit.id!r}")
+        update["provider"] = provider
+        return self.model_copy(update=update)
+
+
+def _parse_options(options: dict[str, Any] | None) -> OrtOptions:
+    try:
+        return OrtOptions(**(options or {}))
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        field = ".".join(str(p) for p in err["loc"]) or "options"
+        allowed = ", ".join(sorted(OrtOptions.model_fields))
+        raise UsageError(
+            f"onnxruntime engine option {field}={err.get('input')!r}: {err['msg']} "
+            f"(options: {allowed})"
+        ) from None
+
+
+def provider_config(unit: Unit, opts: OrtOptions, cache_root: Path) -> list[tuple[str, dict[str, str]]]:
+    """The (provider, provider options) list a session is created with, most preferred first.
+
+    Pure: tests check the translation of units and options without a GPU.
+    """
+    if opts.provider == "cpu":
+        return [("CPUExecutionProvider", {})]
+    device = {"device_id": str(unit.index if unit.kind == "cuda" else 0)}
+    cuda = {**device, "cudnn_conv_algo_search": "EXHAUSTIVE",
+            "use_tf32": "1" if unit.mode == "tf32" else "0"}
+    if opts.provider == "cuda":
+        if opts.cuda_graph:
+            cuda["enable_cuda_graph"] = "1"
+        return [("CUDAExecutionProvider", cuda), ("CPUExecutionProvider", {})]
+    cache = Path(opts.engine_cache_dir) if opts.engine_cache_dir else cache_root / "ort-trt"
+    trt = {
+        **device,
+        "trt_fp16_enable": str(bool(opts.fp16)),
+        "trt_int8_enable": str(bool(opts.int8)),
+        "trt_engine_cache_enable": "True",
+        "trt_engine_cache_path": str(cache),
+        # A timing cache makes a rebuild pick the kernels timed the first time: reproducible.
+        "trt_timing_cache_enable": "True",
+        "trt_timing_cache_path": str(cache),
+    }
+    if opts.int8 and opts.int8_calibration_table:
+        trt["trt_int8_calibration_table_name"] = opts.int8_calibration_table
+    if opts.dla_core is not None:
+        trt["trt_dla_enable"] = "True"
+        trt["trt_dla_core"] = str(opts.dla_core)
+    if opts.cuda_graph:
+        trt["trt_cuda_graph_enable"] = "True"
+    # Layers TensorRT cannot take fall back to the CUDA provider, then the CPU one.
+    return [("TensorrtExecutionProvider", trt), ("CUDAExecutionProvider", cuda),
+            ("CPUExecutionProvider", {})]
+
+
+def _thread_affinities(cores: tuple[int, ...], threads: int) -> str:
+    """ORT's affinity string for the pool threads (all but the caller's): 1-based core ids."""
+    return ";".join(str(cores[i % len(cores)] + 1) for i in range(1, threads))
+
+
+class OrtRunner(Runner):
+    """One session, one batch size, input and outputs bound once to preallocated buffers."""
+
+    engine = "onnxruntime"
+
+    def __init__(self, session: Any, unit: Unit, batch: int, input_shape: tuple[int, ...],
+                 opts: OrtOptions, data: str, started: float) -> None:
+        import onnxruntime as ort
+
+        self.unit = unit
+        self.batch = batch
+        self.input_shape = input_shape
+        self.options = {**opts.model_dump(), "precision": _precision(opts, unit)}
+        self._session = session
+        meta = session.get_inputs()[0]
+        self._input_name = meta.name
+        dtype = _NP_TYPES.get(meta.type, np.float32)
+        shape = (batch, *input_shape)
+        self._x = np.random.default_rng(0).standard_normal(shape).astype(dtype)
+        on_gpu = opts.provider != "cpu"
+        device_id = unit.index if unit.kind == "cuda" else 0
+        # Outputs' shapes from one plain run; then everything is bound once.
+        first = session.run(None, {self._input_name: self._x})
+        self._binding = session.io_binding()
+        self._x_value: Any
+        if on_gpu and data == "device":
+            self._x_value = ort.OrtValue.ortvalue_from_numpy(self._x, "cuda", device_id)
+            self._y_values = [ort.OrtValue.ortvalue_from_shape_and_type(
+                y.shape, y.dtype, "cuda", device_id) for y in first]
+            self._y = [np.empty_like(y) for y in first]
+        else:
+            self._x_value = ort.OrtValue.ortvalue_from_numpy(self._x)  # shares the numpy memory
+            self._y = [np.empty_like(y) for y in first]
+            self._y_values = [ort.OrtValue.ortvalue_from_numpy(y) for y in self._y]
+        self._on_device = on_gpu and data == "device"
+        self._binding.bind_ortvalue_input(self._input_name, self._x_value)
+        for meta_out, value in zip(session.get_outputs(), self._y_values, strict=True):
+            self._binding.bind_ortvalue_output(meta_out.name, value)
+        for _ in range(max(1, opts.warmup_iters)):
+            self.run()
+        self.build_s = time.perf_counter() - started
+
+    def run(self) -> BatchTiming:
+        """One batch through the session; the copies a GPU provider makes are inside the time."""
+        start = time.perf_counter_ns()
+        self._session.run_with_iobinding(self._binding)
+        if self._on_device:
+            self._binding.synchronize_outputs()
+        latency = time.perf_counter_ns() - start
+        return BatchTiming(latency_ns=latency, compute_ns=latency)
+
+    def set_input(self, batch: np.ndarray) -> None:
+        """Copy `batch` into the bound input buffer."""
+        expected = (self.batch, *self.input_shape)
+        if tuple(batch.shape) != expected:
+            raise UsageError(f"batch of shape {tuple(batch.shape)} given, runner takes {expected}")
+        if self._on_device:
+            self._x[...] = batch
+            self._x_value.update_inplace(self._x)
+        else:
+            self._x[...] = batch
+
+    def outputs(self) -> list[np.ndarray]:
+        """The last batch's outputs as float32 arrays."""
+        if self._on_device:
+            return [v.numpy().astype(np.float32) for v in self._y_values]
+        return [y.astype(np.float32, copy=True) for y in self._y]
+
+    def close(self) -> None:
+        """Drop the binding and the session."""
+        self._binding = None
+        self._session = None
+
+
+def _precision(opts: OrtOptions, unit: Unit) -> str:
+    if opts.int8:
+        return "int8"
+    if opts.fp16:
+        return "fp16"
+    return "tf32" if unit.mode == "tf32" else "fp32"
+
+
+@register_engine
+class OrtEngine(Engine):
+    """ONNX Runtime on `cpu`, `cuda:N/*` and `dla:N/*` units."""
+
+    name = "onnxruntime"
+    unit_kinds = ("cpu", "cuda", "dla")
+
+    @classmethod
+    def available(cls) -> tuple[bool, str]:
+        """Importable here, or how to install it."""
+        try:
+            import onnxruntime  # noqa: F401
+        except ImportError:
+            return False, "install it with: pip install 'infermux[onnx]' (onnxruntime-gpu for GPUs)"
+        return True, ""
+
+    def __init__(self) -> None:
+        self._exports: dict[tuple[str, int | None], ExportedModel] = {}
+        self._runners: dict[tuple[Any, ...], OrtRunner] = {}
+
+    def supports(self, unit: Unit) -> bool:
+        """A GPU unit only where the provider it needs is installed (onnxruntime-gpu)."""
+        return unit.kind in self.unit_kinds and not self.unsupported_reason(unit)
+
+    def unsupported_reason(self, unit: Unit) -> str:
+        """Why `unit` cannot run here ("" when it can)."""
+        import onnxruntime as ort
+
+        if unit.kind == "cpu":
+            return ""
+        needed = ("TensorrtExecutionProvider" if unit.kind == "dla" or unit.mode in ("fp16", "int8")
+                  else "CUDAExecutionProvider")
+        if needed not in ort.get_available_providers():
+            return f"{unit.id} needs ONNX Runtime's {needed}: pip install onnxruntime-gpu"
+        return ""
+
+    def onnx_for(self, model: LoadedModel, opset: int | None) -> ExportedModel:
+        """The model's ONNX file (exported once per engine life and cached on disk)."""
+        key = (model.key, opset)
+        if key not in self._exports:
+            self._exports[key] = export_onnx(model, "onnxruntime", opset)
+        return self._exports[key]
+
+    def build(
+        self,
+        model: LoadedModel,
+        unit: Unit,
+        batch: int,
+        options: dict[str, Any] | None = None,
+        data: str = "host",
+        instance: int = 0,
+    ) -> OrtRunner:
+        """A session for `unit` (one per instance: each owns its intra-op pool) at `batch`."""
+        import onnxruntime as ort
+
+        if unit.kind not in self.unit_kinds:
+            raise UsageError(f"the onnxruntime engine cannot run on unit {unit.id!r} "
+                             f"(it runs {', '.join(self.unit_kinds)})")
+        if data not in DATA_PLACEMENTS:
+            raise UsageError(f"data placement {data!r} unknown: use one of {DATA_PLACEMENTS}")
+        if batch <= 0:
+            raise UsageError(f"batch size {batch} must be at least 1")
+        opts = _parse_options(options).resolve(unit)
+        if opts.cuda_graph and data != "device":
+            raise UsageError("option cuda_graph=true needs inputs and outputs in device memory "
+                             "(ONNX Runtime replays fixed addresses): add --data device")
+        key = (model.key, unit.id, opts.model_dump_json(), batch, data, instance)
+        if key in self._runners:
+            return self._runners[key]
+        provider = _PROVIDER_NAMES[opts.provider or "cpu"]
+        if provider not in ort.get_available_providers():
+            raise UsageError(
+                f"unit {unit.id!r} needs ONNX Runtime's {provider}, which this install lacks "
+                f"(it has {', '.join(ort.get_available_providers())}): pip install onnxruntime-gpu"
+            )
+        started = time.perf_counter()
+        onnx_file = self.onnx_for(model, opts.opset)
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = opts.intra_op_threads or 1
+        so.inter_op_num_threads = opts.inter_op_threads or 1
+        so.graph_optimization_level = {
+            "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+            "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+            "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+            "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+        }[opts.graph_optimization]
+        so.execution_mode = (ort.ExecutionMode.ORT_PARALLEL if opts.execution_mode == "parallel"
+                             else ort.ExecutionMode.ORT_SEQUENTIAL)
+        so.add_session_config_entry("session.intra_op.allow_spinning",
+                                    "1" if opts.allow_spinning else "0")
+        threads = opts.intra_op_threads or 1
+        if opts.pin_threads and unit.cores and threads > 1:
+            so.add_session_config_entry("session.intra_op.thread_affinities",
+                                        _thread_affinities(unit.cores, threads))
+        so.log_severity_level = 3
+        providers = provider_config(unit, opts, cache_dir())
+        try:
+            session = ort.InferenceSession(str(onnx_file.path), sess_options=so,
+                                           providers=[p for p, _ in providers],
+                                           provider_options=[o for _, o in providers])
+        except Exception as exc:  # onnxruntime raises its own pybind types (Fail, InvalidGraph…)
+            raise RunError(
+                f"ONNX Runtime cannot load {onnx_file.path.name} for {unit.id}: "
+                f"{_first_line(exc)}; check the file with onnx.checker or re-export it"
+            ) from exc
+        check_batch_dim(session.get_inputs()[0].shape, batch, onnx_file.path)
+        try:
+            runner = OrtRunner(session, unit, batch, model.input_shape, opts, data, started)
+        except UsageError:
+            raise
+        except Exception as exc:
+            raise RunError(f"onnxruntime failed to run {model.name} on {unit.id} at batch "
+                           f"{batch}: {_first_line(exc)}") from exc
+        runner.options["onnx_file"] = str(onnx_file.path)
+        runner.options["onnx_sha256"] = onnx_file.digest
+        self._runners[key] = runner
+        return runner
+
+    def release(self) -> None:
+        """Close every cached runner (sessions and their buffers)."""
+        for runner in self._runners.values():
+            runner.close()
+        self._runners.clear()
+
+
+def check_batch_dim(shape: list[Any], batch: int, path: Path) -> None:
+    """A file with a fixed batch dimension runs only that batch: say so before running."""
+    first = shape[0] if shape else None
+    if isinstance(first, int) and first > 0 and first != batch:
+        raise UsageError(
+            f"ONNX file {path.name!r} has a fixed batch of {first}, not {batch}: "
+            f"pass --batch {first} or export it with a dynamic batch axis"
+        )
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return (text.splitlines()[0] if text else type(exc).__name__)[:300]

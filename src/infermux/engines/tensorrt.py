@@ -1,0 +1,486 @@
+"""The TensorRT engine: ONNX → serialized engine for `cuda:N/*` and `dla:N/*` units.
+
+Written against the TensorRT Python API (8.6 on JetPack 5 through 10.x): named I/O tensors,
+`execute_async_v3`, an optimisation profile fixed at the runner's batch, a timing cache so a
+rebuild picks the kernels timed the first time (kernel choice by timing is what makes TensorRT
+builds non-deterministic), serialized engines cached on disk by a key of everything that shapes
+them, entropy calibration for int8 (from an image folder or generated data) with its cache kept,
+and CUDA-graph replay on GPU units. Buffers are torch CUDA tensors, so no CUDA binding beyond
+torch is needed.
+
+`build_plan` and `engine_cache_key` are pure, so the translation of units and options is tested
+on machines without TensorRT; everything that needs the library is imported lazily.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from infermux.engines.base import DATA_PLACEMENTS, BatchTiming, Engine, Runner, register_engine
+from infermux.errors import RunError, UsageError
+from infermux.export import ExportedModel, cache_dir, export_onnx
+from infermux.models import LoadedModel
+from infermux.units import Unit
+
+__all__ = [
+    "BuildPlan",
+    "TrtEngine",
+    "TrtOptions",
+    "TrtRunner",
+    "build_plan",
+    "calibration_batches",
+    "engine_cache_key",
+]
+
+#: ImageNet normalisation applied to calibration images (what torchvision classifiers expect).
+_MEAN = np.array([0.485, 0.456, 0.406], dtype=np.float32)
+_STD = np.array([0.229, 0.224, 0.225], dtype=np.float32)
+_IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
+
+
+class TrtOptions(BaseModel):
+    """Options of the TensorRT engine; `None` means "the engine decides for the unit"."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    int8: bool | None = None
+    #: Layers a DLA cannot run go to the GPU; without it such a network fails to build.
+    gpu_fallback: bool | None = None
+    cuda_graph: bool | None = None
+    #: An image folder, or "random" for generated data (timing only: accuracy is meaningless).
+    calibration_data: str | None = None
+    calibration_items: int = Field(256, ge=1)
+    workspace_mib: int | None = Field(None, ge=1)
+    builder_optimization_level: int | None = Field(None, ge=0, le=5)
+    engine_cache_dir: str | None = None
+    opset: int | None = None
+    warmup_iters: int = Field(3, ge=0)
+
+
+@dataclass(frozen=True)
+class BuildPlan:
+    """What a build sets on the builder config, derived from the unit and the options."""
+
+    device: str  # gpu | dla
+    device_index: int  # CUDA device, or DLA core
+    set_flags: tuple[str, ...]
+    clear_flags: tuple[str, ...]
+    precision: str
+    cuda_graph: bool
+    calibrate: bool
+    calibration_data: str | None
+    calibration_items: int
+    workspace_mib: int | None
+    builder_optimization_level: int | None
+
+
+def _parse_options(options: dict[str, Any] | None) -> TrtOptions:
+    try:
+        return TrtOptions(**(options or {}))
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        field = ".".join(str(p) for p in err["loc"]) or "options"
+        allowed = ", ".join(sorted(TrtOptions.model_fields))
+        raise UsageError(
+            f"tensorrt engine option {field}={err.get('input')!r}: {err['msg']} (options: {allowed})"
+        ) from None
+
+
+def build_plan(unit: Unit, opts: TrtOptions) -> BuildPlan:
+    """Translate a unit and options to builder flags; one clear error for what cannot be."""
+    if unit.kind not in ("cuda", "dla"):
+        raise UsageError(f"the tensorrt engine cannot run on unit {unit.id!r} (it runs cuda, dla)")
+    on_dla = unit.kind == "dla"
+    int8 = opts.int8 if opts.int8 is not None else unit.mode == "int8"
+    set_flags: list[str] = []
+    clear: list[str] = []
+    if unit.mode == "fp32":
+        clear.append("TF32")  # CUDA cores: what the fp32 unit means
+    elif unit.mode == "fp16":
+        set_flags.append("FP16")
+    elif unit.mode == "bf16":
+        set_flags.append("BF16")
+    elif unit.mode == "int8":
+        set_flags.append("FP16")  # layers without an int8 kernel fall back to fp16, not fp32
+    if int8:
+        set_flags.append("INT8")
+    if on_dla:
+        if unit.mode not in ("fp16", "int8"):
+            raise UsageError(f"unit {unit.id!r}: a DLA runs fp16 or int8 only")
+        if opts.cuda_graph:
+            raise UsageError(f"option cuda_graph=true on {unit.id!r}: DLA work cannot be captured "
+                             "in a CUDA graph; drop the option")
+        if opts.gpu_fallback is not False:
+            set_flags.append("GPU_FALLBACK")
+    elif opts.gpu_fallback is not None:
+        raise UsageError(f"option gpu_fallback needs a dla:N unit, not {unit.id!r}")
+    if int8 and opts.calibration_data is None:
+        raise UsageError(
+            f"unit {unit.id!r} computes in int8 and needs calibration data: pass "
+            "--option calibration_data=PATH/TO/IMAGES (or calibration_data=random for timing only)"
+        )
+    if opts.calibration_data not in (None, "random") and not Path(opts.calibration_data).is_dir():
+        raise UsageError(f"option calibration_data={opts.calibration_data!r} is not a folder: "
+                         "pass a folder of .jpg/.png images or 'random'")
+    precision = "int8" if int8 else unit.mode
+    return BuildPlan(
+        device="dla" if on_dla else "gpu",
+        device_index=unit.index,
+        set_flags=tuple(set_flags),
+        clear_flags=tuple(clear),
+        precision=precision,
+        cuda_graph=(not on_dla) if opts.cuda_graph is None else opts.cuda_graph,
+        calibrate=int8,
+        calibration_data=opts.calibration_data if int8 else None,
+        calibration_items=opts.calibration_items,
+        workspace_mib=opts.workspace_mib,
+        builder_optimization_level=opts.builder_optimization_level,
+    )
+
+
+def _calibration_identity(data: str | None) -> str:
+    """What the calibration data is: a folder's file names, sizes and times; or 'random'."""
+    if data is None or data == "random":
+        return str(data)
+    files = sorted(p for p in Path(data).iterdir() if p.suffix.lower() in _IMAGE_SUFFIXES)
+    h = hashlib.sha256(str(Path(data).resolve()).encode())
+    for p in files:
+        stat = p.stat()
+        h.update(f"{p.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    return h.hexdigest()[:16]
+
+
+def engine_cache_key(onnx_digest: str, plan: BuildPlan, batch: int, trt_version: str,
+                     device_name: str) -> str:
+    """A key of everything that shapes a serialized engine.
+
+    The graph, the build plan, the batch, the TensorRT release and the device it was built on:
+    engines move between neither releases nor devices.
+    """
+    fields = asdict(plan)
+    fields.pop("cuda_graph")  # a run-time choice: the same engine serves both
+    fields["calibration_data"] = _calibration_identity(plan.calibration_data)
+    text = f"{onnx_digest}|{batch}|{trt_version}|{device_name}|{sorted(fields.items())}"
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def calibration_batches(data: str, input_shape: tuple[int, ...], batch: int,
+                        items: int) -> Iterator[np.ndarray]:
+    """Float32 batches for calibration: images resized and normalised, or seeded noise.
+
+    Images are read with Pillow, resized to the model's input (H, W) and normalised with
+    ImageNet statistics; a folder with fewer images than `items` is cycled.
+    """
+    count = max(1, -(-items // batch))
+    if data == "random":
+        rng = np.random.default_rng(0)
+        for _ in range(count):
+            yield rng.standard_normal((batch, *input_shape)).astype(np.float32)
+        return
+    files = sorted(p for p in Path(data).iterdir() if p.suffix.lower() in _IMAGE_SUFFIXES)
+    if not files:
+        raise UsageError(f"calibration folder {data!r} has no .jpg/.png images")
+    if len(input_shape) != 3 or input_shape[0] not in (1, 3):
+        raise UsageError(f"image calibration needs a (C, H, W) input with 1 or 3 channels, not "
+                         f"{input_shape}: use calibration_data=random")
+    from PIL import Image  # a torchvision dependency
+
+    mode = "RGB" if input_shape[0] == 3 else "L"
+    mean = _MEAN if input_shape[0] == 3 else _MEAN[:1]
+    std = _STD if input_shape[0] == 3 else _STD[:1]
+    height, width = input_shape[1:]
+    i = 0
+    for _ in range(count):
+        out = np.empty((batch, *input_shape), dtype=np.float32)
+        for j in range(batch):
+            with Image.open(files[i % len(files)]) as image:
+                resized = image.convert(mode).resize((width, height), Image.Resampling.BILINEAR)
+            pixels = np.asarray(resized, dtype=np.float32).reshape(height, width, -1) / 255.0
+            out[j] = (pixels.transpose(2, 0, 1) - mean[:, None, None]) / std[:, None, None]
+            i += 1
+        yield out
+
+
+def _make_calibrator(trt: Any, batches: Iterator[np.ndarray], batch: int, cache: Path) -> Any:
+    """An entropy calibrator (the kind DLAs require) that keeps its cache file."""
+    import torch
+
+    class _Calibrator(trt.IInt8EntropyCalibrator2):
+        def __init__(self) -> None:
+            trt.IInt8EntropyCalibrator2.__init__(self)
+            self._device: Any = None
+
+        def get_batch_size(self) -> int:
+            return batch
+
+        def get_batch(self, names: list[str]) -> list[int] | None:
+            host = next(batches, None)
+            if host is None:
+                return None
+            self._device = torch.from_numpy(host).cuda()
+            return [int(self._device.data_ptr())]
+
+        def read_calibration_cache(self) -> bytes | None:
+            return cache.read_bytes() if cache.is_file() else None
+
+        def write_calibration_cache(self, data: Any) -> None:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            cache.write_bytes(bytes(data))
+
+    return _Calibrator()
+
+
+class TrtRunner(Runner):
+    """A deserialized engine, an execution context, torch-owned buffers and maybe a CUDA graph."""
+
+    engine = "tensorrt"
+
+    def __init__(self, trt_engine: Any, unit: Unit, batch: int, input_shape: tuple[int, ...],
+                 plan: BuildPlan, opts: TrtOptions, data: str, started: float) -> None:
+        import tensorrt as trt
+        import torch
+
+        self.unit = unit
+        self.batch = batch
+        self.input_shape = input_shape
+        self.options = {**opts.model_dump(), **asdict(plan)}
+        self._engine = trt_engine
+        self._context = trt_engine.create_execution_context()
+        gpu = torch.device("cuda", plan.device_index if plan.device == "gpu" else 0)
+        self._stream = torch.cuda.Stream(gpu)
+        self._events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+        names = [trt_engine.get_tensor_name(i) for i in range(trt_engine.num_io_tensors)]
+        inputs = [n for n in names if trt_engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
+        outputs = [n for n in names if n not in inputs]
+        self._context.set_input_shape(inputs[0], (batch, *input_shape))
+
+        def tensor(name: str) -> Any:
+            dtype = getattr(torch, np.dtype(trt.nptype(trt_engine.get_tensor_dtype(name))).name)
+            return torch.empty(tuple(self._context.get_tensor_shape(name)), dtype=dtype, device=gpu)
+
+        self._x_dev = tensor(inputs[0])
+        self._y_dev = [tensor(n) for n in outputs]
+        self._x_host = self._x_dev if data == "device" else torch.empty(
+            self._x_dev.shape, dtype=self._x_dev.dtype, pin_memory=True)
+        self._y_host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in self._y_dev]
+        self._context.set_tensor_address(inputs[0], self._x_dev.data_ptr())
+        for name, t in zip(outputs, self._y_dev, strict=True):
+            self._context.set_tensor_address(name, t.data_ptr())
+        self._graph: Any = None
+        with torch.cuda.stream(self._stream):
+            for _ in range(max(1, opts.warmup_iters)):
+                self._enqueue()
+            self._stream.synchronize()
+            if plan.cuda_graph:
+                # The graph reads the addresses bound above: the buffers live as long as it does.
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, stream=self._stream):
+                    self._enqueue()
+                self._graph = graph
+            self._stream.synchronize()
+        self.build_s = time.perf_counter() - started
+
+    def _enqueue(self) -> None:
+        if not self._context.execute_async_v3(self._stream.cuda_stream):
+            raise RunError(f"TensorRT failed to enqueue a batch on {self.unit.id}")
+
+    def run(self) -> BatchTiming:
+        """One batch: copy in, replay (or enqueue), copy out; phases from CUDA events."""
+        import torch
+
+        ev = self._events
+        start = time.perf_counter_ns()
+        with torch.cuda.stream(self._stream):
+            ev[0].record()
+            if self._x_host is not self._x_dev:
+                self._x_dev.copy_(self._x_host, non_blocking=True)
+            ev[1].record()
+            if self._graph is not None:
+                self._graph.replay()
+            else:
+                self._enqueue()
+            ev[2].record()
+            for dst, src in zip(self._y_host, self._y_dev, strict=True):
+                dst.copy_(src, non_blocking=True)
+            ev[3].record()
+        ev[3].synchronize()
+        return BatchTiming(
+            latency_ns=time.perf_counter_ns() - start,
+            h2d_ns=int(ev[0].elapsed_time(ev[1]) * 1e6),
+            compute_ns=int(ev[1].elapsed_time(ev[2]) * 1e6),
+            d2h_ns=int(ev[2].elapsed_time(ev[3]) * 1e6),
+        )
+
+    def set_input(self, batch: np.ndarray) -> None:
+        """Copy `batch` into the input buffer (pinned host, or device when pre-staged)."""
+        import torch
+
+        expected = (self.batch, *self.input_shape)
+        if tuple(batch.shape) != expected:
+            raise UsageError(f"batch of shape {tuple(batch.shape)} given, runner takes {expected}")
+        self._x_host.copy_(torch.from_numpy(np.ascontiguousarray(batch)))
+
+    def outputs(self) -> list[np.ndarray]:
+        """The last batch's outputs as float32 arrays."""
+        return [t.float().numpy().copy() for t in self._y_host]
+
+    def close(self) -> None:
+        """Drop the graph before the buffers and the context it reads."""
+        self._graph = None
+        self._context = None
+
+
+@register_engine
+class TrtEngine(Engine):
+    """TensorRT on `cuda:N/*` and `dla:N/*` units (optional: the `tensorrt` package)."""
+
+    name = "tensorrt"
+    unit_kinds = ("cuda", "dla")
+
+    @classmethod
+    def available(cls) -> tuple[bool, str]:
+        """Importable here, or how to get it."""
+        try:
+            import tensorrt  # noqa: F401
+        except ImportError:
+            return False, ("install it with: pip install tensorrt (on a Jetson it comes with "
+                           "JetPack); it needs an NVIDIA GPU")
+        return True, ""
+
+    def __init__(self) -> None:
+        self._exports: dict[tuple[str, int | None], ExportedModel] = {}
+        self._runners: dict[tuple[Any, ...], TrtRunner] = {}
+        self._logger: Any = None
+
+    def build(
+        self,
+        model: LoadedModel,
+        unit: Unit,
+        batch: int,
+        options: dict[str, Any] | None = None,
+        data: str = "host",
+        instance: int = 0,
+    ) -> TrtRunner:
+        """Build (or load from the cache) an engine for `unit` at `batch`; return a runner."""
+        import tensorrt as trt
+        import torch
+
+        if data not in DATA_PLACEMENTS:
+            raise UsageError(f"data placement {data!r} unknown: use one of {DATA_PLACEMENTS}")
+        if batch <= 0:
+            raise UsageError(f"batch size {batch} must be at least 1")
+        opts = _parse_options(options)
+        plan = build_plan(unit, opts)
+        key = (model.key, unit.id, opts.model_dump_json(), batch, data, instance)
+        if key in self._runners:
+            return self._runners[key]
+        started = time.perf_counter()
+        export_key = (model.key, opts.opset)
+        if export_key not in self._exports:
+            self._exports[export_key] = export_onnx(model, "tensorrt", opts.opset)
+        onnx_file = self._exports[export_key]
+        gpu_index = plan.device_index if plan.device == "gpu" else 0
+        device_name = torch.cuda.get_device_name(gpu_index)
+        folder = Path(opts.engine_cache_dir) if opts.engine_cache_dir else cache_dir() / "tensorrt"
+        folder.mkdir(parents=True, exist_ok=True)
+        cache_key = engine_cache_key(onnx_file.digest, plan, batch, trt.__version__, device_name)
+        engine_path = folder / f"{model.name}-{cache_key}.engine"
+        self._logger = self._logger or trt.Logger(trt.Logger.WARNING)
+        if not engine_path.is_file():
+            with torch.cuda.device(gpu_index):
+                serialized = self._build_engine(trt, onnx_file, model, plan, batch, folder,
+                                                device_name)
+            tmp = engine_path.with_suffix(".tmp")
+            tmp.write_bytes(serialized)
+            tmp.replace(engine_path)
+        runtime = trt.Runtime(self._logger)
+        if plan.device == "dla":
+            runtime.DLA_core = plan.device_index
+        trt_engine = runtime.deserialize_cuda_engine(engine_path.read_bytes())
+        if trt_engine is None:
+            raise RunError(f"TensorRT could not load the cached engine {engine_path}: delete it to "
+                           "rebuild (built by another TensorRT release or device?)")
+        try:
+            runner = TrtRunner(trt_engine, unit, batch, model.input_shape, plan, opts, data, started)
+        except (UsageError, RunError):
+            raise
+        except Exception as exc:
+            raise RunError(f"tensorrt failed to run {model.name} on {unit.id} at batch {batch}: "
+                           f"{type(exc).__name__}: {exc}") from exc
+        runner.options.update(onnx_file=str(onnx_file.path), engine_file=str(engine_path),
+                              onnx_sha256=onnx_file.digest)
+        self._runners[key] = runner
+        return runner
+
+    def _build_engine(self, trt: Any, onnx_file: ExportedModel, model: LoadedModel,
+                      plan: BuildPlan, batch: int, folder: Path, device_name: str) -> bytes:
+        builder = trt.Builder(self._logger)
+        explicit = 1 << int(trt.NetworkDefinitionCreationFlag.EXPLICIT_BATCH) if hasattr(
+            trt.NetworkDefinitionCreationFlag, "EXPLICIT_BATCH") else 0
+        network = builder.create_network(explicit)
+        parser = trt.OnnxParser(network, self._logger)
+        if not parser.parse(onnx_file.path.read_bytes()):
+            errors = [str(parser.get_error(i)) for i in range(parser.num_errors)]
+            raise RunError(f"TensorRT cannot parse {onnx_file.path.name}: "
+                           f"{'; '.join(errors)[:400] or 'no error given'}")
+        config = builder.create_builder_config()
+        for flag in plan.set_flags:
+            if not hasattr(trt.BuilderFlag, flag):
+                raise UsageError(f"TensorRT {trt.__version__} has no {flag} build mode for this unit")
+            config.set_flag(getattr(trt.BuilderFlag, flag))
+        for flag in plan.clear_flags:
+            config.clear_flag(getattr(trt.BuilderFlag, flag))
+        if plan.device == "dla":
+            config.default_device_type = trt.DeviceType.DLA
+            config.DLA_core = plan.device_index
+        if plan.workspace_mib:
+            config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, plan.workspace_mib << 20)
+        if plan.builder_optimization_level is not None:
+            config.builder_optimization_level = plan.builder_optimization_level
+        name = network.get_input(0).name
+        shape = (batch, *model.input_shape)
+        profile = builder.create_optimization_profile()
+        profile.set_shape(name, shape, shape, shape)  # fixed: DLAs take static shapes only
+        config.add_optimization_profile(profile)
+        timing_path = folder / f"timing-{_slug(device_name)}-trt{trt.__version__}.cache"
+        timing = config.create_timing_cache(timing_path.read_bytes() if timing_path.is_file()
+                                            else b"")
+        config.set_timing_cache(timing, ignore_mismatch=False)
+        if plan.calibrate:
+            if not hasattr(trt, "IInt8EntropyCalibrator2"):
+                raise UsageError(f"TensorRT {trt.__version__} has no calibrator API: pass an ONNX "
+                                 "model quantised with Q/DQ nodes instead")
+            calib_key = hashlib.sha256(
+                f"{onnx_file.digest}|{_calibration_identity(plan.calibration_data)}|"
+                f"{plan.calibration_items}".encode()).hexdigest()[:16]
+            calibrator = _make_calibrator(
+                trt, calibration_batches(plan.calibration_data or "random", model.input_shape,
+                                         batch, plan.calibration_items),
+                batch, folder / f"calibration-{calib_key}.cache")
+            config.int8_calibrator = calibrator
+            config.set_calibration_profile(profile)
+        serialized = builder.build_serialized_network(network, config)
+        if serialized is None:
+            raise RunError(f"TensorRT failed to build {model.name} for {plan.device}:"
+                           f"{plan.device_index} ({plan.precision}); the log above says which "
+                           "layer" + (" (try gpu_fallback=true)" if plan.device == "dla" else ""))
+        timing_path.write_bytes(bytes(config.get_timing_cache().serialize()))
+        return bytes(serialized)
+
+    def release(self) -> None:
+        """Close every cached runner."""
+        for runner in self._runners.values():
+            runner.close()
+        self._runners.clear()
+
+
+def _slug(text: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in text)[:40]

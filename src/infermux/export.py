@@ -1,0 +1,193 @@
+"""ONNX export: any model infermux can load becomes one ONNX file, cached by content hash.
+
+The ONNX engines (ONNX Runtime, OpenVINO, TensorRT) all start from an ONNX file. A model given as
+an ONNX file is used as is; a torch model is exported once per content (architecture source,
+weights, input shape, opset, torch version) and kept under the cache folder, so a batch sweep, a
+second engine or a second run reuses it.
+
+Why the TorchScript exporter (`dynamo=False`): for the convolution networks this project measures
+it is the exporter that needs nothing beyond torch (the dynamo exporter needs onnxscript), it has
+handled torchvision and timm CNNs for years, and it names the unsupported operator when it fails.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import os
+import re
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from infermux.errors import RunError, UsageError
+from infermux.models import LoadedModel
+
+__all__ = [
+    "DEFAULT_OPSET",
+    "OPSET_BY_RUNTIME",
+    "ExportedModel",
+    "cache_dir",
+    "check_onnx_file",
+    "export_onnx",
+    "file_digest",
+]
+
+#: The opset exported for each target runtime. 17 is parsed by every release infermux supports
+#: (TensorRT 8.6, the release on JetPack 5, stops at 17) and newer opsets add nothing the CNNs
+#: measured here use; a runtime can move on alone by changing its entry. The cache key holds the
+#: opset, not the runtime, so runtimes that share an opset share one export.
+OPSET_BY_RUNTIME: dict[str, int] = {"onnxruntime": 17, "openvino": 17, "tensorrt": 17}
+DEFAULT_OPSET = 17
+#: Input and output names of exported graphs; the batch axis (0) of each is dynamic.
+INPUT_NAME = "input"
+_EXPORTER_MAX_OPSET = 20
+
+
+@dataclass(frozen=True)
+class ExportedModel:
+    """An ONNX file ready for a runtime, and how it came to be."""
+
+    path: Path
+    digest: str  # sha256 of the file's bytes, short: part of every engine cache key
+    opset: int | None  # None for a user's file (used as is)
+    exported: bool  # False when the user gave the file or the cache had it
+    export_s: float = 0.0
+
+
+def cache_dir() -> Path:
+    """The cache root: `$INFERMUX_CACHE_DIR`, else `~/.cache/infermux`."""
+    root = os.environ.get("INFERMUX_CACHE_DIR")
+    return Path(root).expanduser() if root else Path.home() / ".cache" / "infermux"
+
+
+def file_digest(path: Path) -> str:
+    """Short sha256 of a file's bytes (ONNX files are read in 1 MiB chunks)."""
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()[:20]
+
+
+def _content_hash(model: LoadedModel, opset: int) -> str:
+    """What decides the exported graph: code of every module class, tensors, shape, opset."""
+    import torch
+
+    module = model.module
+    h = hashlib.sha256()
+    h.update(f"{torch.__version__}|{opset}|{model.input_shape}|{model.dtype}".encode())
+    for cls in sorted({type(m) for m in module.modules()}, key=lambda c: c.__qualname__):
+        h.update(f"{cls.__module__}.{cls.__qualname__}".encode())
+        try:
+            h.update(inspect.getsource(cls).encode())
+        except (OSError, TypeError):  # classes built at run time have no source file
+            h.update(repr(cls).encode())
+    h.update(repr(module).encode())  # hyper-parameters that live in constructors
+    for name, tensor in module.state_dict().items():
+        h.update(name.encode())
+        h.update(str(tuple(tensor.shape)).encode())
+        h.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:20]
+
+
+def _failing_operator(exc: BaseException) -> str | None:
+    """The operator the exporter names in its error (`aten::linalg_eigvals`), if it names one."""
+    match = re.search(r"'((?:aten|prim|onnx|[a-z_]+)::[A-Za-z0-9_.]+)'", str(exc))
+    return match.group(1) if match else None
+
+
+def export_onnx(model: LoadedModel, runtime: str = "onnxruntime", opset: int | None = None,
+                root: Path | None = None) -> ExportedModel:
+    """The model as an ONNX file for `runtime`: the user's file, a cached export, or a new one.
+
+    Exports go to a temporary file beside the cache entry and are renamed into place, so two
+    processes exporting the same model at once both end with a complete file.
+    """
+    if model.onnx_path is not None:
+        path = Path(model.onnx_path)
+        check_onnx_file(path)
+        return ExportedModel(path, file_digest(path), None, exported=False)
+    if model.module is None:
+        raise UsageError(f"model {model.name!r} has neither a torch module nor an ONNX file")
+    opset = opset or OPSET_BY_RUNTIME.get(runtime, DEFAULT_OPSET)
+    if not 7 <= opset <= _EXPORTER_MAX_OPSET:
+        raise UsageError(f"opset {opset} unsupported: the exporter writes opsets 7 to "
+                         f"{_EXPORTER_MAX_OPSET}; pass e.g. --option opset=17")
+    folder = (root or cache_dir()) / "onnx"
+    key = _content_hash(model, opset)
+    path = folder / f"{_safe(model.name)}-{key}-op{opset}.onnx"
+    if path.is_file() and path.stat().st_size > 0:
+        return ExportedModel(path, file_digest(path), opset, exported=False)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"cannot create the ONNX cache folder {str(folder)!r} ({exc}); "
+                         "set INFERMUX_CACHE_DIR to a writable folder") from exc
+    started = time.perf_counter()
+    fd, tmp_name = tempfile.mkstemp(prefix=path.stem, suffix=".tmp", dir=folder)
+    os.close(fd)
+    try:
+        _torch_export(model, Path(tmp_name), opset)
+        os.replace(tmp_name, path)
+    finally:
+        if os.path.exists(tmp_name):
+            os.unlink(tmp_name)
+    return ExportedModel(path, file_digest(path), opset, exported=True,
+                         export_s=time.perf_counter() - started)
+
+
+def _torch_export(model: LoadedModel, path: Path, opset: int) -> None:
+    import torch
+
+    module = model.module
+    example = torch.zeros((1, *model.input_shape), dtype=getattr(torch, model.dtype))
+    with torch.inference_mode():
+        outputs = module(example)
+    flat = outputs if isinstance(outputs, (list, tuple)) else [outputs]
+    output_names = [f"output{i}" if i else "output" for i in range(len(flat))]
+    dynamic: dict[str, Any] = {n: {0: "batch"} for n in (INPUT_NAME, *output_names)}
+    # torch ≥ 2.5 has both exporters and (from 2.9) defaults to dynamo; older ones only this one.
+    which: dict[str, Any] = (
+        {"dynamo": False} if "dynamo" in inspect.signature(torch.onnx.export).parameters else {})
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the exporter's deprecation notice, not ours to fix
+            torch.onnx.export(
+                module, (example,), str(path), opset_version=opset, input_names=[INPUT_NAME],
+                output_names=output_names, dynamic_axes=dynamic, do_constant_folding=True,
+                **which,
+            )
+    except Exception as exc:
+        operator = _failing_operator(exc)
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        where = f"operator {operator} is not exportable" if operator else first
+        raise RunError(
+            f"exporting {model.name} to ONNX (opset {opset}) failed: {where}"
+            + (f" ({first})" if operator and operator not in first else "")
+            + "; try another --option opset=N, or export the model yourself and pass the .onnx file"
+        ) from exc
+
+
+def check_onnx_file(path: Path) -> None:
+    """Raise one clear UsageError if `path` is not a readable, well-formed ONNX model."""
+    try:
+        import onnx
+    except ImportError:  # the runtime will read it and report
+        return
+    try:
+        proto = onnx.load(str(path), load_external_data=False)
+        onnx.checker.check_model(proto)
+    except Exception as exc:  # onnx raises DecodeError, ValidationError, OSError…
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UsageError(
+            f"ONNX file {str(path)!r} is not a valid ONNX model ({type(exc).__name__}: "
+            f"{first[:200]}); re-export it or pass another file"
+        ) from exc
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name)[:60]
