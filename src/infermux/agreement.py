@@ -84,10 +84,14 @@ def reference_for(model: LoadedModel, items: int = AGREEMENT_ITEMS, seed: int = 
         import torch
         from torch.utils._pytree import tree_flatten
 
+        # One item at a time: the reference must not fail (or run out of memory) at a batch
+        # size the benchmark itself never asked for.
+        per_item: list[list[np.ndarray]] = []
         with torch.inference_mode():
-            out = model.module(torch.from_numpy(inputs))
-        leaves, _ = tree_flatten(out)
-        outputs = [t.float().numpy().copy() for t in leaves if isinstance(t, torch.Tensor)]
+            for i in range(items):
+                leaves, _ = tree_flatten(model.module(torch.from_numpy(inputs[i : i + 1])))
+                per_item.append([t.float().numpy() for t in leaves if isinstance(t, torch.Tensor)])
+        outputs = [np.concatenate(parts) for parts in zip(*per_item, strict=True)]
         return Reference(inputs, outputs, "torch-fp32-cpu")
     import onnxruntime as ort
 
