@@ -155,7 +155,7 @@ def test_own_cost_is_small():
     """The overhead bound, robustly: the sampler's CPU time per tick on the real CPU source.
 
     At 10 Hz, 2 ms of CPU per tick would be 2% of one core; the measured cost is a few hundred
-    µs (see docs/benchmarks-telemetry.md for the effect on a benchmark's throughput).
+    µs (see docs/benchmarks.md for the effect on a benchmark's throughput).
     """
     with Sampler([CpuSource()], interval_s=0.02) as sampler:
         time.sleep(0.5)

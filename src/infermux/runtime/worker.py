@@ -1,6 +1,6 @@
 """Workers: one per instance. Each pulls batches from the dispatcher and runs them on its unit.
 
-Hosting, decided by measurement (docs/benchmarks-runtime.md, bench/runtime_cpu_modes.py):
+Hosting, decided by measurement (docs/benchmarks.md, bench/runtime_cpu_modes.py):
 - GPU workers are threads of the one process (one CUDA context). Each owns its runners: a CUDA
   stream, pinned host buffers and one captured CUDA graph per batch bucket. A GPU runner's
   `launch()` returns at once, so the worker gathers the next batch into the pinned buffer while
