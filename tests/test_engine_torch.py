@@ -121,3 +121,42 @@ def test_cuda_gather_from_pool_matches_direct_input(found, tiny, mode):
         full[: len(indices)] = samples[indices]
         want = runner.infer(full)[0][: len(indices)]
         np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3)
+
+
+POOL_MODEL = '''
+import torch
+from torch import nn
+
+
+class Pool(nn.Module):
+    input_shape = (3, 224, 224)
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 4)
+
+    def forward(self, x):
+        return self.fc(x.mean((2, 3)))
+
+
+def build():
+    torch.manual_seed(0)
+    return Pool()
+'''
+
+
+def test_large_gather_is_split_over_threads_and_exact(found, tmp_path):
+    path = tmp_path / "pool.py"
+    path.write_text(POOL_MODEL)
+    model = load_model(f"{path}:build")
+    runner = create_engine("torch").build(model, select_units("cpu", found)[0], 48)
+    samples = np.random.default_rng(3).standard_normal((64, 3, 224, 224)).astype(np.float32)
+    pool = runner.prepare_pool(samples)
+    indices = list(np.random.default_rng(4).integers(0, 64, 48))  # 29 MB: three threads
+    runner.gather_input(pool, indices)
+    assert runner._gather_pool is not None  # the threaded path was taken
+    runner.run()
+    with torch.inference_mode():
+        want = model.module(torch.from_numpy(samples[indices])).numpy()
+    np.testing.assert_array_equal(runner.outputs()[0], want)
+    runner.close()
