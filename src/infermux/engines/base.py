@@ -10,9 +10,10 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
+from pydantic import BaseModel, ValidationError
 
 from infermux.errors import UsageError
 from infermux.models import LoadedModel
@@ -27,6 +28,7 @@ __all__ = [
     "engine_status",
     "is_out_of_memory",
     "list_engines",
+    "parse_options",
     "register_engine",
 ]
 
@@ -150,6 +152,23 @@ class Engine(ABC):
         Runners with different `instance` numbers are distinct (own buffers, streams, graphs)
         but may share the prepared model's weights.
         """
+
+
+OptionsT = TypeVar("OptionsT", bound=BaseModel)
+
+
+def parse_options(model: type[OptionsT], engine: str, options: dict[str, Any] | None) -> OptionsT:
+    """Validate an engine's options; a bad one is one line naming it and listing the others."""
+    try:
+        return model(**(options or {}))
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        field = ".".join(str(p) for p in err["loc"]) or "options"
+        allowed = ", ".join(sorted(model.model_fields))
+        raise UsageError(
+            f"{engine} engine option {field}={err.get('input')!r}: {err['msg']} "
+            f"(options: {allowed})"
+        ) from None
 
 
 def is_out_of_memory(exc: BaseException) -> bool:

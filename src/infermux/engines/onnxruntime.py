@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
-from infermux.engines.base import DATA_PLACEMENTS, BatchTiming, Engine, Runner, register_engine
+from infermux.engines.base import DATA_PLACEMENTS, BatchTiming, Engine, Runner, parse_options, register_engine
 from infermux.errors import RunError, UsageError
 from infermux.export import ExportedModel, cache_dir, export_onnx
 from infermux.models import LoadedModel
@@ -99,18 +99,6 @@ class OrtOptions(BaseModel):
         update["provider"] = provider
         return self.model_copy(update=update)
 
-
-def _parse_options(options: dict[str, Any] | None) -> OrtOptions:
-    try:
-        return OrtOptions(**(options or {}))
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        field = ".".join(str(p) for p in err["loc"]) or "options"
-        allowed = ", ".join(sorted(OrtOptions.model_fields))
-        raise UsageError(
-            f"onnxruntime engine option {field}={err.get('input')!r}: {err['msg']} "
-            f"(options: {allowed})"
-        ) from None
 
 
 def provider_config(unit: Unit, opts: OrtOptions, cache_root: Path) -> list[tuple[str, dict[str, str]]]:
@@ -299,7 +287,7 @@ class OrtEngine(Engine):
             raise UsageError(f"data placement {data!r} unknown: use one of {DATA_PLACEMENTS}")
         if batch <= 0:
             raise UsageError(f"batch size {batch} must be at least 1")
-        opts = _parse_options(options).resolve(unit)
+        opts = parse_options(OrtOptions, "onnxruntime", options).resolve(unit)
         if opts.cuda_graph and data != "device":
             raise UsageError("option cuda_graph=true needs inputs and outputs in device memory "
                              "(ONNX Runtime replays fixed addresses): add --data device")

@@ -21,9 +21,9 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
-from infermux.engines.base import DATA_PLACEMENTS, BatchTiming, Engine, Runner, register_engine
+from infermux.engines.base import DATA_PLACEMENTS, BatchTiming, Engine, Runner, parse_options, register_engine
 from infermux.errors import RunError, UsageError
 from infermux.export import ExportedModel, cache_dir, export_onnx
 from infermux.models import LoadedModel
@@ -74,17 +74,6 @@ class OvOptions(BaseModel):
             update["cache_dir"] = str(cache_dir() / "openvino")
         return device, self.model_copy(update=update)
 
-
-def _parse_options(options: dict[str, Any] | None) -> OvOptions:
-    try:
-        return OvOptions(**(options or {}))
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        field = ".".join(str(p) for p in err["loc"]) or "options"
-        allowed = ", ".join(sorted(OvOptions.model_fields))
-        raise UsageError(
-            f"openvino engine option {field}={err.get('input')!r}: {err['msg']} (options: {allowed})"
-        ) from None
 
 
 def compile_config(device: str, opts: OvOptions) -> dict[str, str]:
@@ -278,7 +267,7 @@ class OvEngine(Engine):
             raise UsageError(f"data placement {data!r} unknown: use one of {DATA_PLACEMENTS}")
         if batch <= 0:
             raise UsageError(f"batch size {batch} must be at least 1")
-        device, opts = _parse_options(options).resolve(unit)
+        device, opts = parse_options(OvOptions, "openvino", options).resolve(unit)
         if data == "device" and not device.startswith("CPU"):
             raise UsageError(f"--data device is not supported by the openvino engine on {unit.id!r}:"
                              " use --data host")

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict
 
 from infermux.engines.base import (
     DATA_PLACEMENTS,
@@ -22,6 +22,7 @@ from infermux.engines.base import (
     Engine,
     Runner,
     is_out_of_memory,
+    parse_options,
     register_engine,
 )
 from infermux.errors import DeviceOutOfMemoryError, RunError, UsageError
@@ -76,17 +77,6 @@ class TorchOptions(BaseModel):
             update={"channels_last": channels_last, "cuda_graph": cuda_graph, "threads": threads}
         )
 
-
-def _parse_options(options: dict[str, Any] | None) -> TorchOptions:
-    try:
-        return TorchOptions(**(options or {}))
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        field = ".".join(str(p) for p in err["loc"]) or "options"
-        allowed = ", ".join(sorted(TorchOptions.model_fields))
-        raise UsageError(
-            f"torch engine option {field}={err.get('input')!r}: {err['msg']} (options: {allowed})"
-        ) from None
 
 
 class _Precision:
@@ -437,7 +427,7 @@ class TorchEngine(Engine):
             raise UsageError(f"data placement {data!r} unknown: use one of {DATA_PLACEMENTS}")
         if batch <= 0:
             raise UsageError(f"batch size {batch} must be at least 1")
-        opts = _parse_options(options).resolve(unit, len(model.input_shape) + 1)
+        opts = parse_options(TorchOptions, "torch", options).resolve(unit, len(model.input_shape) + 1)
         key = (model.key, unit.id, opts.model_dump_json(), batch, data, instance)
         if key in self._runners:
             return self._runners[key]

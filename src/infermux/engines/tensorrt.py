@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
-from infermux.engines.base import DATA_PLACEMENTS, BatchTiming, Engine, Runner, register_engine
+from infermux.engines.base import DATA_PLACEMENTS, BatchTiming, Engine, Runner, parse_options, register_engine
 from infermux.errors import RunError, UsageError
 from infermux.export import ExportedModel, cache_dir, export_onnx
 from infermux.models import LoadedModel
@@ -81,17 +81,6 @@ class BuildPlan:
     workspace_mib: int | None
     builder_optimization_level: int | None
 
-
-def _parse_options(options: dict[str, Any] | None) -> TrtOptions:
-    try:
-        return TrtOptions(**(options or {}))
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        field = ".".join(str(p) for p in err["loc"]) or "options"
-        allowed = ", ".join(sorted(TrtOptions.model_fields))
-        raise UsageError(
-            f"tensorrt engine option {field}={err.get('input')!r}: {err['msg']} (options: {allowed})"
-        ) from None
 
 
 def build_plan(unit: Unit, opts: TrtOptions) -> BuildPlan:
@@ -377,7 +366,7 @@ class TrtEngine(Engine):
             raise UsageError(f"data placement {data!r} unknown: use one of {DATA_PLACEMENTS}")
         if batch <= 0:
             raise UsageError(f"batch size {batch} must be at least 1")
-        opts = _parse_options(options)
+        opts = parse_options(TrtOptions, "tensorrt", options)
         plan = build_plan(unit, opts)
         key = (model.key, unit.id, opts.model_dump_json(), batch, data, instance)
         if key in self._runners:
