@@ -62,6 +62,7 @@ def test_bench_then_results_commands(tiny_factory, db):
     (("bench", "--model", "resnet18", "--weights", "nowhere.pt"), 2, "weights file 'nowhere.pt'"),
     (("bench", "--model", "resnet18", "--option", "turbo"), 2, "is not KEY=VALUE"),
     (("bench", "--model", "resnet18", "--data", "disk"), 2, "--data 'disk' unknown"),
+    (("bench", "--model", "resnet18", "--telemetry", "0s"), 2, "--telemetry '0s' must be a positive"),
     (("results", "show", "1", "--db", "/nonexistent/dir/x.db"), 2, "does not exist"),
 ])
 def test_errors_are_one_line_with_exit_code(args, code, message):

@@ -125,6 +125,7 @@ def bench(
     option: Annotated[list[str] | None, typer.Option("--option", "-o", help="Engine option KEY=VALUE or ENGINE.KEY=VALUE (repeatable).")] = None,
     db: DbOpt = "infermux.db",
     no_store: Annotated[bool, typer.Option("--no-store", help="Do not write the results database.")] = False,
+    telemetry: Annotated[str, typer.Option("--telemetry", help="Sampler period (e.g. 100ms) or off.")] = "100ms",
     as_json: JsonOpt = False,
 ) -> None:
     """Offline benchmark: throughput and latency per (unit, batch), stored in the database."""
@@ -146,6 +147,7 @@ def bench(
         max_duration_s=parse_duration_s(max_duration, name="--max-duration") if max_duration else None,
         warmup_s=parse_duration_s(warmup, name="--warmup"),
         options=parse_options(option or []),
+        telemetry_interval_s=None if telemetry.strip().lower() == "off" else _sampler_period_s(telemetry),
     )
     store = None if no_store else open_store(db)
     command = "infermux " + shlex.join(sys.argv[1:])
@@ -167,6 +169,15 @@ def bench(
     if report.status == "interrupted":
         err.print("interrupted: the points measured so far are kept")
         raise typer.Exit(130)
+
+
+def _sampler_period_s(text: str) -> float:
+    from infermux._parse import parse_duration_s
+
+    period = parse_duration_s(text, name="--telemetry")
+    if period <= 0:
+        raise UsageError(f"--telemetry {text!r} must be a positive period, e.g. 100ms, or off")
+    return period
 
 
 def parse_options(pairs: list[str]) -> dict[str, Any]:
