@@ -22,8 +22,8 @@ install: $(VENV)/.installed
 
 demo: install
 	$(VENV)/bin/infermux units
-	$(VENV)/bin/infermux bench --model mobilenet_v3_small --units auto --batch 1,8,32 \
-		--min-duration 5s --min-queries 256 --db demo.db
+	$(VENV)/bin/infermux bench --model mobilenet_v3_small --units auto --engine auto --batch 1,8 \
+		--min-duration 3s --min-queries 256 --db demo.db
 
 lint: install
 	$(VENV)/bin/ruff check src tests bench
