@@ -133,6 +133,30 @@ class Engine(ABC):
         """Whether this engine can run on `unit`."""
         return unit.kind in self.unit_kinds
 
+    def __init__(self) -> None:
+        self._onnx_exports: dict[tuple[str, int | None], Any] = {}
+
+    @staticmethod
+    def check_build_args(batch: int, data: str) -> None:
+        """The arguments every engine's `build` validates the same way."""
+        if data not in DATA_PLACEMENTS:
+            raise UsageError(f"data placement {data!r} unknown: use one of {DATA_PLACEMENTS}")
+        if batch <= 0:
+            raise UsageError(f"batch size {batch} must be at least 1")
+
+    def onnx_for(self, model: LoadedModel, opset: int | None) -> Any:
+        """The model's ONNX file for this engine's runtime, exported once per engine life.
+
+        The export itself is cached on disk by content hash (`infermux.export`); this keeps the
+        hashing out of every later `build` of the same model.
+        """
+        from infermux.export import export_onnx
+
+        key = (model.key, opset)
+        if key not in self._onnx_exports:
+            self._onnx_exports[key] = export_onnx(model, self.name, opset)
+        return self._onnx_exports[key]
+
     def accepts(self, model: LoadedModel) -> bool:
         """Whether this engine can run `model` (engines that need a torch module say no to ONNX)."""
         return True

@@ -17,9 +17,9 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from infermux.engines.base import DATA_PLACEMENTS, BatchTiming, Engine, Runner, parse_options, register_engine
+from infermux.engines.base import BatchTiming, Engine, Runner, parse_options, register_engine
 from infermux.errors import RunError, UsageError
-from infermux.export import ExportedModel, cache_dir, export_onnx
+from infermux.export import cache_dir
 from infermux.models import LoadedModel
 from infermux.units import Unit
 
@@ -242,7 +242,7 @@ class OrtEngine(Engine):
         return True, ""
 
     def __init__(self) -> None:
-        self._exports: dict[tuple[str, int | None], ExportedModel] = {}
+        super().__init__()
         self._runners: dict[tuple[Any, ...], OrtRunner] = {}
 
     def supports(self, unit: Unit) -> bool:
@@ -261,12 +261,6 @@ class OrtEngine(Engine):
             return f"{unit.id} needs ONNX Runtime's {needed}: pip install onnxruntime-gpu"
         return ""
 
-    def onnx_for(self, model: LoadedModel, opset: int | None) -> ExportedModel:
-        """The model's ONNX file (exported once per engine life and cached on disk)."""
-        key = (model.key, opset)
-        if key not in self._exports:
-            self._exports[key] = export_onnx(model, "onnxruntime", opset)
-        return self._exports[key]
 
     def build(
         self,
@@ -283,10 +277,7 @@ class OrtEngine(Engine):
         if unit.kind not in self.unit_kinds:
             raise UsageError(f"the onnxruntime engine cannot run on unit {unit.id!r} "
                              f"(it runs {', '.join(self.unit_kinds)})")
-        if data not in DATA_PLACEMENTS:
-            raise UsageError(f"data placement {data!r} unknown: use one of {DATA_PLACEMENTS}")
-        if batch <= 0:
-            raise UsageError(f"batch size {batch} must be at least 1")
+        self.check_build_args(batch, data)
         opts = parse_options(OrtOptions, "onnxruntime", options).resolve(unit)
         if opts.cuda_graph and data != "device":
             raise UsageError("option cuda_graph=true needs inputs and outputs in device memory "

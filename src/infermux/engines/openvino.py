@@ -23,9 +23,9 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from infermux.engines.base import DATA_PLACEMENTS, BatchTiming, Engine, Runner, parse_options, register_engine
+from infermux.engines.base import BatchTiming, Engine, Runner, parse_options, register_engine
 from infermux.errors import RunError, UsageError
-from infermux.export import ExportedModel, cache_dir, export_onnx
+from infermux.export import cache_dir
 from infermux.models import LoadedModel
 from infermux.units import Unit
 
@@ -237,16 +237,10 @@ class OvEngine(Engine):
         return True, ""
 
     def __init__(self) -> None:
+        super().__init__()
         self._core: Any = None
-        self._exports: dict[tuple[str, int | None], ExportedModel] = {}
         self._runners: dict[tuple[Any, ...], OvRunner] = {}
 
-    def onnx_for(self, model: LoadedModel, opset: int | None) -> ExportedModel:
-        """The model's ONNX file (exported once per engine life and cached on disk)."""
-        key = (model.key, opset)
-        if key not in self._exports:
-            self._exports[key] = export_onnx(model, "openvino", opset)
-        return self._exports[key]
 
     def build(
         self,
@@ -263,10 +257,7 @@ class OvEngine(Engine):
         if not self.supports(unit):
             raise UsageError(f"the openvino engine cannot run on unit {unit.id!r} "
                              f"(it runs {', '.join(self.unit_kinds)})")
-        if data not in DATA_PLACEMENTS:
-            raise UsageError(f"data placement {data!r} unknown: use one of {DATA_PLACEMENTS}")
-        if batch <= 0:
-            raise UsageError(f"batch size {batch} must be at least 1")
+        self.check_build_args(batch, data)
         device, opts = parse_options(OvOptions, "openvino", options).resolve(unit)
         if data == "device" and not device.startswith("CPU"):
             raise UsageError(f"--data device is not supported by the openvino engine on {unit.id!r}:"

@@ -17,7 +17,6 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from infermux.engines.base import (
-    DATA_PLACEMENTS,
     BatchTiming,
     Engine,
     Runner,
@@ -375,6 +374,7 @@ class TorchEngine(Engine):
     unit_kinds = ("cpu", "cuda")
 
     def __init__(self) -> None:
+        super().__init__()
         # Prepared modules per (model, unit, options) and runners per batch, for this engine's
         # life: a sweep over batch sizes converts and compiles the module once.
         self._modules: dict[tuple[str, str, str], Any] = {}
@@ -423,10 +423,7 @@ class TorchEngine(Engine):
         """A runner for `model` on `unit` at `batch`, reused if built before with the same key."""
         if not self.supports(unit):
             raise UsageError(f"the torch engine cannot run on unit {unit.id!r} (it runs cpu, cuda)")
-        if data not in DATA_PLACEMENTS:
-            raise UsageError(f"data placement {data!r} unknown: use one of {DATA_PLACEMENTS}")
-        if batch <= 0:
-            raise UsageError(f"batch size {batch} must be at least 1")
+        self.check_build_args(batch, data)
         opts = parse_options(TorchOptions, "torch", options).resolve(unit, len(model.input_shape) + 1)
         key = (model.key, unit.id, opts.model_dump_json(), batch, data, instance)
         if key in self._runners:

@@ -24,9 +24,9 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from infermux.engines.base import DATA_PLACEMENTS, BatchTiming, Engine, Runner, parse_options, register_engine
+from infermux.engines.base import BatchTiming, Engine, Runner, parse_options, register_engine
 from infermux.errors import RunError, UsageError
-from infermux.export import ExportedModel, cache_dir, export_onnx
+from infermux.export import ExportedModel, cache_dir
 from infermux.models import LoadedModel
 from infermux.units import Unit
 
@@ -345,7 +345,7 @@ class TrtEngine(Engine):
         return True, ""
 
     def __init__(self) -> None:
-        self._exports: dict[tuple[str, int | None], ExportedModel] = {}
+        super().__init__()
         self._runners: dict[tuple[Any, ...], TrtRunner] = {}
         self._logger: Any = None
 
@@ -362,20 +362,14 @@ class TrtEngine(Engine):
         import tensorrt as trt
         import torch
 
-        if data not in DATA_PLACEMENTS:
-            raise UsageError(f"data placement {data!r} unknown: use one of {DATA_PLACEMENTS}")
-        if batch <= 0:
-            raise UsageError(f"batch size {batch} must be at least 1")
+        self.check_build_args(batch, data)
         opts = parse_options(TrtOptions, "tensorrt", options)
         plan = build_plan(unit, opts)
         key = (model.key, unit.id, opts.model_dump_json(), batch, data, instance)
         if key in self._runners:
             return self._runners[key]
         started = time.perf_counter()
-        export_key = (model.key, opts.opset)
-        if export_key not in self._exports:
-            self._exports[export_key] = export_onnx(model, "tensorrt", opts.opset)
-        onnx_file = self._exports[export_key]
+        onnx_file = self.onnx_for(model, opts.opset)
         gpu_index = plan.device_index if plan.device == "gpu" else 0
         device_name = torch.cuda.get_device_name(gpu_index)
         folder = Path(opts.engine_cache_dir) if opts.engine_cache_dir else cache_dir() / "tensorrt"
