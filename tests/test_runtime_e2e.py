@@ -106,11 +106,11 @@ def test_slo_aware_dispatch_keeps_p99_under_the_bound_where_round_robin_breaks_i
     bound_ms = 35.0
 
     def run(policy):
-        # The slow unit always computes 32 items per query (padding): genuinely slower, 50-100 ms
-        # a query (quiet or busy 2-core host) against about 3 ms on the fast unit.
+        # The slow unit always computes 64 items per query (padding): genuinely slower, 70-130 ms
+        # a query (quiet or busy 2-core host), far above the bound, against ~3 ms on the fast one.
         p = plan([tiny(factory="wide_cnn", latency_bound_ms=bound_ms, replicas=[
             {"unit": "cpu:0", "batch": 1},
-            {"unit": "cpu:1", "batch": 32, "batch_buckets": "none"}])],
+            {"unit": "cpu:1", "batch": 64, "batch_buckets": "none"}])],
             dispatcher={"policy": policy, "max_queue_delay_ms": 0},
             load={"scenario": "server", "rate_qps": 30, "p99_bound_ms": bound_ms,
                   "min_duration_s": 4.0, "min_queries": 120})
