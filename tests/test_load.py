@@ -186,3 +186,50 @@ def test_find_peak_bisects_to_the_highest_valid_rate():
     rec = peak.record()
     assert rec["peak_fraction_of_offline"] == pytest.approx(peak.peak_qps / 1000.0)
     assert len(rec["trials"]) == 8
+
+
+class _StepClock:
+    """A clock that advances by the next of a cycle of steps (ms) at every reading."""
+
+    def __init__(self, steps_ms):
+        self.t = 0
+        self.n = 0
+        self.steps = steps_ms
+
+    def __call__(self):
+        self.t += self.steps[self.n % len(self.steps)] * 1_000_000
+        self.n += 1
+        return self.t
+
+
+class _InstantSUT:
+    """Completes every query at once, stamped by the generator's own clock."""
+
+    def __init__(self, clock):
+        self.clock = clock
+
+    def start(self, on_complete):
+        self.on_complete = on_complete
+
+    def issue(self, queries):
+        for q in queries:
+            self.on_complete([(q.id, len(q.samples))], True, self.clock())
+
+    def capacity_items(self, model):
+        return 4
+
+    def end(self):
+        pass
+
+
+@pytest.mark.parametrize("scenario", ["single-stream", "multi-stream", "offline"])
+@pytest.mark.parametrize("first_step_ms", [1, 4, 13, 22])
+def test_the_duration_rule_is_judged_at_the_last_completion(scenario, first_step_ms):
+    # The generator reads its clock after a completion before it checks the rule; a query that
+    # completes just under min_duration_s must not end the run, which would then read too short.
+    clock = _StepClock([first_step_ms, 1, 2])
+    res = LoadGenerator(settings(scenario=scenario, min_duration_s=0.3, min_queries=5),
+                        {"m": 1.0}, clock_ns=clock).run(_InstantSUT(clock), {"m": 8})
+    valid, notes = res.validity()
+    assert valid, notes
+    assert res.duration_s >= 0.3

@@ -174,6 +174,7 @@ class LoadGenerator:
         self._outstanding: dict[str, int] = dict.fromkeys(self.models, 0)
         self._done_samples = 0
         self._done_queries = 0
+        self._last_done_ns = 0
 
     # -- the SUT's side ---------------------------------------------------------------------
 
@@ -199,6 +200,7 @@ class LoadGenerator:
                 self._outstanding[r.query_model[query_id]] -= n
                 self._done_samples += n
                 self._done_queries += 1
+                self._last_done_ns = max(self._last_done_ns, when_ns)
                 finished = True
             if finished:
                 self._cond.notify_all()
@@ -269,10 +271,16 @@ class LoadGenerator:
             self._progress(self.scenario, max(0.0, min(1.0, fraction)))
 
     def _rule_met(self, done: int) -> tuple[bool, bool]:
-        """(validity rule met, hard stop reached) for `done` samples/queries so far."""
+        """(validity rule met, hard stop reached) for `done` samples/queries so far.
+
+        The rule is judged on the span up to the last completion, which is the duration the
+        result reports, not on the clock now: a query that completes just before the minimum
+        duration and is checked just after it must not end a run that then reads too short.
+        """
         elapsed = self._elapsed_s()
         s = self.settings
-        met = elapsed >= s["min_duration_s"] and done >= s["min_queries"]
+        covered = (self._last_done_ns - self._result.start_ns) / 1e9 if self._last_done_ns else 0.0
+        met = covered >= s["min_duration_s"] and done >= s["min_queries"]
         cap = s.get("max_duration_s")
         stop = cap is not None and elapsed >= cap
         frac = min(elapsed / s["min_duration_s"] if s["min_duration_s"] else 1.0,
