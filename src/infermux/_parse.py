@@ -6,7 +6,7 @@ import re
 
 from infermux.errors import UsageError
 
-__all__ = ["parse_batches", "parse_duration_s", "parse_shape"]
+__all__ = ["parse_batches", "parse_bytes", "parse_duration_s", "parse_shape"]
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|min|h)?\s*$")
 _SCALE_S = {"ms": 1e-3, "s": 1.0, None: 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
@@ -25,6 +25,26 @@ def parse_duration_s(text: str | float, *, name: str = "duration") -> float:
         value = float(match.group(1)) * _SCALE_S[match.group(2)]
     if value < 0:
         raise UsageError(f"{name} {text!r} is negative: a duration is 0 or more, e.g. 10s")
+    return value
+
+
+_BYTES = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_SCALE_B = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+            "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str | int, *, name: str = "size") -> int:
+    """`"8GiB"`, `"512MB"`, `"1024"` (bytes) → bytes; rejects zero, negatives and junk."""
+    if isinstance(text, int):
+        value = text
+    else:
+        match = _BYTES.match(text)
+        if match is None:
+            raise UsageError(f"{name} {text!r} is not a size: write a number with B, MB, GB, "
+                             "MiB or GiB, e.g. 8GiB")
+        value = int(float(match.group(1)) * _SCALE_B[(match.group(2) or "b").lower()])
+    if value <= 0:
+        raise UsageError(f"{name} {text!r} must be positive, e.g. 8GiB")
     return value
 
 

@@ -39,7 +39,7 @@ from infermux.units import Unit, discover, select_units
 
 __all__ = [
     "BenchConfig", "BenchReport", "Measurement", "engine_options", "engines_for", "measure",
-    "run_bench", "telemetry_device",
+    "measure_point", "run_bench", "telemetry_device",
 ]
 
 #: progress(label, fraction) — fraction of the current point's validity rule met, 0..1.
@@ -336,7 +336,7 @@ def run_bench(
     try:
         for unit, name in plan:
             for batch in config.batches:
-                point = _measure_point(config, name, engines[name], model, unit, batch, progress,
+                point = measure_point(config, name, engines[name], model, unit, batch, progress,
                                        reference, sampler)
                 report.measurements.append(point)
                 if store is not None and run_id is not None:
@@ -432,7 +432,7 @@ def _check_agreement(runner: Runner, model: LoadedModel,
     return agreement.check(runner, reference[0]).to_dict()
 
 
-def _measure_point(
+def measure_point(
     config: BenchConfig,
     engine_name: str,
     engine: Engine,
@@ -443,6 +443,10 @@ def _measure_point(
     reference: list[agreement.Reference],
     sampler: Sampler | None = None,
 ) -> Measurement:
+    """Build `instances` runners of `engine` for (unit, batch) and measure them as one point.
+
+    Failures become the point's status (`oom`, `error`); only usage errors and Ctrl-C leave.
+    """
     point = Measurement(
         model=model.name, unit=unit.id, engine=engine_name, batch=batch,
         instances=config.instances, data=config.data, min_duration_s=config.min_duration_s,

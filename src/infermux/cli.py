@@ -315,3 +315,4 @@ def main(argv: list[str] | None = None) -> None:
 from infermux import cli_monitor as _cli_monitor  # noqa: E402,F401
 from infermux import cli_partition as _cli_partition  # noqa: E402,F401
 from infermux import cli_run as _cli_run  # noqa: E402,F401
+from infermux import cli_tune as _cli_tune  # noqa: E402,F401

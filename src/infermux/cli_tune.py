@@ -1,0 +1,160 @@
+"""`infermux tune`: search the best plan for some models on this machine and write it."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from infermux.cli import DbOpt, JsonOpt, _print_json, _progress, app, err, out
+
+__all__ = ["tune_command"]
+
+
+def _num(value: Any, digits: int = 1) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, float):
+        return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.{digits}f}"
+    return str(value)
+
+
+def _explain_table(data: dict[str, Any]) -> Table:
+    """Each unit's best solo figure, the combination's, and the contention measured."""
+    table = Table(title="Why this plan")
+    for col in ("what", "plan", "items/s", "batch p99 ms", "J/item", "how measured"):
+        table.add_column(col, justify="right" if col in ("items/s", "batch p99 ms", "J/item")
+                         else "left")
+    for key, t in data["solo_best"].items():
+        table.add_row(f"best alone on {key.split('@', 1)[1]}", t["plan"], _num(t["items_per_s"]),
+                      _num(t["p99_ms"], 2), _num(t["energy_per_item_j"], 4), t["method"])
+    for c in data["contention"]:
+        if c["unit"] == "all":
+            table.add_row("combination", c["plan"], _num(c["measured_items_per_s"]), "", "",
+                          f"runtime; {_num(c['summed_solo_items_per_s'])} if solo figures "
+                          f"added up ({_num(c['factor'], 2)}×)")
+        else:
+            table.add_row(f"  {c['unit']} beside {', '.join(c['with'])}", "",
+                          _num(c["inside_items_per_s"]), "", "",
+                          f"contention factor {_num(c['factor'], 2)} (alone "
+                          f"{_num(c['alone_items_per_s'])})")
+    best, verified = data["best"], data["verified"]
+    if best is not None:
+        table.add_row("[bold]chosen[/]", best["plan"], _num(best["items_per_s"]),
+                      _num(best["p99_ms"], 2), _num(best["energy_per_item_j"], 4), best["method"])
+    if verified is not None and verified is not best and verified != best:
+        table.add_row("  as `infermux run` runs it", verified["plan"],
+                      _num(verified["items_per_s"]), _num(verified["p99_ms"], 2),
+                      _num(verified["energy_per_item_j"], 4), "runtime")
+    return table
+
+
+def _pareto_table(front: list[dict[str, Any]]) -> Table:
+    table = Table(title="Pareto front (throughput ↑, batch p99 ↓, energy per item ↓)")
+    for col in ("plan", "items/s", "batch p99 ms", "J/item", "how measured"):
+        table.add_column(col, justify="left" if col in ("plan", "how measured") else "right")
+    for t in front[:12]:
+        table.add_row(t["plan"], _num(t["items_per_s"]), _num(t["p99_ms"], 2),
+                      _num(t["energy_per_item_j"], 4), t["method"])
+    return table
+
+
+@app.command("tune")
+def tune_command(
+    model: Annotated[list[str], typer.Option("--model", "-m", help="Model to tune (repeat for several): resnet50, timm:NAME, file.py:fn, x.onnx.")],
+    units: Annotated[str, typer.Option("--units", "-u", help="Units or globs, comma-separated, or auto.")] = "auto",
+    engine: Annotated[str, typer.Option("--engine", help="Engines to consider: auto or a comma list.")] = "auto",
+    scenario: Annotated[str, typer.Option("--scenario", help="offline, or server (needs --p99).")] = "offline",
+    p99: Annotated[str | None, typer.Option("--p99", help="Server: p99 latency bound, e.g. 15ms.")] = None,
+    max_memory: Annotated[str | None, typer.Option("--max-memory", help="Device memory per config, e.g. 8GiB.")] = None,
+    max_power: Annotated[float | None, typer.Option("--max-power", help="Mean power bound in W.")] = None,
+    objective: Annotated[str, typer.Option("--objective", help="throughput, energy, latency or pareto.")] = "throughput",
+    budget: Annotated[str, typer.Option("--budget", help="Wall-time budget, e.g. 10m.")] = "10m",
+    batch: Annotated[str | None, typer.Option("--batch", "-b", help="Batch ladder, e.g. 1,2,4,8 (default powers of 2).")] = None,
+    max_instances: Annotated[int, typer.Option("--max-instances", help="Most instances per unit.")] = 4,
+    compile_modes: Annotated[bool, typer.Option("--compile", help="Also try torch.compile max-autotune on GPUs (minutes per batch size).")] = False,
+    trial_duration: Annotated[str, typer.Option("--trial-duration", help="Minimum duration of each trial.")] = "1s",
+    trial_queries: Annotated[int, typer.Option("--trial-queries", help="Minimum items of each trial.")] = 64,
+    input_shape: Annotated[str | None, typer.Option("--input-shape", help="One item's shape, e.g. 3x224x224.")] = None,
+    data: Annotated[str, typer.Option("--data", help="host: copies timed; device: pre-staged.")] = "host",
+    out_file: Annotated[str | None, typer.Option("--out", "-o", help="Plan file to write (default tuned-MODEL.yaml).")] = None,
+    fresh: Annotated[bool, typer.Option("--fresh", help="Measure everything again; ignore stored trials.")] = False,
+    no_fine_tune: Annotated[bool, typer.Option("--no-fine-tune", help="Stop after the ladders and combinations.")] = False,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the fine-tuning sampler.")] = 0,
+    db: DbOpt = "infermux.db",
+    as_json: JsonOpt = False,
+) -> None:
+    """Find the fastest plan across this machine's units under latency, memory and power bounds."""
+    from infermux._parse import parse_batches, parse_bytes, parse_duration_s, parse_shape
+    from infermux.errors import UsageError
+    from infermux.models import ModelSpec
+    from infermux.store import open_store
+    from infermux.tune import Constraints, TrialSettings, TuneRequest, model_name, run_tune
+
+    if data not in ("host", "device"):
+        raise UsageError(f"--data {data!r} unknown: use host or device")
+    shape = parse_shape(input_shape) if input_shape else None
+    constraints = Constraints(
+        p99_bound_ms=parse_duration_s(p99, name="--p99") * 1e3 if p99 else None,
+        max_memory_bytes=parse_bytes(max_memory, name="--max-memory") if max_memory else None,
+        max_power_w=max_power)
+    if max_power is not None and max_power <= 0:
+        raise UsageError(f"--max-power {max_power:g} must be positive watts, e.g. --max-power 300")
+    request = TuneRequest(
+        models=[ModelSpec(m, None, shape) for m in model], units=units, engines=engine,
+        scenario=scenario, objective=objective, constraints=constraints,
+        budget_s=parse_duration_s(budget, name="--budget"),
+        batches=parse_batches(batch) if batch else None, max_instances=max_instances,
+        compile_modes=compile_modes,
+        trial=TrialSettings(min_duration_s=parse_duration_s(trial_duration, name="--trial-duration"),
+                            min_queries=trial_queries, data=data),
+        fresh=fresh, seed=seed, fine_tune=not no_fine_tune)
+    path = out_file or f"tuned-{'-'.join(model_name(m) for m in model)}.yaml"
+    store = open_store(db)
+    command = "infermux " + shlex.join(sys.argv[1:])
+    with _progress() as progress:
+        task = progress.add_task("discovering units", total=request.budget_s)
+
+        def on_trial(phase: str, info: dict[str, Any]) -> None:
+            t = info["trial"]
+            used = info["budget_s"] - info["left_s"]
+            figure = f"{t.items_per_s:,.1f} items/s" if t.items_per_s else t.status
+            progress.console.print(
+                f"[dim]{phase:>9}[/] {t.candidate.label()}: {figure}"
+                + (" [dim](stored)[/]" if t.reused else f" [dim]({t.method}, {t.cost_s:.1f}s)[/]"))
+            progress.update(task, completed=used,
+                            description=f"{phase} · {info['measured']} trials")
+
+        def on_measure(label: str, fraction: float) -> None:
+            progress.update(task, description=label[:60])
+
+        report = run_tune(request, store=store, out_path=path, progress=on_trial,
+                          measure_progress=on_measure, command=command)
+    data_out = report.to_dict()
+    if as_json:
+        _print_json(data_out)
+        return
+    result = report.result
+    out.print(_explain_table(data_out))
+    if result.pareto and (objective == "pareto" or len(result.pareto) > 1):
+        out.print(_pareto_table(data_out["pareto"]))
+    if report.server_peak is not None:
+        peak = report.server_peak
+        out.print(f"[bold]server[/]: peak {_num(peak.get('peak_qps'))} qps within p99 ≤ "
+                  f"{peak['p99_bound_ms']:g} ms")
+    out.print(f"{result.measured} candidates measured "
+              f"({data_out['reused']} reused from the store) of {result.space['plans']} plans "
+              f"in {result.elapsed_s:.0f}s" + (" — budget reached" if result.stopped_by_budget
+                                                else ""))
+    if report.plan_path:
+        out.print(f"plan written to [bold]{report.plan_path}[/]: run it with "
+                  f"`infermux run {report.plan_path}`")
+    else:
+        err.print("no plan meets the constraints: relax --p99, --max-memory or --max-power, "
+                  "or raise --budget")
+        raise typer.Exit(1)
+    if report.run_id is not None:
+        out.print(f"[dim]stored as run {report.run_id} in {db}[/]")

@@ -1,0 +1,472 @@
+"""Trials: measuring a candidate plan for real, and remembering it in the store.
+
+Two ways to measure, both real:
+
+- `engine` — one config on one unit, timed in this process by the benchmark's `measure()`
+  (warm-up excluded, device-synchronized, host→device copies counted): a runner per instance,
+  built once per trial. Cheap (no worker processes to start), so the tuner's ladders use it.
+  CPU configs with several instances are not measured this way: the runtime splits the cores
+  between pinned processes, which threads in one process do not reproduce.
+- `runtime` — the whole plan through `run_plan` under the offline scenario: the same workers,
+  dispatcher and data path as `infermux run`. Every combination of units and the chosen plan are
+  measured this way, because co-located units contend and solo figures do not add up.
+
+Every trial is stored (`tune_trials`); a later tune on the same machine, model and trial
+settings reuses it unless asked to measure afresh.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from infermux.errors import InfermuxError, UsageError
+from infermux.models import LoadedModel, ModelSpec, load_model
+from infermux.store import Store
+from infermux.tune.space import Candidate, Config
+from infermux.units import Unit
+
+__all__ = [
+    "Constraints",
+    "Evaluator",
+    "LiveEvaluator",
+    "TableEvaluator",
+    "Trial",
+    "TrialSettings",
+    "model_name",
+]
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS tune_trials (
+    id INTEGER PRIMARY KEY,
+    run_id INTEGER REFERENCES runs(id) ON DELETE CASCADE,
+    fingerprint TEXT NOT NULL,     -- machine, model sources, trial settings
+    key TEXT NOT NULL,             -- the candidate (canonical)
+    label TEXT NOT NULL,
+    method TEXT NOT NULL,          -- engine | runtime
+    status TEXT NOT NULL,          -- ok | oom | error | invalid
+    items_per_s REAL,
+    p99_ms REAL,
+    energy_per_item_j REAL,
+    power_w REAL,
+    memory_bytes INTEGER,
+    cost_s REAL NOT NULL,
+    reused INTEGER NOT NULL,
+    record_json TEXT NOT NULL,
+    created TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS tune_trials_by_key ON tune_trials(fingerprint, key);
+"""
+
+
+def model_name(ref: str) -> str:
+    """A plan-safe model name from a model reference (`path/net.py:make` → `net.make`)."""
+    base = ref.rsplit("/", 1)[-1].removeprefix("timm:")
+    base = re.sub(r"\.(py|onnx)(?=:|$)", "", base).replace(":", ".")
+    return re.sub(r"[^A-Za-z0-9_.\-]", "_", base)[:64] or "model"
+
+
+@dataclass(frozen=True)
+class TrialSettings:
+    """How long each trial measures; part of the reuse key."""
+
+    min_duration_s: float = 1.0
+    min_queries: int = 64
+    warmup_s: float = 0.3
+    data: str = "host"
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready copy."""
+        return {"min_duration_s": self.min_duration_s, "min_queries": self.min_queries,
+                "warmup_s": self.warmup_s, "data": self.data}
+
+
+@dataclass(frozen=True)
+class Constraints:
+    """Bounds a plan must hold; None means unbounded."""
+
+    p99_bound_ms: float | None = None
+    max_memory_bytes: int | None = None
+    max_power_w: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready copy."""
+        return {"p99_bound_ms": self.p99_bound_ms, "max_memory_bytes": self.max_memory_bytes,
+                "max_power_w": self.max_power_w}
+
+
+@dataclass
+class Trial:
+    """One measured candidate: its figures, how it was measured and what it cost."""
+
+    candidate: Candidate
+    method: str  # engine | runtime
+    status: str = "ok"  # ok | oom | error | invalid
+    items_per_s: float | None = None
+    #: The 99th percentile of one batch's latency (the worst config's), not a query's.
+    p99_ms: float | None = None
+    energy_per_item_j: float | None = None
+    power_w: float | None = None
+    memory_bytes: int | None = None
+    #: Items per second of each unit inside this trial (what contention factors compare).
+    per_unit: dict[str, float] = field(default_factory=dict)
+    cost_s: float = 0.0
+    reused: bool = False
+    error: str | None = None
+    record: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def ok(self) -> bool:
+        """Measured, valid and with a throughput."""
+        return self.status == "ok" and self.items_per_s is not None
+
+    def violations(self, constraints: Constraints) -> list[str]:
+        """Why the trial breaks the constraints (empty when it holds them).
+
+        The p99 bound is for queries of the server scenario: a query waits for the batch in
+        service ahead of it and then for its own, so a batch must take at most half the bound.
+        """
+        out = []
+        if not self.ok:
+            out.append(f"{self.status}: {self.error or 'no measurement'}")
+            return out
+        bound = constraints.p99_bound_ms
+        if bound is not None and (self.p99_ms is None or self.p99_ms > bound / 2):
+            out.append(f"batch p99 {self.p99_ms:.1f} ms > half the bound ({bound / 2:g} ms)")
+        cap = constraints.max_memory_bytes
+        if cap is not None and self.memory_bytes is not None and self.memory_bytes > cap:
+            out.append(f"memory {self.memory_bytes / 2**20:.0f} MiB > {cap / 2**20:.0f} MiB")
+        watts = constraints.max_power_w
+        if watts is not None and (self.power_w is None or self.power_w > watts):
+            out.append(f"power {self.power_w} W > {watts:g} W")
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready summary (without the raw record)."""
+        return {
+            "plan": self.candidate.label(), "configs": [c.replica() | {"model": c.model}
+                                                        for c in self.candidate.configs],
+            "method": self.method, "status": self.status, "items_per_s": self.items_per_s,
+            "p99_ms": self.p99_ms, "energy_per_item_j": self.energy_per_item_j,
+            "power_w": self.power_w, "memory_bytes": self.memory_bytes,
+            "per_unit": self.per_unit, "cost_s": self.cost_s, "reused": self.reused,
+            "error": self.error,
+        }
+
+
+class Evaluator(Protocol):
+    """Measures candidates; the tuner's only window on the machine (injectable for tests)."""
+
+    def evaluate(self, candidate: Candidate, method: str = "auto") -> Trial:
+        """Measure `candidate`; `method` is `auto`, `engine` or `runtime`."""
+        ...
+
+
+def can_engine(config: Config, units: dict[str, Unit]) -> bool:
+    """Whether one config can be measured in this process faithfully."""
+    unit = units.get(config.unit)
+    return unit is not None and not (unit.kind == "cpu" and config.instances > 1)
+
+
+class TableEvaluator:
+    """Answers from a function of the candidate: for replaying brute-force tables and for tests.
+
+    `cost_s(candidate, method)` is the time each answer is said to cost; the tuner's budget
+    counts it through the clock the tests inject.
+    """
+
+    def __init__(self, fn: Callable[[Candidate], Trial | None],
+                 cost_s: Callable[[Candidate, str], float] | None = None,
+                 on_cost: Callable[[float], None] | None = None) -> None:
+        self.fn = fn
+        self.cost = cost_s or (lambda _c, _m: 1.0)
+        self.on_cost = on_cost
+        self.calls: list[tuple[Candidate, str]] = []
+
+    def evaluate(self, candidate: Candidate, method: str = "auto") -> Trial:
+        """Look the candidate up; unknown candidates are `error` trials."""
+        used = "engine" if method == "auto" and candidate.solo else (
+            "runtime" if method == "auto" else method)
+        self.calls.append((candidate, used))
+        cost = self.cost(candidate, used)
+        if self.on_cost is not None:
+            self.on_cost(cost)
+        found = self.fn(candidate)
+        if found is None:
+            return Trial(candidate, used, status="error", error="not in the table", cost_s=cost)
+        return Trial(candidate, used, found.status, found.items_per_s, found.p99_ms,
+                     found.energy_per_item_j, found.power_w, found.memory_bytes,
+                     dict(found.per_unit), cost, False, found.error, dict(found.record))
+
+
+class LiveEvaluator:
+    """Measures for real on this machine and keeps every trial in the store."""
+
+    def __init__(
+        self,
+        models: dict[str, ModelSpec],
+        units: list[Unit],
+        settings: TrialSettings,
+        *,
+        store: Store | None = None,
+        run_id: int | None = None,
+        fresh: bool = False,
+        telemetry: bool = True,
+        progress: Callable[[str, float], None] | None = None,
+    ) -> None:
+        self.specs = models
+        self.units = {u.id: u for u in units}
+        self.settings = settings
+        self.store = store
+        self.run_id = run_id
+        self.fresh = fresh
+        self.progress = progress
+        self._models: dict[str, LoadedModel] = {}
+        self._engines: dict[str, Any] = {}
+        self._sampler: Any = None
+        self.power_devices: list[str] = []
+        if telemetry:
+            self._start_sampler(units)
+        if store is not None:
+            store.connection.executescript(_SCHEMA)
+        self.fingerprint = self._fingerprint()
+
+    # -- setup ---------------------------------------------------------------------------------
+
+    def _start_sampler(self, units: list[Unit]) -> None:
+        from infermux.telemetry import Sampler
+
+        try:
+            self._sampler = Sampler.for_units(units, interval_s=0.1).start()
+        except InfermuxError:
+            self._sampler = None
+            return
+        self.power_devices = sorted(
+            d for src in self._sampler.sources
+            if src.name in ("nvml", "jetson") or getattr(src, "has_energy", False)
+            for d in src.devices)
+
+    def _fingerprint(self) -> str:
+        import torch
+
+        from infermux import __version__
+
+        data = {
+            "units": sorted((u.id, u.name) for u in self.units.values()),
+            "models": {n: [s.ref, s.weights, list(s.input_shape or ())]
+                       for n, s in sorted(self.specs.items())},
+            "settings": self.settings.to_dict(), "torch": torch.__version__,
+            "infermux": __version__,
+        }
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+    def model(self, name: str) -> LoadedModel:
+        """The loaded model (loaded once)."""
+        if name not in self._models:
+            self._models[name] = load_model(self.specs[name])
+        return self._models[name]
+
+    def close(self) -> None:
+        """Stop the sampler and free the engines' memory."""
+        if self._sampler is not None:
+            self._sampler.stop()
+            self._sampler = None
+        for engine in self._engines.values():
+            release = getattr(engine, "release", None)
+            if release is not None:
+                release()
+
+    # -- measuring -----------------------------------------------------------------------------
+
+    def evaluate(self, candidate: Candidate, method: str = "auto") -> Trial:
+        """Measure `candidate` (or reuse the stored trial of the same candidate)."""
+        if method == "auto":
+            method = "engine" if candidate.solo and can_engine(candidate.configs[0], self.units) \
+                else "runtime"
+        if method == "engine" and not (candidate.solo
+                                       and can_engine(candidate.configs[0], self.units)):
+            raise UsageError(f"{candidate.label()} cannot be measured in-process: use the runtime")
+        key = f"{method}|{candidate.key()}"
+        if not self.fresh:
+            old = self._stored(key)
+            if old is not None:
+                old.candidate = candidate
+                return old
+        started = time.perf_counter()
+        trial = self._engine(candidate) if method == "engine" else self._runtime(candidate)
+        trial.cost_s = time.perf_counter() - started
+        self._keep(key, trial)
+        return trial
+
+    def _stored(self, key: str) -> Trial | None:
+        if self.store is None:
+            return None
+        row = self.store.connection.execute(
+            "SELECT record_json, cost_s FROM tune_trials WHERE fingerprint = ? AND key = ? "
+            "AND reused = 0 AND status IN ('ok', 'oom') ORDER BY id DESC LIMIT 1",
+            (self.fingerprint, key)).fetchone()
+        if row is None:
+            return None
+        data = json.loads(row[0])
+        trial = Trial(Candidate(()), data["method"], data["status"], data["items_per_s"],
+                      data["p99_ms"], data["energy_per_item_j"], data["power_w"],
+                      data["memory_bytes"], data["per_unit"], 0.0, True, data["error"],
+                      data.get("record", {}))
+        self._keep(key, trial, original_cost_s=row[1])
+        return trial
+
+    def _keep(self, key: str, trial: Trial, original_cost_s: float | None = None) -> None:
+        if self.store is None:
+            return
+        data = trial.to_dict() | {"record": trial.record}
+        with self.store.connection as db:
+            db.execute(
+                "INSERT INTO tune_trials (run_id, fingerprint, key, label, method, status, "
+                "items_per_s, p99_ms, energy_per_item_j, power_w, memory_bytes, cost_s, reused, "
+                "record_json, created) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,datetime('now'))",
+                (self.run_id, self.fingerprint, key, trial.candidate.label(), trial.method,
+                 trial.status, trial.items_per_s, trial.p99_ms, trial.energy_per_item_j,
+                 trial.power_w, trial.memory_bytes,
+                 original_cost_s if original_cost_s is not None else trial.cost_s,
+                 int(trial.reused), json.dumps(data, default=str)))
+
+    def _engine(self, candidate: Candidate) -> Trial:
+        from infermux import agreement
+        from infermux.bench import BenchConfig, measure_point
+        from infermux.engines import create_engine
+
+        config = candidate.configs[0]
+        unit = self.units[config.unit]
+        model = self.model(config.model)
+        engine = self._engines.setdefault(config.engine, create_engine(config.engine))
+        bench = BenchConfig(
+            model=self.specs[config.model], units=unit.id, batches=[config.batch],
+            engine=config.engine, instances=config.instances, data=self.settings.data,
+            min_duration_s=self.settings.min_duration_s, min_queries=self.settings.min_queries,
+            warmup_s=self.settings.warmup_s,
+            max_duration_s=max(10.0, 4 * self.settings.min_duration_s),
+            options=config.options_dict, telemetry_interval_s=None, check_agreement=False)
+        torch_device = _reset_peak_memory(unit)
+        reference: list[agreement.Reference] = []
+        point = measure_point(bench, config.engine, engine, model, unit, config.batch,
+                              self._point_progress, reference, self._sampler)
+        record = point.record()
+        status = point.status
+        valid, note = point.validity
+        if status == "ok" and not valid:
+            status = "invalid"
+        trial = Trial(candidate, "engine", status, point.throughput if status == "ok" else None,
+                      record.get("p99_ms"), record.get("energy_per_item_j"),
+                      record.get("mean_power_w"), _peak_memory(torch_device),
+                      {unit.id: point.throughput or 0.0}, error=point.error or (note or None),
+                      record=record)
+        if status == "oom":
+            release = getattr(engine, "release", None)
+            if release is not None:
+                release()
+        return trial
+
+    def _point_progress(self, label: str, fraction: float) -> None:
+        if self.progress is not None:
+            self.progress(label, fraction)
+
+    def plan_dict(self, candidate: Candidate, *, load: dict[str, Any],
+                  buckets: str = "none") -> dict[str, Any]:
+        """The runtime Plan of `candidate` under `load`."""
+        entries = []
+        for name in sorted({c.model for c in candidate.configs}):
+            spec = self.specs[name]
+            entry: dict[str, Any] = {"name": name, "model": spec.ref, "replicas": [
+                c.replica() | {"batch_buckets": buckets}
+                for c in candidate.configs if c.model == name]}
+            if spec.weights:
+                entry["weights"] = spec.weights
+            if spec.input_shape:
+                entry["input_shape"] = list(spec.input_shape)
+            entries.append(entry)
+        return {"name": "tuned", "models": entries,
+                "dispatcher": {"max_queue_delay_ms": 2.0}, "load": load}
+
+    def _runtime(self, candidate: Candidate) -> Trial:
+        from infermux.runtime import run_plan
+        from infermux.runtime.plan import parse_plan
+
+        s = self.settings
+        plan = parse_plan(self.plan_dict(candidate, load={
+            "scenario": "offline", "min_duration_s": s.min_duration_s,
+            "min_queries": s.min_queries, "data": s.data,
+            "max_duration_s": max(10.0, 4 * s.min_duration_s)}), source="tuner plan")
+        marks: dict[str, int] = {}
+
+        def progress(label: str, fraction: float) -> None:
+            if label == "built":
+                marks["t0"] = time.perf_counter_ns()
+            if self.progress is not None:
+                self.progress(f"{candidate.label()}: {label}", fraction)
+
+        try:
+            report = run_plan(plan, progress=progress)
+        except InfermuxError as exc:
+            if isinstance(exc, UsageError):
+                raise
+            return Trial(candidate, "runtime", "error", error=str(exc))
+        t1 = time.perf_counter_ns()
+        rec = report.final or {}
+        workers = rec.get("workers", {}).values()
+        failed = [w for w in workers if w.get("status") != "ok"]
+        status = "ok" if rec.get("valid") and not failed else "invalid"
+        if failed:
+            status = "oom" if any("out of memory" in (w.get("error") or "") for w in failed) \
+                else "error"
+        per_unit: dict[str, float] = {}
+        for w in workers:
+            unit = "cpu" if str(w["unit"]).startswith("cpu") and "cpu" in candidate.units \
+                else str(w["unit"])
+            per_unit[unit] = per_unit.get(unit, 0.0) + (w.get("items_per_s") or 0.0)
+        compute = [m.get("phases", {}).get("compute", {}).get("p99_ms")
+                   for m in rec.get("models", {}).values()]
+        trial = Trial(candidate, "runtime", status,
+                      rec.get("throughput_samples_per_s") if status == "ok" else None,
+                      max((c for c in compute if c is not None), default=None),
+                      per_unit=per_unit,
+                      error="; ".join(str(w.get("error")) for w in failed) or (
+                          "; ".join(rec.get("validity_notes", [])) or None),
+                      record={k: rec.get(k) for k in ("duration_s", "completed_samples",
+                                                       "latency", "valid", "validity_notes")})
+        if self._sampler is not None and "t0" in marks and trial.items_per_s:
+            window = self._sampler.window(marks["t0"], t1)
+            devices = sorted({_telemetry_device(self.units[u]) for u in candidate.units})
+            energy = window.summary(devices).record(int(rec.get("completed_samples") or 0))
+            trial.energy_per_item_j = energy.get("energy_per_item_j")
+            trial.power_w = energy.get("mean_power_w")
+        return trial
+
+
+def _telemetry_device(unit: Unit) -> str:
+    from infermux.bench import telemetry_device
+
+    return telemetry_device(unit)
+
+
+def _reset_peak_memory(unit: Unit) -> Any:
+    if unit.kind != "cuda":
+        return None
+    import torch
+
+    device = torch.device(unit.device)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    return device
+
+
+def _peak_memory(device: Any) -> int | None:
+    if device is None:
+        return None
+    import torch
+
+    return int(torch.cuda.max_memory_allocated(device))

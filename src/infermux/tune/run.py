@@ -1,0 +1,270 @@
+"""`run_tune`: from "these models on this machine" to a stored, runnable, explained plan."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from infermux.errors import UsageError
+from infermux.models import ModelSpec
+from infermux.store import Store
+from infermux.tune.evaluate import Constraints, LiveEvaluator, TrialSettings, model_name
+from infermux.tune.search import OBJECTIVES, Tuner, TuneResult, TuneSettings
+from infermux.tune.space import Space, UnitSpace, option_variants
+from infermux.units import Unit
+
+__all__ = ["TuneReport", "TuneRequest", "build_space", "run_tune"]
+
+SCENARIOS = ("offline", "server")
+
+
+@dataclass
+class TuneRequest:
+    """Everything `infermux tune` was asked."""
+
+    models: list[ModelSpec]
+    units: str = "auto"
+    engines: str = "auto"
+    scenario: str = "offline"
+    objective: str = "throughput"
+    constraints: Constraints = field(default_factory=Constraints)
+    budget_s: float = 600.0
+    batches: list[int] | None = None
+    max_instances: int = 4
+    compile_modes: bool = False
+    trial: TrialSettings = field(default_factory=TrialSettings)
+    fresh: bool = False
+    seed: int = 0
+    fine_tune: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.models:
+            raise UsageError("no model given: pass --model NAME (e.g. --model mobilenet_v3_small)")
+        if self.scenario not in SCENARIOS:
+            raise UsageError(f"--scenario {self.scenario!r} unknown: tune for offline or server")
+        if self.objective not in OBJECTIVES:
+            raise UsageError(f"--objective {self.objective!r} unknown: use "
+                             f"{', '.join(OBJECTIVES)}")
+        if self.scenario == "server" and self.constraints.p99_bound_ms is None:
+            raise UsageError("--scenario server needs a latency bound: pass --p99, e.g. --p99 15ms")
+        if self.budget_s <= 0:
+            raise UsageError(f"--budget {self.budget_s:g}s must be positive, e.g. --budget 10m")
+        if self.max_instances < 1:
+            raise UsageError(f"--max-instances {self.max_instances} must be at least 1")
+        names = [model_name(m.ref) for m in self.models]
+        if len(set(names)) != len(names):
+            raise UsageError(f"models {names} repeat a name: tune each model once")
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready copy (stored with the run)."""
+        return {
+            "models": [{"ref": m.ref, "weights": m.weights,
+                        "input_shape": list(m.input_shape or ())} for m in self.models],
+            "units": self.units, "engines": self.engines, "scenario": self.scenario,
+            "objective": self.objective, "constraints": self.constraints.to_dict(),
+            "budget_s": self.budget_s, "batches": self.batches,
+            "max_instances": self.max_instances, "compile_modes": self.compile_modes,
+            "trial": self.trial.to_dict(), "fresh": self.fresh, "seed": self.seed,
+            "fine_tune": self.fine_tune,
+        }
+
+
+@dataclass
+class TuneReport:
+    """What `run_tune` returns."""
+
+    run_id: int | None
+    request: TuneRequest
+    result: TuneResult
+    plan: dict[str, Any] | None
+    plan_path: str | None
+    server_peak: dict[str, Any] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready copy."""
+        return {"run_id": self.run_id, "request": self.request.to_dict(),
+                "plan": self.plan, "plan_path": self.plan_path,
+                "server_peak": self.server_peak, **self.result.to_dict()}
+
+
+def _ladder(top: int) -> list[int]:
+    out, b = [], 1
+    while b <= top:
+        out.append(b)
+        b *= 2
+    return out
+
+
+def build_space(request: TuneRequest, units: list[Unit], engines: dict[str, list[str]]) -> Space:
+    """The space for `units` with the engines usable on each (`engines[unit_id]`)."""
+    spaces = []
+    for unit in units:
+        names = engines.get(unit.id, [])
+        if not names:
+            continue
+        if request.batches:
+            batches = sorted(set(request.batches))
+        else:
+            batches = _ladder(256 if unit.kind in ("cuda", "dla") else 64)
+        if unit.kind == "cpu":
+            instances = [n for n in (1, 2, 4, 8, 16) if n <= min(len(unit.cores) or 1,
+                                                                  request.max_instances)]
+        else:
+            instances = [n for n in (1, 2, 4) if n <= request.max_instances]
+        spaces.append(UnitSpace(unit, names, batches, instances or [1], {
+            e: option_variants(e, unit, compile_modes=request.compile_modes) for e in names}))
+    if not spaces:
+        raise UsageError(f"no engine installed here runs the units {request.units!r}: "
+                         "check `infermux units`")
+    return Space([model_name(m.ref) for m in request.models], spaces)
+
+
+def _tune_units(spec: str) -> list[Unit]:
+    from infermux.units import discover, select_units
+
+    found = discover()
+    units = select_units(spec, found)
+    # OpenVINO's CPU device is the `cpu` unit's cores under another name: the openvino engine
+    # on `cpu` covers it, and a plan may not hold the same cores twice.
+    if any(u.kind == "cpu" for u in units):
+        units = [u for u in units if not u.id.upper().startswith("OPENVINO:CPU")]
+    return units
+
+
+def run_tune(
+    request: TuneRequest,
+    *,
+    store: Store | None = None,
+    out_path: str | Path | None = None,
+    progress: Callable[[str, dict[str, Any]], None] | None = None,
+    measure_progress: Callable[[str, float], None] | None = None,
+    command: str = "",
+) -> TuneReport:
+    """Search, verify and write the best plan; every trial goes to the store as it ends."""
+    from infermux.bench import engines_for
+    from infermux.env import capture_environment
+    from infermux.models import load_model
+
+    started = time.monotonic()
+    units = _tune_units(request.units)
+    specs = {model_name(m.ref): m for m in request.models}
+    loaded = {name: load_model(spec) for name, spec in specs.items()}
+    engines: dict[str, list[str]] = {}
+    for unit in units:
+        names: set[str] = set()
+        for model in loaded.values():
+            names.update(n for _, n in engines_for(request.engines, [unit], model))
+        engines[unit.id] = sorted(names)
+    space = build_space(request, units, engines)
+    run_id = None
+    if store is not None:
+        run_id = store.begin_run("tune", request.to_dict() | {"space": space.describe()},
+                                 capture_environment(), command)
+    evaluator = LiveEvaluator(specs, units, request.trial, store=store, run_id=run_id,
+                              fresh=request.fresh, progress=measure_progress)
+    evaluator._models.update(loaded)
+    if request.constraints.max_power_w is not None and not evaluator.power_devices:
+        evaluator.close()
+        if store is not None and run_id is not None:
+            store.finish_run(run_id, "failed", {"error": "no power telemetry"})
+        raise UsageError(f"--max-power {request.constraints.max_power_w:g} W cannot be checked: "
+                         "no power reading here (NVML, RAPL or Jetson rails); drop --max-power")
+    if request.objective == "energy" and not evaluator.power_devices:
+        evaluator.close()
+        if store is not None and run_id is not None:
+            store.finish_run(run_id, "failed", {"error": "no power telemetry"})
+        raise UsageError("--objective energy needs power readings (NVML, RAPL or Jetson rails) "
+                         "and this machine has none: use --objective throughput or latency")
+    setup_s = time.monotonic() - started
+    settings = TuneSettings(objective=request.objective,
+                            budget_s=max(1.0, request.budget_s - setup_s), seed=request.seed,
+                            fine_tune=request.fine_tune)
+    status = "complete"
+    report = TuneReport(run_id, request, TuneResult(None, [], [], {}, [], None, {}, 0.0, False),
+                        None, None)
+    try:
+        tuner = Tuner(space, evaluator, request.constraints, settings, progress=progress)
+        result = tuner.run()
+        result.elapsed_s += setup_s
+        report.result = result
+        if result.best is not None:
+            report.plan = _final_plan(evaluator, result, request)
+            if request.scenario == "server":
+                report.server_peak = _server_peak(evaluator, report.plan, measure_progress)
+            if out_path is not None:
+                text = _plan_header(result, request) + yaml.safe_dump(
+                    report.plan, sort_keys=False, width=100)
+                try:
+                    Path(out_path).write_text(text)
+                except OSError as exc:
+                    raise UsageError(f"cannot write the plan to {str(out_path)!r}: "
+                                     f"{exc.strerror}") from exc
+                report.plan_path = str(out_path)
+    except KeyboardInterrupt:
+        status = "interrupted"
+    finally:
+        evaluator.close()
+        if store is not None and run_id is not None:
+            best = report.result.best
+            store.finish_run(run_id, status, {
+                "measured": report.result.measured,
+                "best": best.candidate.label() if best else None,
+                "best_items_per_s": best.items_per_s if best else None,
+                "plan_path": report.plan_path})
+    if status == "interrupted":
+        raise KeyboardInterrupt
+    return report
+
+
+def _final_plan(evaluator: LiveEvaluator, result: TuneResult, request: TuneRequest
+                ) -> dict[str, Any]:
+    assert result.best is not None
+    if request.scenario == "server":
+        load: dict[str, Any] = {"scenario": "server", "find_peak": True,
+                                "p99_bound_ms": request.constraints.p99_bound_ms,
+                                "min_duration_s": 10.0, "min_queries": 1024}
+        buckets = "pow2"
+    else:
+        load = {"scenario": "offline", "min_duration_s": 10.0, "min_queries": 1024}
+        buckets = "none"
+    load["data"] = request.trial.data
+    plan = evaluator.plan_dict(result.best.candidate, load=load, buckets=buckets)
+    plan["name"] = "tuned-" + "-".join(sorted({c.model for c in result.best.candidate.configs}))
+    from infermux.runtime.plan import parse_plan
+
+    parse_plan(plan, source="tuned plan")  # what is written must be runnable
+    return plan
+
+
+def _server_peak(evaluator: LiveEvaluator, plan: dict[str, Any],
+                 progress: Callable[[str, float], None] | None) -> dict[str, Any] | None:
+    """The chosen plan's highest Poisson rate within the p99 bound, measured (short trials)."""
+    from infermux.runtime import run_plan
+    from infermux.runtime.plan import parse_plan
+
+    s = evaluator.settings
+    data = {**plan, "load": {**plan["load"], "min_duration_s": max(1.0, s.min_duration_s),
+                             "min_queries": s.min_queries}}
+    report = run_plan(parse_plan(data, source="tuned plan"), progress=progress)
+    return report.peak
+
+
+def _plan_header(result: TuneResult, request: TuneRequest) -> str:
+    best = result.best
+    assert best is not None
+    lines = [
+        "# Written by `infermux tune`; run it with `infermux run FILE`.",
+        f"# objective {request.objective}, scenario {request.scenario}; "
+        f"{result.measured} candidates measured of {result.space.get('plans')} plans "
+        f"in {result.elapsed_s:.0f}s.",
+        f"# best: {best.candidate.label()}: {best.items_per_s:.1f} items/s "
+        f"({best.method} measurement)",
+    ]
+    if result.verified is not None and result.verified is not best and result.verified.ok:
+        lines.append(f"# through the runtime: {result.verified.items_per_s:.1f} items/s")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,528 @@
+"""The search: solo ladders per unit, measured combinations, then Optuna fine-tuning.
+
+1. **Screen** — every (model, unit, engine) at one middle batch size, default options.
+2. **Ladder** — for the engines within reach of the best on each unit, a hill climb over the
+   batch ladder: a step is taken only while the objective gains at least `min_gain`, and never
+   across a broken constraint or an out-of-memory point. Then each engine option variant and
+   more instances at the best batch, with the same rule.
+3. **Combine** — units added in order of solo figure, each combination measured through the
+   runtime (co-located units contend: a plan is never chosen from summed solo figures); a unit
+   stays only if the measured plan gains. The contention factor of each unit in each measured
+   combination (its items/s there ÷ alone, both through the runtime) is kept.
+4. **Fine-tune** — Optuna (TPE; NSGA-II for the Pareto objective) over batch, instances,
+   engine and options of every config of the best plan, seeded with it, every trial measured,
+   until the budget or the space near the optimum is exhausted.
+
+The budget is wall time: a trial starts only if its expected cost (the mean of past trials of
+its kind) fits in what is left, keeping back the cost of the final runtime check.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from infermux.tune.evaluate import Constraints, Evaluator, Trial
+from infermux.tune.space import Candidate, Config, Space
+
+__all__ = ["OBJECTIVES", "TuneResult", "TuneSettings", "Tuner", "pareto_front"]
+
+OBJECTIVES = ("throughput", "energy", "latency", "pareto")
+
+
+@dataclass(frozen=True)
+class TuneSettings:
+    """How the search runs."""
+
+    objective: str = "throughput"
+    budget_s: float = 600.0
+    #: A step (bigger batch, another instance, another unit) must gain at least this.
+    min_gain: float = 0.03
+    #: Engines kept for the ladder on each unit: those within this fraction of the best.
+    engine_reach: float = 0.25
+    seed: int = 0
+    fine_tune: bool = True
+    #: Fine-tuning ends after this many trials in a row that do not beat the best by min_gain.
+    patience: int = 6
+    #: Check the chosen plan through the runtime when it was measured in-process.
+    verify: bool = True
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready copy."""
+        return {"objective": self.objective, "budget_s": self.budget_s,
+                "min_gain": self.min_gain, "engine_reach": self.engine_reach,
+                "seed": self.seed, "fine_tune": self.fine_tune, "patience": self.patience,
+                "verify": self.verify}
+
+
+@dataclass
+class TuneResult:
+    """The best plan, how it was found and what explains it."""
+
+    best: Trial | None
+    trials: list[Trial]
+    pareto: list[Trial]
+    solo_best: dict[str, Trial]
+    contention: list[dict[str, Any]]
+    verified: Trial | None
+    space: dict[str, Any]
+    elapsed_s: float
+    stopped_by_budget: bool
+    phases: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def measured(self) -> int:
+        """Distinct candidates measured (reused ones included: they were measured once)."""
+        return len({t.candidate.key() for t in self.trials})
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready summary."""
+        return {
+            "best": self.best.to_dict() if self.best else None,
+            "verified": self.verified.to_dict() if self.verified else None,
+            "solo_best": {u: t.to_dict() for u, t in self.solo_best.items()},
+            "contention": self.contention,
+            "pareto": [t.to_dict() for t in self.pareto],
+            "trials": [t.to_dict() for t in self.trials],
+            "measured": self.measured,
+            "reused": sum(1 for t in self.trials if t.reused),
+            "space": self.space,
+            "elapsed_s": self.elapsed_s,
+            "stopped_by_budget": self.stopped_by_budget,
+            "phases": self.phases,
+        }
+
+
+def pareto_front(trials: list[Trial], *, with_energy: bool) -> list[Trial]:
+    """Trials no other trial beats on every one of throughput ↑, p99 ↓ (and energy/item ↓)."""
+
+    def vec(t: Trial) -> tuple[float, ...]:
+        v = [-(t.items_per_s or 0.0), t.p99_ms if t.p99_ms is not None else math.inf]
+        if with_energy:
+            v.append(t.energy_per_item_j if t.energy_per_item_j is not None else math.inf)
+        return tuple(v)
+
+    seen: dict[str, Trial] = {}
+    for t in trials:
+        seen.setdefault(t.candidate.key(), t)
+    pool = list(seen.values())
+    front = []
+    for t in pool:
+        a = vec(t)
+        dominated = any(
+            all(x <= y for x, y in zip(vec(o), a, strict=True)) and vec(o) != a for o in pool)
+        if not dominated:
+            front.append(t)
+    return sorted(front, key=lambda t: -(t.items_per_s or 0.0))
+
+
+class _BudgetSpentError(Exception):
+    pass
+
+
+class Tuner:
+    """Searches `space` through `evaluator` for the best plan under `constraints`.
+
+    `clock` (seconds) is injectable so the budget logic is tested deterministically.
+    """
+
+    def __init__(
+        self,
+        space: Space,
+        evaluator: Evaluator,
+        constraints: Constraints | None = None,
+        settings: TuneSettings | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        progress: Callable[[str, dict[str, Any]], None] | None = None,
+    ) -> None:
+        self.space = space
+        self.evaluator = evaluator
+        self.constraints = constraints or Constraints()
+        self.settings = settings or TuneSettings()
+        self.clock = clock
+        self.progress = progress
+        self.trials: list[Trial] = []
+        self._cache: dict[str, Trial] = {}
+        self._start = 0.0
+        self._stopped = False
+        self._phase = "screen"
+        self.phases: dict[str, int] = {}
+
+    # -- bookkeeping -----------------------------------------------------------------------------
+
+    def _left_s(self) -> float:
+        return self.settings.budget_s - (self.clock() - self._start)
+
+    def _expected_s(self, method: str) -> float:
+        costs = [t.cost_s for t in self.trials if t.method == method and not t.reused]
+        if costs:
+            return sum(costs) / len(costs)
+        # No trial of this kind yet: the runtime starts workers, so assume it costs more.
+        others = [t.cost_s for t in self.trials if not t.reused]
+        base = sum(others) / len(others) if others else 0.0
+        return base * 3 if method == "runtime" else base
+
+    def _reserve_s(self) -> float:
+        # Room to measure the chosen plan through the runtime, and one runner-up after it.
+        return 2 * self._expected_s("runtime") if self.settings.verify else 0.0
+
+    def _method(self, candidate: Candidate) -> str:
+        return "engine" if candidate.solo and self._engine_ok(candidate.configs[0]) else "runtime"
+
+    def _engine_ok(self, config: Config) -> bool:
+        try:
+            unit = self.space.unit(config.unit).unit
+        except KeyError:
+            return False
+        return not (unit.kind == "cpu" and config.instances > 1)
+
+    def measure(self, candidate: Candidate, method: str = "auto") -> Trial:
+        """Measure (or recall) one candidate; raises _BudgetSpentError when it would not fit."""
+        used = self._method(candidate) if method == "auto" else method
+        key = f"{used}|{candidate.key()}"
+        if key in self._cache:
+            return self._cache[key]
+        reserve = 0.0 if self._phase == "verify" else self._reserve_s()
+        if self.trials and self._expected_s(used) > self._left_s() - reserve:
+            self._stopped = True
+            raise _BudgetSpentError
+        trial = self.evaluator.evaluate(candidate, used)
+        self._cache[key] = trial
+        self.trials.append(trial)
+        self.phases[self._phase] = self.phases.get(self._phase, 0) + 1
+        if self.progress is not None:
+            self.progress(self._phase, {"trial": trial, "left_s": max(0.0, self._left_s()),
+                                        "budget_s": self.settings.budget_s,
+                                        "measured": len(self.trials)})
+        return trial
+
+    def feasible(self, trial: Trial) -> bool:
+        """Measured and within every constraint."""
+        return not trial.violations(self.constraints)
+
+    def score(self, trial: Trial) -> float:
+        """Higher is better; infeasible trials score -inf."""
+        if not self.feasible(trial):
+            return -math.inf
+        objective = self.settings.objective
+        if objective == "energy":
+            e = trial.energy_per_item_j
+            return -e if e is not None else -math.inf
+        if objective == "latency":
+            return -(trial.p99_ms if trial.p99_ms is not None else math.inf)
+        return trial.items_per_s or 0.0
+
+    def _better(self, new: Trial, old: Trial | None) -> bool:
+        """`new` beats `old` by at least min_gain (relative, in the objective's direction).
+
+        Figures measured in different ways are not compared: the one measured in-process is
+        measured again through the runtime first (in-process figures skip the dispatcher).
+        """
+        if old is None or self.score(old) == -math.inf:
+            return self.score(new) > -math.inf
+        if new.method != old.method and self.score(new) > -math.inf:
+            new, old = self._through_runtime(new), self._through_runtime(old)
+        a, b = self.score(new), self.score(old)
+        if a == -math.inf:
+            return False
+        return a > b + self.settings.min_gain * abs(b)
+
+    def _through_runtime(self, trial: Trial) -> Trial:
+        return trial if trial.method == "runtime" else self.measure(trial.candidate, "runtime")
+
+    def _effective(self) -> list[Trial]:
+        """One trial per candidate: its runtime measurement where there is one."""
+        out: dict[str, Trial] = {}
+        for t in self.trials:
+            key = t.candidate.key()
+            if key not in out or (t.method == "runtime" and out[key].method != "runtime"):
+                out[key] = t
+        return list(out.values())
+
+    # -- the search ------------------------------------------------------------------------------
+
+    def run(self) -> TuneResult:
+        """Search within the budget and return the best plan found."""
+        self._start = self.clock()
+        solo_best: dict[str, Trial] = {}
+        best: Candidate | None = None
+        contention: list[dict[str, Any]] = []
+        try:
+            solo_best = self._solo()
+            best = self._initial(solo_best)
+            if best is not None:
+                best, contention = self._combine(best, solo_best)
+                if self.settings.fine_tune:
+                    best = self._fine_tune(best, solo_best)
+        except _BudgetSpentError:
+            pass
+        self._phase = "verify"
+        chosen = None
+        for _ in range(4):
+            feasible = [t for t in self._effective() if self.feasible(t)]
+            chosen = max(feasible, key=self.score, default=None)
+            if chosen is None or chosen.method == "runtime" or not self.settings.verify:
+                break
+            # The best was measured in-process: measure it as `infermux run` will run it, and
+            # choose again (another plan may be better through the runtime).
+            try:
+                self.measure(chosen.candidate, "runtime")
+            except _BudgetSpentError:
+                break
+        if chosen is not None and chosen.method != "runtime":
+            # The budget ended before the runtime confirmed it: a plan measured as it will run
+            # beats a figure the runtime has not confirmed.
+            confirmed = [t for t in self._effective() if t.method == "runtime" and self.feasible(t)]
+            if confirmed:
+                chosen = max(confirmed, key=self.score)
+        verified = None
+        if chosen is not None:
+            verified = next((t for t in self.trials if t.method == "runtime"
+                             and t.candidate.key() == chosen.candidate.key()), None)
+        feasible = [t for t in self._effective() if self.feasible(t)]
+        with_energy = bool(feasible) and all(t.energy_per_item_j is not None for t in feasible)
+        return TuneResult(
+            best=chosen, trials=list(self.trials),
+            pareto=pareto_front(feasible, with_energy=with_energy), solo_best=solo_best,
+            contention=contention, verified=verified, space=self.space.describe(),
+            elapsed_s=self.clock() - self._start, stopped_by_budget=self._stopped,
+            phases=dict(self.phases))
+
+    def _solo(self) -> dict[str, Trial]:
+        """Screen, ladder, options and instances per (model, unit); the best solo trial of each."""
+        out: dict[str, Trial] = {}
+        self._phase = "screen"
+        screened: dict[tuple[str, str], list[tuple[str, Trial]]] = {}
+        for model in self.space.models:
+            for us in self.space.units:
+                mid = us.batches[min(len(us.batches) - 1, len(us.batches) // 2)]
+                for engine in us.engines:
+                    cfg = Config.make(model, us.unit.id, engine, mid, 1)
+                    screened.setdefault((model, us.unit.id), []).append(
+                        (engine, self.measure(Candidate.of(cfg))))
+        self._phase = "ladder"
+        for (model, unit_id), rows in screened.items():
+            us = self.space.unit(unit_id)
+            scores = {e: self.score(t) for e, t in rows}
+            top = max(scores.values())
+            if top == -math.inf:
+                # Nothing fits at the middle batch: the ladder starts from the smallest.
+                keep = [e for e, t in rows if t.status in ("ok", "invalid")] or [rows[0][0]]
+            else:
+                reach = self.settings.engine_reach
+                keep = sorted((e for e in scores if scores[e] >= top - reach * abs(top)),
+                              key=lambda e: -scores[e])[:2]
+            best_trial: Trial | None = None
+            for engine in keep:
+                trial = self._climb(Config.make(model, unit_id, engine,
+                                                us.batches[min(len(us.batches) - 1,
+                                                               len(us.batches) // 2)]),
+                                    dict(rows)[engine], us.batches)
+                if best_trial is None or self.score(trial) > self.score(best_trial):
+                    best_trial = trial
+            assert best_trial is not None
+            self._phase = "options"
+            best_trial = self._options_and_instances(best_trial)
+            self._phase = "ladder"
+            if self.score(best_trial) > -math.inf:
+                out[f"{model}@{unit_id}"] = best_trial
+        return out
+
+    def _climb(self, start: Config, start_trial: Trial, batches: list[int]) -> Trial:
+        """Hill-climb the batch ladder from `start` while each step gains at least min_gain.
+
+        Throughput and energy climb upward first; latency only looks down. Downward steps are
+        taken for throughput only when the start breaks a bound (or ran out of memory).
+        """
+        objective = self.settings.objective
+        feasible = self.score(start_trial) > -math.inf
+        directions = []
+        if objective != "latency" or not feasible:
+            directions.append(+1)
+        if objective in ("latency", "energy") or not feasible:
+            directions.append(-1)
+        best = start_trial
+        index = batches.index(start.batch)
+        for step in directions:
+            i, moved = index, False
+            while 0 <= i + step < len(batches):
+                trial = self.measure(Candidate.of(start.with_(batch=batches[i + step])))
+                if not self._better(trial, best):
+                    break
+                best, i, moved = trial, i + step, True
+            if moved:
+                break
+        return best
+
+    def _options_and_instances(self, trial: Trial) -> Trial:
+        cfg = trial.candidate.configs[0]
+        us = self.space.unit(cfg.unit)
+        best, best_cfg = trial, cfg
+        for variant in us.options.get(cfg.engine, [{}]):
+            if variant == cfg.options_dict:
+                continue
+            t = self.measure(Candidate.of(cfg.with_(options=variant)))
+            if self._better(t, best):
+                best, best_cfg = t, t.candidate.configs[0]
+        for n in us.instances:
+            if n <= best_cfg.instances:
+                continue
+            t = self.measure(Candidate.of(best_cfg.with_(instances=n)))
+            if not self._better(t, best):
+                # More workers often want smaller batches each: one step down before giving up.
+                lower = [b for b in us.batches if b < best_cfg.batch]
+                if not lower:
+                    break
+                t = self.measure(Candidate.of(best_cfg.with_(instances=n, batch=lower[-1])))
+                if not self._better(t, best):
+                    break
+            best, best_cfg = t, t.candidate.configs[0]
+        return best
+
+    def _initial(self, solo_best: dict[str, Trial]) -> Candidate | None:
+        """Every model on its best unit, units distinct (a model takes its next best if taken)."""
+        configs: list[Config] = []
+        taken: set[str] = set()
+        for model in self.space.models:
+            options = sorted((t for k, t in solo_best.items() if k.startswith(model + "@")),
+                             key=self.score, reverse=True)
+            free = [t for t in options if t.candidate.configs[0].unit not in taken]
+            if not free:
+                return None
+            configs.append(free[0].candidate.configs[0])
+            taken.add(configs[-1].unit)
+        return Candidate.of(*configs)
+
+    def _combine(self, current: Candidate, solo_best: dict[str, Trial]
+                 ) -> tuple[Candidate, list[dict[str, Any]]]:
+        """Add units while the measured plan gains; record contention per unit pair."""
+        self._phase = "combine"
+        contention: list[dict[str, Any]] = []
+        rest = sorted((t for t in solo_best.values()
+                       if t.candidate.configs[0].unit not in current.units),
+                      key=self.score, reverse=True)
+        if not rest:
+            return current, contention
+        runtime_solo: dict[str, Trial] = {}
+
+        def alone(cfg: Config) -> Trial:
+            key = cfg.key()
+            if key not in runtime_solo:
+                runtime_solo[key] = self.measure(Candidate.of(cfg), "runtime")
+            return runtime_solo[key]
+
+        current_trial = (self.measure(current, "runtime") if not current.solo
+                         else alone(current.configs[0]))
+        for extra in rest:
+            cfg = extra.candidate.configs[0]
+            if cfg.unit in current.units:
+                continue
+            trial_alone = alone(cfg)
+            candidate = current.add(cfg)
+            trial = self.measure(candidate, "runtime")
+            for c in candidate.configs:
+                solo_rt = alone(c)
+                inside = trial.per_unit.get(c.unit)
+                if solo_rt.items_per_s and inside is not None:
+                    contention.append({
+                        "plan": candidate.label(), "unit": c.unit, "with": [
+                            u for u in candidate.units if u != c.unit],
+                        "alone_items_per_s": solo_rt.items_per_s, "inside_items_per_s": inside,
+                        "factor": inside / solo_rt.items_per_s})
+            summed = (current_trial.items_per_s or 0.0) + (trial_alone.items_per_s or 0.0)
+            contention.append({"plan": candidate.label(), "unit": "all",
+                               "with": list(candidate.units), "summed_solo_items_per_s": summed,
+                               "measured_items_per_s": trial.items_per_s,
+                               "factor": (trial.items_per_s or 0.0) / summed if summed else None})
+            if self._better(trial, current_trial):
+                current, current_trial = candidate, trial
+        return current, contention
+
+    def _fine_tune(self, best: Candidate, solo_best: dict[str, Trial]) -> Candidate:
+        """Optuna around `best`: every trial a measurement, until the budget or repeats end it."""
+        import optuna
+
+        self._phase = "fine-tune"
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        pareto = self.settings.objective == "pareto"
+        sampler: Any = (optuna.samplers.NSGAIISampler(seed=self.settings.seed, population_size=8)
+                        if pareto else optuna.samplers.TPESampler(seed=self.settings.seed,
+                                                                  n_startup_trials=4))
+        directions: list[Any] = ["maximize", "minimize"] if pareto else ["maximize"]
+        study = optuna.create_study(directions=directions, sampler=sampler)
+        choices: list[dict[str, list[Any]]] = []
+        for cfg in best.configs:
+            us = self.space.unit(cfg.unit)
+            engines = [e for e in us.engines if any(
+                t.candidate.configs[0].engine == e and self.score(t) > -math.inf
+                for t in self.trials if t.candidate.solo and t.candidate.configs[0].unit == cfg.unit
+                and t.candidate.configs[0].model == cfg.model)] or [cfg.engine]
+            i = us.batches.index(cfg.batch) if cfg.batch in us.batches else 0
+            batches = us.batches[max(0, i - 2): i + 3]
+            variants = {e: us.options.get(e, [{}]) for e in engines}
+            choices.append({"engine": engines, "batch": batches, "instances": us.instances,
+                            "variants": [variants[e] for e in engines]})
+
+        def build(params: dict[str, Any]) -> Candidate:
+            configs = []
+            for k, (cfg, ch) in enumerate(zip(best.configs, choices, strict=True)):
+                engine = params[f"engine{k}"]
+                variants = ch["variants"][ch["engine"].index(engine)]
+                variant = variants[params[f"options{k}"] % len(variants)]
+                configs.append(cfg.with_(engine=engine, batch=params[f"batch{k}"],
+                                         instances=params[f"instances{k}"], options=variant))
+            return Candidate.of(*configs)
+
+        seed_params: dict[str, Any] = {}
+        for k, (cfg, ch) in enumerate(zip(best.configs, choices, strict=True)):
+            variants = ch["variants"][ch["engine"].index(cfg.engine)] \
+                if cfg.engine in ch["engine"] else [{}]
+            seed_params |= {f"engine{k}": cfg.engine, f"batch{k}": cfg.batch,
+                            f"instances{k}": cfg.instances,
+                            f"options{k}": variants.index(cfg.options_dict)
+                            if cfg.options_dict in variants else 0}
+        study.enqueue_trial(seed_params)
+        size = 1
+        for ch in choices:
+            size *= len(ch["engine"]) * len(ch["batch"]) * len(ch["instances"]) * max(
+                len(v) for v in ch["variants"])
+        repeats = stale = 0
+        tried: set[str] = set()
+        incumbent = max((t for t in self.trials if self.feasible(t)), key=self.score,
+                        default=None)
+        while repeats < 8 and len(tried) < size and stale < self.settings.patience:
+            trial = study.ask()
+            params = {}
+            for k, ch in enumerate(choices):
+                params[f"engine{k}"] = trial.suggest_categorical(f"engine{k}", ch["engine"])
+                params[f"batch{k}"] = trial.suggest_categorical(f"batch{k}", ch["batch"])
+                params[f"instances{k}"] = trial.suggest_categorical(f"instances{k}",
+                                                                    ch["instances"])
+                params[f"options{k}"] = trial.suggest_int(
+                    f"options{k}", 0, max(len(v) for v in ch["variants"]) - 1)
+            candidate = build(params)
+            key = candidate.key()
+            repeats = repeats + 1 if key in tried else 0
+            tried.add(key)
+            try:
+                result = self.measure(candidate)
+            except _BudgetSpentError:
+                study.tell(trial, state=optuna.trial.TrialState.FAIL)
+                raise
+            if self._better(result, incumbent):
+                incumbent, stale = result, 0
+            elif repeats == 0:
+                stale += 1
+            if pareto:
+                feasible = self.feasible(result)
+                study.tell(trial, [result.items_per_s or 0.0 if feasible else 0.0,
+                                   result.p99_ms if feasible and result.p99_ms else 1e9])
+            else:
+                s = self.score(result)
+                study.tell(trial, s if s > -math.inf else -1e18)
+        scored = [t for t in self.trials if self.feasible(t)]
+        return max(scored, key=self.score).candidate if scored else best

@@ -1,0 +1,191 @@
+"""The tuner's search space: per unit its engines, batch sizes, instance counts and options.
+
+A `Config` is one replica of one model (unit, engine, batch, instances, options). A `Candidate`
+is a whole plan: configs of every model on distinct units. The `Space` enumerates what may be
+combined; its size is what a brute-force search would measure.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from infermux.units import Unit
+
+__all__ = ["Candidate", "Config", "Space", "UnitSpace", "option_variants"]
+
+
+def _frozen(options: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
+    return tuple(sorted(options.items()))
+
+
+@dataclass(frozen=True)
+class Config:
+    """One replica: `instances` workers of `model` on `unit`, each taking batches of `batch`."""
+
+    model: str
+    unit: str
+    engine: str
+    batch: int
+    instances: int = 1
+    options: tuple[tuple[str, Any], ...] = ()
+
+    @classmethod
+    def make(cls, model: str, unit: str, engine: str, batch: int, instances: int = 1,
+             options: dict[str, Any] | None = None) -> Config:
+        """Build one with options given as a dict."""
+        return cls(model, unit, engine, batch, instances, _frozen(options or {}))
+
+    @property
+    def options_dict(self) -> dict[str, Any]:
+        """The engine options as a dict."""
+        return dict(self.options)
+
+    def key(self) -> str:
+        """A canonical text key (what the store's reuse looks up)."""
+        return json.dumps([self.model, self.unit, self.engine, self.batch, self.instances,
+                           list(map(list, self.options))], sort_keys=True)
+
+    def label(self) -> str:
+        """`cpu openvino b8 ×2 {hint=latency}` for tables."""
+        text = f"{self.unit} {self.engine} b{self.batch}"
+        if self.instances > 1:
+            text += f" ×{self.instances}"
+        if self.options:
+            text += " {" + ", ".join(f"{k}={v}" for k, v in self.options) + "}"
+        return text
+
+    def replica(self) -> dict[str, Any]:
+        """The runtime Plan's replica entry."""
+        return {"unit": self.unit, "engine": self.engine, "instances": self.instances,
+                "batch": self.batch, "options": self.options_dict}
+
+    def with_(self, **changes: Any) -> Config:
+        """A copy with fields changed (`options` as a dict)."""
+        data: dict[str, Any] = {"model": self.model, "unit": self.unit, "engine": self.engine,
+                "batch": self.batch, "instances": self.instances, "options": self.options_dict}
+        data.update(changes)
+        return Config.make(**data)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A whole plan: one config per (model, unit) pair, units never shared between configs."""
+
+    configs: tuple[Config, ...]
+
+    @classmethod
+    def of(cls, *configs: Config) -> Candidate:
+        """A candidate in a canonical order (so equal plans have equal keys)."""
+        return cls(tuple(sorted(configs, key=lambda c: (c.model, c.unit))))
+
+    @property
+    def units(self) -> tuple[str, ...]:
+        """The units the candidate occupies."""
+        return tuple(c.unit for c in self.configs)
+
+    @property
+    def solo(self) -> bool:
+        """One config on one unit."""
+        return len(self.configs) == 1
+
+    def key(self) -> str:
+        """A canonical text key."""
+        return "|".join(c.key() for c in self.configs)
+
+    def label(self) -> str:
+        """The configs' labels joined by `+`."""
+        return " + ".join((f"{c.model}: " if len({x.model for x in self.configs}) > 1 else "")
+                          + c.label() for c in self.configs)
+
+    def add(self, config: Config) -> Candidate:
+        """A copy with one more config."""
+        return Candidate.of(*self.configs, config)
+
+    def replace(self, old: Config, new: Config) -> Candidate:
+        """A copy with `old` swapped for `new`."""
+        return Candidate.of(*(new if c == old else c for c in self.configs))
+
+
+def option_variants(engine: str, unit: Unit, *, compile_modes: bool = False) -> list[dict[str, Any]]:
+    """Engine options worth trying on `unit`; the first is the engine's own default.
+
+    PyTorch on a GPU: CUDA graphs on (default) or off, and torch.compile's max-autotune when
+    `compile_modes` is asked for (minutes per batch size, so only on request). OpenVINO: its
+    throughput hint (default) or latency hint. ONNX Runtime: spinning intra-op threads
+    (default) or not. Engines without knobs worth searching get only their default.
+    """
+    if engine == "torch" and unit.kind == "cuda":
+        variants: list[dict[str, Any]] = [{}, {"cuda_graph": False}]
+        if compile_modes:
+            variants.append({"compile": "max-autotune"})
+        return variants
+    if engine == "openvino":
+        return [{}, {"hint": "latency"}]
+    if engine == "onnxruntime" and unit.kind == "cpu":
+        return [{}, {"allow_spinning": False}]
+    return [{}]
+
+
+@dataclass
+class UnitSpace:
+    """What may run on one unit."""
+
+    unit: Unit
+    engines: list[str]
+    batches: list[int]
+    instances: list[int]
+    options: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+
+    def configs(self, model: str) -> list[Config]:
+        """Every config of `model` on this unit."""
+        return [Config.make(model, self.unit.id, e, b, i, o)
+                for e in self.engines for o in self.options.get(e, [{}])
+                for b in self.batches for i in self.instances]
+
+
+@dataclass
+class Space:
+    """The whole space: models × units, and which units may be combined."""
+
+    models: list[str]
+    units: list[UnitSpace]
+
+    def unit(self, unit_id: str) -> UnitSpace:
+        """The space of one unit."""
+        for u in self.units:
+            if u.unit.id == unit_id:
+                return u
+        raise KeyError(unit_id)
+
+    def solo_configs(self) -> list[Config]:
+        """Every single-unit config of every model."""
+        return [c for m in self.models for u in self.units for c in u.configs(m)]
+
+    def size(self) -> int:
+        """Plans a brute-force search would measure.
+
+        Every choice of one config or none per (model, unit), at least one config in all.
+        """
+        per_unit = [len(u.configs(self.models[0])) for u in self.units]
+        if len(self.models) == 1:
+            total = 1
+            for n in per_unit:
+                total *= n + 1
+            return total - 1
+        # Several models: each unit serves one model or none.
+        total = 1
+        for n in per_unit:
+            total *= 1 + n * len(self.models)
+        return total
+
+    def describe(self) -> dict[str, Any]:
+        """A JSON-ready summary."""
+        return {
+            "models": self.models,
+            "units": [{"unit": u.unit.id, "engines": u.engines, "batches": u.batches,
+                       "instances": u.instances, "options": u.options} for u in self.units],
+            "solo_configs": len(self.solo_configs()),
+            "plans": self.size(),
+        }

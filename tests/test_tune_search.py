@@ -1,0 +1,207 @@
+"""The tuner's search on synthetic landscapes: optimum vs brute force, budget, constraints,
+measured combinations and the Pareto front. The evaluator answers from a formula and a
+clock advanced by each answer's cost, so these run in milliseconds and cannot flake."""
+
+import itertools
+import math
+
+import pytest
+
+from infermux.tune import (
+    Candidate,
+    Config,
+    Constraints,
+    Space,
+    TableEvaluator,
+    Trial,
+    Tuner,
+    TuneSettings,
+    UnitSpace,
+    pareto_front,
+)
+from infermux.units import Unit
+
+LADDER = [1, 2, 4, 8, 16, 32, 64]
+
+
+def gpu(i=0, mode="fp16"):
+    return Unit(id=f"cuda:{i}/{mode}", kind="cuda", device=f"cuda:{i}", mode=mode, name="GPU",
+                contention_domain=f"cuda:{i}")
+
+
+def cpu():
+    return Unit(id="cpu", kind="cpu", device="cpu", mode="fp32", name="CPU",
+                contention_domain="cpu:host", cores=(0, 1, 2, 3))
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+    def advance(self, s):
+        self.t += s
+
+
+# A unit's items/s: each engine saturates at its own peak; options and instances scale it.
+PEAK = {("cuda:0/fp16", "torch"): 4000.0, ("cuda:0/fp16", "onnxruntime"): 3000.0,
+        ("cpu", "torch"): 150.0, ("cpu", "onnxruntime"): 400.0, ("cpu", "openvino"): 450.0,
+        ("cuda:1/fp16", "torch"): 4000.0}
+HALF = {"torch": 6.0, "onnxruntime": 3.0, "openvino": 4.0}
+OPTION = {(): 1.0, (("cuda_graph", False),): 0.8, (("hint", "latency"),): 1.1,
+          (("allow_spinning", False),): 0.97}
+
+
+def solo_rate(c: Config) -> float:
+    rate = PEAK[(c.unit, c.engine)] * c.batch / (c.batch + HALF[c.engine])
+    rate *= OPTION.get(c.options, 1.0)
+    # A second instance helps small batches (it hides per-batch overhead), not large ones.
+    if c.instances > 1:
+        rate *= 1 + 0.4 * HALF[c.engine] / (c.batch + HALF[c.engine]) * math.log2(c.instances)
+    return rate
+
+
+def p99_ms(c: Config) -> float:
+    return 1e3 * c.batch / solo_rate(c) * c.instances * 1.2
+
+
+def landscape(contention=0.9):
+    def fn(candidate: Candidate) -> Trial:
+        per_unit = {}
+        for c in candidate.configs:
+            factor = contention if len(candidate.configs) > 1 else 1.0
+            per_unit[c.unit] = solo_rate(c) * factor
+        total = sum(per_unit.values())
+        return Trial(candidate, "engine", "ok", total,
+                     max(p99_ms(c) for c in candidate.configs),
+                     energy_per_item_j=sum(0.5 + 0.01 * c.batch for c in candidate.configs) / total
+                     * 100, power_w=100.0, memory_bytes=max(c.batch for c in candidate.configs)
+                     * 10 * 2**20, per_unit=per_unit)
+    return fn
+
+
+def space_one(unit=None, engines=("torch", "onnxruntime"), instances=(1, 2)):
+    unit = unit or gpu()
+    options = {"torch": [{}, {"cuda_graph": False}], "onnxruntime": [{}],
+               "openvino": [{}, {"hint": "latency"}]}
+    return Space(["m"], [UnitSpace(unit, list(engines), LADDER, list(instances),
+                                   {e: options[e] for e in engines})])
+
+
+def tuner(space, fn=None, budget=600.0, cost=2.0, runtime_cost=6.0, **kw):
+    clock = Clock()
+    ev = TableEvaluator(fn or landscape(), cost_s=lambda c, m: runtime_cost if m == "runtime"
+                        else cost, on_cost=clock.advance)
+    constraints = kw.pop("constraints", None)
+    settings = TuneSettings(budget_s=budget, **kw)
+    return Tuner(space, ev, constraints, settings, clock=clock), ev, clock
+
+
+def test_reaches_the_brute_force_optimum_measuring_a_fifth_of_the_space():
+    space = space_one(instances=(1, 2, 4))
+    space.units[0].batches = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    configs = space.solo_configs()
+    assert len(configs) == 2 * 9 * 3 + 1 * 9 * 3  # torch has two option variants
+    best_brute = max(solo_rate(c) for c in configs)
+    t, ev, _ = tuner(space, fine_tune=True)
+    result = t.run()
+    assert result.best is not None
+    distinct = {c.key() for c, _ in ev.calls}
+    assert result.best.items_per_s >= 0.95 * best_brute
+    assert len(distinct) <= 0.2 * len(configs) + 1  # +1: the runtime check of the chosen plan
+    assert result.verified is not None and result.verified.method == "runtime"
+
+
+def test_the_budget_is_honoured_and_the_best_so_far_is_kept():
+    t, _ev, clock = tuner(space_one(), budget=20.0, cost=3.0, runtime_cost=3.0)
+    result = t.run()
+    assert clock.t <= 20.0
+    assert result.stopped_by_budget
+    assert result.best is not None and result.best.items_per_s > 0
+
+
+def test_a_p99_bound_is_never_broken_by_the_chosen_plan():
+    bound = 8.0
+    space = space_one()
+    t, _, _ = tuner(space, constraints=Constraints(p99_bound_ms=bound))
+    result = t.run()
+    assert result.best is not None
+    assert result.best.p99_ms <= bound / 2
+    feasible = [c for c in space.solo_configs() if p99_ms(c) <= bound / 2]
+    assert result.best.items_per_s >= 0.9 * max(solo_rate(c) for c in feasible)
+    # Without the bound the tuner goes to batches that break it.
+    free = tuner(space)[0].run()
+    assert free.best.p99_ms > bound / 2
+
+
+def test_memory_cap_and_impossible_constraints():
+    cap = 16 * 10 * 2**20
+    result = tuner(space_one(), constraints=Constraints(max_memory_bytes=cap))[0].run()
+    assert result.best.memory_bytes <= cap
+    nothing = tuner(space_one(), constraints=Constraints(p99_bound_ms=1e-3))[0].run()
+    assert nothing.best is None and nothing.pareto == []
+
+
+def test_combinations_are_measured_and_contention_decides():
+    two = Space(["m"], [UnitSpace(gpu(0), ["torch"], LADDER, [1], {"torch": [{}]}),
+                        UnitSpace(gpu(1), ["torch"], LADDER, [1], {"torch": [{}]})])
+    result, ev = None, None
+    t, ev, _ = tuner(two, landscape(contention=0.9))
+    result = t.run()
+    assert len(result.best.candidate.configs) == 2  # 1.8× one GPU: kept
+    assert any(m == "runtime" and len(c.configs) == 2 for c, m in ev.calls)
+    whole = [c for c in result.contention if c["unit"] == "all"]
+    assert whole and abs(whole[0]["factor"] - 0.9) < 1e-6
+    per_unit = [c for c in result.contention if c["unit"] != "all"]
+    assert {c["unit"] for c in per_unit} == {"cuda:0/fp16", "cuda:1/fp16"}
+    # Heavy contention: together they give less than one alone, so one unit is chosen.
+    t2, _, _ = tuner(two, landscape(contention=0.45))
+    assert len(t2.run().best.candidate.configs) == 1
+
+
+def test_a_slow_unit_beside_a_fast_one_is_dropped_when_it_does_not_pay():
+    mixed = Space(["m"], [UnitSpace(gpu(0), ["torch"], LADDER, [1], {"torch": [{}]}),
+                          UnitSpace(cpu(), ["torch"], LADDER, [1], {"torch": [{}]})])
+    # The CPU adds ~150 items/s but costs the GPU 10%: 0.9 × (4000 + 150) < 4000.
+    result = tuner(mixed, landscape(contention=0.9))[0].run()
+    assert result.best.candidate.units == ("cuda:0/fp16",)
+
+
+def test_objectives_latency_and_energy_pick_their_own_optimum():
+    space = space_one(engines=("torch",), instances=(1,))
+    lat = tuner(space, objective="latency")[0].run()
+    assert lat.best.candidate.configs[0].batch == 1
+    energy = tuner(space, objective="energy")[0].run()
+    brute = min(space.solo_configs(),
+                key=lambda c: landscape()(Candidate.of(c)).energy_per_item_j)
+    found = landscape()(energy.best.candidate).energy_per_item_j
+    assert found <= 1.05 * landscape()(Candidate.of(brute)).energy_per_item_j
+
+
+def test_pareto_front_is_the_non_dominated_set():
+    cands = [Candidate.of(Config.make("m", "cpu", "torch", b)) for b in (1, 2, 4)]
+    trials = [Trial(cands[0], "engine", "ok", 100.0, 1.0), Trial(cands[1], "engine", "ok", 200.0, 2.0),
+              Trial(cands[2], "engine", "ok", 150.0, 3.0)]
+    front = pareto_front(trials, with_energy=False)
+    assert [t.items_per_s for t in front] == [200.0, 100.0]
+    pareto = tuner(space_one(), objective="pareto")[0].run()
+    vecs = [(t.items_per_s, t.p99_ms) for t in pareto.pareto]
+    for a, b in itertools.permutations(vecs, 2):
+        assert not (b[0] >= a[0] and b[1] <= a[1] and b != a)
+    assert len(pareto.pareto) >= 2
+
+
+def test_stored_answers_are_not_measured_twice():
+    t, ev, _ = tuner(space_one())
+    t.run()
+    keys = [f"{m}|{c.key()}" for c, m in ev.calls]
+    assert len(keys) == len(set(keys))
+
+
+@pytest.mark.parametrize("budget", [5.0, 60.0, 600.0])
+def test_any_budget_returns_a_plan_or_says_why(budget):
+    result = tuner(space_one(), budget=budget)[0].run()
+    assert result.best is not None
+    assert result.elapsed_s <= budget
