@@ -14,7 +14,7 @@ from infermux.tune.evaluate import (
     TrialSettings,
     model_name,
 )
-from infermux.tune.run import TuneReport, TuneRequest, build_space, run_tune
+from infermux.tune.run import TuneReport, TuneRequest, build_space, prepare, run_tune
 from infermux.tune.search import OBJECTIVES, Tuner, TuneResult, TuneSettings, pareto_front
 from infermux.tune.space import Candidate, Config, Space, UnitSpace, option_variants
 
@@ -39,5 +39,6 @@ __all__ = [
     "model_name",
     "option_variants",
     "pareto_front",
+    "prepare",
     "run_tune",
 ]

@@ -218,6 +218,7 @@ class LiveEvaluator:
         fresh: bool = False,
         telemetry: bool = True,
         progress: Callable[[str, float], None] | None = None,
+        loaded: dict[str, LoadedModel] | None = None,
     ) -> None:
         self.specs = models
         self.units = {u.id: u for u in units}
@@ -226,7 +227,7 @@ class LiveEvaluator:
         self.run_id = run_id
         self.fresh = fresh
         self.progress = progress
-        self._models: dict[str, LoadedModel] = {}
+        self._models: dict[str, LoadedModel] = dict(loaded or {})
         self._engines: dict[str, Any] = {}
         self._sampler: Any = None
         self.power_devices: list[str] = []

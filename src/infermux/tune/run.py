@@ -11,14 +11,14 @@ from typing import Any
 import yaml
 
 from infermux.errors import UsageError
-from infermux.models import ModelSpec
+from infermux.models import LoadedModel, ModelSpec
 from infermux.store import Store
 from infermux.tune.evaluate import Constraints, LiveEvaluator, TrialSettings, model_name
 from infermux.tune.search import OBJECTIVES, Tuner, TuneResult, TuneSettings
 from infermux.tune.space import Space, UnitSpace, option_variants
 from infermux.units import Unit
 
-__all__ = ["TuneReport", "TuneRequest", "build_space", "run_tune"]
+__all__ = ["TuneReport", "TuneRequest", "build_space", "prepare", "run_tune"]
 
 SCENARIOS = ("offline", "server")
 
@@ -136,6 +136,22 @@ def _tune_units(spec: str) -> list[Unit]:
     return units
 
 
+def prepare(request: TuneRequest) -> tuple[list[Unit], dict[str, LoadedModel], Space]:
+    """The request's units, its models loaded (by plan name) and the space to search."""
+    from infermux.bench import engines_for
+    from infermux.models import load_model
+
+    units = _tune_units(request.units)
+    loaded = {model_name(m.ref): load_model(m) for m in request.models}
+    engines: dict[str, list[str]] = {}
+    for unit in units:
+        names: set[str] = set()
+        for model in loaded.values():
+            names.update(n for _, n in engines_for(request.engines, [unit], model))
+        engines[unit.id] = sorted(names)
+    return units, loaded, build_space(request, units, engines)
+
+
 def run_tune(
     request: TuneRequest,
     *,
@@ -146,28 +162,17 @@ def run_tune(
     command: str = "",
 ) -> TuneReport:
     """Search, verify and write the best plan; every trial goes to the store as it ends."""
-    from infermux.bench import engines_for
     from infermux.env import capture_environment
-    from infermux.models import load_model
 
     started = time.monotonic()
-    units = _tune_units(request.units)
+    units, loaded, space = prepare(request)
     specs = {model_name(m.ref): m for m in request.models}
-    loaded = {name: load_model(spec) for name, spec in specs.items()}
-    engines: dict[str, list[str]] = {}
-    for unit in units:
-        names: set[str] = set()
-        for model in loaded.values():
-            names.update(n for _, n in engines_for(request.engines, [unit], model))
-        engines[unit.id] = sorted(names)
-    space = build_space(request, units, engines)
     run_id = None
     if store is not None:
         run_id = store.begin_run("tune", request.to_dict() | {"space": space.describe()},
                                  capture_environment(), command)
     evaluator = LiveEvaluator(specs, units, request.trial, store=store, run_id=run_id,
-                              fresh=request.fresh, progress=measure_progress)
-    evaluator._models.update(loaded)
+                              fresh=request.fresh, progress=measure_progress, loaded=loaded)
     if request.constraints.max_power_w is not None and not evaluator.power_devices:
         evaluator.close()
         if store is not None and run_id is not None:
