@@ -19,6 +19,7 @@ r"""The tuner against brute force, on a space small enough to measure whole.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -29,17 +30,21 @@ from infermux._parse import parse_batches, parse_duration_s, parse_shape
 from infermux.models import ModelSpec
 from infermux.tune import (
     Candidate,
+    Config,
     LiveEvaluator,
+    Space,
     TableEvaluator,
     Trial,
     TrialSettings,
     Tuner,
     TuneRequest,
     TuneSettings,
+    UnitSpace,
     model_name,
     prepare,
     run_tune,
 )
+from infermux.units import Unit
 from tune_common import side_by_side
 
 
@@ -80,7 +85,31 @@ def brute_force(request: TuneRequest) -> tuple[Any, Any, dict[str, Trial], float
     return space, evaluator, table, time.monotonic() - started
 
 
-def replay(space: Any, table: dict[str, Trial], seed: int, budget_s: float) -> dict[str, Any]:
+def load_table(path: str) -> tuple[Space, dict[str, Trial], float, dict[str, Any]]:
+    """A brute-force table saved by `--json`, to replay the search on another machine."""
+    data = json.loads(Path(path).read_text())
+    units = []
+    for u in data["space"]["units"]:
+        kind, _, rest = u["unit"].partition(":")
+        device, _, mode = (kind + ":" + rest).partition("/")
+        units.append(UnitSpace(
+            Unit(id=u["unit"], kind=kind, device=device if kind != "cpu" else "cpu",
+                 mode=mode or "fp32", name=u["unit"], contention_domain=device),
+            u["engines"], u["batches"], u["instances"], u["options"]))
+    space = Space(data["space"]["models"], units)
+    table: dict[str, Trial] = {}
+    for row in data["brute_force"]["table"]:
+        configs = [Config.make(c["model"], c["unit"], c["engine"], c["batch"], c["instances"],
+                               c["options"]) for c in row["configs"]]
+        trial = Trial(Candidate.of(*configs), row["method"], row["status"], row["items_per_s"],
+                      row["p99_ms"], row["energy_per_item_j"], row["power_w"],
+                      row["memory_bytes"], row["per_unit"], row["cost_s"])
+        table[trial.candidate.key()] = trial
+    return space, table, data["brute_force"]["seconds"], data
+
+
+def replay(space: Any, table: dict[str, Trial], seed: int, budget_s: float,
+           patience: int | None = None) -> dict[str, Any]:
     clock = Clock()
 
     def cost(candidate: Candidate, _method: str) -> float:
@@ -88,8 +117,10 @@ def replay(space: Any, table: dict[str, Trial], seed: int, budget_s: float) -> d
         return known.cost_s if known is not None else 0.0
 
     evaluator = TableEvaluator(lambda c: table.get(c.key()), cost_s=cost, on_cost=clock.advance)
-    result = Tuner(space, evaluator, None, TuneSettings(budget_s=budget_s, seed=seed),
-                   clock=clock).run()
+    settings = TuneSettings(budget_s=budget_s, seed=seed)
+    if patience is not None:
+        settings = dataclasses.replace(settings, patience=patience)
+    result = Tuner(space, evaluator, None, settings, clock=clock).run()
     assert result.best is not None
     return {"seed": seed, "chosen": result.best.candidate.label(),
             "items_per_s": result.best.items_per_s,
@@ -112,7 +143,16 @@ def main() -> int:
     ap.add_argument("--duration", default="4s", help="each side-by-side run")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", default=None, help="write everything here")
+    ap.add_argument("--patience", type=int, default=None,
+                    help="replays: the fine-tuning's patience (default: the tuner's)")
+    ap.add_argument("--replay-from", default=None, metavar="JSON",
+                    help="replay the search on a table saved by --json; measure nothing")
     args = ap.parse_args()
+    if args.replay_from:
+        space, table, brute_s, saved = load_table(args.replay_from)
+        print(f"replaying {args.replay_from} (measured by: {saved['command']})")
+        print_replays(space, table, brute_s, args.seeds, args.patience)
+        return 0
     shape = parse_shape(args.input_shape) if args.input_shape else None
     request = TuneRequest(
         models=[ModelSpec(args.model, None, shape)], units=args.units, engines=args.engines,
@@ -127,15 +167,7 @@ def main() -> int:
     print(f"space: {json.dumps(space.describe())}", flush=True)
 
     space, evaluator, table, brute_s = brute_force(request)
-    ok = [t for t in table.values() if t.ok]
-    optimum = max(ok, key=lambda t: t.items_per_s or 0.0)
-    print(f"brute force: {len(table)} configs in {brute_s:.0f}s; optimum "
-          f"{optimum.candidate.label()} {optimum.items_per_s:,.1f} items/s", flush=True)
-
-    replays = [replay(space, table, seed, budget_s=10 * brute_s) for seed in range(args.seeds)]
-    for r in replays:
-        r["fraction_of_optimum"] = r["items_per_s"] / optimum.items_per_s
-        r["fraction_measured"] = r["distinct_measured"] / len(table)
+    optimum, replays = print_replays(space, table, brute_s, args.seeds, args.patience)
 
     live_started = time.monotonic()
     live = run_tune(request)
@@ -144,30 +176,17 @@ def main() -> int:
     optimum_plan = evaluator.plan_dict(optimum.candidate, load={"scenario": "offline"})
     compared = side_by_side({"brute-force optimum": optimum_plan, "tuned": live.plan},
                             parse_duration_s(args.duration), args.rounds)
-
-    print("\n| search | chosen | items/s (table) | of optimum | measured | of the space "
-          "| search time |")
-    print("|---|---|---:|---:|---:|---:|---:|")
-    print(f"| brute force | {optimum.candidate.label()} | {optimum.items_per_s:,.1f} | 1.000 "
-          f"| {len(table)} | 100% | {brute_s:.0f} s |")
-    for r in replays:
-        print(f"| tuner replay, seed {r['seed']} | {r['chosen']} | {r['items_per_s']:,.1f} | "
-              f"{r['fraction_of_optimum']:.3f} | {r['distinct_measured']} | "
-              f"{r['fraction_measured']:.0%} | {r['tuning_s']:.0f} s |")
     best_live = live.result.best
-    print(f"| tuner live, budget {args.budget} | {best_live.candidate.label()} | "
-          f"{best_live.items_per_s:,.1f} ({best_live.method}) | | {live.result.measured} | "
-          f"{live.result.measured / len(table):.0%} | {live_s:.0f} s |")
+    print(f"\ntuner live, budget {args.budget}: {best_live.candidate.label()} "
+          f"{best_live.items_per_s:,.1f} items/s ({best_live.method}); {live.result.measured} "
+          f"candidates measured ({live.result.measured / len(table):.0%} of the space) "
+          f"in {live_s:.0f} s")
     ratio_key = "ratio_to_brute-force optimum"
-    print(f"\nside by side through the runtime ({args.rounds} rounds of {args.duration}): "
+    print(f"side by side through the runtime ({args.rounds} rounds of {args.duration}): "
           f"optimum {compared['brute-force optimum']['median_items_per_s']:,.1f}, tuned "
           f"{compared['tuned']['median_items_per_s']:,.1f} items/s; tuned / optimum "
           f"{compared['tuned'][ratio_key]:.3f} (per round {compared['tuned']['rounds']} vs "
           f"{compared['brute-force optimum']['rounds']})")
-    worst = min(r["fraction_of_optimum"] for r in replays)
-    most = max(r["fraction_measured"] for r in replays)
-    print(f"replays: worst {worst:.3f} of the optimum, at most {most:.0%} of the space measured "
-          f"(targets: ≥ 0.95, ≤ 20%)")
     if args.json:
         Path(args.json).write_text(json.dumps({
             "command": " ".join(sys.argv), "space": space.describe(),
@@ -177,6 +196,30 @@ def main() -> int:
             "live": {"seconds": live_s, **live.result.to_dict()},
             "side_by_side": compared}, indent=1, default=str))
     return 0
+
+
+def print_replays(space: Space, table: dict[str, Trial], brute_s: float, seeds: int,
+                  patience: int | None = None) -> tuple[Trial, list[dict[str, Any]]]:
+    """Replay the search for each seed; print the table against brute force."""
+    ok = [t for t in table.values() if t.ok]
+    optimum = max(ok, key=lambda t: t.items_per_s or 0.0)
+    replays = [replay(space, table, seed, 10 * brute_s, patience) for seed in range(seeds)]
+    print("\n| search | chosen | items/s (table) | of optimum | measured | of the space "
+          "| measuring time |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    print(f"| brute force | {optimum.candidate.label()} | {optimum.items_per_s:,.1f} | 1.000 "
+          f"| {len(table)} | 100% | {brute_s:.0f} s |")
+    for r in replays:
+        r["fraction_of_optimum"] = r["items_per_s"] / optimum.items_per_s
+        r["fraction_measured"] = r["distinct_measured"] / len(table)
+        print(f"| tuner replay, seed {r['seed']} | {r['chosen']} | {r['items_per_s']:,.1f} | "
+              f"{r['fraction_of_optimum']:.3f} | {r['distinct_measured']} | "
+              f"{r['fraction_measured']:.0%} | {r['tuning_s']:.0f} s |")
+    worst = min(r["fraction_of_optimum"] for r in replays)
+    most = max(r["fraction_measured"] for r in replays)
+    print(f"replays: worst {worst:.3f} of the optimum, at most {most:.0%} of the space measured "
+          f"(targets: ≥ 0.95, ≤ 20%)", flush=True)
+    return optimum, replays
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ class TuneSettings:
     seed: int = 0
     fine_tune: bool = True
     #: Fine-tuning ends after this many trials in a row that do not beat the best by min_gain.
-    patience: int = 6
+    patience: int = 3
     #: Check the chosen plan through the runtime when it was measured in-process.
     verify: bool = True
 
@@ -336,7 +336,9 @@ class Tuner:
         """Hill-climb the batch ladder from `start` while each step gains at least min_gain.
 
         Throughput and energy climb upward first; latency only looks down. Downward steps are
-        taken for throughput only when the start breaks a bound (or ran out of memory).
+        taken for throughput only when the start breaks a bound (or ran out of memory). After a
+        step that gained four times min_gain the next one skips a rung (batch curves saturate,
+        so a steep one has room); if the skip does not gain, the rung between is measured.
         """
         objective = self.settings.objective
         feasible = self.score(start_trial) > -math.inf
@@ -348,12 +350,19 @@ class Tuner:
         best = start_trial
         index = batches.index(start.batch)
         for step in directions:
-            i, moved = index, False
+            i, moved, steep = index, False, False
             while 0 <= i + step < len(batches):
-                trial = self.measure(Candidate.of(start.with_(batch=batches[i + step])))
+                stride = 2 if steep and 0 <= i + 2 * step < len(batches) else 1
+                trial = self.measure(Candidate.of(start.with_(batch=batches[i + stride * step])))
+                if not self._better(trial, best) and stride == 2:
+                    stride = 1
+                    trial = self.measure(Candidate.of(start.with_(batch=batches[i + step])))
                 if not self._better(trial, best):
                     break
-                best, i, moved = trial, i + step, True
+                old = self.score(best)
+                steep = old > -math.inf and (
+                    self.score(trial) - old >= 4 * self.settings.min_gain * abs(old))
+                best, i, moved = trial, i + stride * step, True
             if moved:
                 break
         return best
@@ -477,21 +486,55 @@ class Tuner:
                                          instances=params[f"instances{k}"], options=variant))
             return Candidate.of(*configs)
 
-        seed_params: dict[str, Any] = {}
-        for k, (cfg, ch) in enumerate(zip(best.configs, choices, strict=True)):
-            variants = ch["variants"][ch["engine"].index(cfg.engine)] \
-                if cfg.engine in ch["engine"] else [{}]
-            seed_params |= {f"engine{k}": cfg.engine, f"batch{k}": cfg.batch,
-                            f"instances{k}": cfg.instances,
-                            f"options{k}": variants.index(cfg.options_dict)
-                            if cfg.options_dict in variants else 0}
-        study.enqueue_trial(seed_params)
+        distributions: dict[str, Any] = {}
+        for k, ch in enumerate(choices):
+            distributions |= {
+                f"engine{k}": optuna.distributions.CategoricalDistribution(ch["engine"]),
+                f"batch{k}": optuna.distributions.CategoricalDistribution(ch["batch"]),
+                f"instances{k}": optuna.distributions.CategoricalDistribution(ch["instances"]),
+                f"options{k}": optuna.distributions.IntDistribution(
+                    0, max(len(v) for v in ch["variants"]) - 1)}
+
+        def params_of(candidate: Candidate) -> dict[str, Any] | None:
+            """The study's parameters of a measured candidate, if it lies in the neighbourhood."""
+            if [(c.model, c.unit) for c in candidate.configs] != [
+                    (c.model, c.unit) for c in best.configs]:
+                return None
+            params: dict[str, Any] = {}
+            for k, (cfg, ch) in enumerate(zip(candidate.configs, choices, strict=True)):
+                if (cfg.engine not in ch["engine"] or cfg.batch not in ch["batch"]
+                        or cfg.instances not in ch["instances"]):
+                    return None
+                variants = ch["variants"][ch["engine"].index(cfg.engine)]
+                if cfg.options_dict not in variants:
+                    return None
+                params |= {f"engine{k}": cfg.engine, f"batch{k}": cfg.batch,
+                           f"instances{k}": cfg.instances,
+                           f"options{k}": variants.index(cfg.options_dict)}
+            return params
+
+        def values(result: Trial) -> list[float]:
+            if pareto:
+                ok = self.feasible(result)
+                return [result.items_per_s or 0.0 if ok else 0.0,
+                        result.p99_ms if ok and result.p99_ms else 1e9]
+            s = self.score(result)
+            return [s if s > -math.inf else -1e18]
+
+        # What the ladders already measured around the best plan is told to the sampler first,
+        # so it starts informed instead of spending its first trials on random points.
+        tried: set[str] = set()
+        for known in self._effective():
+            params = params_of(known.candidate)
+            if params is not None and known.candidate.key() not in tried:
+                tried.add(known.candidate.key())
+                study.add_trial(optuna.trial.create_trial(
+                    params=params, distributions=distributions, values=values(known)))
         size = 1
         for ch in choices:
             size *= len(ch["engine"]) * len(ch["batch"]) * len(ch["instances"]) * max(
                 len(v) for v in ch["variants"])
         repeats = stale = 0
-        tried: set[str] = set()
         incumbent = max((t for t in self.trials if self.feasible(t)), key=self.score,
                         default=None)
         while repeats < 8 and len(tried) < size and stale < self.settings.patience:
@@ -517,12 +560,6 @@ class Tuner:
                 incumbent, stale = result, 0
             elif repeats == 0:
                 stale += 1
-            if pareto:
-                feasible = self.feasible(result)
-                study.tell(trial, [result.items_per_s or 0.0 if feasible else 0.0,
-                                   result.p99_ms if feasible and result.p99_ms else 1e9])
-            else:
-                s = self.score(result)
-                study.tell(trial, s if s > -math.inf else -1e18)
+            study.tell(trial, values(result))
         scored = [t for t in self.trials if self.feasible(t)]
         return max(scored, key=self.score).candidate if scored else best
