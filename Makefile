@@ -24,6 +24,8 @@ demo: install
 	$(VENV)/bin/infermux units
 	$(VENV)/bin/infermux bench --model mobilenet_v3_small --units auto --engine auto --batch 1,8 \
 		--min-duration 3s --min-queries 256 --db demo.db
+	$(VENV)/bin/infermux tune --model mobilenet_v3_small --units auto --batch 1,4,16,64 \
+		--budget 90s --db demo.db --out demo-plan.yaml
 
 lint: install
 	$(VENV)/bin/ruff check src tests bench
@@ -37,4 +39,4 @@ unit-tests: install
 test: lint typecheck unit-tests
 
 clean:
-	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache demo.db
+	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache demo.db demo-plan.yaml

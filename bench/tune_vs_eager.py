@@ -102,6 +102,8 @@ def main() -> None:
         "space_plans": report.result.space["plans"],
         "solo_configs": report.result.space["solo_configs"],
         "phases": report.result.phases, "total_s": time.monotonic() - started,
+        "solo_best": {u: t.items_per_s for u, t in report.result.solo_best.items()},
+        "contention": report.result.contention,
     }
     print(f"\n| plan ({args.rounds} alternating rounds of {args.duration}) | items/s, median "
           "| × eager |")
