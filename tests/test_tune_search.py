@@ -120,6 +120,8 @@ def test_the_budget_is_honoured_and_the_best_so_far_is_kept():
     assert clock.t <= 20.0
     assert result.stopped_by_budget
     assert result.best is not None and result.best.items_per_s > 0
+    # The ladder was cut short, yet the explanation still has the unit's best solo figure.
+    assert list(result.solo_best) == ["m@cuda:0/fp16"]
 
 
 def test_a_p99_bound_is_never_broken_by_the_chosen_plan():

@@ -127,6 +127,8 @@ def summarise(
             "busy_s": busy, "utilisation": busy / duration if duration else None,
             "items_per_s": items / duration if duration else None,
             "batch_histogram": _histogram(recs),
+            # One batch from its launch to its outputs on the host (what a bench point times).
+            "batch_latency": latency_summary_ms([r.end_ns - r.start_ns for r in recs]),
             "latency_estimate_ms": {str(b): v / 1e6 for b, v in w.estimate.snapshot().items()},
         }
     run["models"] = models

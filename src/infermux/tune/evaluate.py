@@ -429,11 +429,13 @@ class LiveEvaluator:
             unit = "cpu" if str(w["unit"]).startswith("cpu") and "cpu" in candidate.units \
                 else str(w["unit"])
             per_unit[unit] = per_unit.get(unit, 0.0) + (w.get("items_per_s") or 0.0)
-        compute = [m.get("phases", {}).get("compute", {}).get("p99_ms")
-                   for m in rec.get("models", {}).values()]
+        # A batch's latency, as the engine trials measure it: from its launch to its outputs.
+        # (The runtime's compute phase starts at the take, which for a worker that gathers the
+        # next batch while one runs includes the batch ahead of it.)
+        batch_p99 = [(w.get("batch_latency") or {}).get("p99_ms") for w in workers]
         trial = Trial(candidate, "runtime", status,
                       rec.get("throughput_samples_per_s") if status == "ok" else None,
-                      max((c for c in compute if c is not None), default=None),
+                      max((c for c in batch_p99 if c is not None), default=None),
                       per_unit=per_unit,
                       error="; ".join(str(w.get("error")) for w in failed) or (
                           "; ".join(rec.get("validity_notes", [])) or None),

@@ -253,8 +253,10 @@ def _server_peak(evaluator: LiveEvaluator, plan: dict[str, Any],
     from infermux.runtime.plan import parse_plan
 
     s = evaluator.settings
-    data = {**plan, "load": {**plan["load"], "min_duration_s": max(1.0, s.min_duration_s),
-                             "min_queries": s.min_queries}}
+    # Each rate is one trial, and its p99 is judged on few queries' tails: a trial needs
+    # seconds and hundreds of queries, not the search's short trials, or one host stall sinks it.
+    data = {**plan, "load": {**plan["load"], "min_duration_s": max(2.0, 3 * s.min_duration_s),
+                             "min_queries": max(256, s.min_queries)}}
     report = run_plan(parse_plan(data, source="tuned plan"), progress=progress)
     return report.peak
 

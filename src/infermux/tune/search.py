@@ -252,14 +252,18 @@ class Tuner:
         best: Candidate | None = None
         contention: list[dict[str, Any]] = []
         try:
-            solo_best = self._solo()
+            solo_best = self._solo(solo_best)
             best = self._initial(solo_best)
             if best is not None:
                 best, contention = self._combine(best, solo_best)
                 if self.settings.fine_tune:
                     best = self._fine_tune(best, solo_best)
         except _BudgetSpentError:
-            pass
+            # Units whose ladder the budget cut short: their best measured solo trial.
+            for t in sorted(self._effective(), key=self.score, reverse=True):
+                c = t.candidate.configs[0]
+                if t.candidate.solo and self.feasible(t):
+                    solo_best.setdefault(f"{c.model}@{c.unit}", t)
         self._phase = "verify"
         chosen = None
         for _ in range(4):
@@ -292,9 +296,12 @@ class Tuner:
             elapsed_s=self.clock() - self._start, stopped_by_budget=self._stopped,
             phases=dict(self.phases))
 
-    def _solo(self) -> dict[str, Trial]:
-        """Screen, ladder, options and instances per (model, unit); the best solo trial of each."""
-        out: dict[str, Trial] = {}
+    def _solo(self, out: dict[str, Trial]) -> dict[str, Trial]:
+        """Screen, ladder, options and instances per (model, unit); the best solo trial of each.
+
+        Fills `out` as each (model, unit) ends, so a budget that runs out midway still leaves
+        the units finished so far for the explanation.
+        """
         self._phase = "screen"
         screened: dict[tuple[str, str], list[tuple[str, Trial]]] = {}
         for model in self.space.models:
