@@ -63,8 +63,9 @@ class Clock:
         self.t += seconds
 
 
-def brute_force(request: TuneRequest) -> tuple[Any, Any, dict[str, Trial], float]:
-    units, loaded, space = prepare(request)
+def brute_force(request: TuneRequest, prepared: tuple[list[Unit], dict[str, Any], Space]
+                ) -> tuple[Space, LiveEvaluator, dict[str, Trial], float]:
+    units, loaded, space = prepared
     if len(space.units) != 1:
         raise SystemExit(f"brute force needs one unit; {request.units!r} selected "
                          f"{[u.unit.id for u in space.units]}")
@@ -159,14 +160,15 @@ def main() -> int:
         budget_s=parse_duration_s(args.budget), batches=parse_batches(args.batches),
         max_instances=args.max_instances,
         trial=TrialSettings(min_duration_s=parse_duration_s(args.trial_duration)))
-    _, _, space, = prepare(request)
+    prepared = prepare(request)
+    space = prepared[2]
     if space.size() > args.max_plans:
         print(f"the space holds {space.size()} plans, more than --max-plans {args.max_plans}: "
               "narrow --engines, --batches or --max-instances", file=sys.stderr)
         return 2
     print(f"space: {json.dumps(space.describe())}", flush=True)
 
-    space, evaluator, table, brute_s = brute_force(request)
+    space, evaluator, table, brute_s = brute_force(request, prepared)
     optimum, replays = print_replays(space, table, brute_s, args.seeds, args.patience)
 
     live_started = time.monotonic()
