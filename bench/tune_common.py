@@ -42,13 +42,9 @@ def side_by_side(plans: dict[str, dict[str, Any]], seconds: float, rounds: int
     return out
 
 
-def eager_plan(model: str, unit: str, batch: int, input_shape: list[int] | None = None
-               ) -> dict[str, Any]:
+def eager_plan(model: str, unit: str, batch: int) -> dict[str, Any]:
     """Plain PyTorch eager (no CUDA graph, no compile) at one batch size, as a plan."""
     options = {"cuda_graph": False} if unit.startswith("cuda") else {}
-    entry: dict[str, Any] = {"name": "m", "model": model, "replicas": [
+    return {"name": "eager", "models": [{"name": "m", "model": model, "replicas": [
         {"unit": unit, "engine": "torch", "batch": batch, "batch_buckets": "none",
-         "options": options}]}
-    if input_shape:
-        entry["input_shape"] = input_shape
-    return {"name": "eager", "models": [entry], "load": {"scenario": "offline"}}
+         "options": options}]}], "load": {"scenario": "offline"}}

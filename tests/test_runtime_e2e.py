@@ -70,14 +70,19 @@ def test_dynamic_batching_forms_batches():
         p = plan([tiny(replicas=[{"unit": "cpu:0", "batch": 8}])],
                  dispatcher={"max_queue_delay_ms": delay_ms},
                  load={"scenario": "server", "rate_qps": rate, "min_duration_s": 0.8})
-        return run_plan(p).final["models"]["tiny"]
+        return run_plan(p).final
 
-    batched = run(20.0, 400)
+    final = run(20.0, 400)
+    batched = final["models"]["tiny"]
+    # A batch's own latency (launch to outputs) is part of its compute phase (take to outputs).
+    (worker,) = final["workers"].values()
+    assert worker["batch_latency"]["p50_ms"] > 0
+    assert worker["batch_latency"]["max_ms"] <= batched["phases"]["compute"]["max_ms"]
     hist = {int(k): v for k, v in batched["batch_histogram"].items()}
     assert max(hist) >= 4 and batched["mean_batch"] > 2.0
     assert batched["phases"]["batching_wait"]["p50_ms"] > 0.5
     assert batched["phases"]["batching_wait"]["max_ms"] < 20.0 + 25.0  # the delay, plus noise
-    unbatched = run(0.0, 50)
+    unbatched = run(0.0, 50)["models"]["tiny"]
     assert unbatched["mean_batch"] < 1.5
 
 
