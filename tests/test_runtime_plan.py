@@ -40,7 +40,7 @@ BAD = [
                             "unit, engine, instances, batch"]),
     (base(models=[{"name": "a b", "model": "x", "replicas": [{"unit": "cpu:0"}]}]),
      ["models[0].name", "pattern"]),
-    (base(models=[{"name": "a", "model": "x", "replicas": []}]), ["models[0].replicas"]),
+    (base(models=[{"name": "a", "model": "x", "replicas": []}]), ["models[0]", "neither replicas nor stages"]),
     (base(models=[{"name": "a", "model": "x", "replicas": [{"unit": "cpu:0"}]},
                   {"name": "a", "model": "y", "replicas": [{"unit": "cpu:1"}]}]),
      ["['a']", "appear twice"]),

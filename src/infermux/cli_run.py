@@ -56,6 +56,23 @@ def _workers_table(record: dict[str, Any]) -> Table:
     return table
 
 
+def _stages_table(record: dict[str, Any]) -> Table | None:
+    pipelines = record.get("pipelines") or {}
+    if not pipelines:
+        return None
+    table = Table(title="Pipeline stages")
+    for col in ("model", "#", "segment", "units", "engine", "busy", "mean batch",
+                "compute ms/batch", "transfer ms/batch", "queue depth"):
+        table.add_column(col)
+    for model, stages in pipelines.items():
+        for st in stages:
+            table.add_row(model, str(st["stage"]), st["segment"], "+".join(st["units"]),
+                          st["engine"], f"{st['busy']:.0%}", _num(st["mean_batch"]),
+                          _num(st["compute_ms_per_batch"], 2), _num(st["transfer_ms_per_batch"], 2),
+                          _num(st["queue_depth"]))
+    return table
+
+
 def _headline(record: dict[str, Any]) -> str:
     lat = record.get("latency", {})
     parts = [f"[bold]{record['scenario']}[/]",
@@ -154,6 +171,9 @@ def run_command(
             out.print(_headline(record))
             out.print(_models_table(record))
             out.print(_workers_table(record))
+            stages = _stages_table(record)
+            if stages is not None:
+                out.print(stages)
             timeline = _timeline_text(record)
             if timeline:
                 out.print(timeline)
@@ -188,5 +208,7 @@ def plan_command(
         _print_json({"valid": True, "plan": plan.to_dict()})
         return
     workers = sum(r.instances for m in plan.models for r in m.replicas)
-    out.print(f"[green]valid[/]: {check} — {len(plan.models)} model(s), {workers} worker(s), "
+    pipelines = sum(1 for m in plan.models if m.stages)
+    piped = f", {pipelines} pipeline(s)" if pipelines else ""
+    out.print(f"[green]valid[/]: {check} — {len(plan.models)} model(s), {workers} worker(s){piped}, "
               f"scenario {plan.load.scenario}, placement {plan.placement}")

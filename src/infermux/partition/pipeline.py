@@ -23,6 +23,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,19 +94,44 @@ class _Link:
                 if self._stop.is_set():
                     raise _StoppedError from None
 
+    def take_nowait(self) -> Any | None:
+        """The next item if one is waiting, else None."""
+        try:
+            return self._queue.get_nowait()
+        except queue.Empty:
+            return None
+
+    def depth(self) -> int:
+        """Items waiting now (approximate, for metrics)."""
+        return self._queue.qsize()
+
 
 @dataclass
 class _StageCopy:
     stage: int
     replica: int
     unit: Unit
-    runner: Any
+    runners: dict[int, Any]  # bucket (items) → runner; the largest is the stage's batch
     batch: int
     pool: _Pool
     gather: Any
     stream: Any
     busy_ns: int = 0
     batches: int = 0
+    items: int = 0
+    compute_ns: int = 0
+    transfer_ns: int = 0
+    depth_sum: int = 0
+    depth_samples: int = 0
+
+    @property
+    def runner(self) -> Any:
+        """The runner at the stage's full batch."""
+        return self.runners[self.batch]
+
+    def counters(self) -> tuple[int, int, int, int, int, int, int]:
+        return (self.busy_ns, self.batches, self.items, self.compute_ns, self.transfer_ns,
+                self.depth_sum, self.depth_samples)
 
 
 @dataclass
@@ -137,6 +163,8 @@ class Pipeline:
         model: LoadedModel,
         graph: ModelGraph,
         units: dict[str, Unit],
+        *,
+        buckets: bool = False,
     ) -> None:
         missing = [u for u in plan.units if u not in units]
         if missing:
@@ -146,8 +174,19 @@ class Pipeline:
                              "it cannot run as a pipeline")
         self.plan = plan
         self.chunk = plan.chunk
+        #: Runners for partial batches too (powers of two of the chunk): a stage runs what its
+        #: inbound link holds instead of waiting for a full batch (serving under light load).
+        self.buckets = buckets
         self._stop = threading.Event()
-        self._engine = create_engine("torch")
+        self._engines: dict[str, Any] = {}
+        for index, stage in enumerate(plan.stages):
+            engine = self._engines.get(stage.engine) or create_engine(stage.engine)
+            self._engines[stage.engine] = engine
+            for unit_id in stage.units:
+                if unit_id in units and not engine.supports(units[unit_id]):
+                    raise UsageError(
+                        f"stages[{index}].engine: {stage.engine!r} cannot run on {unit_id!r}; "
+                        f"it runs {', '.join(engine.unit_kinds)} units")
         infos = {c.node: c.tensor for c in graph.cuts}
         self._segments = []
         for index, stage in enumerate(plan.stages):
@@ -191,18 +230,31 @@ class Pipeline:
                 last = s == len(plan.stages) - 1
                 if stage.batch % self.chunk:  # pragma: no cover - chunk is the gcd
                     raise UsageError(f"stage batch {stage.batch} is not a multiple of {self.chunk}")
+                engine = self._engines[stage.engine]
+                sizes = self._bucket_sizes(stage.batch)
                 for unit_id in stage.units:
                     unit = units[unit_id]
                     for instance in range(stage.instances):
-                        runner = self._engine.build(
-                            seg_model, unit, stage.batch, plan.options, data="device",
-                            instance=replica * stage.instances + instance)
+                        runners = {b: engine.build(
+                            seg_model, unit, b, stage.options, data="device",
+                            instance=replica * stage.instances + instance) for b in sizes}
                         home = None if last else unit  # the last stage writes into the host
                         slots = [[alloc(home, (self.chunk, *o.shape)) for o in outs]
                                  for _ in range(stage.buffers * stage.batch // self.chunk)]
                         self.copies[s].append(_StageCopy(
-                            s, replica, unit, runner, stage.batch, _Pool(slots, self._stop),
+                            s, replica, unit, runners, stage.batch, _Pool(slots, self._stop),
                             alloc(unit, (stage.batch, *seg_in.shape)), stream_for(unit)))
+
+    def _bucket_sizes(self, batch: int) -> list[int]:
+        """Runner batch sizes of a stage: its batch, and with `buckets` 1, 2, 4, ... below it."""
+        if not self.buckets:
+            return [batch]
+        sizes = {batch}
+        size = 1
+        while size < batch:
+            sizes.add(size)
+            size *= 2
+        return sorted(sizes)
 
     def _workers_of(self, stage: int, replica: int) -> list[_StageCopy]:
         return [c for c in self.copies[stage] if c.replica == replica]
@@ -235,37 +287,48 @@ class Pipeline:
         inbound = self._links[copy.replica][copy.stage]
         last = copy.stage == len(plan.stages) - 1
         outbound = self._sink if last else self._links[copy.replica][copy.stage + 1]
-        per_batch = copy.batch // self.chunk
         g = self.chunk
         ending = False
         while not ending:
-            ids: list[tuple[int, int]] = []
-            busy = 0
-            while len(ids) < per_batch:
-                item = inbound.take()
+            ids: list[tuple[int, int, int, int]] = []  # chunk id, feed time, offset, rows
+            filled = transfer = 0
+            while filled + g <= copy.batch:
+                if ids and self.buckets:
+                    # Take what is waiting; run a smaller bucket rather than wait for more.
+                    item = inbound.take_nowait()
+                    if item is None:
+                        break
+                else:
+                    item = inbound.take()
+                    copy.depth_sum += inbound.depth()
+                    copy.depth_samples += 1
                 if item is _END:
                     ending = True
                     break
                 t0 = time.perf_counter_ns()
-                pool, slot, chunk_id, fed_ns = item
-                i = len(ids)
-                copy_into(copy.gather[i * g:(i + 1) * g], pool.slots[slot][0], copy.stream)
+                pool, slot, chunk_id, fed_ns, rows = item
+                copy_into(copy.gather[filled:filled + rows], pool.slots[slot][0][:rows], copy.stream)
                 pool.release(slot)
-                ids.append((chunk_id, fed_ns))
-                busy += time.perf_counter_ns() - t0
+                ids.append((chunk_id, fed_ns, filled, rows))
+                filled += rows
+                transfer += time.perf_counter_ns() - t0
             if ids:
+                bucket = next(b for b in sorted(copy.runners) if b >= filled)
                 t0 = time.perf_counter_ns()
-                outs = copy.runner.compute(copy.gather)
-                busy += time.perf_counter_ns() - t0
-                for i, (chunk_id, fed_ns) in enumerate(ids):
+                outs = copy.runners[bucket].compute(copy.gather[:bucket])
+                compute = time.perf_counter_ns() - t0
+                for chunk_id, fed_ns, at, rows in ids:
                     slot = copy.pool.acquire()
                     t0 = time.perf_counter_ns()
                     for dst, src in zip(copy.pool.slots[slot], outs, strict=True):
-                        copy_into(dst, src[i * g:(i + 1) * g], copy.stream)
-                    busy += time.perf_counter_ns() - t0
-                    outbound.publish((copy.pool, slot, chunk_id, fed_ns))
-                copy.busy_ns += busy
+                        copy_into(dst[:rows], src[at:at + rows], copy.stream)
+                    transfer += time.perf_counter_ns() - t0
+                    outbound.publish((copy.pool, slot, chunk_id, fed_ns, rows))
+                copy.busy_ns += compute + transfer
+                copy.compute_ns += compute
+                copy.transfer_ns += transfer
                 copy.batches += 1
+                copy.items += filled
         self._finish(copy, outbound)
 
     def _finish(self, copy: _StageCopy, outbound: _Link) -> None:
@@ -318,7 +381,7 @@ class Pipeline:
                 if item is _END:
                     ended += 1
                     continue
-                pool, slot, chunk_id, _ = item
+                pool, slot, chunk_id, _, _ = item
                 results[chunk_id] = [t.numpy().copy() for t in pool.slots[slot]]
                 pool.release(slot)
         finally:
@@ -337,7 +400,7 @@ class Pipeline:
             for c in range(chunks):
                 slot = self._feed_pool.acquire()
                 self._feed_pool.slots[slot][0].copy_(data[c * g:(c + 1) * g])
-                self._source.publish((self._feed_pool, slot, c, time.perf_counter_ns()))
+                self._source.publish((self._feed_pool, slot, c, time.perf_counter_ns(), g))
             for _ in range(self._first_copies()):
                 self._source.publish(_END)
         except _StoppedError:
@@ -352,7 +415,8 @@ class Pipeline:
         try:
             while not self._stop.is_set():
                 slot = self._feed_pool.acquire()
-                self._source.publish((self._feed_pool, slot, chunk_id, time.perf_counter_ns()))
+                self._source.publish((self._feed_pool, slot, chunk_id, time.perf_counter_ns(),
+                                      self.chunk))
                 chunk_id += 1
         except _StoppedError:
             pass
@@ -371,7 +435,7 @@ class Pipeline:
             measuring = False
             while True:
                 self._check()
-                pool, slot, _, fed_ns = self._sink.take()
+                pool, slot, _, fed_ns, _ = self._sink.take()
                 now_ns = time.perf_counter_ns()
                 pool.release(slot)
                 now = now_ns / 1e9
@@ -403,6 +467,97 @@ class Pipeline:
         ]
         return PipelineMeasurement(items, window, latencies, busy)
 
+    # -- serving: the runtime feeds batches and hears of each chunk that comes out -----------------
+
+    def serve(self, on_chunk: Callable[[int, int, list[Any]], None],
+              on_error: Callable[[BaseException], None]) -> None:
+        """Start the stages for `feed()`, then call `on_chunk` for each chunk that comes out.
+
+        `on_chunk(chunk_id, out_ns, outputs)` gets host tensors of the chunk's rows, valid only
+        during the call. `on_error` is called once, from the sink thread, if a stage fails.
+        """
+        self._start()
+        self._sink_thread = threading.Thread(target=self._drain, args=(on_chunk, on_error),
+                                             daemon=True, name="infermux-pipeline-sink")
+        self._sink_thread.start()
+
+    def _drain(self, on_chunk: Callable[[int, int, list[Any]], None],
+               on_error: Callable[[BaseException], None]) -> None:
+        ended = 0
+        try:
+            while ended < self.plan.pipeline_replicas:
+                item = self._sink.take()
+                if item is _END:
+                    ended += 1
+                    continue
+                pool, slot, chunk_id, _, rows = item
+                try:
+                    on_chunk(chunk_id, time.perf_counter_ns(), [t[:rows] for t in pool.slots[slot]])
+                finally:
+                    pool.release(slot)
+        except _StoppedError:
+            if self._errors:
+                exc = self._errors[0]
+                on_error(RunError(f"a pipeline stage failed: {type(exc).__name__}: {exc}"))
+
+    def feed(self, chunk_id: int, rows: Any) -> None:
+        """Queue one chunk (at most `chunk` rows, a torch tensor or array); blocks while full."""
+        import torch
+
+        self._check()
+        try:
+            slot = self._feed_pool.acquire()
+        except _StoppedError:
+            self._check()
+            raise RunError("the pipeline was stopped") from None
+        tensor = self._feed_pool.slots[slot][0]
+        data = rows if isinstance(rows, torch.Tensor) else torch.from_numpy(np.asarray(rows))
+        if len(data) > self.chunk:
+            self._feed_pool.release(slot)
+            raise UsageError(f"a chunk holds at most {self.chunk} rows, not {len(data)}")
+        tensor[:len(data)].copy_(data)
+        self._source.publish((self._feed_pool, slot, chunk_id, time.perf_counter_ns(), len(data)))
+
+    def end_serving(self, timeout_s: float = 60.0) -> None:
+        """No more chunks: let the stages drain, then stop them."""
+        if not self._started:
+            return
+        for _ in range(self._first_copies()):
+            self._source.publish(_END)
+        sink = getattr(self, "_sink_thread", None)
+        if sink is not None:
+            sink.join(timeout_s)
+        self._stop.set()
+        self.join()
+
+    def stage_counters(self) -> list[list[tuple[int, ...]]]:
+        """Raw per-copy counters, per stage (for `stage_stats` over a window)."""
+        return [[c.counters() for c in stage] for stage in self.copies]
+
+    def stage_stats(self, since: list[list[tuple[int, ...]]] | None, window_s: float
+                    ) -> list[dict[str, Any]]:
+        """Per stage over a window: busy share, batch sizes, compute and transfer time, queue depth.
+
+        The queue depth is the mean length of the stage's inbound link when a copy took from it.
+        """
+        stats = []
+        for si, (stage, spec) in enumerate(zip(self.copies, self.plan.stages, strict=True)):
+            now = [c.counters() for c in stage]
+            before = since[si] if since is not None else [(0,) * 7] * len(stage)
+            d = [sum(n[k] - b[k] for n, b in zip(now, before, strict=True)) for k in range(7)]
+            busy_ns, batches, items, compute_ns, transfer_ns, depth_sum, depth_n = d
+            stats.append({
+                "stage": si, "segment": f"{spec.start}→{spec.end}", "units": list(spec.units),
+                "engine": spec.engine, "copies": len(stage),
+                "busy": min(1.0, busy_ns / 1e9 / (window_s * len(stage))) if window_s > 0 else 0.0,
+                "batches": batches, "items": items,
+                "mean_batch": items / batches if batches else 0.0,
+                "compute_ms_per_batch": compute_ns / 1e6 / batches if batches else 0.0,
+                "transfer_ms_per_batch": transfer_ns / 1e6 / batches if batches else 0.0,
+                "queue_depth": depth_sum / depth_n if depth_n else 0.0,
+            })
+        return stats
+
     def peak_in_flight(self) -> dict[str, int]:
         """Most slots each pool had in flight (never more than its `buffers × batch/chunk`)."""
         peaks = {"feeder": self._feed_pool.peak_in_flight}
@@ -423,8 +578,10 @@ class Pipeline:
             thread.join(timeout=30.0)
         for stage in self.copies:
             for c in stage:
-                c.runner.close()
-        getattr(self._engine, "release", lambda: None)()
+                for runner in c.runners.values():
+                    runner.close()
+        for engine in self._engines.values():
+            getattr(engine, "release", lambda: None)()
 
     def __enter__(self) -> Pipeline:
         return self

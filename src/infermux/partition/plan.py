@@ -1,21 +1,27 @@
-"""`PipelinePlan`: a pipelined way to run one model, written and read as YAML.
+"""`PipelinePlan`: one model cut into pipeline stages, as the partitioner finds it.
 
-It is the `stages:` section that a model entry of the runtime Plan holds (see
-`docs/architecture-partition.md`): a model entry with `stages:` runs as a pipeline, one without
-runs as data-parallel replicas. `model_entry()` and `from_model_entry()` convert to and from it.
+It is the `stages:` part of a model entry of the runtime Plan (`infermux.runtime.plan`), which is
+what `infermux partition --out` writes and `infermux run` executes: a model entry with `stages:`
+runs as a pipeline inside the runtime, beside (or instead of) data-parallel replicas.
+`to_runtime_plan()` and `from_entry()` convert to and from it.
 
 ```yaml
-model: resnet18
-pipeline_replicas: 1
-stages:
-  - {start: input, end: layer2_1_relu_1, units: [cpu:0], instances: 1, batch: 8, buffers: 2}
-  - {start: layer2_1_relu_1, end: output, units: [cpu:1], instances: 1, batch: 8, buffers: 2}
+name: resnet18-pipeline
+models:
+  - name: resnet18
+    model: resnet18
+    pipeline_replicas: 1
+    stages:
+      - {start: input, end: layer2_1_relu_1, units: [cpu:0], engine: openvino, batch: 8, buffers: 2}
+      - {start: layer2_1_relu_1, end: output, units: [cpu:1], engine: torch, batch: 8, buffers: 2}
+load: {scenario: offline}
 ```
 """
 
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -23,28 +29,12 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from infermux.errors import UsageError
+from infermux.runtime.plan import ModelEntry, Plan, Stage, parse_plan
 
 __all__ = ["PipelinePlan", "StageSpec"]
 
-
-class StageSpec(BaseModel):
-    """One stage: the segment between two boundaries, where it runs, and how it is fed.
-
-    `start`/`end` are `input`, a cut point's node name (see `infermux partition --show`) or
-    `output`. A stage on several `units`, or with `instances` > 1 per unit, is duplicated: each
-    copy takes whole batches from the same inbound link. `buffers` is how many batches each copy
-    may have written and not yet consumed downstream: it bounds the link's memory.
-    """
-
-    model_config = ConfigDict(extra="forbid")
-
-    start: str = "input"
-    end: str = "output"
-    units: list[str] = Field(min_length=1)
-    instances: int = Field(default=1, ge=1)
-    batch: int = Field(default=1, ge=1)
-    buffers: int = Field(default=2, ge=1)
-    predicted_time_s: float | None = None
+#: The runtime Plan's stage type; the old name is kept for callers of the partition API.
+StageSpec = Stage
 
 
 class PipelinePlan(BaseModel):
@@ -55,10 +45,8 @@ class PipelinePlan(BaseModel):
     model: str
     weights: str | None = None
     input_shape: list[int] | None = None
-    engine: str = "torch"
-    options: dict[str, Any] = Field(default_factory=dict)
     pipeline_replicas: int = Field(default=1, ge=1)
-    stages: list[StageSpec] = Field(min_length=1)
+    stages: list[Stage] = Field(min_length=1)
     predicted_items_per_s: float | None = None
     measured_items_per_s: float | None = None
 
@@ -72,8 +60,6 @@ class PipelinePlan(BaseModel):
             if a.end != b.start:
                 raise ValueError(f"stages must be contiguous: one ends at {a.end!r}, the next "
                                  f"starts at {b.start!r}")
-        if self.engine != "torch":
-            raise ValueError(f"engine {self.engine!r}: pipeline stages run on the torch engine")
         return self
 
     @property
@@ -91,23 +77,44 @@ class PipelinePlan(BaseModel):
         parts = []
         for s in self.stages:
             units = "+".join(s.units) + (f"×{s.instances}" if s.instances > 1 else "")
-            parts.append(f"{s.start}→{s.end} @{units}")
+            engine = "" if s.engine == "torch" else f" {s.engine}"
+            parts.append(f"{s.start}→{s.end} @{units}{engine}")
         text = " | ".join(parts)
         return text if self.pipeline_replicas == 1 else f"{self.pipeline_replicas}× [{text}]"
 
-    # -- the runtime Plan's model entry ---------------------------------------------------------
+    # -- the runtime Plan -----------------------------------------------------------------------
 
-    def model_entry(self) -> dict[str, Any]:
-        """The plan as a model entry of the runtime Plan (`stages:` instead of `replicas:`)."""
-        return self.model_dump(exclude_none=True)
+    def model_entry(self, name: str | None = None) -> dict[str, Any]:
+        """The pipeline as a model entry of the runtime Plan (`stages:` instead of `replicas:`)."""
+        entry = {"name": name or _entry_name(self.model), **self.model_dump(exclude_none=True)}
+        entry["stages"] = [s.model_dump(exclude_none=True) for s in self.stages]
+        return entry
+
+    def to_runtime_plan(self, name: str | None = None, load: dict[str, Any] | None = None) -> Plan:
+        """A runtime Plan that runs this pipeline under `load` (offline by default)."""
+        entry = self.model_entry()
+        data = {"name": name or f"{entry['name']}-pipeline", "models": [entry],
+                "load": load or {"scenario": "offline"}}
+        return parse_plan(data, source="pipeline plan")
+
+    @classmethod
+    def from_entry(cls, entry: ModelEntry) -> PipelinePlan:
+        """The pipeline of a runtime model entry that has `stages:`."""
+        if not entry.stages:
+            raise UsageError(f"model {entry.name!r} of the plan has no stages: section")
+        return cls(model=entry.model, weights=entry.weights, input_shape=entry.input_shape,
+                   pipeline_replicas=entry.pipeline_replicas, stages=list(entry.stages),
+                   predicted_items_per_s=entry.predicted_items_per_s,
+                   measured_items_per_s=entry.measured_items_per_s)
 
     @classmethod
     def from_model_entry(cls, entry: dict[str, Any]) -> PipelinePlan:
-        """Read a model entry that has a `stages:` section."""
+        """Read a bare model entry (a mapping) that has a `stages:` section."""
         if "stages" not in entry:
             raise UsageError(f"model entry for {entry.get('model')!r} has no stages: section")
+        fields = {k: v for k, v in entry.items() if k in cls.model_fields}
         try:
-            return cls(**entry)
+            return cls(**fields)
         except ValidationError as exc:
             err = exc.errors()[0]
             where = ".".join(str(p) for p in err["loc"]) or "plan"
@@ -116,11 +123,11 @@ class PipelinePlan(BaseModel):
     # -- files ----------------------------------------------------------------------------------
 
     def to_yaml(self) -> str:
-        """YAML text, stages in flow style one per line."""
-        return yaml.safe_dump(self.model_entry(), sort_keys=False, width=120)
+        """The runtime Plan as YAML text."""
+        return yaml.safe_dump(self.to_runtime_plan().to_dict(), sort_keys=False, width=120)
 
     def save(self, path: str | Path) -> None:
-        """Write the plan as YAML."""
+        """Write the runtime Plan that runs this pipeline (`infermux run` takes it)."""
         try:
             Path(path).write_text(self.to_yaml())
         except OSError as exc:
@@ -128,7 +135,7 @@ class PipelinePlan(BaseModel):
 
     @classmethod
     def load(cls, path: str | Path) -> PipelinePlan:
-        """Read a plan written by `save` (or by hand)."""
+        """Read the first pipelined model of a runtime Plan file (or a bare pipeline entry)."""
         try:
             data = yaml.safe_load(Path(path).read_text())
         except OSError as exc:
@@ -136,5 +143,17 @@ class PipelinePlan(BaseModel):
         except yaml.YAMLError as exc:
             raise UsageError(f"plan {str(path)!r} is not valid YAML: {exc}") from exc
         if not isinstance(data, dict):
-            raise UsageError(f"plan {str(path)!r} is not a mapping with model: and stages:")
+            raise UsageError(f"plan {str(path)!r} is not a mapping with models: or stages:")
+        if "models" in data:
+            plan = parse_plan(data, source=str(path))
+            for entry in plan.models:
+                if entry.stages:
+                    return cls.from_entry(entry)
+            raise UsageError(f"plan {str(path)!r} has no model with stages:")
         return cls.from_model_entry(data)
+
+
+def _entry_name(ref: str) -> str:
+    """A plan model name from a model reference (`path/net.py:build` → `net.py-build`)."""
+    base = ref.replace("\\", "/").rsplit("/", 1)[-1]
+    return (re.sub(r"[^A-Za-z0-9_.\-]+", "-", base).strip("-") or "model")[:64]

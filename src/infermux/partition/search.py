@@ -171,9 +171,10 @@ def to_plan(config: PartitionConfig, profile: Profile, candidate: Candidate,
     names = profile.boundaries
     return PipelinePlan(
         model=config.model.ref, weights=config.model.weights,
-        input_shape=list(model.input_shape), options=config.options,
-        stages=[StageSpec(start=names[s.start], end=names[s.end], units=list(s.units),
-                          batch=profile.batch, buffers=config.buffers, predicted_time_s=s.time_s)
+        input_shape=list(model.input_shape),
+        stages=[StageSpec(start=names[s.start], end=names[s.end], units=list(s.units), instances=1,
+                          batch=profile.batch, buffers=config.buffers, predicted_time_s=s.time_s,
+                          options=config.options)
                 for s in candidate.stages],
         predicted_items_per_s=candidate.items_per_s(profile.batch),
     )

@@ -7,7 +7,9 @@ value and what is allowed, as one line.
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -25,6 +27,7 @@ __all__ = [
     "ModelEntry",
     "Plan",
     "Replica",
+    "Stage",
     "load_plan",
     "parse_plan",
 ]
@@ -34,6 +37,14 @@ _UNIT_RE = re.compile(
     r"^(cpu|cpu:[0-9+\-]+|cuda:\d+/(fp32|tf32|fp16|bf16)|dla:\d+/(fp16|int8)|openvino:[A-Za-z0-9_.]+)$"
 )
 _UNIT_HELP = "cpu, cpu:0-3, cuda:0/fp16 (fp32, tf32, fp16, bf16), dla:0/fp16 or openvino:CPU"
+
+
+def _check_unit(value: str) -> str:
+    if not _UNIT_RE.match(value):
+        raise ValueError(f"unit {value!r} is not a unit id; allowed: {_UNIT_HELP}")
+    if value.startswith("cpu:"):
+        parse_core_set(value[4:])
+    return value
 
 
 class _Strict(BaseModel):
@@ -55,11 +66,7 @@ class Replica(_Strict):
     @field_validator("unit")
     @classmethod
     def _unit(cls, value: str) -> str:
-        if not _UNIT_RE.match(value):
-            raise ValueError(f"unit {value!r} is not a unit id; allowed: {_UNIT_HELP}")
-        if value.startswith("cpu:"):
-            parse_core_set(value[4:])
-        return value
+        return _check_unit(value)
 
     @field_validator("batch_buckets")
     @classmethod
@@ -98,18 +105,58 @@ class Replica(_Strict):
         return sorted({*self.batch_buckets, self.batch})
 
 
+class Stage(_Strict):
+    """One pipeline stage: the segment between two boundaries, where it runs, and how it is fed.
+
+    `start`/`end` are `input`, a cut point's node name (see `infermux partition --show`) or
+    `output`. A stage on several `units`, or with `instances` > 1 per unit, is duplicated: each
+    copy takes whole batches from the same inbound link. `buffers` is how many batches each copy
+    may have written and not yet consumed downstream: it bounds the link's memory. Any engine
+    that runs the stage's units builds its segment (ONNX engines from the segment's export).
+    """
+
+    start: str = "input"
+    end: str = "output"
+    units: list[str] = Field(min_length=1)
+    engine: str = "torch"
+    instances: int = Field(1, ge=1, le=64)
+    batch: int = Field(1, ge=1, le=4096)
+    buffers: int = Field(2, ge=1, le=64)
+    options: dict[str, Any] = Field(default_factory=dict)
+    #: What the partitioner predicted for one batch of this stage (informational).
+    predicted_time_s: float | None = None
+
+    @field_validator("units")
+    @classmethod
+    def _units(cls, value: list[str]) -> list[str]:
+        for unit in value:
+            _check_unit(unit)
+        return value
+
+    def cores(self) -> tuple[int, ...]:
+        """Every explicit core of the stage's `cpu:` units."""
+        return tuple(c for u in self.units if u.startswith("cpu:") for c in parse_core_set(u[4:]))
+
+
 class ModelEntry(_Strict):
-    """One network of the plan and where its replicas run."""
+    """One network of the plan and where it runs: data-parallel replicas, pipeline stages, or both."""
 
     name: str = Field(pattern=r"^[A-Za-z0-9_.\-]+$", max_length=64)
     model: str = Field(description="resnet50, timm:NAME, path/file.py:function or file.onnx")
     weights: str | None = None
     input_shape: list[int] | None = None
-    replicas: list[Replica] = Field(min_length=1)
+    replicas: list[Replica] = Field(default_factory=list)
+    #: Pipeline stages, in order: the network cut into contiguous segments across units.
+    stages: list[Stage] | None = None
+    #: Whole copies of the pipeline that share its input and output.
+    pipeline_replicas: int = Field(1, ge=1, le=16)
     #: A latency bound per query: SLO-aware placement keeps queries off units that would break it.
     latency_bound_ms: float | None = Field(None, gt=0)
     #: Share of the queries that go to this model (normalised over the plan's models).
     share: float = Field(1.0, ge=0)
+    #: What the planner that wrote this entry predicted and measured (informational, items/s).
+    predicted_items_per_s: float | None = None
+    measured_items_per_s: float | None = None
 
     @field_validator("input_shape")
     @classmethod
@@ -117,6 +164,44 @@ class ModelEntry(_Strict):
         if value is not None and (not value or any(s <= 0 for s in value)):
             raise ValueError(f"input_shape {value} needs positive sizes, e.g. [3, 224, 224]")
         return value
+
+    @field_validator("stages")
+    @classmethod
+    def _stages(cls, value: list[Stage] | None) -> list[Stage] | None:
+        if value is None:
+            return value
+        if not value:
+            raise ValueError("stages is empty: give at least one stage, or drop stages and use replicas")
+        if value[0].start != "input":
+            raise ValueError(f"the first stage must start at 'input', not {value[0].start!r}")
+        if value[-1].end != "output":
+            raise ValueError(f"the last stage must end at 'output', not {value[-1].end!r}")
+        for a, b in itertools.pairwise(value):
+            if a.end != b.start:
+                raise ValueError(f"stages must be contiguous: one ends at {a.end!r}, the next "
+                                 f"starts at {b.start!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _runs_somewhere(self) -> ModelEntry:
+        if not self.replicas and not self.stages:
+            raise ValueError(f"model {self.name!r} has neither replicas nor stages: give it one of them")
+        return self
+
+    @property
+    def chunk(self) -> int:
+        """Items per pipeline link slot: the gcd of the stage batches."""
+        return math.gcd(*(s.batch for s in self.stages or []))
+
+    def describe_stages(self) -> str:
+        """`input→layer2_1_relu_1 @cpu:0 | …→output @cpu:1` for tables."""
+        parts = []
+        for s in self.stages or []:
+            units = "+".join(s.units) + (f"×{s.instances}" if s.instances > 1 else "")
+            engine = "" if s.engine == "torch" else f" {s.engine}"
+            parts.append(f"{s.start}→{s.end} @{units}{engine} b{s.batch}")
+        text = " | ".join(parts)
+        return text if self.pipeline_replicas == 1 else f"{self.pipeline_replicas}× [{text}]"
 
 
 class DispatcherSettings(_Strict):
@@ -207,17 +292,28 @@ class Plan(_Strict):
         owners: dict[int, str] = {}
         whole_cpu = []
         for mi, model in enumerate(self.models):
-            for ri, rep in enumerate(model.replicas):
-                where = f"models[{mi}].replicas[{ri}]"
-                if rep.unit == "cpu":
+            users = [(f"models[{mi}].replicas[{ri}]", rep.unit, rep.cores)
+                     for ri, rep in enumerate(model.replicas)]
+            # The stages of one pipeline may share cores (their threads take turns), so a
+            # pipeline owns the union of its stages' cores once.
+            piped = {u: f"models[{mi}].stages" for s in model.stages or [] for u in s.units}
+            users.extend((where, u, parse_core_set(u[4:]) if u.startswith("cpu:") else ())
+                         for u, where in piped.items())
+            mine: set[int] = set()
+            for where, unit, cores in users:
+                if unit == "cpu":
                     whole_cpu.append(where)
-                for core in rep.cores:
+                for core in cores:
+                    if where.endswith(".stages") and core in mine:
+                        continue
+                    if where.endswith(".stages"):
+                        mine.add(core)
                     if core in owners:
                         raise ValueError(
-                            f"{where}.unit {rep.unit!r} shares core {core} with {owners[core]}: "
+                            f"{where}.unit {unit!r} shares core {core} with {owners[core]}: "
                             "CPU workers get disjoint core sets; split the cores between them"
                         )
-                    owners[core] = f"{where} ({rep.unit})"
+                    owners[core] = f"{where} ({unit})"
         if whole_cpu and (owners or len(whole_cpu) > 1):
             raise ValueError(
                 f"{whole_cpu[0]}.unit 'cpu' takes every core but other replicas use CPU cores too: "

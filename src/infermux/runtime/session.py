@@ -22,6 +22,7 @@ from infermux.load.scenarios import LoadGenerator, ScenarioResult, find_peak
 from infermux.models import LoadedModel, ModelSpec, load_model
 from infermux.runtime.dispatcher import Dispatcher, WorkerState
 from infermux.runtime.metrics import Recorder, summarise
+from infermux.runtime.pipelined import PipelineWorker, build_pipeline, pipeline_buckets
 from infermux.runtime.placement import LatencyEstimate, ModelLoad, rebalance
 from infermux.runtime.plan import Plan, Replica, parse_plan
 from infermux.runtime.worker import ProcessHost, RunnerSpec, Worker
@@ -181,6 +182,7 @@ class _Runtime:
         self.recorder = Recorder()
         self.dispatcher.on_batch_done = self.recorder.on_batch_done
         self.workers: list[Worker] = []
+        self.pipelines: list[PipelineWorker] = []
         self.states: list[WorkerState] = []
         self.hosts: list[ProcessHost] = []
         self.engines: dict[str, Any] = {}
@@ -281,6 +283,7 @@ class _Runtime:
                 self.workers.append(Worker(
                     state, runners, {m: self.qsl[m].data for m in runners}, self.dispatcher,
                     cores=cores, threads=threads))
+        pipe_rows = self._build_pipelines(found)
         for entry in plan.models:
             if not any(s.alive and s.model == entry.name for s in self.states):
                 errors = "; ".join(self.build_errors.values()) or "no worker"
@@ -290,8 +293,45 @@ class _Runtime:
                 "workers": [{"worker": s.name, "unit": s.unit, "model": s.model,
                              "hosting": wp.hosting, "cores": list(wp.cores),
                              "buckets": s.buckets, "error": s.error}
-                            for s, wp in zip(self.states, layout, strict=True)],
+                            for s, wp in zip(self.states, layout, strict=False)] + pipe_rows,
                 "host_cores": list(host_cores)}
+
+    def _build_pipelines(self, found: Discovery) -> list[dict[str, Any]]:
+        """One pipeline worker per model entry with `stages:` (its stages on their units)."""
+        rows = []
+        for mi, entry in enumerate(self.plan.models):
+            if not entry.stages:
+                continue
+            self._note(f"building the {entry.name} pipeline", 0.9)
+            name = f"{entry.name}/pipeline"
+            started = time.perf_counter()
+            error: str | None = None
+            try:
+                pipeline = build_pipeline(entry, self.models[entry.name], found, f"models[{mi}]")
+            except UsageError:
+                raise
+            except InfermuxError as exc:
+                error, pipeline = str(exc), None
+            units = "|".join("+".join(s.units) for s in entry.stages)
+            state = WorkerState(
+                len(self.states) + 10_000, name, units, entry.name, pipeline_buckets(entry),
+                {entry.name}, LatencyEstimate(self.plan.dispatcher.estimate_alpha),
+                depth=max(2, sum(s.buffers for s in entry.stages[:1]) * entry.pipeline_replicas
+                          * len(entry.stages[0].units) * entry.stages[0].instances))
+            if pipeline is None:
+                state.alive, state.error = False, error
+                self.build_errors[name] = error or ""
+            self.dispatcher.add_worker(state)
+            self.states.append(state)
+            if pipeline is not None:
+                self.pipelines.append(PipelineWorker(
+                    state, pipeline, self.qsl[entry.name].data, self.dispatcher))
+            rows.append({"worker": name, "unit": units, "model": entry.name, "hosting": "pipeline",
+                         "cores": [c for s in entry.stages for c in s.cores()],
+                         "buckets": state.buckets, "error": error,
+                         "stages": entry.describe_stages(),
+                         "build_s": time.perf_counter() - started})
+        return rows
 
     def _prime(self, state: WorkerState, runners: dict[str, dict[int, Runner]]) -> None:
         """Seed the latency estimate from the build's warm-up: one timed run per bucket."""
@@ -305,6 +345,8 @@ class _Runtime:
     def start(self) -> None:
         for worker in self.workers:
             worker.start()
+        for pipe in self.pipelines:
+            pipe.start()
         if self.plan.placement == "dynamic":
             self._placer = threading.Thread(target=self._place_loop, name="infermux-placement",
                                             daemon=True)
@@ -335,12 +377,22 @@ class _Runtime:
         self.recorder.reset()
         with self.dispatcher.cond:
             self.dispatcher._flush = False
+        for pipe in self.pipelines:
+            pipe.begin_window()
         gen = LoadGenerator(settings, shares, mix=mix, progress=self.progress)
         pools = {m: q.count for m, q in self.qsl.items()}
         result = gen.run(RuntimeSUT(self.dispatcher), pools)
         record = summarise(result, list(self.recorder.records), self.states, {},
                            events=list(self.dispatcher.events))
         record["settings"] = settings
+        if self.pipelines:
+            record["pipelines"] = {p.state.model: p.stage_stats() for p in self.pipelines}
+            for pipe in self.pipelines:
+                row = record.get("workers", {}).get(pipe.state.name)
+                if row is not None:
+                    # Batches overlap in a pipeline: its busiest stage is its utilisation.
+                    row["utilisation"] = max((st["busy"] for st in record["pipelines"][
+                        pipe.state.model]), default=None)
         record["retried_items"] = self.dispatcher.retried
         record["failed_items"] = self.dispatcher.failed_items
         return result, record
@@ -353,6 +405,11 @@ class _Runtime:
             self.dispatcher.close()
         for worker in self.workers:
             worker.join(30)
+        for pipe in self.pipelines:
+            if now:
+                pipe.close()
+            pipe.join(60)
+            pipe.close()
         for host in self.hosts:
             host.close()
         for engine in self.engines.values():
