@@ -54,6 +54,25 @@ def _candidates_table(report: dict[str, Any]) -> Table:
     return table
 
 
+def _engines(spec: str) -> tuple[str, ...]:
+    from infermux.engines import engine_status, list_engines
+    from infermux.errors import UsageError
+
+    status = engine_status()
+    if spec.strip() == "auto":
+        return tuple(name for name, (ok, _) in status.items() if ok)
+    names = tuple(dict.fromkeys(n.strip() for n in spec.split(",") if n.strip()))
+    for name in names:
+        if name not in status:
+            raise UsageError(f"--engines {name!r} is not an engine; engines: {', '.join(list_engines())}, "
+                             "or auto")
+        if not status[name][0]:
+            raise UsageError(f"--engines {name!r} is not usable here: {status[name][1]}")
+    if not names:
+        raise UsageError("--engines is empty: name at least one engine, e.g. torch, or auto")
+    return names
+
+
 @app.command()
 def partition(
     model: Annotated[str, typer.Option("--model", "-m", help="resnet50, timm:NAME, file.py:fn")],
@@ -71,6 +90,7 @@ def partition(
     weights: Annotated[str | None, typer.Option("--weights", help="State dict or checkpoint file.")] = None,
     input_shape: Annotated[str | None, typer.Option("--input-shape", help="One item, e.g. 3x224x224.")] = None,
     option: Annotated[list[str] | None, typer.Option("--option", help="Torch engine option KEY=VALUE.")] = None,
+    engines: Annotated[str, typer.Option("--engines", "-e", help="Engines a stage may use: torch, onnxruntime, openvino, tensorrt, comma-separated, or auto (every installed one).")] = "torch",
     db: DbOpt = "infermux.db",
     no_store: Annotated[bool, typer.Option("--no-store", help="Do not write the results database.")] = False,
     as_json: JsonOpt = False,
@@ -108,6 +128,7 @@ def partition(
         measure_s=parse_duration_s(duration, name="--duration"),
         warmup_s=parse_duration_s(warmup, name="--warmup"),
         options=parse_options(option or []),
+        engines=_engines(engines),
     )
     store = None if no_store else open_store(db)
     command = "infermux " + shlex.join(sys.argv[1:])

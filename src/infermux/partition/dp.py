@@ -11,7 +11,9 @@ at boundary `j` with last units `L`, used units `U` and `s` stages does not depe
 after. K-best: each state keeps its K smallest (bottleneck, plan) pairs; `max` is monotone, so the
 K best plans through a state extend the K best plans into it.
 
-A unit serves at most one stage (units are resources). A stage on several units is *duplicated*:
+A unit serves at most one stage (units are resources). A *placement* is a unit with an engine
+(`cpu:0` runs torch, `cpu:0@openvino` OpenVINO): the search picks unit and engine per stage, and
+two placements of one unit never serve two stages. A stage on several units is *duplicated*:
 each unit runs whole batches of it, so their rates add up (`1 / Σ 1/t_u`), as in the research's
 network duplication; one stage on every unit is plain data-parallel replication.
 """
@@ -26,11 +28,40 @@ from typing import Any
 from infermux.errors import UsageError
 from infermux.partition.transfer import HOST
 
-__all__ = ["Candidate", "ProfileCost", "StageChoice", "brute_force", "solve"]
+__all__ = [
+    "Candidate", "ProfileCost", "StageChoice", "brute_force", "placement", "placement_engine",
+    "placement_unit", "solve",
+]
 
 _Entry = tuple[float, tuple["StageChoice", ...]]
 #: stage_time_s(first piece, end piece (exclusive), units, previous stage's units) → seconds.
 StageTimeFn = Callable[[int, int, tuple[str, ...], tuple[str, ...]], float]
+
+
+def placement(unit: str, engine: str) -> str:
+    """The DP's name for running on `unit` with `engine`: `cpu:0` (torch) or `cpu:0@openvino`."""
+    return unit if engine == "torch" else f"{unit}@{engine}"
+
+
+def placement_unit(name: str) -> str:
+    """The unit of a placement (`cpu:0@openvino` → `cpu:0`)."""
+    return name.split("@", 1)[0]
+
+
+def placement_engine(name: str) -> str:
+    """The engine of a placement (`cpu:0@openvino` → `openvino`; a bare unit is torch)."""
+    return name.split("@", 1)[1] if "@" in name else "torch"
+
+
+def _unit_sets(units: Sequence[str], max_dup: int) -> list[tuple[str, ...]]:
+    """Placement sets a stage may use: distinct units, one engine (a stage has one engine)."""
+    sets = []
+    for size in range(1, min(max_dup, len(units)) + 1):
+        for combo in itertools.combinations(units, size):
+            physical = [placement_unit(u) for u in combo]
+            if len(set(physical)) == size and len({placement_engine(u) for u in combo}) == 1:
+                sets.append(combo)
+    return sets
 
 
 @dataclass(frozen=True)
@@ -91,8 +122,9 @@ class ProfileCost:
     def unit_time_s(self, i: int, j: int, unit: str, prev: tuple[str, ...]) -> float:
         """Seconds per batch for `unit` running pieces `i..j-1` after `prev`."""
         transfers = self.profile.transfer_s
-        pull = max(transfers[(p, unit)][i] for p in prev)
-        out = transfers[(unit, HOST)][j] if j == self.n else transfers[(unit, unit)][j]
+        here = placement_unit(unit)
+        pull = max(transfers[(placement_unit(p), here)][i] for p in prev)
+        out = transfers[(here, HOST)][j] if j == self.n else transfers[(here, here)][j]
         prefix = self._prefix[unit]
         return pull + prefix[j] - prefix[i] + out
 
@@ -127,12 +159,9 @@ def solve(
 
     `max_stages` defaults to the number of units; `max_dup` is how many units one stage may use.
     """
-    max_stages = max_stages or len(units)
+    max_stages = max_stages or len({placement_unit(u) for u in units})
     _check(n, units, max_stages, max_dup, top_k)
-    unit_sets = [
-        combo for size in range(1, min(max_dup, len(units)) + 1)
-        for combo in itertools.combinations(units, size)
-    ]
+    unit_sets = _unit_sets(units, max_dup)
     # (boundary, last stage's units, used units, stages) → [(bottleneck, stages so far)]
     states: dict[tuple[int, tuple[str, ...], frozenset[str], int], list[_Entry]] = {
         (0, (HOST,), frozenset(), 0): [(0.0, ())]}
@@ -145,7 +174,8 @@ def solve(
                 continue
             for k in range(j + 1, n + 1):
                 for combo in unit_sets:
-                    if used.intersection(combo):
+                    physical = {placement_unit(u) for u in combo}
+                    if used.intersection(physical):
                         continue
                     cost = stage_time_s(j, k, combo, last)
                     stage = StageChoice(j, k, combo, cost)
@@ -153,7 +183,7 @@ def solve(
                     if k == n:
                         finished.extend(extended)
                     else:
-                        states.setdefault((k, combo, used.union(combo), count + 1), []).extend(
+                        states.setdefault((k, combo, used.union(physical), count + 1), []).extend(
                             extended)
     best = sorted(finished, key=_rank)[:top_k]
     return [Candidate(path, value) for value, path in best]
@@ -174,18 +204,15 @@ def brute_force(
     top_k: int = 1,
 ) -> list[Candidate]:
     """Every contiguous split × every assignment of disjoint unit sets, ranked (for checking)."""
-    max_stages = max_stages or len(units)
+    max_stages = max_stages or len({placement_unit(u) for u in units})
     _check(n, units, max_stages, max_dup, top_k)
-    unit_sets = [
-        combo for size in range(1, min(max_dup, len(units)) + 1)
-        for combo in itertools.combinations(units, size)
-    ]
+    unit_sets = _unit_sets(units, max_dup)
     found: list[tuple[float, tuple[StageChoice, ...]]] = []
     for stages in range(1, min(max_stages, n) + 1):
         for inner in itertools.combinations(range(1, n), stages - 1):
             bounds = (0, *inner, n)
             for sets in itertools.product(unit_sets, repeat=stages):
-                flat = [u for s in sets for u in s]
+                flat = [placement_unit(u) for s in sets for u in s]
                 if len(flat) != len(set(flat)):
                     continue
                 path = []

@@ -124,7 +124,10 @@ class PipelinePlan(BaseModel):
 
     def to_yaml(self) -> str:
         """The runtime Plan as YAML text."""
-        return yaml.safe_dump(self.to_runtime_plan().to_dict(), sort_keys=False, width=120)
+        plan = self.to_runtime_plan()
+        data = plan.model_dump(mode="json", exclude_defaults=True)
+        data["load"] = {"scenario": plan.load.scenario, **data.get("load", {})}
+        return yaml.safe_dump(data, sort_keys=False, width=120)
 
     def save(self, path: str | Path) -> None:
         """Write the runtime Plan that runs this pipeline (`infermux run` takes it)."""

@@ -19,12 +19,14 @@ from __future__ import annotations
 import statistics
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from infermux.engines import create_engine
+from infermux.errors import UsageError
 from infermux.models import LoadedModel
+from infermux.partition.dp import placement
 from infermux.partition.graph import TensorInfo
 from infermux.partition.segments import Segment, segment_model
 from infermux.partition.transfer import HOST, alloc, copy_into, dtype_of, pin_thread, stream_for
@@ -118,7 +120,7 @@ def _time_runner(runner: Any, unit: Unit, min_time_s: float, min_runs: int) -> f
 
 
 def _time_together(runners: list[Any], units: list[Unit], min_time_s: float,
-                   min_runs: int) -> list[float]:
+                   min_runs: int, engines: list[str] | None = None) -> list[float]:
     """Median seconds per batch of each runner while all run at once, each on its unit."""
     results: list[float] = [0.0] * len(runners)
     errors: list[BaseException] = []
@@ -127,7 +129,8 @@ def _time_together(runners: list[Any], units: list[Unit], min_time_s: float,
     def loop(i: int) -> None:
         try:
             start.wait()
-            results[i] = _time_runner(runners[i], units[i], min_time_s, min_runs)
+            engine = engines[i] if engines else "torch"
+            results[i] = _time(runners[i], units[i], engine, min_time_s, min_runs)
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
             errors.append(exc)
 
@@ -141,6 +144,29 @@ def _time_together(runners: list[Any], units: list[Unit], min_time_s: float,
     return results
 
 
+def _time_compute(runner: Any, unit: Unit, min_time_s: float, min_runs: int) -> float:
+    """Median seconds of `runner.compute(x)` from a tensor in the unit's memory: what a stage of
+    another engine than torch costs in a pipeline, the hand-off to and from torch tensors included.
+    """
+    x = alloc(unit, (runner.batch, *runner.input_shape), dtype_of(None))
+    x.normal_()
+    times: list[int] = []
+    started = time.perf_counter()
+    with pin_thread(unit):
+        runner.compute(x)  # one untimed call: first-call allocations
+        while len(times) < min_runs or time.perf_counter() - started < min_time_s:
+            t0 = time.perf_counter_ns()
+            runner.compute(x)
+            times.append(time.perf_counter_ns() - t0)
+    return statistics.median(times) / 1e9
+
+
+def _time(runner: Any, unit: Unit, engine: str, min_time_s: float, min_runs: int) -> float:
+    if engine == "torch":
+        return _time_runner(runner, unit, min_time_s, min_runs)
+    return _time_compute(runner, unit, min_time_s, min_runs)
+
+
 def profile_segments(
     model: LoadedModel,
     segments: list[Segment],
@@ -148,46 +174,72 @@ def profile_segments(
     batch: int,
     *,
     options: dict[str, Any] | None = None,
+    engines: Sequence[str] = ("torch",),
     min_time_s: float = 0.2,
     min_runs: int = 3,
     progress: ProgressFn | None = None,
 ) -> Profile:
-    """Time every segment on every unit and every crossing tensor between every pair of units."""
-    engine = create_engine("torch")
+    """Time every segment on every (unit, engine) and every crossing tensor between units.
+
+    Compute is keyed by placement (`cpu:0` for torch, `cpu:0@openvino`, see `dp.placement`);
+    `options` go to the torch engine. Under contention (all units at once) only each unit's first
+    engine is timed; the others' whole-model times are scaled by that unit's measured slow-down.
+    """
+    built = {name: create_engine(name) for name in engines}
+    placed = [(u, e) for u in units for e in engines if built[e].supports(u)]
+    if not placed:
+        raise UsageError(f"no engine of {list(engines)} runs on {[u.id for u in units]}")
     boundaries = ["input", *(s.end for s in segments)]
-    profile = Profile(batch, boundaries, [u.id for u in units])
+    profile = Profile(batch, boundaries, [placement(u.id, e) for u, e in placed])
     profile.bytes_per_item = [segments[0].input.bytes_per_item] + [
         sum(o.bytes_per_item for o in s.outputs) for s in segments
     ]
     n = len(segments)
-    steps = len(units) * n + 1
+    steps = len(placed) * n + 1
     done = 0
+
+    def opts(engine: str) -> dict[str, Any] | None:
+        return options if engine == "torch" else None
+
     try:
-        for unit in units:
+        for unit, name in placed:
+            engine = built[name]
             times = []
             for index, segment in enumerate(segments):
                 if progress is not None:
-                    progress(f"profile {unit.id} {segment.name}", done / steps)
-                runner = engine.build(segment_model(model, segment, index), unit, batch, options,
+                    progress(f"profile {placement(unit.id, name)} {segment.name}", done / steps)
+                runner = engine.build(segment_model(model, segment, index), unit, batch, opts(name),
                                       data="device")
-                times.append(_time_runner(runner, unit, min_time_s, min_runs))
+                times.append(_time(runner, unit, name, min_time_s, min_runs))
                 runner.close()
                 done += 1
-            profile.compute_s[unit.id] = times
+            profile.compute_s[placement(unit.id, name)] = times
             getattr(engine, "release", lambda: None)()
+        if progress is not None:
+            progress("profile the whole model alone and on all units at once", done / steps)
+        for unit, name in placed:
+            runner = built[name].build(model, unit, batch, opts(name), data="device")
+            profile.whole_alone_s[placement(unit.id, name)] = _time(runner, unit, name, min_time_s,
+                                                                    min_runs)
+            runner.close()
+        first = {}
+        for unit, name in placed:
+            first.setdefault(unit.id, (unit, name))
+        runners = [built[e].build(model, u, batch, opts(e), data="device", instance=i + 1)
+                   for i, (u, e) in enumerate(first.values())]
+        together = _time_together(runners, [u for u, _ in first.values()], 2 * min_time_s,
+                                  min_runs, [e for _, e in first.values()])
+        for runner in runners:
+            runner.close()
+        slow = {}
+        for (unit, name), t in zip(first.values(), together, strict=True):
+            alone = profile.whole_alone_s[placement(unit.id, name)]
+            slow[unit.id] = t / alone if alone > 0 else 1.0
+        profile.whole_together_s = {placement(u.id, e): profile.whole_alone_s[placement(u.id, e)]
+                                    * slow[u.id] for u, e in placed}
     finally:
-        getattr(engine, "release", lambda: None)()
-    if progress is not None:
-        progress("profile the whole model alone and on all units at once", done / steps)
-    try:
-        runners = [engine.build(model, u, batch, options, data="device", instance=i)
-                   for i, u in enumerate(units)]
-        for unit, runner in zip(units, runners, strict=True):
-            profile.whole_alone_s[unit.id] = _time_runner(runner, unit, min_time_s, min_runs)
-        together = _time_together(runners, units, 2 * min_time_s, min_runs)
-        profile.whole_together_s = {u.id: t for u, t in zip(units, together, strict=True)}
-    finally:
-        getattr(engine, "release", lambda: None)()
+        for engine in built.values():
+            getattr(engine, "release", lambda: None)()
     if progress is not None:
         progress("profile transfers", done / steps)
     for unit in units:

@@ -16,7 +16,13 @@ from infermux.env import capture_environment
 from infermux.errors import DeviceOutOfMemoryError, InfermuxError, UsageError
 from infermux.models import LoadedModel, ModelSpec, load_model
 from infermux.partition import records
-from infermux.partition.dp import Candidate, ProfileCost, solve
+from infermux.partition.dp import (
+    Candidate,
+    ProfileCost,
+    placement_engine,
+    placement_unit,
+    solve,
+)
 from infermux.partition.graph import ModelGraph, capture_graph
 from infermux.partition.pipeline import Pipeline, PipelineMeasurement
 from infermux.partition.plan import PipelinePlan, StageSpec
@@ -49,6 +55,8 @@ class PartitionConfig:
     warmup_s: float = 1.0
     profile_s: float = 0.2
     options: dict[str, Any] = field(default_factory=dict)
+    #: Engines each stage may run on (profiled per segment and unit; the DP picks per stage).
+    engines: tuple[str, ...] = ("torch",)
 
     def __post_init__(self) -> None:
         for name, value in (("--batch", self.batch), ("--measure-top", self.top_k),
@@ -67,7 +75,7 @@ class PartitionConfig:
             "units": self.units, "batch": self.batch, "max_stages": self.max_stages,
             "max_dup": self.max_dup, "top_k": self.top_k, "max_pieces": self.max_pieces,
             "buffers": self.buffers, "measure_s": self.measure_s, "warmup_s": self.warmup_s,
-            "profile_s": self.profile_s, "options": self.options,
+            "profile_s": self.profile_s, "options": self.options, "engines": list(self.engines),
         }
 
 
@@ -172,9 +180,11 @@ def to_plan(config: PartitionConfig, profile: Profile, candidate: Candidate,
     return PipelinePlan(
         model=config.model.ref, weights=config.model.weights,
         input_shape=list(model.input_shape),
-        stages=[StageSpec(start=names[s.start], end=names[s.end], units=list(s.units), instances=1,
+        stages=[StageSpec(start=names[s.start], end=names[s.end], instances=1,
+                          units=[placement_unit(u) for u in s.units],
+                          engine=placement_engine(s.units[0]),
                           batch=profile.batch, buffers=config.buffers, predicted_time_s=s.time_s,
-                          options=config.options)
+                          options=config.options if placement_engine(s.units[0]) == "torch" else {})
                 for s in candidate.stages],
         predicted_items_per_s=candidate.items_per_s(profile.batch),
     )
@@ -221,14 +231,16 @@ def run_partition(
     status = "failed"
     try:
         profile = profile_segments(model, segments, unit_list, config.batch, options=config.options,
-                                   min_time_s=config.profile_s, progress=progress)
+                                   engines=config.engines, min_time_s=config.profile_s,
+                                   progress=progress)
         if store is not None and run_id is not None:
             records.add_profile(store, run_id, profile)
         cost = ProfileCost(profile)
-        found_plans = solve(profile.pieces, list(units), cost, max_stages=config.max_stages,
+        found_plans = solve(profile.pieces, profile.units, cost,
+                            max_stages=config.max_stages,
                             max_dup=config.max_dup, top_k=config.top_k)
         alone = ProfileCost(profile, calibration="alone")
-        single = {u: config.batch / alone(0, profile.pieces, (u,), ("host",)) for u in units}
+        single = {u: config.batch / alone(0, profile.pieces, (u,), ("host",)) for u in profile.units}
         report = PartitionReport(run_id, model, graph, segments, profile, [], single, None)
         for rank, candidate in enumerate(found_plans, start=1):
             plan = to_plan(config, profile, candidate, model)
@@ -278,7 +290,7 @@ def _store_candidate(store: Store, run_id: int, model: LoadedModel, plan: Pipeli
     m = result.measured
     point = {
         "model": model.name, "unit": "|".join("+".join(s.units) for s in plan.stages),
-        "engine": "torch-pipeline", "batch": plan.stages[0].batch,
+        "engine": "pipeline:" + "|".join(s.engine for s in plan.stages), "batch": plan.stages[0].batch,
         "instances": plan.pipeline_replicas, "data": "host", "status": result.status,
         "valid": m is not None and m.items > 0,
         "validity_note": "" if m is not None else (result.error or ""),
