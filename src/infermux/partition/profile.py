@@ -145,8 +145,10 @@ def _time_together(runners: list[Any], units: list[Unit], min_time_s: float,
 
 
 def _time_compute(runner: Any, unit: Unit, min_time_s: float, min_runs: int) -> float:
-    """Median seconds of `runner.compute(x)` from a tensor in the unit's memory: what a stage of
-    another engine than torch costs in a pipeline, the hand-off to and from torch tensors included.
+    """Median seconds of `runner.compute(x)` from a tensor in the unit's memory.
+
+    That is what a stage of another engine than torch costs in a pipeline, the hand-off to and
+    from torch tensors included.
     """
     x = alloc(unit, (runner.batch, *runner.input_shape), dtype_of(None))
     x.normal_()
@@ -222,7 +224,7 @@ def profile_segments(
             profile.whole_alone_s[placement(unit.id, name)] = _time(runner, unit, name, min_time_s,
                                                                     min_runs)
             runner.close()
-        first = {}
+        first: dict[str, tuple[Unit, str]] = {}
         for unit, name in placed:
             first.setdefault(unit.id, (unit, name))
         runners = [built[e].build(model, u, batch, opts(e), data="device", instance=i + 1)
@@ -231,7 +233,7 @@ def profile_segments(
                                   min_runs, [e for _, e in first.values()])
         for runner in runners:
             runner.close()
-        slow = {}
+        slow: dict[str, float] = {}
         for (unit, name), t in zip(first.values(), together, strict=True):
             alone = profile.whole_alone_s[placement(unit.id, name)]
             slow[unit.id] = t / alone if alone > 0 else 1.0
