@@ -32,8 +32,8 @@ from infermux.store import Sample, Store
 from infermux.units import Unit, discover, select_units
 
 __all__ = [
-    "CandidateResult", "PartitionConfig", "PartitionReport", "choose_boundaries",
-    "describe_graph", "run_partition", "to_plan",
+    "CandidateResult", "PartitionConfig", "PartitionReport", "Prediction", "choose_boundaries",
+    "describe_graph", "predict", "run_partition", "to_plan",
 ]
 
 ProgressFn = Callable[[str, float], None]
@@ -190,6 +190,45 @@ def to_plan(config: PartitionConfig, profile: Profile, candidate: Candidate,
     )
 
 
+@dataclass
+class Prediction:
+    """What profiling and the DP predict, before anything is measured as a pipeline."""
+
+    model: LoadedModel
+    graph: ModelGraph
+    segments: list[Segment]
+    profile: Profile
+    candidates: list[Candidate]
+    plans: list[PipelinePlan]
+    single_unit: dict[str, float]
+
+
+def predict(config: PartitionConfig, units: list[Unit], model: LoadedModel | None = None,
+            progress: ProgressFn | None = None) -> Prediction:
+    """Capture, coarsen, profile every piece on every (unit, engine) and solve: the DP's top K."""
+    for unit in units:
+        if unit.kind not in ("cpu", "cuda"):
+            raise UsageError(f"unit {unit.id!r}: pipeline stages run on cpu and cuda units")
+    model = model or load_model(config.model)
+    if model.module is None:
+        raise UsageError(f"{model.name} is an ONNX file: partitioning needs a torch model")
+    if progress is not None:
+        progress("capturing the graph", 0.0)
+    graph = capture_graph(model.module, model.input_shape)
+    if not graph.cuts:
+        raise UsageError(f"{model.name} has no valid cut point: it can only run whole")
+    segments = split(graph, choose_boundaries(graph, split(graph), config.max_pieces))
+    profile = profile_segments(model, segments, units, config.batch, options=config.options,
+                               engines=config.engines, min_time_s=config.profile_s,
+                               progress=progress)
+    found = solve(profile.pieces, profile.units, ProfileCost(profile),
+                  max_stages=config.max_stages, max_dup=config.max_dup, top_k=config.top_k)
+    alone = ProfileCost(profile, calibration="alone")
+    single = {u: config.batch / alone(0, profile.pieces, (u,), ("host",)) for u in profile.units}
+    plans = [to_plan(config, profile, c, model) for c in found]
+    return Prediction(model, graph, segments, profile, found, plans, single)
+
+
 def measure_plan(plan: PipelinePlan, model: LoadedModel, graph: ModelGraph,
                  units: dict[str, Unit], *, duration_s: float, warmup_s: float
                  ) -> PipelineMeasurement:
@@ -215,35 +254,25 @@ def run_partition(
     model = load_model(config.model)
     if model.module is None:
         raise UsageError(f"{model.name} is an ONNX file: partitioning needs a torch model")
-    if progress is not None:
-        progress("capturing the graph", 0.0)
-    graph = capture_graph(model.module, model.input_shape)
-    if not graph.cuts:
-        raise UsageError(f"{model.name} has no valid cut point: it can only run whole")
-    atomic = split(graph)
-    segments = split(graph, choose_boundaries(graph, atomic, config.max_pieces))
     run_id = None
     if store is not None:
         records.ensure_tables(store)
-        cfg = config.to_dict() | {"resolved_units": list(units), "capture": graph.method,
+        cfg = config.to_dict() | {"resolved_units": list(units),
                                   "model_description": model.describe()}
         run_id = store.begin_run("partition", cfg, capture_environment(), command)
     status = "failed"
+    summary: dict[str, Any] = {}
     try:
-        profile = profile_segments(model, segments, unit_list, config.batch, options=config.options,
-                                   engines=config.engines, min_time_s=config.profile_s,
-                                   progress=progress)
+        predicted = predict(config, unit_list, model, progress)
+        graph, segments, profile = predicted.graph, predicted.segments, predicted.profile
+        summary = {"capture": graph.method, "pieces": len(segments)}
         if store is not None and run_id is not None:
             records.add_profile(store, run_id, profile)
-        cost = ProfileCost(profile)
-        found_plans = solve(profile.pieces, profile.units, cost,
-                            max_stages=config.max_stages,
-                            max_dup=config.max_dup, top_k=config.top_k)
-        alone = ProfileCost(profile, calibration="alone")
-        single = {u: config.batch / alone(0, profile.pieces, (u,), ("host",)) for u in profile.units}
-        report = PartitionReport(run_id, model, graph, segments, profile, [], single, None)
+        found_plans = predicted.candidates
+        report = PartitionReport(run_id, model, graph, segments, profile, [],
+                                 predicted.single_unit, None)
         for rank, candidate in enumerate(found_plans, start=1):
-            plan = to_plan(config, profile, candidate, model)
+            plan = predicted.plans[rank - 1]
             result = CandidateResult(rank, plan, candidate.items_per_s(config.batch),
                                      [s.time_s for s in candidate.stages])
             if progress is not None:
@@ -280,7 +309,7 @@ def run_partition(
         raise
     finally:
         if store is not None and run_id is not None:
-            store.finish_run(run_id, status, {"capture": graph.method, "pieces": len(segments)})
+            store.finish_run(run_id, status, summary)
 
 
 def _store_candidate(store: Store, run_id: int, model: LoadedModel, plan: PipelinePlan,
