@@ -150,6 +150,12 @@ def partition(
         _print_json(data)
         return
     out.print(_candidates_table(data))
+    for c in report.candidates:
+        if c.agreement is not None:
+            checked = ", ".join(f"{a.start}→{a.end} {a.status} ({a.max_abs_err:.2g})"
+                               if a.max_abs_err is not None else f"{a.start}→{a.end} {a.status}"
+                               for a in c.agreement.stages)
+            out.print(f"[dim]#{c.rank} against fp32 references: {c.agreement.status}; {checked}[/]")
     single = ", ".join(f"{u} {_num(v)}" for u, v in report.single_unit.items())
     out.print(f"[dim]predicted single unit, items/s: {single}[/]")
     out.print(f"[dim]model: {report.model.weights_note}[/]")

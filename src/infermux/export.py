@@ -74,12 +74,19 @@ def file_digest(path: Path) -> str:
 
 
 def _content_hash(model: LoadedModel, opset: int) -> str:
-    """What decides the exported graph: code of every module class, tensors, shape, opset."""
+    """What decides the exported graph: code of every module class, tensors, shape, opset.
+
+    A traced module (a pipeline segment) adds its generated code.
+    """
     import torch
+    from torch import fx
 
     module = model.module
     h = hashlib.sha256()
     h.update(f"{torch.__version__}|{opset}|{model.input_shape}|{model.dtype}".encode())
+    # A factory file's path and content: its classes' source is not importable by name, and two
+    # factories with one file name must never share an export.
+    h.update(model.identity.encode())
     for cls in sorted({type(m) for m in module.modules()}, key=lambda c: c.__qualname__):
         h.update(f"{cls.__module__}.{cls.__qualname__}".encode())
         try:
@@ -87,6 +94,11 @@ def _content_hash(model: LoadedModel, opset: int) -> str:
         except (OSError, TypeError):  # classes built at run time have no source file
             h.update(repr(cls).encode())
     h.update(repr(module).encode())  # hyper-parameters that live in constructors
+    for sub in module.modules():
+        # A traced module's forward is its generated code, not its class's source: two
+        # segments of one network share classes and may share weights, never code.
+        if isinstance(sub, fx.GraphModule):
+            h.update(sub.code.encode())
     for name, tensor in module.state_dict().items():
         h.update(name.encode())
         h.update(str(tuple(tensor.shape)).encode())

@@ -3,6 +3,9 @@
 A Runner owns its buffers: the batch is written into `host_input` (pinned host memory on a GPU
 unit, or device memory when inputs are pre-staged) and `run()` executes one batch synchronously,
 returning where the time went. `infer()` is the convenience path for correctness checks.
+
+`compute(x)` is the path for pipelines, whose stages may run on any engine: torch tensor in,
+torch tensors out, in the memory of the runner's unit (`compute_device`). Every engine has it.
 """
 
 from __future__ import annotations
@@ -24,8 +27,10 @@ __all__ = [
     "BatchTiming",
     "Engine",
     "Runner",
+    "compute_device",
     "create_engine",
     "engine_status",
+    "host_array",
     "is_out_of_memory",
     "list_engines",
     "parse_options",
@@ -107,6 +112,32 @@ class Runner(ABC):
         """Wait for the launched batch and return its timing."""
         return self._launched
 
+    def compute(self, x: Any) -> list[Any]:
+        """Run one batch from torch tensor `x`; return its outputs as torch tensors.
+
+        The contract every engine keeps (pipeline stages call it, whatever the engine):
+        - `x` has shape `(self.batch, *self.input_shape)`, any floating dtype (it is converted
+          to the runner's input dtype), and lives in `compute_device(self.unit)`'s memory: the
+          host for CPU, OpenVINO and DLA units, the GPU for `cuda` units.
+        - The result is one tensor per model output, batch-major, in the same memory (host
+          tensors for host units, device tensors on the unit's GPU for `cuda` units), in the
+          dtype the engine computed it in (float32 on fp32 units).
+        - Synchronous: the outputs are complete on return. They may be the runner's own
+          buffers, overwritten by the next `compute`/`run`: copy what must outlive that.
+        - `x` is only read, and may be released or overwritten once the call returns.
+
+        This default goes through `set_input` (given a numpy view of `x`: no copy of a host
+        tensor), `run()` and `outputs()` (copies), then moves the outputs to the unit's device;
+        engines override it to skip copies (each engine's docstring says which remain).
+        """
+        import torch
+
+        self.set_input(host_array(x))
+        self.run()
+        device = compute_device(self.unit)
+        outs = [torch.from_numpy(y) for y in self.outputs()]
+        return outs if device.type == "cpu" else [t.to(device) for t in outs]
+
     def infer(self, batch: np.ndarray) -> list[np.ndarray]:
         """Run one batch of given data and return its outputs (for correctness checks)."""
         self.set_input(batch)
@@ -115,6 +146,34 @@ class Runner(ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release what the runner holds (graphs, sessions); the default holds nothing."""
+
+
+def compute_device(unit: Unit) -> Any:
+    """The torch device whose memory `Runner.compute` takes `x` from and returns outputs in.
+
+    The unit's GPU for `cuda` units; the host for every other unit (CPU core sets, OpenVINO
+    devices, DLAs: their runners stage device copies themselves).
+    """
+    import torch
+
+    return torch.device(unit.device if unit.kind == "cuda" else "cpu")
+
+
+def host_array(x: Any) -> np.ndarray:
+    """A torch tensor as a numpy array on the host: a view (no copy) of a host tensor.
+
+    Device tensors are copied to the host; dtypes numpy lacks (bfloat16) become float32.
+    """
+    import torch
+
+    if not isinstance(x, torch.Tensor):
+        return np.asarray(x)
+    x = x.detach()
+    if x.device.type != "cpu":
+        x = x.cpu()
+    if x.dtype == torch.bfloat16:
+        x = x.float()
+    return x.numpy()
 
 
 class Engine(ABC):

@@ -17,7 +17,15 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from infermux.engines.base import BatchTiming, Engine, Runner, parse_options, register_engine
+from infermux.engines.base import (
+    BatchTiming,
+    Engine,
+    Runner,
+    compute_device,
+    host_array,
+    parse_options,
+    register_engine,
+)
 from infermux.errors import RunError, UsageError
 from infermux.export import cache_dir
 from infermux.models import LoadedModel
@@ -204,6 +212,23 @@ class OrtRunner(Runner):
             self._x_value.update_inplace(self._x)
         else:
             self._x[...] = batch
+
+    def compute(self, x: Any) -> list[Any]:
+        """`Runner.compute`: one copy into the bound input, outputs returned without a copy.
+
+        The outputs are torch views of the bound output buffers (host units), valid until the
+        next batch; GPU units get them on the unit's device.
+        """
+        import torch
+
+        self.set_input(host_array(x))
+        self.run()
+        if self._on_device:
+            outs = [torch.from_numpy(v.numpy()) for v in self._y_values]
+        else:
+            outs = [torch.from_numpy(y) for y in self._y]
+        device = compute_device(self.unit)
+        return outs if device.type == "cpu" else [t.to(device) for t in outs]
 
     def outputs(self) -> list[np.ndarray]:
         """The last batch's outputs as float32 arrays."""

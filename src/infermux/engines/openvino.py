@@ -3,12 +3,14 @@
 Knobs the tuner can set: the performance hint (latency, throughput, cumulative_throughput),
 streams, infer requests in flight, threads, and the inference precision (f32, bf16, f16, u8).
 
-How a runner keeps a throughput-hinted model busy: it owns an `AsyncInferQueue` of N requests
-(N = the compiled model's optimal number, or `requests`) that all read the one input buffer.
-`run()` tops the pool up to N batches in flight, waits for the next one to finish and returns
-that batch's own timing, so each call still accounts for exactly one batch while N streams work
-at once — what OpenVINO's benchmark_app does. With the latency hint N is 1 and `run()` is a
-plain synchronous call. docs/architecture-engines.md gives the reasons.
+How a runner keeps a throughput-hinted model busy: N requests in flight (N = the compiled
+model's optimal number, or `requests`), as OpenVINO's benchmark_app does. `run()` splits its batch
+into up to N sub-batches (the model is compiled at the sub-batch size), starts one request per
+sub-batch and returns when all are done: synchronous, so it serves a runtime worker that gives
+each call a new batch (in a child process or a thread) as well as a benchmark loop, and its
+timing is the batch's own. A batch of 1 cannot be split: repeated runs of one input keep N whole
+batches in flight instead. With the latency hint N is 1 and `run()` is a plain synchronous call.
+docs/architecture-engines.md gives the reasons and the measurements.
 """
 
 from __future__ import annotations
@@ -17,19 +19,26 @@ import collections
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from infermux.engines.base import BatchTiming, Engine, Runner, parse_options, register_engine
+from infermux.engines.base import (
+    BatchTiming,
+    Engine,
+    Runner,
+    host_array,
+    parse_options,
+    register_engine,
+)
 from infermux.errors import RunError, UsageError
 from infermux.export import cache_dir
 from infermux.models import LoadedModel
 from infermux.units import Unit
 
-__all__ = ["OvEngine", "OvOptions", "OvRunner", "compile_config"]
+__all__ = ["OvEngine", "OvOptions", "OvRunner", "compile_config", "split_parts"]
 
 Hint = Literal["latency", "throughput", "cumulative_throughput"]
 Precision = Literal["f32", "bf16", "f16", "u8"]
@@ -52,6 +61,9 @@ class OvOptions(BaseModel):
     cache_dir: str | None = None
     opset: int | None = None
     warmup_iters: int = Field(3, ge=0)
+    #: Split each batch over the requests (compiled at the sub-batch size); false runs whole
+    #: batches, one request per new input.
+    split_batch: bool = True
 
     def resolve(self, unit: Unit) -> tuple[str, OvOptions]:
         """(OpenVINO device, options with the unit's defaults), rejecting what cannot be."""
@@ -95,42 +107,85 @@ def compile_config(device: str, opts: OvOptions) -> dict[str, str]:
     return config
 
 
+class _Tracker:
+    """Requests in flight, counted from submission to their completion callback."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.in_flight = 0
+        self.peak = 0
+
+    def started(self) -> None:
+        with self.lock:
+            self.in_flight += 1
+            self.peak = max(self.peak, self.in_flight)
+
+    def finished(self) -> None:
+        with self.lock:
+            self.in_flight -= 1
+
+
+def split_parts(batch: int, requests: int) -> int:
+    """How many sub-batches of equal size (the last one padded) a batch is split into.
+
+    As many as there are requests to keep in flight, but no more than the sub-batch size needs:
+    batch 4 over 3 requests is 2 sub-batches of 2 (not 2 + 1 + 1, which would need a second
+    compiled model), batch 5 over 2 is 3 + 2 padded to 3 + 3, batch 1 is not split.
+    """
+    parts = max(1, min(requests, batch))
+    sub = -(-batch // parts)
+    return -(-batch // sub)
+
+
 class OvRunner(Runner):
-    """A compiled model at one batch size and a pool of infer requests sharing one input."""
+    """A compiled model and its infer requests: each batch split over N requests in flight.
+
+    N is the compiled model's optimal number of requests (or the `requests` option). A batch of
+    `batch` items is split into `parts` sub-batches (`split_parts`), each computed by its own
+    request on its own stream, all started before any is waited for; the model is compiled at
+    the sub-batch size. Every request reads its rows of the one input buffer and writes its rows
+    of the output buffers (shared memory, no per-batch copy). `run()` is synchronous and
+    accounts for exactly one batch, whoever calls it with whatever input.
+
+    A batch that cannot be split (batch 1, or `split_batch=false`) runs whole: a new input runs
+    once, on one request, and repeated `run()` calls on the same input keep N whole batches in
+    flight (`_run_pool`, what benchmark_app does).
+    """
 
     engine = "openvino"
 
     def __init__(self, compiled: Any, unit: Unit, batch: int, input_shape: tuple[int, ...],
-                 opts: OvOptions, started: float) -> None:
+                 opts: OvOptions, started: float, *, requests: int, parts: int) -> None:
         import openvino as ov
 
         self.unit = unit
         self.batch = batch
         self.input_shape = input_shape
         self._compiled = compiled
-        n = opts.requests or int(compiled.get_property("OPTIMAL_NUMBER_OF_INFER_REQUESTS"))
-        self._n = 1 if opts.hint == "latency" and opts.requests is None else max(1, n)
+        self._n = requests
+        self._parts = parts
+        self._sub = -(-batch // parts)
+        rows = self._sub * parts
         dtype = compiled.inputs[0].get_element_type().to_dtype()
-        self._x = np.random.default_rng(0).standard_normal((batch, *input_shape)).astype(dtype)
-        # Every request reads the same host buffer (requests only read inputs): no per-batch copy.
-        x_tensor = ov.Tensor(self._x, shared_memory=True)
-        self._queue = ov.AsyncInferQueue(compiled, self._n)
-        for i in range(self._n):
-            self._queue[i].set_input_tensor(x_tensor)
-        # The callback closes over these two, not over the runner, so a runner nobody holds is
-        # collected; the finalizer then (or at exit) waits for its requests before they go.
-        self._done: collections.deque[tuple[int, int, int]] = collections.deque()
-        self._cond = threading.Condition()
-        self._queue.set_callback(_on_done(self._done, self._cond))
-        self._finalizer = weakref.finalize(self, self._queue.wait_all)
-        self._in_flight = 0
+        self._x = np.random.default_rng(0).standard_normal((rows, *input_shape)).astype(dtype)
+        self._x[batch:] = 0  # padding rows of the last sub-batch
+        self._tracker = _Tracker()
+        self._requests: list[Any] = []
+        self._y: list[np.ndarray] = []
+        self._queue: Any = None
         #: A new input was set and has not run: it runs once, not once per request.
         self._fresh = False
-        self._next_id = 0
+        self._in_flight = 0
         self._last_request = 0
+        if parts > 1:
+            self._build_split(ov, rows)
+        else:
+            self._build_pool(ov)
         self.options = {
             **opts.model_dump(),
             "requests": self._n,
+            "sub_batches": parts,
+            "sub_batch": self._sub,
             "streams": _int_property(compiled, "NUM_STREAMS"),
             "precision": _precision_of(compiled),
             "device": unit.device,
@@ -139,31 +194,82 @@ class OvRunner(Runner):
             self.run()
         self.build_s = time.perf_counter() - started
 
+    def _build_split(self, ov: Any, rows: int) -> None:
+        sub = self._sub
+        for out in self._compiled.outputs:
+            shape = tuple(out.get_shape())  # static: (sub, ...)
+            self._y.append(np.empty((rows, *shape[1:]), dtype=out.get_element_type().to_dtype()))
+        callback = _on_finished(self._tracker)
+        for i in range(self._parts):
+            request = self._compiled.create_infer_request()
+            rows_i = slice(i * sub, (i + 1) * sub)  # C-contiguous rows: views, not copies
+            request.set_input_tensor(ov.Tensor(self._x[rows_i], shared_memory=True))
+            for j, y in enumerate(self._y):
+                request.set_output_tensor(j, ov.Tensor(y[rows_i], shared_memory=True))
+            request.set_callback(callback, i)
+            self._requests.append(request)
+
+    def _build_pool(self, ov: Any) -> None:
+        # Every request reads the same host buffer (requests only read inputs): no per-batch copy.
+        x_tensor = ov.Tensor(self._x, shared_memory=True)
+        self._queue = ov.AsyncInferQueue(self._compiled, self._n)
+        for i in range(self._n):
+            self._queue[i].set_input_tensor(x_tensor)
+        # The callback closes over these, not over the runner, so a runner nobody holds is
+        # collected; the finalizer then (or at exit) waits for its requests before they go.
+        self._done: collections.deque[tuple[int, int, int]] = collections.deque()
+        self._cond = threading.Condition()
+        self._queue.set_callback(_on_done(self._done, self._cond, self._tracker))
+        self._finalizer = weakref.finalize(self, self._queue.wait_all)
+
+    @property
+    def peak_in_flight(self) -> int:
+        """Most requests this runner has had in flight at once (see `reset_peak_in_flight`)."""
+        return self._tracker.peak
+
+    def reset_peak_in_flight(self) -> None:
+        """Start counting `peak_in_flight` afresh."""
+        with self._tracker.lock:
+            self._tracker.peak = self._tracker.in_flight
+
     def run(self) -> BatchTiming:
+        """One batch: its sub-batches all in flight at once, or one whole batch (see the class).
+
+        The latency runs from the first submission to the last completion.
+        """
+        if self._parts == 1:
+            return self._run_pool()
+        tracker = self._tracker
+        start = time.perf_counter_ns()
+        for request in self._requests:
+            tracker.started()
+            request.start_async()
+        for request in self._requests:
+            request.wait()  # returns once the request's callback has run
+        latency = time.perf_counter_ns() - start
+        return BatchTiming(latency_ns=latency, compute_ns=latency)
+
+    def _run_pool(self) -> BatchTiming:
         """Keep N batches in flight; return the timing of the next one that finishes.
 
-        After `set_input`/`gather_input` (a new batch, as the runtime gives each call) the
-        batch runs exactly once and its own timing is returned.
-
-        The submission comes first and waits inside OpenVINO for a free request, as
-        benchmark_app's loop does, so a finished request is refilled without a Python hop; its
-        callback has recorded the finish by then, and that record is what this call returns.
+        After `set_input`/`gather_input` (a new batch) the batch runs exactly once and its own
+        timing is returned. The submission comes first and waits inside OpenVINO for a free
+        request, as benchmark_app's loop does, so a finished request is refilled without a
+        Python hop; its callback has recorded the finish by then, and that record is returned.
         """
         if self._fresh:
-            # A new input (the runtime sets one per batch): every request reads the one
-            # buffer, so filling the pool would compute this batch N times. Run it once.
+            # Every request reads the one buffer, so filling the pool would compute this batch
+            # N times. Run it once.
             self._fresh = False
             self._submit()
-            with self._cond:
-                while not self._done:
-                    self._cond.wait()
-                submitted, finished, slot = self._done.popleft()
-            self._last_request = slot
-            return BatchTiming(latency_ns=finished - submitted, compute_ns=finished - submitted)
+            return self._next_done()
         while self._in_flight < self._n:  # after a drain: fill the pool
             self._submit()
             self._in_flight += 1
         self._submit()  # blocks until one of the N finishes, then reuses it
+        return self._next_done()
+
+    def _next_done(self) -> BatchTiming:
         with self._cond:
             while not self._done:
                 self._cond.wait()
@@ -174,11 +280,17 @@ class OvRunner(Runner):
 
     def _submit(self) -> None:
         slot = self._queue.get_idle_request_id()  # blocks for a free one; start_async takes it
+        self._tracker.started()
         self._queue.start_async(userdata=(time.perf_counter_ns(), slot))
 
     def _drain(self) -> None:
+        if self._queue is None:
+            return  # split batches are finished when run() returns
         self._queue.wait_all()
         with self._cond:
+            # Completion callbacks may still be finishing: count them all out.
+            while self._tracker.in_flight > 0:
+                self._cond.wait(0.01)
             self._done.clear()
         self._in_flight = 0
 
@@ -188,32 +300,73 @@ class OvRunner(Runner):
         if tuple(batch.shape) != expected:
             raise UsageError(f"batch of shape {tuple(batch.shape)} given, runner takes {expected}")
         self._drain()
-        self._x[...] = batch
+        self._x[: self.batch] = batch
         self._fresh = True
 
-    def outputs(self) -> list[np.ndarray]:
-        """Outputs for the current input, as float32 copies, once the pool has gone idle.
+    def gather_input(self, pool: Any, indices: Sequence[int]) -> None:
+        """Gather rows of `pool` straight into the input buffer (one copy; the rest is padding)."""
+        rows = np.asarray(pool)
+        n = len(indices)
+        if rows.dtype != self._x.dtype or n > self.batch or rows.shape[1:] != self._x.shape[1:]:
+            super().gather_input(pool, indices)
+            return
+        self._drain()
+        # mode="clip" writes into `out` directly; the default ("raise") buffers the whole batch.
+        np.take(rows, np.asarray(indices, dtype=np.intp), axis=0, out=self._x[:n], mode="clip")
+        if n < self.batch:
+            self._x[n: self.batch] = 0
+        self._fresh = True
 
-        Every request in flight reads the one input buffer, so once they are done any of them
-        holds the outputs of that input; the last one `run()` returned is read.
+    def compute(self, x: Any) -> list[Any]:
+        """`Runner.compute`: one copy into the input buffer; outputs returned without a copy.
+
+        The outputs are torch views of the runner's output buffers (host memory), valid until
+        the next batch.
         """
+        import torch
+
+        self.set_input(host_array(x))
+        self.run()
+        return [torch.from_numpy(y) for y in self._output_views()]
+
+    def _output_views(self) -> list[np.ndarray]:
+        if self._parts > 1:
+            return [y[: self.batch] for y in self._y]
         self._drain()
         request = self._queue[self._last_request]
-        return [np.array(request.get_output_tensor(i).data, dtype=np.float32, copy=True)
+        return [np.asarray(request.get_output_tensor(i).data)
                 for i in range(len(self._compiled.outputs))]
+
+    def outputs(self) -> list[np.ndarray]:
+        """Outputs for the current input, as float32 copies, once no request is running.
+
+        Whole batches: every request in flight reads the one input buffer, so once they are
+        done any of them holds the outputs of that input; the last one `run()` returned is read.
+        """
+        return [np.array(y, dtype=np.float32, copy=True) for y in self._output_views()]
 
     def close(self) -> None:
         """Wait for the requests in flight, then let the compiled model go."""
         self._drain()
 
 
-def _on_done(done: collections.deque[tuple[int, int, int]],
-             cond: threading.Condition) -> Callable[[Any, tuple[int, int]], None]:
+def _on_finished(tracker: _Tracker) -> Callable[[Any], None]:
+    """A split request's completion callback (runs on an OpenVINO thread)."""
+
+    def callback(_userdata: Any) -> None:
+        tracker.finished()
+
+    return callback
+
+
+def _on_done(done: collections.deque[tuple[int, int, int]], cond: threading.Condition,
+             tracker: _Tracker) -> Callable[[Any, tuple[int, int]], None]:
     """The pool's completion callback: notes when and which request finished."""
 
     def callback(_request: Any, userdata: tuple[int, int]) -> None:
         now = time.perf_counter_ns()  # runs on an OpenVINO thread
         submitted, slot = userdata
+        tracker.finished()
         with cond:
             done.append((submitted, now, slot))
             cond.notify()
@@ -305,16 +458,31 @@ class OvEngine(Engine):
                 f"{model.input_shape}: {_first_line(exc)}"
             ) from exc
         config = compile_config(device, opts)
-        try:
-            compiled = self._core.compile_model(ov_model, device, config)
-        except Exception as exc:
-            raise RunError(f"OpenVINO failed to compile {model.name} for {device} at batch "
-                           f"{batch}: {_first_line(exc)}") from exc
-        runner = OvRunner(compiled, unit, batch, model.input_shape, opts, started)
+        compiled = self._compile(ov_model, device, config, model.name, batch)
+        # The optimal number of requests depends on the compiled model (its streams): known
+        # only once compiled at the batch. A batch split over the requests is compiled again at
+        # the sub-batch size (a compile of mobilenet_v3_small takes ~0.2 s on 2 cores).
+        n = opts.requests or int(compiled.get_property("OPTIMAL_NUMBER_OF_INFER_REQUESTS"))
+        n = 1 if opts.hint == "latency" and opts.requests is None else max(1, n)
+        parts = split_parts(batch, n) if opts.split_batch else 1
+        if parts > 1:
+            sub = -(-batch // parts)
+            ov_model.reshape({name: ov.PartialShape([sub, *model.input_shape])})
+            compiled = self._compile(ov_model, device, config, model.name, sub)
+        runner = OvRunner(compiled, unit, batch, model.input_shape, opts, started, requests=n,
+                          parts=parts)
         runner.options["onnx_file"] = str(onnx_file.path)
         runner.options["onnx_sha256"] = onnx_file.digest
         self._runners[key] = runner
         return runner
+
+    def _compile(self, ov_model: Any, device: str, config: dict[str, str], name: str,
+                 batch: int) -> Any:
+        try:
+            return self._core.compile_model(ov_model, device, config)
+        except Exception as exc:
+            raise RunError(f"OpenVINO failed to compile {name} for {device} at batch "
+                           f"{batch}: {_first_line(exc)}") from exc
 
     def release(self) -> None:
         """Drain and forget every cached runner."""

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from infermux.agreement import ChainAgreement, check_stages
 from infermux.env import capture_environment
 from infermux.errors import DeviceOutOfMemoryError, InfermuxError, UsageError
 from infermux.models import LoadedModel, ModelSpec, load_model
@@ -88,9 +89,12 @@ class CandidateResult:
     predicted_items_per_s: float
     stage_times_s: list[float]
     measured: PipelineMeasurement | None = None
-    status: str = "ok"  # ok | oom | error | not measured
+    status: str = "ok"  # ok | oom | error | disagrees
     error: str | None = None
     chosen: bool = False
+    #: Stage outputs against fp32 references (checked for the measured candidates in turn, best
+    #: first, until one passes).
+    agreement: ChainAgreement | None = None
 
     @property
     def measured_items_per_s(self) -> float | None:
@@ -112,6 +116,7 @@ class CandidateResult:
             "measured_items_per_s": self.measured_items_per_s, "error_pct": self.error_pct,
             "measurement": self.measured.to_dict() if self.measured else None,
             "status": self.status, "error": self.error, "chosen": self.chosen,
+            "agreement": self.agreement.to_dict() if self.agreement else None,
         }
 
 
@@ -229,6 +234,16 @@ def predict(config: PartitionConfig, units: list[Unit], model: LoadedModel | Non
     return Prediction(model, graph, segments, profile, found, plans, single)
 
 
+def check_plan(plan: PipelinePlan, model: LoadedModel, graph: ModelGraph,
+               units: dict[str, Unit]) -> ChainAgreement:
+    """Each stage of `plan` (on its first unit) against its segment's fp32 reference.
+
+    The chain's output is checked against the whole model's too (`agreement.check_stages`).
+    """
+    return check_stages(model, graph, [(s.start, s.end, units[s.units[0]], s.engine, s.options)
+                                       for s in plan.stages])
+
+
 def measure_plan(plan: PipelinePlan, model: LoadedModel, graph: ModelGraph,
                  units: dict[str, Unit], *, duration_s: float, warmup_s: float
                  ) -> PipelineMeasurement:
@@ -290,9 +305,18 @@ def run_partition(
             report.candidates.append(result)
             if store is not None and run_id is not None:
                 _store_candidate(store, run_id, model, plan, result)
-        measured = [c for c in report.candidates if c.measured_items_per_s]
-        if measured:
-            best = max(measured, key=lambda c: c.measured_items_per_s or 0.0)
+        measured = sorted((c for c in report.candidates if c.measured_items_per_s),
+                          key=lambda c: -(c.measured_items_per_s or 0.0))
+        best: CandidateResult | None = None
+        for tried in measured:
+            # A wrong cut or an engine that computes a segment wrong is caught before it is kept.
+            tried.agreement = check_plan(tried.plan, model, graph, units)
+            if tried.agreement.passed:
+                best = tried
+                break
+            tried.status = "disagrees"
+            tried.error = tried.agreement.message
+        if best is not None:
             best.chosen = True
             best.plan.measured_items_per_s = best.measured_items_per_s
             report.best = best.plan

@@ -16,7 +16,7 @@ from infermux.errors import UsageError
 from infermux.models import LoadedModel
 from infermux.partition.graph import ModelGraph, TensorInfo
 
-__all__ = ["Segment", "build_segment", "count_flops", "segment_model", "split"]
+__all__ = ["Segment", "build_segment", "count_flops", "segment_between", "segment_model", "split"]
 
 
 @dataclass
@@ -117,6 +117,24 @@ def segment_model(model: LoadedModel, segment: Segment, index: int) -> LoadedMod
         segment.module,
         name=f"{model.name}[{index}:{segment.name}]",
         input_shape=segment.input.shape,
+        dtype=model.dtype,
+        weights_note=model.weights_note,
+    )
+
+
+def segment_between(model: LoadedModel, graph: ModelGraph, start: str, end: str,
+                    index: int = 0) -> LoadedModel:
+    """The segment of `graph` from boundary `start` to `end` as a LoadedModel, for any engine.
+
+    Its input shape is the crossing tensor's at `start` (the network's input at `input`); the
+    ONNX engines export it with that input (batch axis dynamic) like any model.
+    """
+    module = build_segment(graph, start, end)
+    seg_in = graph.input if start == "input" else graph.cut(start).tensor
+    return LoadedModel.from_module(
+        module,
+        name=f"{model.name}[{index}:{start}→{end}]",
+        input_shape=seg_in.shape,
         dtype=model.dtype,
         weights_note=model.weights_note,
     )

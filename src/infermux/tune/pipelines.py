@@ -98,7 +98,7 @@ def _runtime_trial(plan: Any, name: str, spec: ModelSpec, settings: TrialSetting
         trial.status, trial.error = "error", str(exc)
     else:
         rec = report.final or {}
-        worker = next(iter(rec.get("workers", {}).values()), {})
+        worker: dict[str, Any] = next(iter(rec.get("workers", {}).values()), {})
         if worker.get("status") != "ok":
             trial.status, trial.error = "error", worker.get("error") or "the pipeline failed"
         elif not rec.get("valid"):

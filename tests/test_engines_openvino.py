@@ -1,0 +1,162 @@
+"""The OpenVINO runner keeps the compiled model's optimal number of requests in flight.
+
+Real OpenVINO on the CPU, a tiny CNN: a batch is split over the requests, so a caller that gives
+every `run()` a new batch (a runtime worker, in its child process or a thread) keeps several
+streams busy; outputs stay those of PyTorch fp32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from infermux import agreement
+from infermux.engines import create_engine, engine_status
+from infermux.engines.openvino import OvRunner, split_parts
+from infermux.models import LoadedModel, load_model
+from infermux.units import Unit, discover
+
+pytestmark = pytest.mark.skipif(not engine_status()["openvino"][0],
+                                reason=f"engine openvino not usable here: "
+                                       f"{engine_status()['openvino'][1]}")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("INFERMUX_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+        yield
+
+
+@pytest.fixture(scope="module")
+def cpu() -> Unit:
+    unit = discover(with_runtimes=False).get("cpu")
+    assert unit is not None
+    return unit
+
+
+@pytest.fixture(scope="module")
+def tiny() -> LoadedModel:
+    return load_model("tests/tiny_models.py:tiny_cnn")
+
+
+@pytest.fixture(scope="module")
+def wide() -> LoadedModel:
+    """Milliseconds per sub-batch on one core: long next to a submission."""
+    return load_model("tests/tiny_models.py:wide_cnn")
+
+
+def _torch_fp32(model: LoadedModel, x: np.ndarray) -> np.ndarray:
+    with torch.inference_mode():
+        return model.module(torch.from_numpy(x)).numpy()
+
+
+def _rel_err(got: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.max(np.abs(got - ref))) / (float(np.max(np.abs(ref))) or 1.0)
+
+
+def test_split_parts() -> None:
+    assert split_parts(16, 2) == 2 and split_parts(16, 1) == 1 and split_parts(1, 4) == 1
+    assert split_parts(4, 3) == 2  # 2 + 2, not 2 + 1 + 1 (one compiled sub-batch size)
+    assert split_parts(5, 2) == 2  # 3 + 2, padded to 3 + 3
+    assert split_parts(3, 8) == 3
+
+
+def test_runner_keeps_optimal_requests_in_flight_for_new_batches(cpu: Unit,
+                                                                 wide: LoadedModel) -> None:
+    """What a runtime worker does per batch: gather new samples, run once, report."""
+    engine = create_engine("openvino")
+    runner = engine.build(wide, cpu, 8, {})
+    assert isinstance(runner, OvRunner)
+    optimal = runner.options["requests"]
+    if optimal < 2:
+        pytest.skip(f"the compiled model's optimal number of requests is {optimal} here")
+    assert runner.options["sub_batches"] == split_parts(8, optimal) >= 2
+    assert runner.options["sub_batch"] * runner.options["sub_batches"] >= 8
+    samples = np.random.default_rng(0).standard_normal((64, *wide.input_shape)).astype(np.float32)
+    pool = runner.prepare_pool(samples)
+    rng = np.random.default_rng(1)
+    peaks = []
+    for _ in range(5):
+        indices = rng.integers(0, len(samples), 8).tolist()
+        runner.reset_peak_in_flight()
+        runner.gather_input(pool, indices)
+        timing = runner.run()
+        assert timing.latency_ns > 0
+        peaks.append(runner.peak_in_flight)
+        assert _rel_err(runner.outputs()[0], _torch_fp32(wide, samples[indices])) < 1e-3
+    # In flight = from submission to the completion callback: every sub-batch is submitted
+    # before any is waited for. A sub-batch of this model takes milliseconds, so only a host
+    # that stalls this thread between two submissions that long sees one finish first.
+    assert max(peaks) == runner.options["sub_batches"]
+    assert sum(p >= 2 for p in peaks) >= 3, peaks
+    result = agreement.check(runner, agreement.reference_for(wide))
+    assert result.status == "pass", result.message
+    engine.release()
+
+
+def test_an_uneven_batch_is_padded_and_its_outputs_stay_right(cpu: Unit, tiny: LoadedModel) -> None:
+    engine = create_engine("openvino")
+    runner = engine.build(tiny, cpu, 5, {"requests": 2})
+    assert runner.options["sub_batches"] == 2 and runner.options["sub_batch"] == 3
+    x = np.random.default_rng(2).standard_normal((5, *tiny.input_shape)).astype(np.float32)
+    (out,) = runner.infer(x)
+    assert out.shape == (5, 10) and _rel_err(out, _torch_fp32(tiny, x)) < 1e-3
+    # A partial gather (3 of 5 rows) pads the rest with zeros, as the base runner does.
+    runner.gather_input(x, [4, 0, 2])
+    runner.run()
+    padded = np.concatenate([x[[4, 0, 2]], np.zeros((2, *tiny.input_shape), np.float32)])
+    assert _rel_err(runner.outputs()[0], _torch_fp32(tiny, padded)) < 1e-3
+    engine.release()
+
+
+def test_batch_one_keeps_whole_batches_in_flight_when_rerun(cpu: Unit, wide: LoadedModel) -> None:
+    """A batch of 1 cannot be split: repeated runs of one input fill the pool instead."""
+    engine = create_engine("openvino")
+    runner = engine.build(wide, cpu, 1, {"requests": 2})
+    assert runner.options["sub_batches"] == 1
+    x = np.random.default_rng(3).standard_normal((1, *wide.input_shape)).astype(np.float32)
+    runner.set_input(x)
+    runner.reset_peak_in_flight()
+    runner.run()  # a new input runs once
+    assert runner.peak_in_flight == 1
+    for _ in range(10):
+        runner.run()
+    assert runner.peak_in_flight == 2
+    assert _rel_err(runner.outputs()[0], _torch_fp32(wide, x)) < 1e-3
+    engine.release()
+
+
+def test_split_batch_false_runs_one_request_per_new_batch(cpu: Unit, tiny: LoadedModel) -> None:
+    engine = create_engine("openvino")
+    runner = engine.build(tiny, cpu, 4, {"requests": 2, "split_batch": False})
+    assert runner.options["sub_batches"] == 1
+    x = np.random.default_rng(4).standard_normal((4, *tiny.input_shape)).astype(np.float32)
+    runner.set_input(x)  # waits for the warm-up's batches still in flight
+    runner.reset_peak_in_flight()
+    runner.run()
+    (out,) = runner.outputs()
+    assert runner.peak_in_flight == 1 and _rel_err(out, _torch_fp32(tiny, x)) < 1e-3
+    engine.release()
+
+
+def test_an_openvino_worker_process_serves_a_runtime_plan() -> None:
+    """The runtime's default CPU hosting (a pinned child process calling run()) works."""
+    from infermux.runtime.plan import parse_plan
+    from infermux.runtime.session import run_plan
+
+    plan = parse_plan({
+        "name": "ov",
+        "models": [{"name": "cnn", "model": "tests/tiny_models.py:tiny_cnn",
+                    "replicas": [{"unit": "cpu", "engine": "openvino", "batch": 8,
+                                  "batch_buckets": "none"}]}],
+        "load": {"scenario": "offline", "min_duration_s": 0.5, "min_queries": 64},
+    })
+    report = run_plan(plan)
+    assert report.status == "complete", report.error
+    final = report.final
+    assert final is not None and final["throughput_samples_per_s"] > 0
+    assert report.build["workers"][0]["hosting"] == "process"
