@@ -55,7 +55,8 @@ def main() -> None:
     ap.add_argument("--duration", default="4s", help="each side-by-side run")
     ap.add_argument("--trial-duration", default="1s")
     ap.add_argument("--engines", default="auto")
-    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--compile", default="default,reduce-overhead",
+                    help="torch.compile modes the tune tries on GPUs (comma list, or none)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", default=None, help="write the result here")
     args = ap.parse_args()
@@ -69,7 +70,8 @@ def main() -> None:
         tune_started = time.monotonic()
         report = run_tune(TuneRequest(
             models=[ModelSpec(args.model)], units=args.units, engines=args.engines,
-            budget_s=parse_duration_s(args.budget), batches=batches, compile_modes=args.compile,
+            budget_s=parse_duration_s(args.budget), batches=batches,
+            compile_modes=tuple(m for m in args.compile.split(",") if m and m != "none"),
             trial=TrialSettings(min_duration_s=parse_duration_s(args.trial_duration))),
             store=store, out_path=Path(tmp) / "tuned.yaml")
         tune_s = time.monotonic() - tune_started

@@ -136,3 +136,15 @@ def test_partition_writes_a_plan_that_check_and_run_accept(tmp_path):
         result = json.loads(ran.stdout)["result"]
         assert result["failed"] == 0 and result["completed"] > 0
         assert len(result["pipelines"]) == 1
+
+
+def test_compiled_replica_compiles_only_its_largest_buckets():
+    from infermux.runtime.session import bucket_options
+
+    plan = parse_plan({"models": [{"name": "r", "model": "resnet50", "replicas": [
+        {"unit": "cuda:0/fp16", "batch": 64, "options": {"compile": "default"}}]}]})
+    rep = plan.models[0].replicas[0]
+    compiled = [b for b in rep.buckets() if bucket_options(rep, b).get("compile")]
+    assert compiled == [32, 64]
+    assert bucket_options(rep, 1) == {}
+    assert rep.options == {"compile": "default"}  # the plan itself is untouched

@@ -54,6 +54,8 @@ def test_tune_writes_a_runnable_plan_and_reuses_its_trials(tmp_path):
     best = first.result.best.candidate.configs[0]
     replica = plan.models[0].replicas[0]
     assert (replica.unit, replica.engine, replica.batch) == (best.unit, best.engine, best.batch)
+    # Any load may be put on it: a partial batch runs in the smallest power-of-two bucket.
+    assert replica.batch_buckets == "pow2" and replica.buckets()[0] == 1
     report = run_plan(with_load(plan, min_duration_s=0.3, min_queries=32))
     assert report.final["valid"] and report.final["failed"] == 0
 
@@ -99,6 +101,7 @@ def test_cli_tune_json_and_bad_input(tmp_path, db):
         (["--p99", "soon"], "--p99 'soon' is not a duration"),
         (["--max-memory", "lots"], "--max-memory 'lots' is not a size"),
         (["--budget", "0s"], "--budget 0s must be positive"),
+        (["--compile", "default,fast"], "--compile 'fast' is not a torch.compile mode"),
     ]:
         bad = run_cli("tune", "-m", MODEL, "--units", "cpu", "--db", str(db), *args)
         assert bad.returncode == 2, (args, bad.stderr)

@@ -2,11 +2,16 @@
 measured combinations and the Pareto front. The evaluator answers from a formula and a
 clock advanced by each answer's cost, so these run in milliseconds and cannot flake."""
 
+import io
 import itertools
 import math
 
 import pytest
+from rich.console import Console
 
+from infermux.cli_tune import _explain_table
+from infermux.errors import UsageError
+from infermux.models import ModelSpec
 from infermux.tune import (
     Candidate,
     Config,
@@ -15,10 +20,14 @@ from infermux.tune import (
     TableEvaluator,
     Trial,
     Tuner,
+    TuneRequest,
     TuneSettings,
     UnitSpace,
+    build_space,
     pareto_front,
 )
+from infermux.tune.search import COMPILE_PRIOR_S
+from infermux.tune.space import overlapping_units
 from infermux.units import Unit
 
 LADDER = [1, 2, 4, 8, 16, 32, 64]
@@ -225,3 +234,147 @@ def test_a_steep_batch_curve_is_climbed_in_longer_strides():
     best_brute = max(solo_rate(c) for c in space.solo_configs())
     assert result.best.items_per_s >= 0.97 * best_brute
 
+
+
+def ov_cpu():
+    return Unit(id="openvino:CPU", kind="openvino", device="openvino:CPU", mode="auto",
+                name="OpenVINO CPU", contention_domain="cpu:host")
+
+
+def test_units_sharing_cores_are_alternatives_never_combined():
+    units = [cpu(), ov_cpu(), gpu()]
+    overlaps = overlapping_units(units, host_cores=(0, 1, 2, 3))
+    assert overlaps == {frozenset(("cpu", "openvino:CPU"))}
+    # Core sets overlap when they intersect; a GPU shares no cores with anything.
+    halves = [Unit(id=f"cpu:{c}", kind="cpu", device="cpu", mode="fp32", name="CPU",
+                   contention_domain="cpu:host", cores=cores)
+              for c, cores in (("0-1", (0, 1)), ("1-2", (1, 2)), ("3", (3,)))]
+    assert overlapping_units(halves, (0, 1, 2, 3)) == {frozenset(("cpu:0-1", "cpu:1-2"))}
+    space = Space(["m"], [UnitSpace(cpu(), ["torch"], LADDER, [1], {"torch": [{}]}),
+                          UnitSpace(ov_cpu(), ["openvino"], LADDER, [1], {"openvino": [{}]}),
+                          UnitSpace(gpu(), ["torch"], LADDER, [1], {"torch": [{}]})],
+                  overlaps)
+    n = len(LADDER)
+    # Plans: any one unit, the GPU with either CPU name, never both CPU names.
+    assert space.size() == 3 * n + 2 * n * n
+    PEAK[("openvino:CPU", "openvino")] = 600.0
+    try:
+        t, ev, _ = tuner(space, landscape(contention=0.95), fine_tune=False)
+        result = t.run()
+    finally:
+        del PEAK[("openvino:CPU", "openvino")]
+    solo_units = {c.configs[0].unit for c, _ in ev.calls if c.solo}
+    assert {"cpu", "openvino:CPU"} <= solo_units  # each weighed alone
+    assert not any({"cpu", "openvino:CPU"} <= set(c.units) for c, _ in ev.calls)
+    # The faster name for the host's cores joins the GPU; the other is not added beside it.
+    assert set(result.best.candidate.units) == {"cuda:0/fp16", "openvino:CPU"}
+
+
+def test_a_failed_combination_is_reported_failed_not_as_a_zero_factor():
+    two = Space(["m"], [UnitSpace(gpu(0), ["torch"], LADDER, [1], {"torch": [{}]}),
+                        UnitSpace(gpu(1), ["torch"], LADDER, [1], {"torch": [{}]})])
+    ok = landscape()
+    message = "m on cuda:1/fp16 at batch 64 ran out of device memory"
+
+    def fn(candidate):
+        if len(candidate.configs) > 1:
+            return Trial(candidate, "runtime", "oom", error=message)
+        return ok(candidate)
+
+    result = tuner(two, fn, fine_tune=False)[0].run()
+    assert result.best.candidate.solo
+    assert [(c["unit"], c["status"], c["error"], c["factor"]) for c in result.contention] == [
+        ("all", "oom", message, None)]
+    data = result.to_dict()
+    assert [t["error"] for t in data["failed"]] == [message]
+    console = Console(width=250, record=True, file=io.StringIO())
+    console.print(_explain_table(data))
+    text = console.export_text()
+    assert "OOM" in text and message in text
+    assert "0.00" not in text and "contention factor" not in text
+
+
+def compile_space(modes=("default", "reduce-overhead")):
+    variants = [{}, {"cuda_graph": False}] + [{"compile": m} for m in modes]
+    return Space(["m"], [UnitSpace(gpu(), ["torch"], LADDER, [1], {"torch": variants})])
+
+
+def with_compile(gain):
+    base = landscape()
+
+    def fn(candidate):
+        trial = base(candidate)
+        mode = candidate.configs[0].options_dict.get("compile")
+        if mode is not None:
+            factor = gain * (1.05 if mode == "reduce-overhead" else 1.0)
+            trial.items_per_s *= factor
+            trial.per_unit = {k: v * factor for k, v in trial.per_unit.items()}
+        return trial
+    return fn
+
+
+def compile_cost(candidate, method):
+    return 40.0 if candidate.compiled else (6.0 if method == "runtime" else 2.0)
+
+
+def test_compile_is_in_the_gpu_space_and_reduce_overhead_where_compile_pays():
+    def measured_modes(gain):
+        clock = Clock()
+        ev = TableEvaluator(with_compile(gain), cost_s=compile_cost, on_cost=clock.advance)
+        result = Tuner(compile_space(), ev, None, TuneSettings(budget_s=600.0, fine_tune=False),
+                       clock=clock).run()
+        modes = {c.configs[0].options_dict.get("compile") for c, _ in ev.calls} - {None}
+        return modes, result
+
+    modes, result = measured_modes(gain=1.3)
+    assert modes == {"default", "reduce-overhead"}
+    assert result.best.candidate.configs[0].options_dict == {"compile": "reduce-overhead"}
+    # Compiling does not pay: reduce-overhead (the same kernels under torch's graphs) is not
+    # tried, and the plan stays eager.
+    modes, result = measured_modes(gain=0.9)
+    assert modes == {"default"}
+    assert not result.best.candidate.compiled
+
+
+def test_a_compile_build_that_does_not_fit_is_skipped_and_the_search_goes_on():
+    clock = Clock()
+    ev = TableEvaluator(with_compile(1.3), cost_s=compile_cost, on_cost=clock.advance)
+    # 40 s compile trials do not fit a 30 s budget; the eager search finishes within it.
+    result = Tuner(compile_space(), ev, None, TuneSettings(budget_s=30.0, fine_tune=False),
+                   clock=clock).run()
+    assert not any(c.compiled for c, _ in ev.calls)
+    assert result.skipped and all("compile=" in s for s in result.skipped)
+    assert result.best is not None and result.best.method == "runtime"
+    assert result.elapsed_s <= 30.0
+
+
+def test_the_first_compile_trial_is_expected_to_cost_a_build():
+    clock = Clock()
+    ev = TableEvaluator(with_compile(1.3), cost_s=compile_cost, on_cost=clock.advance)
+    t = Tuner(compile_space(), ev, None, TuneSettings(budget_s=600.0), clock=clock)
+    t.trials.append(Trial(Candidate.of(Config.make("m", "cuda:0/fp16", "torch", 8)), "engine",
+                          "ok", 100.0, cost_s=2.0))
+    assert t._expected_s("engine") == 2.0
+    assert t._expected_s("engine", compiled=True) == COMPILE_PRIOR_S
+    compiled = Candidate.of(Config.make("m", "cuda:0/fp16", "torch", 8,
+                                        options={"compile": "default"}))
+    t.trials.append(Trial(compiled, "engine", "ok", 130.0, cost_s=55.0))
+    # Measured compile builds set the expectation of the next, and leave the others' alone.
+    assert t._expected_s("engine", compiled=True) == 55.0
+    assert t._expected_s("engine") == 2.0
+
+
+def test_build_space_puts_compile_on_gpus_not_cpus():
+    request = TuneRequest(models=[ModelSpec("resnet50")])
+    space = build_space(request, [gpu(), cpu()], {"cuda:0/fp16": ["torch"], "cpu": ["torch"]})
+    assert space.unit("cuda:0/fp16").options["torch"] == [
+        {}, {"cuda_graph": False}, {"compile": "default"}, {"compile": "reduce-overhead"}]
+    assert space.unit("cpu").options["torch"] == [{}]
+    opt_in = TuneRequest(models=[ModelSpec("resnet50")], compile_modes=("max-autotune",))
+    assert {"compile": "max-autotune"} in build_space(
+        opt_in, [gpu()], {"cuda:0/fp16": ["torch"]}).unit("cuda:0/fp16").options["torch"]
+    none = TuneRequest(models=[ModelSpec("resnet50")], compile_modes=())
+    assert build_space(none, [gpu()], {"cuda:0/fp16": ["torch"]}).unit(
+        "cuda:0/fp16").options["torch"] == [{}, {"cuda_graph": False}]
+    with pytest.raises(UsageError, match="--compile 'fast' is not a torch.compile mode"):
+        TuneRequest(models=[ModelSpec("resnet50")], compile_modes=("fast",))

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import threading
+import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -52,3 +55,33 @@ def wide_cnn() -> nn.Module:
 
 def flaky_cnn() -> nn.Module:
     return FlakyCNN()
+
+
+class FailingCNN(TinyCNN):
+    """Builds and warms up fine, then raises on every batch a runtime worker thread runs."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if threading.current_thread().name.startswith("infermux-"):
+            raise RuntimeError("injected failure in a worker")
+        return super().forward(x)
+
+
+class SwitchedCNN(TinyCNN):
+    """Hangs or raises once the file named by $INFERMUX_TEST_SWITCH says `hang` or `fail`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        path = os.environ.get("INFERMUX_TEST_SWITCH")
+        what = Path(path).read_text() if path and os.path.exists(path) else ""
+        if what == "hang":
+            time.sleep(3600)
+        if what == "fail":
+            raise RuntimeError("injected failure in the child")
+        return super().forward(x)
+
+
+def failing_cnn() -> nn.Module:
+    return FailingCNN()
+
+
+def switched_cnn() -> nn.Module:
+    return SwitchedCNN()

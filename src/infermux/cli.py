@@ -12,7 +12,7 @@ import sys
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
+from rich.console import Console, ConsoleDimensions
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from infermux.errors import InfermuxError, UsageError
@@ -31,8 +31,34 @@ results_app = typer.Typer(help="List, show, compare and export stored runs.",
 app.add_typer(results_app, name="results")
 
 _state: dict[str, Any] = {"debug": False}
-out = Console()
-err = Console(stderr=True)
+#: Columns a table may take off a terminal: enough that no cell is ever folded.
+_OFF_TERMINAL_WIDTH = 1000
+
+
+class _Console(Console):
+    """A console whose tables read the same in a pipe, a log file or CI as on a terminal.
+
+    Off a terminal rich assumes 80 columns (or whatever terminal the process's other streams
+    are on) and folds wide tables into columns a few characters wide ("onnx / runt / ime").
+    There nothing wraps the lines afterwards, so a table gets the width it needs instead; on
+    a terminal (and in Jupyter) the terminal's width still applies.
+    """
+
+    @property
+    def size(self) -> ConsoleDimensions:
+        """The terminal's size; off a terminal, as wide as any table needs."""
+        dims = Console.size.fget(self)  # type: ignore[attr-defined]
+        if self.is_terminal or self.is_jupyter:
+            return dims
+        return ConsoleDimensions(_OFF_TERMINAL_WIDTH, dims.height)
+
+    @size.setter
+    def size(self, new_size: tuple[int, int]) -> None:
+        Console.size.fset(self, new_size)  # type: ignore[attr-defined]
+
+
+out = _Console()
+err = _Console(stderr=True)
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")]
 DbOpt = Annotated[str, typer.Option("--db", help="Results database (SQLite file).")]

@@ -7,6 +7,7 @@ import sys
 from typing import Annotated, Any
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from infermux.cli import DbOpt, JsonOpt, _print_json, _progress, app, err, out
@@ -22,17 +23,52 @@ def _num(value: Any, digits: int = 1) -> str:
     return str(value)
 
 
+def _how(t: dict[str, Any]) -> str:
+    """How a trial was measured, with its build time when the build was a large part of it."""
+    build = t.get("build_s")
+    compiled = any((c.get("options") or {}).get("compile") for c in t.get("configs", []))
+    if build is not None and (compiled or build >= 5.0):
+        return f"{t['method']}; built in {build:.1f}s"
+    return str(t["method"])
+
+
+def _failed(status: str | None, error: str | None) -> str:
+    return f"[bold red]{(status or 'error').upper()}[/]: {escape(error or 'no measurement')}"
+
+
+def _pipelines_table(data: dict[str, Any]) -> Table:
+    """Pipeline candidates, predicted and measured through the runtime, against the replicas."""
+    replica = data.get("replica_items_per_s")
+    table = Table(title="Pipelines beside the replica plans (runtime trials)")
+    for col, justify in (("pipeline", "left"), ("predicted/s", "right"), ("measured/s", "right"),
+                         ("× replica plan", "right"), ("batch p99 ms", "right"),
+                         ("stage busy", "left")):
+        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    for p in data["pipelines"]:
+        measured = p["items_per_s"]
+        ratio = f"{measured / replica:.2f}×" if measured and replica else "–"
+        busy = " ".join(f"{s['busy']:.0%}" for s in p.get("stage_figures") or [])
+        figure = _num(measured) if p["status"] == "ok" else _failed(p["status"], p["error"])
+        table.add_row(escape(p["plan"]), _num(p["predicted_items_per_s"]), figure, ratio,
+                      _num(p["p99_ms"], 2), busy)
+    table.caption = f"best replica plan through the runtime: {_num(replica)} items/s"
+    return table
+
+
 def _explain_table(data: dict[str, Any]) -> Table:
-    """Each unit's best solo figure, the combination's, and the contention measured."""
+    """Each unit's best solo figure, the combinations' (or why they failed) and contention."""
     table = Table(title="Why this plan")
     for col in ("what", "plan", "items/s", "batch p99 ms", "J/item", "how measured"):
         table.add_column(col, justify="right" if col in ("items/s", "batch p99 ms", "J/item")
                          else "left")
     for key, t in data["solo_best"].items():
         table.add_row(f"best alone on {key.split('@', 1)[1]}", t["plan"], _num(t["items_per_s"]),
-                      _num(t["p99_ms"], 2), _num(t["energy_per_item_j"], 4), t["method"])
+                      _num(t["p99_ms"], 2), _num(t["energy_per_item_j"], 4), _how(t))
     for c in data["contention"]:
-        if c["unit"] == "all":
+        if c.get("status", "ok") != "ok":
+            table.add_row("combination", c["plan"], "–", "", "",
+                          _failed(c.get("status"), c.get("error")))
+        elif c["unit"] == "all":
             table.add_row("combination", c["plan"], _num(c["measured_items_per_s"]), "", "",
                           f"runtime; {_num(c['summed_solo_items_per_s'])} if solo figures "
                           f"added up ({_num(c['factor'], 2)}×)")
@@ -44,11 +80,11 @@ def _explain_table(data: dict[str, Any]) -> Table:
     best, verified = data["best"], data["verified"]
     if best is not None:
         table.add_row("[bold]chosen[/]", best["plan"], _num(best["items_per_s"]),
-                      _num(best["p99_ms"], 2), _num(best["energy_per_item_j"], 4), best["method"])
+                      _num(best["p99_ms"], 2), _num(best["energy_per_item_j"], 4), _how(best))
     if verified is not None and verified is not best and verified != best:
         table.add_row("  as `infermux run` runs it", verified["plan"],
                       _num(verified["items_per_s"]), _num(verified["p99_ms"], 2),
-                      _num(verified["energy_per_item_j"], 4), "runtime")
+                      _num(verified["energy_per_item_j"], 4), _how(verified))
     return table
 
 
@@ -60,6 +96,12 @@ def _pareto_table(front: list[dict[str, Any]]) -> Table:
         table.add_row(t["plan"], _num(t["items_per_s"]), _num(t["p99_ms"], 2),
                       _num(t["energy_per_item_j"], 4), t["method"])
     return table
+
+
+def _compile_modes(text: str) -> tuple[str, ...]:
+    """`--compile`: a comma list of torch.compile modes, or none."""
+    modes = tuple(m.strip() for m in text.split(",") if m.strip())
+    return () if modes in ((), ("none",)) else modes
 
 
 @app.command("tune")
@@ -75,7 +117,7 @@ def tune_command(
     budget: Annotated[str, typer.Option("--budget", help="Wall-time budget, e.g. 10m.")] = "10m",
     batch: Annotated[str | None, typer.Option("--batch", "-b", help="Batch ladder, e.g. 1,2,4,8 (default powers of 2).")] = None,
     max_instances: Annotated[int, typer.Option("--max-instances", help="Most instances per unit.")] = 4,
-    compile_modes: Annotated[bool, typer.Option("--compile", help="Also try torch.compile max-autotune on GPUs (minutes per batch size).")] = False,
+    compile_modes: Annotated[str, typer.Option("--compile", help="torch.compile modes tried on GPUs: a comma list of default, reduce-overhead, max-autotune (minutes per batch size), max-autotune-no-cudagraphs; or none.")] = "default,reduce-overhead",
     trial_duration: Annotated[str, typer.Option("--trial-duration", help="Minimum duration of each trial.")] = "1s",
     trial_queries: Annotated[int, typer.Option("--trial-queries", help="Minimum items of each trial.")] = 64,
     input_shape: Annotated[str | None, typer.Option("--input-shape", help="One item's shape, e.g. 3x224x224.")] = None,
@@ -84,6 +126,7 @@ def tune_command(
     fresh: Annotated[bool, typer.Option("--fresh", help="Measure everything again; ignore stored trials.")] = False,
     no_fine_tune: Annotated[bool, typer.Option("--no-fine-tune", help="Stop after the ladders and combinations.")] = False,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the fine-tuning sampler.")] = 0,
+    pipelines: Annotated[bool, typer.Option("--pipelines/--no-pipelines", help="With 2+ CPU core sets or GPUs: measure the partitioner's best pipelines beside the replica plans.")] = True,
     db: DbOpt = "infermux.db",
     as_json: JsonOpt = False,
 ) -> None:
@@ -108,10 +151,10 @@ def tune_command(
         scenario=scenario, objective=objective, constraints=constraints,
         budget_s=parse_duration_s(budget, name="--budget"),
         batches=parse_batches(batch) if batch else None, max_instances=max_instances,
-        compile_modes=compile_modes,
+        compile_modes=_compile_modes(compile_modes),
         trial=TrialSettings(min_duration_s=parse_duration_s(trial_duration, name="--trial-duration"),
                             min_queries=trial_queries, data=data),
-        fresh=fresh, seed=seed, fine_tune=not no_fine_tune)
+        fresh=fresh, seed=seed, fine_tune=not no_fine_tune, pipelines=pipelines)
     path = out_file or f"tuned-{'-'.join(model_name(m) for m in model)}.yaml"
     store = open_store(db)
     command = "infermux " + shlex.join(sys.argv[1:])
@@ -121,9 +164,10 @@ def tune_command(
         def on_trial(phase: str, info: dict[str, Any]) -> None:
             t = info["trial"]
             used = info["budget_s"] - info["left_s"]
-            figure = f"{t.items_per_s:,.1f} items/s" if t.items_per_s else t.status
+            figure = (f"{t.items_per_s:,.1f} items/s" if t.ok
+                      else f"[red]{t.status}[/]: {escape(t.error or 'no measurement')}")
             progress.console.print(
-                f"[dim]{phase:>9}[/] {t.candidate.label()}: {figure}"
+                f"[dim]{phase:>9}[/] {escape(t.candidate.label())}: {figure}"
                 + (" [dim](stored)[/]" if t.reused else f" [dim]({t.method}, {t.cost_s:.1f}s)[/]"))
             progress.update(task, completed=used,
                             description=f"{phase} · {info['measured']} trials")
@@ -141,10 +185,22 @@ def tune_command(
     out.print(_explain_table(data_out))
     if result.pareto and (objective == "pareto" or len(result.pareto) > 1):
         out.print(_pareto_table(data_out["pareto"]))
+    if data_out["pipelines"]:
+        out.print(_pipelines_table(data_out))
+    if data_out["pipelines_note"]:
+        out.print(f"[bold]pipelines[/]: {escape(data_out['pipelines_note'])}")
     if report.server_peak is not None:
         peak = report.server_peak
         out.print(f"[bold]server[/]: peak {_num(peak.get('peak_qps'))} qps within p99 ≤ "
                   f"{peak['p99_bound_ms']:g} ms")
+    failed = data_out["failed"]
+    if failed:
+        first = failed[0]
+        out.print(f"[dim]{len(failed)} trial(s) failed or were invalid, e.g. {escape(first['plan'])}: "
+                  f"{first['status']}: {escape(str(first['error']))} (all of them: --json, `failed`)[/]")
+    if result.skipped:
+        out.print(f"[dim]not measured, their torch.compile build would not fit the budget: "
+                  f"{', '.join(result.skipped[:4])}{' …' if len(result.skipped) > 4 else ''}[/]")
     out.print(f"{result.measured} candidates measured "
               f"({data_out['reused']} reused from the store) of {result.space['plans']} plans "
               f"in {result.elapsed_s:.0f}s" + (" — budget reached" if result.stopped_by_budget

@@ -39,6 +39,8 @@ _GATHER_THREADS = 4
 _DTYPES = {"fp32": "float32", "tf32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 #: Compile modes that capture CUDA graphs themselves: our own capture would nest inside theirs.
 _SELF_GRAPHING = ("reduce-overhead", "max-autotune")
+#: Compiled graphs dynamo keeps per code object: every batch bucket of every unit's module.
+_RECOMPILE_LIMIT = 64
 
 
 class TorchOptions(BaseModel):
@@ -72,9 +74,15 @@ class TorchOptions(BaseModel):
                 "its own graphs: drop cuda_graph or use compile=max-autotune-no-cudagraphs"
             )
         threads = self.threads or (len(unit.cores) if unit.kind == "cpu" else None)
-        return self.model_copy(
-            update={"channels_last": channels_last, "cuda_graph": cuda_graph, "threads": threads}
-        )
+        update: dict[str, Any] = {"channels_last": channels_last, "cuda_graph": cuda_graph,
+                                  "threads": threads}
+        if self.compile and self.compile_cache_dir is None:
+            # torch.compile's artefacts (FX graphs, kernels, autotuning) are kept with the other
+            # caches, so a second run or tune of the same model rebuilds from them in seconds.
+            from infermux.export import cache_dir
+
+            update["compile_cache_dir"] = str(cache_dir() / "torch-compile")
+        return self.model_copy(update=update)
 
 
 
@@ -120,6 +128,8 @@ class TorchRunner(Runner):
         self._device = torch.device(unit.device if self._on_gpu else "cpu")
         self._graph: Any = None
         self._in_flight = False
+        #: Set by close(): the graph and output buffers are gone, so it must not run again.
+        self.closed = False
         self.asynchronous = self._on_gpu
         shape = (batch, *input_shape)
         memory_format = (
@@ -186,16 +196,24 @@ class TorchRunner(Runner):
 
     def run(self) -> BatchTiming:
         """One batch, synchronized; phases from CUDA events on GPU units."""
+        if self.closed:
+            self._refuse_closed()
         if not self._on_gpu:
             return self._run_cpu()
         self.launch()
         return self.collect()
+
+    def _refuse_closed(self) -> None:
+        raise RunError(f"torch runner for {self.unit.id} at batch {self.batch} was closed "
+                       "(its engine was released) and cannot run: build it again")
 
     def launch(self) -> None:
         """Enqueue copy in, compute and copy out on the runner's stream.
 
         On a GPU it returns before the batch is done (`collect()` waits).
         """
+        if self.closed:
+            self._refuse_closed()
         if not self._on_gpu:
             self._launched = self._run_cpu()
             return
@@ -310,13 +328,16 @@ class TorchRunner(Runner):
     def compute(self, x: Any) -> list[Any]:
         """Run one batch from tensor `x` and return the outputs where they were computed.
 
-        For pipelines, which move data between stages themselves: `x` is on this unit's device
-        (any dtype; it is converted into the input buffer, which a CUDA graph reads), nothing is
-        copied back to the host, and the returned tensors are overwritten by the next call.
-        Synchronized on return.
+        For pipelines, which move data between stages themselves (`Runner.compute` states the
+        contract): `x` is on this unit's device (any dtype; it is converted into the input
+        buffer, which a CUDA graph reads), nothing is copied back to the host, and the returned
+        tensors are overwritten by the next call. Synchronized on return.
         """
         import torch
 
+        expected = (self.batch, *self.input_shape)
+        if tuple(x.shape) != expected:
+            raise UsageError(f"tensor of shape {tuple(x.shape)} given, runner takes {expected}")
         if not self._on_gpu:
             threads = self._opts.threads or 1
             if torch.get_num_threads() != threads:
@@ -330,6 +351,8 @@ class TorchRunner(Runner):
             self._x_dev.copy_(x)
             return self._forward()
         previous = torch.cuda.current_stream(self._device)
+        if x.is_cuda:  # produced on another stream: order the copy after it
+            self._stream.wait_stream(torch.cuda.current_stream(x.device))
         torch.cuda.set_stream(self._stream)
         try:
             self._x_dev.copy_(x, non_blocking=True)
@@ -358,6 +381,7 @@ class TorchRunner(Runner):
 
     def close(self) -> None:
         """Drop the graph and buffers so the device memory can be reused."""
+        self.closed = True
         if self._gather_pool is not None:
             self._gather_pool.shutdown(wait=False)
             self._gather_pool = None
@@ -407,7 +431,15 @@ class TorchEngine(Engine):
             if opts.compile_cache_dir:
                 os.environ["TORCHINDUCTOR_CACHE_DIR"] = opts.compile_cache_dir
                 os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
-            module = torch.compile(module, mode=opts.compile)
+            # One graph per batch size (a runtime worker builds one per bucket), each
+            # specialised as it was measured, not one dynamic-shape graph for them all; the
+            # recompile limit (8 per code object) would otherwise send the ninth bucket, a
+            # worker's largest, back to eager.
+            dynamo = torch._dynamo.config
+            for limit in ("recompile_limit", "cache_size_limit"):
+                if hasattr(dynamo, limit):
+                    setattr(dynamo, limit, max(getattr(dynamo, limit), _RECOMPILE_LIMIT))
+            module = torch.compile(module, mode=opts.compile, dynamic=False)
         self._modules[key] = module
         return module
 
@@ -426,14 +458,20 @@ class TorchEngine(Engine):
         self.check_build_args(batch, data)
         opts = parse_options(TorchOptions, "torch", options).resolve(unit, len(model.input_shape) + 1)
         key = (model.key, unit.id, opts.model_dump_json(), batch, data, instance)
-        if key in self._runners:
+        if key in self._runners and not self._runners[key].closed:
             return self._runners[key]
         try:
             module = self._prepare(model, unit, opts)
             runner = TorchRunner(module, unit, batch, model.input_shape, opts, data)
         except Exception as exc:
             if is_out_of_memory(exc):
-                self.release()
+                # Forget the caches so their memory can go, but close nothing: one engine
+                # builds the runners of several runtime workers, and closing a runner that
+                # another worker holds would break that worker (its next batch found no graph
+                # and no output buffers). What nobody holds is freed with the references.
+                self._runners.clear()
+                self._modules.clear()
+                _free_device_memory()
                 raise DeviceOutOfMemoryError(
                     f"{model.name} on {unit.id} at batch {batch} ran out of device memory"
                 ) from exc
@@ -452,7 +490,15 @@ class TorchEngine(Engine):
             runner.close()
         self._runners.clear()
         self._modules.clear()
-        import torch
+        _free_device_memory()
 
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+
+def _free_device_memory() -> None:
+    """Collect what was just dropped, then hand the allocator's cached blocks back."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()

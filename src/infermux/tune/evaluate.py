@@ -12,11 +12,14 @@ Two ways to measure, both real:
   measured this way, because co-located units contend and solo figures do not add up.
 
 Every trial is stored (`tune_trials`); a later tune on the same machine, model and trial
-settings reuses it unless asked to measure afresh.
+settings reuses it unless asked to measure afresh. Each trial leaves nothing built behind: its
+runners and engine caches are released and, on a GPU, the allocator's cached memory returned
+before the next one starts, so a long tune holds no more device memory than its largest trial.
 """
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import re
@@ -119,6 +122,8 @@ class Trial:
     reused: bool = False
     error: str | None = None
     record: dict[str, Any] = field(default_factory=dict, repr=False)
+    #: Seconds spent building (engine runners, torch.compile, workers); part of `cost_s`.
+    build_s: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -154,8 +159,8 @@ class Trial:
             "method": self.method, "status": self.status, "items_per_s": self.items_per_s,
             "p99_ms": self.p99_ms, "energy_per_item_j": self.energy_per_item_j,
             "power_w": self.power_w, "memory_bytes": self.memory_bytes,
-            "per_unit": self.per_unit, "cost_s": self.cost_s, "reused": self.reused,
-            "error": self.error,
+            "per_unit": self.per_unit, "cost_s": self.cost_s, "build_s": self.build_s,
+            "reused": self.reused, "error": self.error,
         }
 
 
@@ -201,7 +206,8 @@ class TableEvaluator:
             return Trial(candidate, used, status="error", error="not in the table", cost_s=cost)
         return Trial(candidate, used, found.status, found.items_per_s, found.p99_ms,
                      found.energy_per_item_j, found.power_w, found.memory_bytes,
-                     dict(found.per_unit), cost, False, found.error, dict(found.record))
+                     dict(found.per_unit), cost, False, found.error, dict(found.record),
+                     found.build_s)
 
 
 class LiveEvaluator:
@@ -277,10 +283,23 @@ class LiveEvaluator:
         if self._sampler is not None:
             self._sampler.stop()
             self._sampler = None
+        self.release()
+
+    def release(self) -> None:
+        """Free what the last trial built: engine caches, runners and cached device memory.
+
+        Called after every trial: a tune of many trials must not hold the runners of all of
+        them (CUDA graphs, compiled modules, buffers) at once.
+        """
         for engine in self._engines.values():
             release = getattr(engine, "release", None)
             if release is not None:
                 release()
+        self._engines.clear()
+        # Runners that a finished runtime left in reference cycles go now, so their device
+        # memory is back in the allocator before its cache is emptied.
+        gc.collect()
+        _empty_device_cache()
 
     # -- measuring -----------------------------------------------------------------------------
 
@@ -299,7 +318,10 @@ class LiveEvaluator:
                 old.candidate = candidate
                 return old
         started = time.perf_counter()
-        trial = self._engine(candidate) if method == "engine" else self._runtime(candidate)
+        try:
+            trial = self._engine(candidate) if method == "engine" else self._runtime(candidate)
+        finally:
+            self.release()
         trial.cost_s = time.perf_counter() - started
         self._keep(key, trial)
         return trial
@@ -317,7 +339,7 @@ class LiveEvaluator:
         trial = Trial(Candidate(()), data["method"], data["status"], data["items_per_s"],
                       data["p99_ms"], data["energy_per_item_j"], data["power_w"],
                       data["memory_bytes"], data["per_unit"], 0.0, True, data["error"],
-                      data.get("record", {}))
+                      data.get("record", {}), data.get("build_s"))
         self._keep(key, trial, original_cost_s=row[1])
         return trial
 
@@ -364,12 +386,9 @@ class LiveEvaluator:
         trial = Trial(candidate, "engine", status, point.throughput if status == "ok" else None,
                       record.get("p99_ms"), record.get("energy_per_item_j"),
                       record.get("mean_power_w"), _peak_memory(torch_device),
-                      {unit.id: point.throughput or 0.0}, error=point.error or (note or None),
-                      record=record)
-        if status == "oom":
-            release = getattr(engine, "release", None)
-            if release is not None:
-                release()
+                      {unit.id: point.throughput} if status == "ok" and point.throughput else {},
+                      error=point.error or (note or None), record=record,
+                      build_s=point.build_s or None)
         return trial
 
     def _point_progress(self, label: str, fraction: float) -> None:
@@ -378,20 +397,27 @@ class LiveEvaluator:
 
     def plan_dict(self, candidate: Candidate, *, load: dict[str, Any],
                   buckets: str = "none") -> dict[str, Any]:
-        """The runtime Plan of `candidate` under `load`."""
-        entries = []
-        for name in sorted({c.model for c in candidate.configs}):
-            spec = self.specs[name]
-            entry: dict[str, Any] = {"name": name, "model": spec.ref, "replicas": [
-                c.replica() | {"batch_buckets": buckets}
-                for c in candidate.configs if c.model == name]}
-            if spec.weights:
-                entry["weights"] = spec.weights
-            if spec.input_shape:
-                entry["input_shape"] = list(spec.input_shape)
-            entries.append(entry)
+        """The runtime Plan of `candidate` under `load`.
+
+        Trials run `buckets: none` (their batches fill, and one runner per worker builds
+        fastest); the written plan runs `pow2`, so a partial batch runs in a smaller bucket.
+        """
+        entries = [self._model_entry(name, [c for c in candidate.configs if c.model == name],
+                                     buckets)
+                   for name in sorted({c.model for c in candidate.configs})]
         return {"name": "tuned", "models": entries,
                 "dispatcher": {"max_queue_delay_ms": 2.0}, "load": load}
+
+    def _model_entry(self, name: str, configs: list[Config], buckets: str) -> dict[str, Any]:
+        """One model entry of the plan: its replicas, one per config."""
+        spec = self.specs[name]
+        entry: dict[str, Any] = {"name": name, "model": spec.ref, "replicas": [
+            c.replica() | {"batch_buckets": buckets} for c in configs]}
+        if spec.weights:
+            entry["weights"] = spec.weights
+        if spec.input_shape:
+            entry["input_shape"] = list(spec.input_shape)
+        return entry
 
     def _runtime(self, candidate: Candidate) -> Trial:
         from infermux.runtime import run_plan
@@ -415,32 +441,40 @@ class LiveEvaluator:
         except InfermuxError as exc:
             if isinstance(exc, UsageError):
                 raise
-            return Trial(candidate, "runtime", "error", error=str(exc))
+            status = "oom" if _oom_text(str(exc)) else "error"
+            return Trial(candidate, "runtime", status, error=str(exc))
         t1 = time.perf_counter_ns()
         rec = report.final or {}
-        workers = rec.get("workers", {}).values()
+        workers = list(rec.get("workers", {}).values())
         failed = [w for w in workers if w.get("status") != "ok"]
         status = "ok" if rec.get("valid") and not failed else "invalid"
         if failed:
-            status = "oom" if any("out of memory" in (w.get("error") or "") for w in failed) \
-                else "error"
+            status = "oom" if any(_oom_text(w.get("error") or "") for w in failed) else "error"
         per_unit: dict[str, float] = {}
-        for w in workers:
-            unit = "cpu" if str(w["unit"]).startswith("cpu") and "cpu" in candidate.units \
-                else str(w["unit"])
-            per_unit[unit] = per_unit.get(unit, 0.0) + (w.get("items_per_s") or 0.0)
+        if status == "ok":
+            for w in workers:
+                unit = self._candidate_unit(str(w["unit"]), candidate)
+                per_unit[unit] = per_unit.get(unit, 0.0) + (w.get("items_per_s") or 0.0)
         # A batch's latency, as the engine trials measure it: from its launch to its outputs.
         # (The runtime's compute phase starts at the take, which for a worker that gathers the
         # next batch while one runs includes the batch ahead of it.)
         batch_p99 = [(w.get("batch_latency") or {}).get("p99_ms") for w in workers]
+        # One line per distinct failure, naming the workers it took out (four workers that ran
+        # out of memory the same way are one message, not four).
+        errors: dict[str, list[str]] = {}
+        for name, w in rec.get("workers", {}).items():
+            if w.get("status") != "ok":
+                errors.setdefault(str(w.get("error") or w.get("status")), []).append(str(name))
+        error = "; ".join(f"{text} ({', '.join(names)})" if len(names) > 1 else text
+                          for text, names in errors.items())
         trial = Trial(candidate, "runtime", status,
                       rec.get("throughput_samples_per_s") if status == "ok" else None,
                       max((c for c in batch_p99 if c is not None), default=None),
                       per_unit=per_unit,
-                      error="; ".join(str(w.get("error")) for w in failed) or (
-                          "; ".join(rec.get("validity_notes", [])) or None),
+                      error=error or ("; ".join(rec.get("validity_notes", [])) or None),
                       record={k: rec.get(k) for k in ("duration_s", "completed_samples",
-                                                       "latency", "valid", "validity_notes")})
+                                                       "latency", "valid", "validity_notes")},
+                      build_s=report.build.get("build_s"))
         if self._sampler is not None and "t0" in marks and trial.items_per_s:
             window = self._sampler.window(marks["t0"], t1)
             devices = sorted({_telemetry_device(self.units[u]) for u in candidate.units})
@@ -448,6 +482,36 @@ class LiveEvaluator:
             trial.energy_per_item_j = energy.get("energy_per_item_j")
             trial.power_w = energy.get("mean_power_w")
         return trial
+
+
+    def _candidate_unit(self, worker_unit: str, candidate: Candidate) -> str:
+        """The candidate's unit a runtime worker ran on (a CPU worker runs on a share of it)."""
+        if worker_unit in candidate.units or not worker_unit.startswith("cpu"):
+            return worker_unit
+        from infermux.units import parse_core_set
+
+        cores = set(parse_core_set(worker_unit[4:])) if worker_unit.startswith("cpu:") else set()
+        for unit_id in candidate.units:
+            unit = self.units.get(unit_id)
+            if unit is not None and unit.kind == "cpu" and cores <= set(unit.cores):
+                return unit_id
+        return worker_unit
+
+
+def _oom_text(text: str) -> bool:
+    """Whether an error message says a device ran out of memory (ours or PyTorch's words)."""
+    lowered = text.lower()
+    return "out of memory" in lowered or "out of device memory" in lowered \
+        or "outofmemory" in lowered
+
+
+def _empty_device_cache() -> None:
+    """Return the CUDA allocator's cached blocks to the device (no-op without CUDA in use)."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 def _telemetry_device(unit: Unit) -> str:

@@ -14,8 +14,16 @@ from infermux.errors import UsageError
 from infermux.models import LoadedModel, ModelSpec
 from infermux.store import Store
 from infermux.tune.evaluate import Constraints, LiveEvaluator, TrialSettings, model_name
+from infermux.tune.pipelines import PipelineTrial, pipeline_units, tune_pipelines
 from infermux.tune.search import OBJECTIVES, Tuner, TuneResult, TuneSettings
-from infermux.tune.space import Space, UnitSpace, option_variants
+from infermux.tune.space import (
+    COMPILE_MODES,
+    DEFAULT_COMPILE_MODES,
+    Space,
+    UnitSpace,
+    option_variants,
+    overlapping_units,
+)
 from infermux.units import Unit
 
 __all__ = ["TuneReport", "TuneRequest", "build_space", "prepare", "run_tune"]
@@ -36,11 +44,15 @@ class TuneRequest:
     budget_s: float = 600.0
     batches: list[int] | None = None
     max_instances: int = 4
-    compile_modes: bool = False
+    #: torch.compile modes tried on GPU units (none on CPUs); empty for none.
+    compile_modes: tuple[str, ...] = DEFAULT_COMPILE_MODES
     trial: TrialSettings = field(default_factory=TrialSettings)
     fresh: bool = False
     seed: int = 0
     fine_tune: bool = True
+    #: With two or more CPU core sets or GPUs and one torch model: measure the partitioner's
+    #: best predicted pipelines through the runtime beside the replica plans.
+    pipelines: bool = True
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -56,6 +68,11 @@ class TuneRequest:
             raise UsageError(f"--budget {self.budget_s:g}s must be positive, e.g. --budget 10m")
         if self.max_instances < 1:
             raise UsageError(f"--max-instances {self.max_instances} must be at least 1")
+        self.compile_modes = tuple(self.compile_modes)
+        unknown = [m for m in self.compile_modes if m not in COMPILE_MODES]
+        if unknown:
+            raise UsageError(f"--compile {unknown[0]!r} is not a torch.compile mode: use "
+                             f"{', '.join(COMPILE_MODES)}, a comma list of them, or none")
         names = [model_name(m.ref) for m in self.models]
         if len(set(names)) != len(names):
             raise UsageError(f"models {names} repeat a name: tune each model once")
@@ -68,9 +85,9 @@ class TuneRequest:
             "units": self.units, "engines": self.engines, "scenario": self.scenario,
             "objective": self.objective, "constraints": self.constraints.to_dict(),
             "budget_s": self.budget_s, "batches": self.batches,
-            "max_instances": self.max_instances, "compile_modes": self.compile_modes,
+            "max_instances": self.max_instances, "compile_modes": list(self.compile_modes),
             "trial": self.trial.to_dict(), "fresh": self.fresh, "seed": self.seed,
-            "fine_tune": self.fine_tune,
+            "fine_tune": self.fine_tune, "pipelines": self.pipelines,
         }
 
 
@@ -84,12 +101,21 @@ class TuneReport:
     plan: dict[str, Any] | None
     plan_path: str | None
     server_peak: dict[str, Any] | None = None
+    #: Pipeline candidates measured beside the replica plans (see `tune.pipelines`).
+    pipelines: list[PipelineTrial] = field(default_factory=list)
+    #: Why no pipeline was measured, or which plan won and by how much.
+    pipelines_note: str | None = None
+    #: The best replica plan's runtime figure the pipelines were compared with (items/s).
+    replica_items_per_s: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready copy."""
         return {"run_id": self.run_id, "request": self.request.to_dict(),
                 "plan": self.plan, "plan_path": self.plan_path,
-                "server_peak": self.server_peak, **self.result.to_dict()}
+                "server_peak": self.server_peak,
+                "pipelines": [p.to_dict() for p in self.pipelines],
+                "pipelines_note": self.pipelines_note,
+                "replica_items_per_s": self.replica_items_per_s, **self.result.to_dict()}
 
 
 def _ladder(top: int) -> list[int]:
@@ -100,8 +126,13 @@ def _ladder(top: int) -> list[int]:
     return out
 
 
-def build_space(request: TuneRequest, units: list[Unit], engines: dict[str, list[str]]) -> Space:
-    """The space for `units` with the engines usable on each (`engines[unit_id]`)."""
+def build_space(request: TuneRequest, units: list[Unit], engines: dict[str, list[str]],
+                host_cores: tuple[int, ...] = ()) -> Space:
+    """The space for `units` with the engines usable on each (`engines[unit_id]`).
+
+    `host_cores` are the cores `cpu` and OpenVINO's CPU device run on: units sharing them are
+    alternatives in the space, never combined.
+    """
     spaces = []
     for unit in units:
         names = engines.get(unit.id, [])
@@ -121,19 +152,23 @@ def build_space(request: TuneRequest, units: list[Unit], engines: dict[str, list
     if not spaces:
         raise UsageError(f"no engine installed here runs the units {request.units!r}: "
                          "check `infermux units`")
-    return Space([model_name(m.ref) for m in request.models], spaces)
+    kept = [s.unit for s in spaces]
+    return Space([model_name(m.ref) for m in request.models], spaces,
+                 overlapping_units(kept, host_cores))
 
 
-def _tune_units(spec: str) -> list[Unit]:
+def _tune_units(spec: str) -> tuple[list[Unit], tuple[int, ...]]:
+    """The selected units and the host's usable cores.
+
+    Units that share cores (`cpu` and `openvino:CPU`, which runs OpenVINO at the device's own
+    precision, bf16 where the CPU has it; overlapping core sets) are all kept: each is weighed
+    alone, and the space never combines them.
+    """
     from infermux.units import discover, select_units
 
     found = discover()
     units = select_units(spec, found)
-    # OpenVINO's CPU device is the `cpu` unit's cores under another name: the openvino engine
-    # on `cpu` covers it, and a plan may not hold the same cores twice.
-    if any(u.kind == "cpu" for u in units):
-        units = [u for u in units if not u.id.upper().startswith("OPENVINO:CPU")]
-    return units
+    return units, tuple(found.cpu.get("usable_cores", ()))
 
 
 def prepare(request: TuneRequest) -> tuple[list[Unit], dict[str, LoadedModel], Space]:
@@ -141,7 +176,7 @@ def prepare(request: TuneRequest) -> tuple[list[Unit], dict[str, LoadedModel], S
     from infermux.bench import engines_for
     from infermux.models import load_model
 
-    units = _tune_units(request.units)
+    units, host_cores = _tune_units(request.units)
     loaded = {model_name(m.ref): load_model(m) for m in request.models}
     engines: dict[str, list[str]] = {}
     for unit in units:
@@ -149,7 +184,7 @@ def prepare(request: TuneRequest) -> tuple[list[Unit], dict[str, LoadedModel], S
         for model in loaded.values():
             names.update(n for _, n in engines_for(request.engines, [unit], model))
         engines[unit.id] = sorted(names)
-    return units, loaded, build_space(request, units, engines)
+    return units, loaded, build_space(request, units, engines, host_cores)
 
 
 def run_tune(
@@ -186,9 +221,13 @@ def run_tune(
         raise UsageError("--objective energy needs power readings (NVML, RAPL or Jetson rails) "
                          "and this machine has none: use --objective throughput or latency")
     setup_s = time.monotonic() - started
+    piped = _pipelines_wanted(request, units, loaded)
+    # Pipelines get a quarter of the budget: profiling pieces on every (unit, engine), then a
+    # runtime trial per predicted plan.
+    share = PIPELINE_BUDGET_SHARE if piped is None else 0.0
     settings = TuneSettings(objective=request.objective,
-                            budget_s=max(1.0, request.budget_s - setup_s), seed=request.seed,
-                            fine_tune=request.fine_tune)
+                            budget_s=max(1.0, (request.budget_s - setup_s) * (1 - share)),
+                            seed=request.seed, fine_tune=request.fine_tune)
     status = "complete"
     report = TuneReport(run_id, request, TuneResult(None, [], [], {}, [], None, {}, 0.0, False),
                         None, None)
@@ -199,10 +238,17 @@ def run_tune(
         report.result = result
         if result.best is not None:
             report.plan = _final_plan(evaluator, result, request)
+            if piped is None:
+                evaluator.release()
+                _search_pipelines(report, request, units, loaded, space, evaluator,
+                                  deadline=started + request.budget_s,
+                                  progress=measure_progress)
+            else:
+                report.pipelines_note = piped
             if request.scenario == "server":
                 report.server_peak = _server_peak(evaluator, report.plan, measure_progress)
             if out_path is not None:
-                text = _plan_header(result, request) + yaml.safe_dump(
+                text = _plan_header(result, request, report.pipelines_note) + yaml.safe_dump(
                     report.plan, sort_keys=False, width=100)
                 try:
                     Path(out_path).write_text(text)
@@ -226,6 +272,72 @@ def run_tune(
     return report
 
 
+#: Share of the budget kept for pipeline candidates when they apply.
+PIPELINE_BUDGET_SHARE = 0.25
+
+
+def _pipelines_wanted(request: TuneRequest, units: list[Unit],
+                      loaded: dict[str, LoadedModel]) -> str | None:
+    """None when pipelines are searched, else why not."""
+    if not request.pipelines:
+        return "pipelines not searched (--no-pipelines)"
+    if len(loaded) != 1:
+        return "pipelines are searched for one model at a time"
+    if len(pipeline_units(units)) < 2:
+        return "pipelines need two or more CPU core sets or GPUs among the units"
+    if next(iter(loaded.values())).module is None:
+        return "pipelines cut torch models, not ONNX files"
+    return None
+
+
+def _search_pipelines(report: TuneReport, request: TuneRequest, units: list[Unit],
+                      loaded: dict[str, LoadedModel], space: Space, evaluator: LiveEvaluator,
+                      *, deadline: float,
+                      progress: Callable[[str, float], None] | None) -> None:
+    """Measure the partitioner's best pipelines; take one if it beats the replica plan."""
+    result = report.result
+    assert result.best is not None and report.plan is not None
+    name, model = next(iter(loaded.items()))
+    spec = next(m for m in request.models if model_name(m.ref) == name)
+    usable = pipeline_units(units)
+    engines = sorted({e for u in usable for e in space.unit(u.id).engines})
+    batch = max(c.batch for c in result.best.candidate.configs)
+    replica = result.verified if result.verified is not None and result.verified.ok \
+        else result.best
+    report.replica_items_per_s = replica.items_per_s
+    budget = max(deadline - time.monotonic(), 0.1 * request.budget_s)
+    trials, why = tune_pipelines(name=name, spec=spec, model=model, units=usable,
+                                 engines=engines, batch=batch, settings=request.trial,
+                                 budget_s=budget, progress=progress)
+    report.pipelines = trials
+    if why is not None:
+        report.pipelines_note = why
+        return
+    good = [t for t in trials if not t.violations(request.constraints)]
+    if not good:
+        report.pipelines_note = "no pipeline measured valid within the constraints"
+        return
+    best = max(good, key=lambda t: t.items_per_s or 0.0)
+    assert best.items_per_s is not None
+    ratio = best.items_per_s / replica.items_per_s if replica.items_per_s else float("inf")
+    if request.objective != "throughput":
+        report.pipelines_note = (f"best pipeline {ratio:.2f}× the replica plan; the objective "
+                                 f"{request.objective} keeps the replica plan")
+        return
+    if ratio <= 1.0:
+        report.pipelines_note = f"the replica plan wins: the best pipeline gives {ratio:.2f}× it"
+        return
+    report.pipelines_note = (f"a pipeline wins: {ratio:.2f}× the best replica plan "
+                             f"({best.items_per_s:,.1f} vs {replica.items_per_s:,.1f} items/s)")
+    entry = best.plan.model_entry(name)
+    if spec.weights:
+        entry["weights"] = spec.weights
+    report.plan = {**report.plan, "name": f"tuned-{name}-pipeline", "models": [entry]}
+    from infermux.runtime.plan import parse_plan
+
+    parse_plan(report.plan, source="tuned plan")
+
+
 def _final_plan(evaluator: LiveEvaluator, result: TuneResult, request: TuneRequest
                 ) -> dict[str, Any]:
     assert result.best is not None
@@ -233,12 +345,12 @@ def _final_plan(evaluator: LiveEvaluator, result: TuneResult, request: TuneReque
         load: dict[str, Any] = {"scenario": "server", "find_peak": True,
                                 "p99_bound_ms": request.constraints.p99_bound_ms,
                                 "min_duration_s": 10.0, "min_queries": 1024}
-        buckets = "pow2"
     else:
         load = {"scenario": "offline", "min_duration_s": 10.0, "min_queries": 1024}
-        buckets = "none"
     load["data"] = request.trial.data
-    plan = evaluator.plan_dict(result.best.candidate, load=load, buckets=buckets)
+    # Every written plan may be served at any load: a batch of a few queries runs in the
+    # smallest power-of-two bucket that holds it, not padded to the plan's batch.
+    plan = evaluator.plan_dict(result.best.candidate, load=load, buckets="pow2")
     plan["name"] = "tuned-" + "-".join(sorted({c.model for c in result.best.candidate.configs}))
     from infermux.runtime.plan import parse_plan
 
@@ -261,7 +373,7 @@ def _server_peak(evaluator: LiveEvaluator, plan: dict[str, Any],
     return report.peak
 
 
-def _plan_header(result: TuneResult, request: TuneRequest) -> str:
+def _plan_header(result: TuneResult, request: TuneRequest, pipelines: str | None = None) -> str:
     best = result.best
     assert best is not None
     lines = [
@@ -274,4 +386,6 @@ def _plan_header(result: TuneResult, request: TuneRequest) -> str:
     ]
     if result.verified is not None and result.verified is not best and result.verified.ok:
         lines.append(f"# through the runtime: {result.verified.items_per_s:.1f} items/s")
+    if pipelines:
+        lines.append(f"# pipelines: {pipelines}")
     return "\n".join(lines) + "\n"

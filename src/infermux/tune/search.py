@@ -14,7 +14,9 @@
    until the budget or the space near the optimum is exhausted.
 
 The budget is wall time: a trial starts only if its expected cost (the mean of past trials of
-its kind) fits in what is left, keeping back the cost of the final runtime check.
+its kind) fits in what is left, keeping back the cost of the final runtime check. Trials that
+build with torch.compile are a kind of their own (their build is most of their cost); one that
+does not fit is skipped and the search goes on without it.
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ from infermux.tune.space import Candidate, Config, Space
 __all__ = ["OBJECTIVES", "TuneResult", "TuneSettings", "Tuner", "pareto_front"]
 
 OBJECTIVES = ("throughput", "energy", "latency", "pareto")
+#: What the first torch.compile trial is expected to cost before one was measured: cold
+#: `default` builds of ResNet50 took 11-19 s on an H100 host (16 cores); later ones are timed.
+COMPILE_PRIOR_S = 20.0
 
 
 @dataclass(frozen=True)
@@ -72,6 +77,8 @@ class TuneResult:
     elapsed_s: float
     stopped_by_budget: bool
     phases: dict[str, int] = field(default_factory=dict)
+    #: Candidates not measured because their torch.compile build would not fit the budget.
+    skipped: list[str] = field(default_factory=list)
 
     @property
     def measured(self) -> int:
@@ -93,6 +100,8 @@ class TuneResult:
             "elapsed_s": self.elapsed_s,
             "stopped_by_budget": self.stopped_by_budget,
             "phases": self.phases,
+            "skipped": self.skipped,
+            "failed": [t.to_dict() for t in self.trials if t.status != "ok"],
         }
 
 
@@ -123,6 +132,10 @@ class _BudgetSpentError(Exception):
     pass
 
 
+class _SkippedError(Exception):
+    """An optional trial (a torch.compile build) that does not fit in what is left."""
+
+
 class Tuner:
     """Searches `space` through `evaluator` for the best plan under `constraints`.
 
@@ -151,24 +164,58 @@ class Tuner:
         self._stopped = False
         self._phase = "screen"
         self.phases: dict[str, int] = {}
+        #: Candidates left unmeasured because their torch.compile build would not fit.
+        self.skipped: list[str] = []
 
     # -- bookkeeping -----------------------------------------------------------------------------
 
     def _left_s(self) -> float:
         return self.settings.budget_s - (self.clock() - self._start)
 
-    def _expected_s(self, method: str) -> float:
-        costs = [t.cost_s for t in self.trials if t.method == method and not t.reused]
+    def _costs(self, method: str | None, compiled: bool) -> list[float]:
+        return [t.cost_s for t in self.trials if not t.reused and t.candidate.compiled == compiled
+                and (method is None or t.method == method)]
+
+    def _expected_s(self, method: str, compiled: bool = False) -> float:
+        """The expected cost of a trial: the mean of past ones measured the same way.
+
+        Trials that build with torch.compile are counted apart: their build is most of their
+        cost, and mixing them in would make every other trial look expensive.
+        """
+        costs = self._costs(method, compiled)
         if costs:
             return sum(costs) / len(costs)
+        if compiled:
+            # Compiled, but not yet measured this way: the build the other way took, on top of
+            # this way's own cost; before any compile, a cold build's.
+            other = "engine" if method == "runtime" else "runtime"
+            done = self._costs(other, True)
+            if done:
+                build = sum(done) / len(done) - self._expected_s(other)
+                return max(0.0, build) + self._expected_s(method)
+            eager = self._costs(None, False)
+            base = sum(eager) / len(eager) if eager else 0.0
+            return max(COMPILE_PRIOR_S, 3 * base) + (
+                self._expected_s(method) if method == "runtime" else 0.0)
         # No trial of this kind yet: the runtime starts workers, so assume it costs more.
-        others = [t.cost_s for t in self.trials if not t.reused]
-        base = sum(others) / len(others) if others else 0.0
+        eager = self._costs(None, False)
+        base = sum(eager) / len(eager) if eager else 0.0
         return base * 3 if method == "runtime" else base
 
     def _reserve_s(self) -> float:
-        # Room to measure the chosen plan through the runtime, and one runner-up after it.
-        return 2 * self._expected_s("runtime") if self.settings.verify else 0.0
+        """Room to measure the chosen plan through the runtime, and one runner-up after it.
+
+        When the best plan so far was measured in-process with torch.compile, its check
+        through the runtime compiles too, and is expected to cost that.
+        """
+        if not self.settings.verify:
+            return 0.0
+        eager = self._expected_s("runtime")
+        best = max((t for t in self.trials if self.feasible(t)), key=self.score, default=None)
+        first = eager
+        if best is not None and best.method != "runtime" and best.candidate.compiled:
+            first = self._expected_s("runtime", compiled=True)
+        return first + eager
 
     def _method(self, candidate: Candidate) -> str:
         return "engine" if candidate.solo and self._engine_ok(candidate.configs[0]) else "runtime"
@@ -181,13 +228,21 @@ class Tuner:
         return not (unit.kind == "cpu" and config.instances > 1)
 
     def measure(self, candidate: Candidate, method: str = "auto") -> Trial:
-        """Measure (or recall) one candidate; raises _BudgetSpentError when it would not fit."""
+        """Measure (or recall) one candidate; raises _BudgetSpentError when it would not fit.
+
+        A torch.compile candidate that would not fit raises _SkippedError instead: the search
+        goes on with the trials that do.
+        """
         used = self._method(candidate) if method == "auto" else method
         key = f"{used}|{candidate.key()}"
         if key in self._cache:
             return self._cache[key]
         reserve = 0.0 if self._phase == "verify" else self._reserve_s()
-        if self.trials and self._expected_s(used) > self._left_s() - reserve:
+        compiled = candidate.compiled
+        if self.trials and self._expected_s(used, compiled) > self._left_s() - reserve:
+            if compiled and self._phase != "verify":
+                self.skipped.append(candidate.label())
+                raise _SkippedError
             self._stopped = True
             raise _BudgetSpentError
         trial = self.evaluator.evaluate(candidate, used)
@@ -258,7 +313,7 @@ class Tuner:
                 best, contention = self._combine(best, solo_best)
                 if self.settings.fine_tune:
                     best = self._fine_tune(best, solo_best)
-        except _BudgetSpentError:
+        except (_BudgetSpentError, _SkippedError):
             # Units whose ladder the budget cut short: their best measured solo trial.
             for t in sorted(self._effective(), key=self.score, reverse=True):
                 c = t.candidate.configs[0]
@@ -294,7 +349,7 @@ class Tuner:
             pareto=pareto_front(feasible, with_energy=with_energy), solo_best=solo_best,
             contention=contention, verified=verified, space=self.space.describe(),
             elapsed_s=self.clock() - self._start, stopped_by_budget=self._stopped,
-            phases=dict(self.phases))
+            phases=dict(self.phases), skipped=list(dict.fromkeys(self.skipped)))
 
     def _solo(self, out: dict[str, Trial]) -> dict[str, Trial]:
         """Screen, ladder, options and instances per (model, unit); the best solo trial of each.
@@ -312,7 +367,11 @@ class Tuner:
                     screened.setdefault((model, us.unit.id), []).append(
                         (engine, self.measure(Candidate.of(cfg))))
         self._phase = "ladder"
-        for (model, unit_id), rows in screened.items():
+        # The most promising units first: when the budget runs short, it is the weakest units'
+        # ladders that go unclimbed (their screen figure stands for them).
+        order = sorted(screened.items(), key=lambda kv: max(self.score(t) for _, t in kv[1]),
+                       reverse=True)
+        for (model, unit_id), rows in order:
             us = self.space.unit(unit_id)
             scores = {e: self.score(t) for e, t in rows}
             top = max(scores.values())
@@ -375,28 +434,49 @@ class Tuner:
         return best
 
     def _options_and_instances(self, trial: Trial) -> Trial:
+        """Each option variant at the best batch, then more instances, while they gain.
+
+        torch.compile's `reduce-overhead` is tried only where its `default` mode measured
+        faster than what the unit had: both run the same compiled kernels (one under our CUDA
+        graph, one under torch's), so where compiling does not pay, neither does. A compile
+        build that would not fit in the budget is skipped, not the end of the search.
+        """
         cfg = trial.candidate.configs[0]
         us = self.space.unit(cfg.unit)
         best, best_cfg = trial, cfg
-        for variant in us.options.get(cfg.engine, [{}]):
+        variants = us.options.get(cfg.engine, [{}])
+        gated = {"compile": "default"} in variants
+        compile_gained = False
+        for variant in variants:
             if variant == cfg.options_dict:
                 continue
-            t = self.measure(Candidate.of(cfg.with_(options=variant)))
-            if self._better(t, best):
-                best, best_cfg = t, t.candidate.configs[0]
-        for n in us.instances:
-            if n <= best_cfg.instances:
+            if variant.get("compile") == "reduce-overhead" and gated and not compile_gained:
                 continue
-            t = self.measure(Candidate.of(best_cfg.with_(instances=n)))
-            if not self._better(t, best):
-                # More workers often want smaller batches each: one step down before giving up.
-                lower = [b for b in us.batches if b < best_cfg.batch]
-                if not lower:
-                    break
-                t = self.measure(Candidate.of(best_cfg.with_(instances=n, batch=lower[-1])))
+            try:
+                t = self.measure(Candidate.of(cfg.with_(options=variant)))
+                better = self._better(t, best)
+            except _SkippedError:
+                continue
+            if variant == {"compile": "default"}:
+                compile_gained = better
+            if better:
+                best, best_cfg = t, t.candidate.configs[0]
+        try:
+            for n in us.instances:
+                if n <= best_cfg.instances:
+                    continue
+                t = self.measure(Candidate.of(best_cfg.with_(instances=n)))
                 if not self._better(t, best):
-                    break
-            best, best_cfg = t, t.candidate.configs[0]
+                    # More workers often want smaller batches each: one step down first.
+                    lower = [b for b in us.batches if b < best_cfg.batch]
+                    if not lower:
+                        break
+                    t = self.measure(Candidate.of(best_cfg.with_(instances=n, batch=lower[-1])))
+                    if not self._better(t, best):
+                        break
+                best, best_cfg = t, t.candidate.configs[0]
+        except _SkippedError:
+            pass
         return best
 
     def _initial(self, solo_best: dict[str, Trial]) -> Candidate | None:
@@ -406,7 +486,8 @@ class Tuner:
         for model in self.space.models:
             options = sorted((t for k, t in solo_best.items() if k.startswith(model + "@")),
                              key=self.score, reverse=True)
-            free = [t for t in options if t.candidate.configs[0].unit not in taken]
+            free = [t for t in options
+                    if self.space.compatible(t.candidate.configs[0].unit, taken)]
             if not free:
                 return None
             configs.append(free[0].candidate.configs[0])
@@ -415,11 +496,15 @@ class Tuner:
 
     def _combine(self, current: Candidate, solo_best: dict[str, Trial]
                  ) -> tuple[Candidate, list[dict[str, Any]]]:
-        """Add units while the measured plan gains; record contention per unit pair."""
+        """Add units while the measured plan gains; record contention per unit pair.
+
+        Units that share cores with one in the plan are alternatives, not additions: they
+        were weighed alone. A combination that fails is recorded as failed, with its error.
+        """
         self._phase = "combine"
         contention: list[dict[str, Any]] = []
         rest = sorted((t for t in solo_best.values()
-                       if t.candidate.configs[0].unit not in current.units),
+                       if self.space.compatible(t.candidate.configs[0].unit, current.units)),
                       key=self.score, reverse=True)
         if not rest:
             return current, contention
@@ -431,27 +516,40 @@ class Tuner:
                 runtime_solo[key] = self.measure(Candidate.of(cfg), "runtime")
             return runtime_solo[key]
 
-        current_trial = (self.measure(current, "runtime") if not current.solo
-                         else alone(current.configs[0]))
+        try:
+            current_trial = (self.measure(current, "runtime") if not current.solo
+                             else alone(current.configs[0]))
+        except _SkippedError:
+            return current, contention
         for extra in rest:
             cfg = extra.candidate.configs[0]
-            if cfg.unit in current.units:
+            if not self.space.compatible(cfg.unit, current.units):
                 continue
-            trial_alone = alone(cfg)
             candidate = current.add(cfg)
-            trial = self.measure(candidate, "runtime")
+            try:
+                trial_alone = alone(cfg)
+                trial = self.measure(candidate, "runtime")
+            except _SkippedError:
+                continue
+            summed = (current_trial.items_per_s or 0.0) + (trial_alone.items_per_s or 0.0)
+            if not trial.ok:
+                contention.append({"plan": candidate.label(), "unit": "all",
+                                   "with": list(candidate.units), "status": trial.status,
+                                   "error": trial.error, "summed_solo_items_per_s": summed,
+                                   "measured_items_per_s": None, "factor": None})
+                continue
             for c in candidate.configs:
                 solo_rt = alone(c)
                 inside = trial.per_unit.get(c.unit)
                 if solo_rt.items_per_s and inside is not None:
                     contention.append({
                         "plan": candidate.label(), "unit": c.unit, "with": [
-                            u for u in candidate.units if u != c.unit],
+                            u for u in candidate.units if u != c.unit], "status": "ok",
                         "alone_items_per_s": solo_rt.items_per_s, "inside_items_per_s": inside,
                         "factor": inside / solo_rt.items_per_s})
-            summed = (current_trial.items_per_s or 0.0) + (trial_alone.items_per_s or 0.0)
             contention.append({"plan": candidate.label(), "unit": "all",
-                               "with": list(candidate.units), "summed_solo_items_per_s": summed,
+                               "with": list(candidate.units), "status": "ok", "error": None,
+                               "summed_solo_items_per_s": summed,
                                "measured_items_per_s": trial.items_per_s,
                                "factor": (trial.items_per_s or 0.0) / summed if summed else None})
             if self._better(trial, current_trial):
@@ -560,10 +658,17 @@ class Tuner:
             tried.add(key)
             try:
                 result = self.measure(candidate)
+                better = self._better(result, incumbent)
+            except _SkippedError:
+                # A compile build that does not fit: not measured, and not a reason to stop.
+                study.tell(trial, state=optuna.trial.TrialState.FAIL)
+                if repeats == 0:
+                    stale += 1
+                continue
             except _BudgetSpentError:
                 study.tell(trial, state=optuna.trial.TrialState.FAIL)
                 raise
-            if self._better(result, incumbent):
+            if better:
                 incumbent, stale = result, 0
             elif repeats == 0:
                 stale += 1

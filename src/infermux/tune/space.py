@@ -2,18 +2,36 @@
 
 A `Config` is one replica of one model (unit, engine, batch, instances, options). A `Candidate`
 is a whole plan: configs of every model on distinct units. The `Space` enumerates what may be
-combined; its size is what a brute-force search would measure.
+combined; its size is what a brute-force search would measure. Units that share cores (`cpu`
+and `openvino:CPU`, overlapping core sets) are alternatives: each is searched, never both in
+one plan.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from infermux.units import Unit
 
-__all__ = ["Candidate", "Config", "Space", "UnitSpace", "option_variants"]
+__all__ = [
+    "COMPILE_MODES",
+    "DEFAULT_COMPILE_MODES",
+    "Candidate",
+    "Config",
+    "Space",
+    "UnitSpace",
+    "option_variants",
+    "overlapping_units",
+]
+
+#: torch.compile modes the tuner may try on GPUs.
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+#: Those it tries unless told otherwise: max-autotune takes minutes per batch size.
+DEFAULT_COMPILE_MODES = ("default", "reduce-overhead")
 
 
 def _frozen(options: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
@@ -56,6 +74,11 @@ class Config:
             text += " {" + ", ".join(f"{k}={v}" for k, v in self.options) + "}"
         return text
 
+    @property
+    def compiled(self) -> bool:
+        """Built with torch.compile: its build takes far longer than an eager one's."""
+        return bool(self.options_dict.get("compile"))
+
     def replica(self) -> dict[str, Any]:
         """The runtime Plan's replica entry."""
         return {"unit": self.unit, "engine": self.engine, "instances": self.instances,
@@ -90,6 +113,11 @@ class Candidate:
         """One config on one unit."""
         return len(self.configs) == 1
 
+    @property
+    def compiled(self) -> bool:
+        """Any of its configs is built with torch.compile."""
+        return any(c.compiled for c in self.configs)
+
     def key(self) -> str:
         """A canonical text key."""
         return "|".join(c.key() for c in self.configs)
@@ -108,18 +136,20 @@ class Candidate:
         return Candidate.of(*(new if c == old else c for c in self.configs))
 
 
-def option_variants(engine: str, unit: Unit, *, compile_modes: bool = False) -> list[dict[str, Any]]:
+def option_variants(engine: str, unit: Unit, *,
+                    compile_modes: Sequence[str] = DEFAULT_COMPILE_MODES) -> list[dict[str, Any]]:
     """Engine options worth trying on `unit`; the first is the engine's own default.
 
-    PyTorch on a GPU: CUDA graphs on (default) or off, and torch.compile's max-autotune when
-    `compile_modes` is asked for (minutes per batch size, so only on request). OpenVINO: its
-    throughput hint (default) or latency hint. ONNX Runtime: spinning intra-op threads
-    (default) or not. Engines without knobs worth searching get only their default.
+    PyTorch on a GPU: CUDA graphs on (default) or off, then each of `compile_modes`
+    (torch.compile's `default` and `reduce-overhead` unless told otherwise; `max-autotune` takes
+    minutes per batch size, so only on request). Not on CPUs: a compile there takes minutes on
+    few cores for no measured gain. OpenVINO: its throughput hint (default) or latency hint.
+    ONNX Runtime: spinning intra-op threads (default) or not. Engines without knobs worth
+    searching get only their default.
     """
     if engine == "torch" and unit.kind == "cuda":
         variants: list[dict[str, Any]] = [{}, {"cuda_graph": False}]
-        if compile_modes:
-            variants.append({"compile": "max-autotune"})
+        variants += [{"compile": mode} for mode in compile_modes]
         return variants
     if engine == "openvino":
         return [{}, {"hint": "latency"}]
@@ -145,12 +175,39 @@ class UnitSpace:
                 for b in self.batches for i in self.instances]
 
 
+def overlapping_units(units: Sequence[Unit], host_cores: Iterable[int]) -> set[frozenset[str]]:
+    """Pairs of unit ids that share cores, as alternatives the space never combines.
+
+    `cpu` and `openvino:CPU` are the host's cores under two names; core sets overlap when they
+    intersect. `host_cores` are the cores `cpu` and OpenVINO's CPU device run on.
+    """
+    everything = tuple(host_cores)
+
+    def cores(unit: Unit) -> set[int]:
+        if unit.kind == "cpu":
+            return set(unit.cores or everything)
+        if unit.kind == "openvino" and unit.device.upper().startswith("OPENVINO:CPU"):
+            return set(everything)
+        return set()
+
+    pairs = set()
+    for a, b in itertools.combinations(units, 2):
+        if cores(a) & cores(b):
+            pairs.add(frozenset((a.id, b.id)))
+    return pairs
+
+
 @dataclass
 class Space:
-    """The whole space: models × units, and which units may be combined."""
+    """The whole space: models × units, and which units may be combined.
+
+    `overlaps` holds the pairs of unit ids that share cores: each is a candidate of its own,
+    never combined with the other.
+    """
 
     models: list[str]
     units: list[UnitSpace]
+    overlaps: set[frozenset[str]] = field(default_factory=set)
 
     def unit(self, unit_id: str) -> UnitSpace:
         """The space of one unit."""
@@ -159,6 +216,10 @@ class Space:
                 return u
         raise KeyError(unit_id)
 
+    def compatible(self, unit_id: str, others: Iterable[str]) -> bool:
+        """Whether `unit_id` may join a plan holding `others` (a distinct unit, no shared cores)."""
+        return all(unit_id != o and frozenset((unit_id, o)) not in self.overlaps for o in others)
+
     def solo_configs(self) -> list[Config]:
         """Every single-unit config of every model."""
         return [c for m in self.models for u in self.units for c in u.configs(m)]
@@ -166,19 +227,37 @@ class Space:
     def size(self) -> int:
         """Plans a brute-force search would measure.
 
-        Every choice of one config or none per (model, unit), at least one config in all.
+        Every choice of one config or none per (model, unit), at least one config in all, on
+        units that share no cores; with several models each unit serves one model or none.
         """
-        per_unit = [len(u.configs(self.models[0])) for u in self.units]
-        if len(self.models) == 1:
-            total = 1
-            for n in per_unit:
-                total *= n + 1
-            return total - 1
-        # Several models: each unit serves one model or none.
+        per_unit = {u.unit.id: len(u.configs(self.models[0])) * len(self.models)
+                    for u in self.units}
+        # Units that share cores form small groups; a plan takes any set of units with no two
+        # of a group's overlapping ones, so the count is a product over the groups.
         total = 1
-        for n in per_unit:
-            total *= 1 + n * len(self.models)
-        return total
+        for group in self._groups():
+            choices = 0
+            for k in range(len(group) + 1):
+                for chosen in itertools.combinations(group, k):
+                    if any(frozenset(p) in self.overlaps
+                           for p in itertools.combinations(chosen, 2)):
+                        continue
+                    count = 1
+                    for unit_id in chosen:
+                        count *= per_unit[unit_id]
+                    choices += count
+            total *= choices
+        return total - 1
+
+    def _groups(self) -> list[list[str]]:
+        """The units in groups connected by shared cores (a unit sharing none is alone)."""
+        groups: list[list[str]] = []
+        for unit_id in (u.unit.id for u in self.units):
+            linked = [g for g in groups if any(frozenset((unit_id, o)) in self.overlaps
+                                               for o in g)]
+            merged = [unit_id] + [x for g in linked for x in g]
+            groups = [g for g in groups if g not in linked] + [merged]
+        return groups
 
     def describe(self) -> dict[str, Any]:
         """A JSON-ready summary."""
@@ -186,6 +265,7 @@ class Space:
             "models": self.models,
             "units": [{"unit": u.unit.id, "engines": u.engines, "batches": u.batches,
                        "instances": u.instances, "options": u.options} for u in self.units],
+            "overlaps": sorted(sorted(p) for p in self.overlaps),
             "solo_configs": len(self.solo_configs()),
             "plans": self.size(),
         }

@@ -1,0 +1,130 @@
+"""Plans of several units for real on this machine's CPU: two units serve side by side through
+the runtime, a worker whose build runs out of memory leaves the others serving, the tuner
+measures and reports a combination, and a tune releases what each trial built."""
+
+import gc
+
+from infermux.engines import Engine, Runner
+from infermux.models import ModelSpec
+from infermux.runtime import parse_plan, run_plan
+from infermux.tune import (
+    Candidate,
+    Config,
+    LiveEvaluator,
+    TrialSettings,
+    TuneRequest,
+    run_tune,
+)
+from infermux.units import discover, select_units
+
+from .conftest import TINY, needs_two_cores
+
+MODEL = f"{TINY}:tiny_cnn"
+BOUNDED = "tests/memory_models.py:bounded_cnn"  # runs out of memory above 16 items a batch
+SHORT = TrialSettings(min_duration_s=0.2, min_queries=16, warmup_s=0.1)
+
+
+def plan(replicas, model=MODEL, **dispatcher):
+    return parse_plan({
+        "name": "two-units", "models": [{"name": "m", "model": model, "replicas": replicas}],
+        "dispatcher": {"max_queue_delay_ms": 2.0, **dispatcher},
+        "load": {"scenario": "offline", "min_duration_s": 0.5, "min_queries": 32,
+                 "sample_pool": 32}})
+
+
+@needs_two_cores
+def test_two_units_of_two_engines_serve_in_one_plan():
+    report = run_plan(plan([
+        {"unit": "cpu:0", "engine": "torch", "batch": 4},
+        {"unit": "cpu:1", "engine": "openvino", "batch": 4}]))
+    assert report.status == "complete", report.error
+    rec = report.final
+    assert rec["valid"], rec["validity_notes"]
+    assert rec["failed"] == 0
+    workers = {w["unit"]: w for w in rec["workers"].values()}
+    assert set(workers) == {"cpu:0", "cpu:1"}
+    for unit, w in workers.items():
+        assert w["status"] == "ok" and not w["error"], (unit, w["error"])
+        assert w["items"] > 0 and w["items_per_s"] > 0, unit
+
+
+@needs_two_cores
+def test_a_worker_out_of_memory_at_build_leaves_the_other_serving():
+    # Thread-hosted workers share one engine per process, as GPU workers do. The second
+    # worker's build runs out of memory; the engine must not close the runner it built for the
+    # first (on a GPU its next batch found no graph and no output buffers and crashed).
+    report = run_plan(plan([
+        {"unit": "cpu:0", "engine": "torch", "batch": 4, "batch_buckets": "none"},
+        {"unit": "cpu:1", "engine": "torch", "batch": 32, "batch_buckets": "none"}],
+        model=BOUNDED, cpu_workers="thread"))
+    assert report.status == "complete", report.error
+    workers = {w["unit"]: w for w in report.final["workers"].values()}
+    assert workers["cpu:0"]["status"] == "ok", workers["cpu:0"]["error"]
+    assert workers["cpu:0"]["items"] > 0
+    assert workers["cpu:1"]["status"] == "failed"
+    assert "ran out of device memory" in workers["cpu:1"]["error"]
+    assert report.final["failed"] == 0  # its queries went to the worker that was built
+
+
+@needs_two_cores
+def test_a_failed_combination_is_a_failed_trial_with_its_error():
+    units = select_units("cpu:0,cpu:1", discover(with_runtimes=False))
+    evaluator = LiveEvaluator({"m": ModelSpec(BOUNDED)}, units, SHORT, telemetry=False)
+    try:
+        both = Candidate.of(Config.make("m", "cpu:0", "torch", 4),
+                            Config.make("m", "cpu:1", "torch", 32))
+        trial = evaluator.evaluate(both, "runtime")
+    finally:
+        evaluator.close()
+    assert trial.status == "oom" and not trial.ok
+    assert "ran out of device memory" in trial.error
+    assert trial.items_per_s is None and trial.per_unit == {}  # no figure to take a factor of
+
+
+@needs_two_cores
+def test_the_tuner_measures_and_reports_a_combination():
+    report = run_tune(TuneRequest(
+        models=[ModelSpec(MODEL)], units="cpu:0,cpu:1", engines="torch", budget_s=90.0,
+        batches=[2, 8], max_instances=1, trial=SHORT, fine_tune=False))
+    result = report.result
+    combos = [t for t in result.trials if len(t.candidate.configs) == 2]
+    assert combos and all(t.method == "runtime" for t in combos)
+    assert all(t.ok for t in combos), [(t.status, t.error) for t in combos]
+    assert set(combos[0].per_unit) == {"cpu:0", "cpu:1"}
+    assert all(v > 0 for v in combos[0].per_unit.values())
+    whole = [c for c in result.contention if c["unit"] == "all"]
+    assert whole and whole[0]["status"] == "ok"
+    assert whole[0]["measured_items_per_s"] > 0 and whole[0]["factor"] > 0
+    per_unit = [c for c in result.contention if c["unit"] != "all"]
+    assert {c["unit"] for c in per_unit} == {"cpu:0", "cpu:1"}
+    assert all(c["factor"] > 0 for c in per_unit)
+    assert result.to_dict()["failed"] == []
+    # The written plan serves any load: partial batches run in power-of-two buckets.
+    assert {r["batch_buckets"] for m in report.plan["models"] for r in m["replicas"]} == {"pow2"}
+
+
+def _alive() -> tuple[int, int]:
+    gc.collect()
+    objects = gc.get_objects()
+    return (sum(isinstance(o, Runner) for o in objects),
+            sum(isinstance(o, Engine) for o in objects))
+
+
+def test_each_trial_releases_its_runners_and_engines():
+    found = discover()
+    units = select_units("cpu,openvino:CPU", found)
+    evaluator = LiveEvaluator({"m": ModelSpec(MODEL)}, units, SHORT, telemetry=False)
+    before = _alive()
+    cfgs = [Config.make("m", "cpu", "torch", b) for b in (1, 4, 16)]
+    cfgs += [Config.make("m", "cpu", "onnxruntime", b) for b in (1, 8)]
+    cfgs += [Config.make("m", "openvino:CPU", "openvino", b) for b in (2, 8)]
+    try:
+        for method in ("engine", "runtime"):
+            for cfg in cfgs:
+                trial = evaluator.evaluate(Candidate.of(cfg), method)
+                assert trial.ok, (cfg.label(), method, trial.error)
+                assert trial.build_s is not None and trial.build_s > 0
+                # Nothing a trial built outlives it: not the runners, not their engines.
+                assert _alive() == before, (cfg.label(), method)
+    finally:
+        evaluator.close()
