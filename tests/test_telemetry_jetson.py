@@ -1,4 +1,4 @@
-"""Jetson sysfs parsing on the board trees under tests/fixtures/jetson_*."""
+"""Jetson sysfs parsing on the trees under tests/fixtures/jetson_* (assembled, not captured)."""
 
 from __future__ import annotations
 

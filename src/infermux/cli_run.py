@@ -7,6 +7,7 @@ import sys
 from typing import Annotated, Any
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from infermux.cli import DbOpt, JsonOpt, _print_json, _progress, app, err, out
@@ -167,6 +168,8 @@ def run_command(
             for t in peak["trials"]:
                 out.print(f"  {t['rate_qps']:.1f} qps: p99 {_num(t['p99_ms'], 2)} ms "
                           f"{'valid' if t['valid'] else 'invalid'}")
+            if peak.get("reason"):
+                out.print(f"[yellow]no peak[/]: {escape(peak['reason'])}", highlight=False)
         if record is not None:
             out.print(_headline(record))
             out.print(_models_table(record))

@@ -1,9 +1,14 @@
-"""Models: where a network comes from, its input spec, and loading it without running pickles.
+"""Models: where a network comes from, its input spec, and loading its weights.
 
 Sources, in the order a bare name is tried: an ONNX file (`*.onnx`), a Python factory
 (`path/to/file.py:build`), `torchvision:NAME`, `timm:NAME`, then a bare architecture name looked
 up in torchvision and then timm. Without `weights` the network is randomly initialised and
 `LoadedModel.weights_note` says so; every result carries that note.
+
+What runs code: weights files are read without running pickled code (`weights_only=True`, or
+safetensors). A factory is different: loading `file.py:build` imports `file.py`, which executes
+it, and calls `build()`; a plan that names one does so in this process and again in every worker
+process. Name only factory files you trust.
 """
 
 from __future__ import annotations
@@ -46,6 +51,9 @@ class LoadedModel:
     module: Any = None  # torch.nn.Module in eval mode on the CPU, None for ONNX
     onnx_path: Path | None = None
     info: dict[str, Any] = field(default_factory=dict)
+    #: What the network is beyond its display name, for a file source: the factory's or ONNX
+    #: file's resolved path and content hash (two `m.py:build` in two folders differ here).
+    identity: str = ""
 
     @classmethod
     def from_module(
@@ -70,14 +78,15 @@ class LoadedModel:
 
     @property
     def key(self) -> str:
-        """A stable key for caches: reference, weights file identity, shape and dtype."""
+        """A stable key for caches: source file identity, weights file identity, shape, dtype."""
         weights = ""
         if self.spec.weights:
             stat = Path(self.spec.weights).stat()
             weights = f"{Path(self.spec.weights).resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
         if self.source == "module":  # two in-memory modules may share a name, never an identity
             weights = f"id:{id(self.module)}"
-        text = f"{self.source}|{self.name}|{weights}|{self.input_shape}|{self.dtype}"
+        text = (f"{self.source}|{self.name}|{self.identity}|{weights}|{self.input_shape}|"
+                f"{self.dtype}")
         return hashlib.sha1(text.encode()).hexdigest()[:16]
 
     def describe(self) -> dict[str, Any]:
@@ -134,12 +143,25 @@ def _build_timm(name: str) -> Any:
     return timm.create_model(name, pretrained=False)
 
 
+def _file_identity(path: Path, extra: str = "") -> str:
+    """`resolved path:sha256 of the bytes[:extra]`: what a file source is, for cache keys."""
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return f"{path.resolve()}:{h.hexdigest()[:20]}" + (f":{extra}" if extra else "")
+
+
 def _build_factory(ref: str) -> Any:
+    """Import the factory's file (this executes it) and call the function it names."""
     path_text, _, func = ref.rpartition(":")
     path = Path(path_text)
     if not path.is_file():
         raise UsageError(f"factory file {path_text!r} does not exist: write path/to/file.py:function")
-    module_spec = importlib.util.spec_from_file_location(f"_infermux_factory_{path.stem}", path)
+    # One module name per file: two `m.py` in two folders are two modules, never one.
+    where = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
+    module_spec = importlib.util.spec_from_file_location(f"_infermux_factory_{path.stem}_{where}",
+                                                         path)
     if module_spec is None or module_spec.loader is None:
         raise UsageError(f"cannot import {path_text!r} as Python: write path/to/file.py:function")
     module = importlib.util.module_from_spec(module_spec)
@@ -164,10 +186,17 @@ def _load_weights(module: Any, weights: str) -> str:
     path = Path(weights)
     if not path.is_file():
         raise UsageError(f"weights file {weights!r} does not exist: pass --weights path/to/file.pt")
+    if path.suffix == ".safetensors":
+        try:
+            from safetensors.torch import load_file
+        except ImportError:
+            raise UsageError(
+                f"weights file {weights!r} is a safetensors file and the safetensors package is "
+                "not installed: pip install safetensors, or convert the file to a torch.save state "
+                "dict (.pt)"
+            ) from None
     try:
         if path.suffix == ".safetensors":
-            from safetensors.torch import load_file
-
             state = load_file(str(path))
         else:
             state = torch.load(str(path), map_location="cpu", weights_only=True)
@@ -272,7 +301,7 @@ def load_model(spec: ModelSpec | str) -> LoadedModel:
                 f"cannot tell the input shape of {name!r}: pass --input-shape, e.g. 3x224x224"
             )
         return LoadedModel(spec, path.stem, "onnx", shape, dtype, "weights from the ONNX file",
-                           onnx_path=path)
+                           onnx_path=path, identity=_file_identity(path))
     builders = {"torchvision": _build_torchvision, "timm": _build_timm, "factory": _build_factory}
     if source == "torchvision" and name not in _torchvision_names():
         close = difflib.get_close_matches(name, _torchvision_names(), n=5)
@@ -295,5 +324,9 @@ def load_model(spec: ModelSpec | str) -> LoadedModel:
     display = Path(name.rpartition(":")[0]).stem + ":" + name.rpartition(":")[2] if (
         source == "factory") else name
     params = sum(p.numel() for p in module.parameters())
+    identity = ""
+    if source == "factory":
+        path_text, _, func = name.rpartition(":")
+        identity = _file_identity(Path(path_text), func)
     return LoadedModel(spec, display, source, shape, spec.dtype, note, module=module,
-                       info={"parameters": int(params)})
+                       info={"parameters": int(params)}, identity=identity)

@@ -344,9 +344,10 @@ class Store:
             db.executemany(
                 "INSERT INTO run_queries(run_id, trial, query, model, samples, issued_ns, "
                 "latency_ns, ok) VALUES (?,?,?,?,?,?,?,?)",
-                [(run_id, trial, q, m, n, i - start, (c - i) if c else None, int(ok and bool(c)))
-                 for q, (m, n, i, c, ok) in enumerate(zip(
-                     result.query_model, result.query_samples, result.issued_ns,
+                # Latency from when the query was due (its scheduled arrival), as the record's.
+                [(run_id, trial, q, m, n, i - start, (c - d) if c else None, int(ok and bool(c)))
+                 for q, (m, n, i, d, c, ok) in enumerate(zip(
+                     result.query_model, result.query_samples, result.issued_ns, result.due_ns,
                      result.completed_ns, result.ok, strict=True))],
             )
 

@@ -6,7 +6,10 @@ rebuild picks the kernels timed the first time (kernel choice by timing is what 
 builds non-deterministic), serialized engines cached on disk by a key of everything that shapes
 them, entropy calibration for int8 (from an image folder or generated data) with its cache kept,
 and CUDA-graph replay on GPU units. Buffers are torch CUDA tensors, so no CUDA binding beyond
-torch is needed.
+torch is needed. Every input of the network is profiled and bound (the samples feed the first;
+the others of a multi-input network hold zeros), and everything that touches the device happens
+under `torch.cuda.device(N)`, so a `cuda:1` engine, context and buffers all live on GPU 1.
+Engine, timing and calibration caches are written to a temporary file and renamed into place.
 
 `build_plan` and `engine_cache_key` are pure, so the translation of units and options is tested
 on machines without TensorRT; everything that needs the library is imported lazily.
@@ -15,6 +18,8 @@ on machines without TensorRT; everything that needs the library is imported lazi
 from __future__ import annotations
 
 import hashlib
+import os
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -24,7 +29,14 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from infermux.engines.base import BatchTiming, Engine, Runner, parse_options, register_engine
+from infermux.engines.base import (
+    BatchTiming,
+    Engine,
+    Runner,
+    compute_device,
+    parse_options,
+    register_engine,
+)
 from infermux.errors import RunError, UsageError
 from infermux.export import ExportedModel, cache_dir
 from infermux.models import LoadedModel
@@ -198,9 +210,16 @@ def calibration_batches(data: str, input_shape: tuple[int, ...], batch: int,
         yield out
 
 
-def _make_calibrator(trt: Any, batches: Iterator[np.ndarray], batch: int, cache: Path) -> Any:
-    """An entropy calibrator (the kind DLAs require) that keeps its cache file."""
+def _make_calibrator(trt: Any, batches: Iterator[np.ndarray], batch: int, cache: Path,
+                     others: dict[str, tuple[int, ...]] | None = None) -> Any:
+    """An entropy calibrator (the kind DLAs require) that keeps its cache file.
+
+    The batches feed the network's first input; `others` (name: shape) get zeros.
+    """
     import torch
+
+    zeros = {name: torch.zeros(shape, dtype=torch.float32, device="cuda")
+             for name, shape in (others or {}).items()}
 
     class _Calibrator(trt.IInt8EntropyCalibrator2):
         def __init__(self) -> None:
@@ -215,14 +234,15 @@ def _make_calibrator(trt: Any, batches: Iterator[np.ndarray], batch: int, cache:
             if host is None:
                 return None
             self._device = torch.from_numpy(host).cuda()
-            return [int(self._device.data_ptr())]
+            return [int(zeros[n].data_ptr()) if n in zeros else int(self._device.data_ptr())
+                    for n in names]
 
         def read_calibration_cache(self) -> bytes | None:
             return cache.read_bytes() if cache.is_file() else None
 
         def write_calibration_cache(self, data: Any) -> None:
             cache.parent.mkdir(parents=True, exist_ok=True)
-            cache.write_bytes(bytes(data))
+            _write_atomic(cache, bytes(data))
 
     return _Calibrator()
 
@@ -249,18 +269,28 @@ class TrtRunner(Runner):
         names = [trt_engine.get_tensor_name(i) for i in range(trt_engine.num_io_tensors)]
         inputs = [n for n in names if trt_engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
         outputs = [n for n in names if n not in inputs]
+        # Every input is bound: the first takes the samples; the others of a multi-input network
+        # get their profile's shape (fixed at this batch by the build) and hold zeros.
         self._context.set_input_shape(inputs[0], (batch, *input_shape))
+        for name in inputs[1:]:
+            shape = tuple(trt_engine.get_tensor_shape(name))
+            if any(d < 0 for d in shape):  # dynamic: the profile's (min = opt = max) shape
+                shape = tuple(trt_engine.get_tensor_profile_shape(name, 0)[1])
+            self._context.set_input_shape(name, shape)
 
         def tensor(name: str) -> Any:
             dtype = getattr(torch, np.dtype(trt.nptype(trt_engine.get_tensor_dtype(name))).name)
             return torch.empty(tuple(self._context.get_tensor_shape(name)), dtype=dtype, device=gpu)
 
         self._x_dev = tensor(inputs[0])
+        self._other_inputs = [tensor(n).zero_() for n in inputs[1:]]
         self._y_dev = [tensor(n) for n in outputs]
         self._x_host = self._x_dev if data == "device" else torch.empty(
             self._x_dev.shape, dtype=self._x_dev.dtype, pin_memory=True)
         self._y_host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in self._y_dev]
         self._context.set_tensor_address(inputs[0], self._x_dev.data_ptr())
+        for name, t in zip(inputs[1:], self._other_inputs, strict=True):
+            self._context.set_tensor_address(name, t.data_ptr())
         for name, t in zip(outputs, self._y_dev, strict=True):
             self._context.set_tensor_address(name, t.data_ptr())
         self._graph: Any = None
@@ -307,6 +337,37 @@ class TrtRunner(Runner):
             compute_ns=int(ev[1].elapsed_time(ev[2]) * 1e6),
             d2h_ns=int(ev[2].elapsed_time(ev[3]) * 1e6),
         )
+
+    def compute(self, x: Any) -> list[Any]:
+        """`Runner.compute` on the runner's stream, from and to its bound device buffers.
+
+        `x` (on the unit's GPU for `cuda` units, or any other device or the host) is copied
+        into the bound input buffer after the work already queued for it on its device's
+        current stream; the engine runs (the captured graph is replayed); the bound output
+        buffers are returned on `cuda` units. DLA units compute on the host's side of the
+        contract: the outputs come back through the pinned host buffers. Either way they are
+        the runner's own buffers, overwritten by the next batch, and complete on return.
+        """
+        import torch
+
+        expected = (self.batch, *self.input_shape)
+        if tuple(x.shape) != expected:
+            raise UsageError(f"tensor of shape {tuple(x.shape)} given, runner takes {expected}")
+        stream = self._stream
+        if x.is_cuda:  # produced on another stream: order the copy after it
+            stream.wait_stream(torch.cuda.current_stream(x.device))
+        to_host = compute_device(self.unit).type == "cpu"
+        with torch.cuda.stream(stream):
+            self._x_dev.copy_(x, non_blocking=True)  # converts the dtype on the way
+            if self._graph is not None:
+                self._graph.replay()
+            else:
+                self._enqueue()
+            if to_host:
+                for dst, src in zip(self._y_host, self._y_dev, strict=True):
+                    dst.copy_(src, non_blocking=True)
+        stream.synchronize()
+        return list(self._y_host if to_host else self._y_dev)
 
     def set_input(self, batch: np.ndarray) -> None:
         """Copy `batch` into the input buffer (pinned host, or device when pre-staged)."""
@@ -377,27 +438,29 @@ class TrtEngine(Engine):
         cache_key = engine_cache_key(onnx_file.digest, plan, batch, trt.__version__, device_name)
         engine_path = folder / f"{model.name}-{cache_key}.engine"
         self._logger = self._logger or trt.Logger(trt.Logger.WARNING)
-        if not engine_path.is_file():
-            with torch.cuda.device(gpu_index):
+        # Everything that touches the device (build, deserialization, the execution context,
+        # buffers, stream, warm-up and graph) happens on the unit's GPU: an engine or context
+        # made while device 0 is current is bound to device 0.
+        with torch.cuda.device(gpu_index):
+            if not engine_path.is_file():
                 serialized = self._build_engine(trt, onnx_file, model, plan, batch, folder,
                                                 device_name)
-            tmp = engine_path.with_suffix(".tmp")
-            tmp.write_bytes(serialized)
-            tmp.replace(engine_path)
-        runtime = trt.Runtime(self._logger)
-        if plan.device == "dla":
-            runtime.DLA_core = plan.device_index
-        trt_engine = runtime.deserialize_cuda_engine(engine_path.read_bytes())
-        if trt_engine is None:
-            raise RunError(f"TensorRT could not load the cached engine {engine_path}: delete it to "
-                           "rebuild (built by another TensorRT release or device?)")
-        try:
-            runner = TrtRunner(trt_engine, unit, batch, model.input_shape, plan, opts, data, started)
-        except (UsageError, RunError):
-            raise
-        except Exception as exc:
-            raise RunError(f"tensorrt failed to run {model.name} on {unit.id} at batch {batch}: "
-                           f"{type(exc).__name__}: {exc}") from exc
+                _write_atomic(engine_path, serialized)
+            runtime = trt.Runtime(self._logger)
+            if plan.device == "dla":
+                runtime.DLA_core = plan.device_index
+            trt_engine = runtime.deserialize_cuda_engine(engine_path.read_bytes())
+            if trt_engine is None:
+                raise RunError(f"TensorRT could not load the cached engine {engine_path}: delete it "
+                               "to rebuild (built by another TensorRT release or device?)")
+            try:
+                runner = TrtRunner(trt_engine, unit, batch, model.input_shape, plan, opts, data,
+                                   started)
+            except (UsageError, RunError):
+                raise
+            except Exception as exc:
+                raise RunError(f"tensorrt failed to run {model.name} on {unit.id} at batch {batch}: "
+                               f"{type(exc).__name__}: {exc}") from exc
         runner.options.update(onnx_file=str(onnx_file.path), engine_file=str(engine_path),
                               onnx_sha256=onnx_file.digest)
         self._runners[key] = runner
@@ -428,10 +491,21 @@ class TrtEngine(Engine):
             config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, plan.workspace_mib << 20)
         if plan.builder_optimization_level is not None:
             config.builder_optimization_level = plan.builder_optimization_level
-        name = network.get_input(0).name
-        shape = (batch, *model.input_shape)
         profile = builder.create_optimization_profile()
-        profile.set_shape(name, shape, shape, shape)  # fixed: DLAs take static shapes only
+        others: dict[str, tuple[int, ...]] = {}
+        for i in range(network.num_inputs):
+            tensor = network.get_input(i)
+            if i == 0:
+                shape = (batch, *model.input_shape)
+            else:  # another input of the network: its own sizes, the batch on a dynamic axis 0
+                dims = tuple(int(d) for d in tensor.shape)
+                shape = tuple(batch if j == 0 and d < 0 else d for j, d in enumerate(dims))
+                if any(d < 0 for d in shape):
+                    raise UsageError(
+                        f"input {tensor.name!r} of {model.name} has dynamic sizes {dims} beyond "
+                        "the batch axis: export the model with fixed sizes for every input")
+                others[tensor.name] = shape
+            profile.set_shape(tensor.name, shape, shape, shape)  # fixed: DLAs take static shapes
         config.add_optimization_profile(profile)
         timing_path = folder / f"timing-{_slug(device_name)}-trt{trt.__version__}.cache"
         timing = config.create_timing_cache(timing_path.read_bytes() if timing_path.is_file()
@@ -447,7 +521,7 @@ class TrtEngine(Engine):
             calibrator = _make_calibrator(
                 trt, calibration_batches(plan.calibration_data or "random", model.input_shape,
                                          batch, plan.calibration_items),
-                batch, folder / f"calibration-{calib_key}.cache")
+                batch, folder / f"calibration-{calib_key}.cache", others)
             config.int8_calibrator = calibrator
             config.set_calibration_profile(profile)
         serialized = builder.build_serialized_network(network, config)
@@ -455,7 +529,8 @@ class TrtEngine(Engine):
             raise RunError(f"TensorRT failed to build {model.name} for {plan.device}:"
                            f"{plan.device_index} ({plan.precision}); the log above says which "
                            "layer" + (" (try gpu_fallback=true)" if plan.device == "dla" else ""))
-        timing_path.write_bytes(bytes(config.get_timing_cache().serialize()))
+        # Atomic: a concurrent build reads the old cache or the new one, never half of one.
+        _write_atomic(timing_path, bytes(config.get_timing_cache().serialize()))
         return bytes(serialized)
 
     def release(self) -> None:
@@ -463,6 +538,18 @@ class TrtEngine(Engine):
         for runner in self._runners.values():
             runner.close()
         self._runners.clear()
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """Write `data` to a temporary file beside `path`, then rename it into place."""
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def _slug(text: str) -> str:

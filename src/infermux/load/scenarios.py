@@ -10,7 +10,11 @@
 - multi-stream: the same with `samples_per_query` samples per query; the metric is p99 latency.
 Every scenario is valid only if it ran at least `min_duration_s` and `min_queries` (samples for
 offline, queries otherwise); `max_duration_s` stops it early and makes it invalid.
-Latency is measured by the generator, from a query's issue to its last sample's completion.
+Latency is measured by the generator, to a query's last sample's completion from the moment the
+query was due: in the server scenario its scheduled arrival (`start + arrival_time[i]`, as LoadGen
+measures), otherwise its issue. A generator that falls behind its schedule (it shares the GIL with
+the workers, most of all near the peak) so cannot hide its lateness from the latency; server
+records keep the latency from the issue and the issue lag beside it.
 """
 
 from __future__ import annotations
@@ -50,6 +54,9 @@ class ScenarioResult:
     query_model: list[str] = field(default_factory=list)
     query_samples: list[int] = field(default_factory=list)
     issued_ns: list[int] = field(default_factory=list)
+    #: When each query was due: its scheduled arrival (server), else its issue. Latency runs
+    #: from here. Empty means "the issue times" (results built by hand).
+    scheduled_ns: list[int] = field(default_factory=list)
     completed_ns: list[int] = field(default_factory=list)  # 0: not completed
     ok: list[bool] = field(default_factory=list)
     start_ns: int = 0
@@ -62,11 +69,25 @@ class ScenarioResult:
         """From the first issue to the last completion (or the stop)."""
         return max(0.0, (self.end_ns - self.start_ns) / 1e9)
 
-    def latencies_ns(self, model: str | None = None) -> list[int]:
-        """Latencies of completed, successful queries (optionally of one model)."""
-        return [c - i for m, i, c, ok in zip(self.query_model, self.issued_ns, self.completed_ns,
+    @property
+    def due_ns(self) -> list[int]:
+        """When each query was due (its scheduled arrival, or its issue): latency's origin."""
+        return self.scheduled_ns if self.scheduled_ns else self.issued_ns
+
+    def latencies_ns(self, model: str | None = None, *, origin: str = "scheduled") -> list[int]:
+        """Latencies of completed, successful queries (optionally of one model).
+
+        From the scheduled arrival (`origin="scheduled"`, the rule), or from the issue
+        (`origin="issue"`, what the generator's lag hides; for comparison only).
+        """
+        starts = self.due_ns if origin == "scheduled" else self.issued_ns
+        return [c - i for m, i, c, ok in zip(self.query_model, starts, self.completed_ns,
                                              self.ok, strict=True)
                 if ok and c and (model is None or m == model)]
+
+    def issue_lag_ns(self) -> list[int]:
+        """How late the generator issued each query after its scheduled arrival."""
+        return [max(0, i - d) for i, d in zip(self.issued_ns, self.due_ns, strict=True)]
 
     def counts(self, model: str | None = None) -> dict[str, int]:
         """Issued, completed, failed and unfinished queries and completed samples."""
@@ -130,6 +151,9 @@ class ScenarioResult:
             issued = [i for i in self.issued_ns if i]
             span = (max(issued) - min(issued)) / 1e9 if len(issued) > 1 else 0.0
             rec["achieved_issue_rate_qps"] = (len(issued) - 1) / span if span else None
+            # The old rule beside the new one: latency from the issue hides the generator's lag.
+            rec["latency_from_issue"] = latency_summary_ms(self.latencies_ns(origin="issue"))
+            rec["issue_lag"] = latency_summary_ms(self.issue_lag_ns())
         metric = _METRIC[self.scenario]
         if metric is not None:
             rec["metric"] = f"p{metric}_ms"
@@ -147,7 +171,8 @@ class LoadGenerator:
     """Drives a SUT through one scenario from the calling thread and records every query.
 
     `clock_ns` and `sleep` are injectable; the defaults are `time.perf_counter_ns` and
-    `time.sleep`.
+    `time.sleep`. Query ids are `id_base`, `id_base + 1`, ...; completions of other ids are
+    ignored.
     """
 
     def __init__(
@@ -159,8 +184,12 @@ class LoadGenerator:
         clock_ns: Callable[[], int] = time.perf_counter_ns,
         sleep: Callable[[float], None] = time.sleep,
         progress: ProgressFn | None = None,
+        id_base: int = 0,
     ) -> None:
         self.settings = dict(settings)
+        #: Query ids run from here: a runtime gives each trial its own range, so a late
+        #: completion of an earlier trial can never be taken for a query of this one.
+        self._id_base = id_base
         self.scenario = settings["scenario"]
         self.models = list(shares)
         self._phases = [(0.0, shares)] if not mix else [(p["at_s"], p["shares"]) for p in mix]
@@ -185,7 +214,7 @@ class LoadGenerator:
         with self._cond:
             for query_id, samples in done:
                 left = self._remaining.get(query_id)
-                if left is None:
+                if left is None:  # finished already, or not a query of this run
                     continue
                 if not ok:
                     self._failed.add(query_id)
@@ -194,10 +223,11 @@ class LoadGenerator:
                     self._remaining[query_id] = left
                     continue
                 del self._remaining[query_id]
-                r.completed_ns[query_id] = when_ns
-                r.ok[query_id] = query_id not in self._failed
-                n = r.query_samples[query_id]
-                self._outstanding[r.query_model[query_id]] -= n
+                at = query_id - self._id_base
+                r.completed_ns[at] = when_ns
+                r.ok[at] = query_id not in self._failed
+                n = r.query_samples[at]
+                self._outstanding[r.query_model[at]] -= n
                 self._done_samples += n
                 self._done_queries += 1
                 self._last_done_ns = max(self._last_done_ns, when_ns)
@@ -217,12 +247,14 @@ class LoadGenerator:
         total = sum(full.values()) or 1.0
         return {m: v / total for m, v in full.items()}
 
-    def _new_query(self, model: str, samples: tuple[int, ...], now_ns: int) -> Query:
+    def _new_query(self, model: str, samples: tuple[int, ...], now_ns: int,
+                   due_ns: int | None = None) -> Query:
         r = self._result
-        qid = len(r.issued_ns)
+        qid = self._id_base + len(r.issued_ns)
         r.query_model.append(model)
         r.query_samples.append(len(samples))
         r.issued_ns.append(now_ns)
+        r.scheduled_ns.append(now_ns if due_ns is None else due_ns)
         r.completed_ns.append(0)
         r.ok.append(False)
         self._remaining[qid] = len(samples)
@@ -342,9 +374,10 @@ class LoadGenerator:
                 continue
             batch = []
             with self._cond:
-                while i < n and start + int(times[i] * 1e9) <= now:
+                # Every query already due goes now; its latency runs from when it was due.
+                while i < n and (due := start + int(times[i] * 1e9)) <= now:
                     m = choices[i]
-                    batch.append(self._new_query(m, self._samples(m, 1), now))
+                    batch.append(self._new_query(m, self._samples(m, 1), now, due))
                     i += 1
             sut.issue(batch)
             self._report(i / n)
@@ -390,12 +423,17 @@ class LoadGenerator:
 
 @dataclass
 class PeakResult:
-    """The server peak search: every trial's rate, p99 and validity, and the best valid rate."""
+    """The server peak search: every trial's rate, p99 and validity, and the best valid rate.
+
+    Without a peak, `reason` says why (no throughput to search below, or no rate held the
+    bound) and what to do about it.
+    """
 
     bound_ms: float
     trials: list[dict[str, Any]]
     peak_qps: float | None
     offline_samples_per_s: float | None
+    reason: str | None = None
 
     def record(self) -> dict[str, Any]:
         """JSON-ready, with the peak as a fraction of offline throughput."""
@@ -403,7 +441,7 @@ class PeakResult:
                 if self.peak_qps and self.offline_samples_per_s else None)
         return {"p99_bound_ms": self.bound_ms, "peak_qps": self.peak_qps,
                 "offline_samples_per_s": self.offline_samples_per_s,
-                "peak_fraction_of_offline": frac, "trials": self.trials}
+                "peak_fraction_of_offline": frac, "reason": self.reason, "trials": self.trials}
 
 
 def find_peak(
@@ -417,9 +455,14 @@ def find_peak(
     """The highest server rate whose run is valid, by bisection.
 
     Between `lower_qps` (assumed valid) and `upper_qps` (the offline throughput, which no server
-    rate can beat); the first trial is at half the upper bound.
+    rate can beat); the first trial is at half the upper bound. With no throughput to search
+    below, or no valid rate, the result has no peak and says why in `reason`.
     """
     trials: list[dict[str, Any]] = []
+    if not upper_qps or upper_qps <= 0 or not math.isfinite(upper_qps):
+        return PeakResult(bound_ms, trials, None, upper_qps or 0.0, reason=(
+            f"the offline throughput is {upper_qps or 0:g} samples/s, so there is no server rate "
+            "to search: make the offline scenario complete samples first (see its validity notes)"))
     lo, hi = lower_qps, upper_qps
     best: float | None = None
     for _ in range(iterations):
@@ -429,10 +472,17 @@ def find_peak(
         p99 = result.summary_latency().get("p99_ms")
         trials.append({"rate_qps": rate, "p99_ms": p99, "valid": valid, "notes": notes})
         if result.interrupted:
+            trials[-1]["interrupted"] = True
             break
         if valid:
             best = rate if best is None else max(best, rate)
             lo = rate
         else:
             hi = rate
-    return PeakResult(bound_ms, trials, best, upper_qps)
+    reason = None
+    if best is None and trials and not trials[-1].get("interrupted"):
+        low = min(trials, key=lambda t: t["rate_qps"])
+        p99 = low["p99_ms"]
+        reason = (f"no rate held p99 <= {bound_ms:g} ms: the lowest tried, {low['rate_qps']:.3g} qps, "
+                  f"gave p99 {'none' if p99 is None else f'{p99:.1f}'} ms")
+    return PeakResult(bound_ms, trials, best, upper_qps, reason=reason)

@@ -18,6 +18,9 @@
 - **Faults.** A worker whose batch fails is taken out of service; the batch's items go back to
   the front of the queue for another worker, at most `max_retries` times, then their queries are
   reported failed. Nothing is dropped silently.
+- **Trials.** `begin_trial()` starts a trial from empty queues and zeroed counters: what an
+  earlier trial left queued is dropped (it was reported unfinished there), and a batch of it
+  still running when the new trial starts is neither reported to nor recorded in the new one.
 
 `poll()` is the non-blocking core, driven by an injectable clock, so batching and placement are
 testable deterministically; `next_batch()` is its blocking form for worker threads.
@@ -50,6 +53,8 @@ class Item:
     sample: int
     enqueued_ns: int
     attempts: int = 0
+    #: The trial the item belongs to (`Dispatcher.begin_trial`).
+    trial: int = 0
 
 
 @dataclass
@@ -94,9 +99,10 @@ class WorkerState:
         """The largest batch it takes."""
         return self.buckets[-1]
 
-    def view(self) -> WorkerView:
-        """The placement functions' view of this worker."""
-        return WorkerView(self.id, self.buckets, self.estimate, self.busy_until_ns, self.alive)
+    def view(self, model: str | None = None) -> WorkerView:
+        """The placement functions' view of this worker, for batches of `model` (default: its own)."""
+        return WorkerView(self.id, self.buckets, self.estimate, self.busy_until_ns, self.alive,
+                          model or self.model)
 
     def bucket_for(self, n: int) -> int:
         """The smallest runner batch size holding `n` items."""
@@ -147,6 +153,8 @@ class Dispatcher:
         self._stopped = False
         self.retried = 0
         self.failed_items = 0
+        #: The current trial: items of an earlier one are stale (see `begin_trial`).
+        self.trial = 0
         self.on_batch_done: Callable[[WorkerState, Batch, int, int, Any], None] | None = None
         self.events: list[dict[str, Any]] = []
 
@@ -161,6 +169,33 @@ class Dispatcher:
         """Where finished (or failed) samples are reported: the load generator."""
         self._on_complete = on_complete
 
+    def begin_trial(self, settle_s: float = 30.0) -> int:
+        """Start a new trial from empty queues and zeroed counters; the items dropped.
+
+        Queued items of the previous trial are dropped (its load generator reported them
+        unfinished). Batches of it still running finish unreported and unrecorded; this waits
+        up to `settle_s` for them so the new trial starts on free workers.
+        """
+        with self.cond:
+            self.trial += 1
+            dropped = sum(len(q) for q in self.queues.values())
+            for queue in self.queues.values():
+                queue.clear()
+            for w in self.workers.values():
+                dropped += len(w.own_queue)
+                w.own_queue.clear()
+            self.retried = 0
+            self.failed_items = 0
+            self._flush = False
+            deadline = time.monotonic() + settle_s
+            while any(w.alive and w.in_flight for w in self.workers.values()):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self.cond.wait(min(left, 0.05))
+            self.cond.notify_all()
+        return dropped
+
     # -- the load's side --------------------------------------------------------------------
 
     def submit(self, queries: Sequence[Query]) -> None:
@@ -174,7 +209,7 @@ class Dispatcher:
                 if ok is None:
                     ok = servable[q.model] = self._can_serve(q.model)
                 for s in q.samples:
-                    item = Item(q.id, q.model, s, now)
+                    item = Item(q.id, q.model, s, now, trial=self.trial)
                     if not ok:
                         dead.append(item)
                     elif self.policy == "round_robin":
@@ -188,7 +223,9 @@ class Dispatcher:
         return [w for w in self.workers.values() if w.alive and w.model == model]
 
     def _can_serve(self, model: str) -> bool:
-        return any(w.alive and (w.model == model or (self.dynamic and model in w.serves))
+        # Round robin feeds only a model's own workers: borrowing reads the shared queues.
+        borrow = self.dynamic and self.policy == "pull"
+        return any(w.alive and (w.model == model or (borrow and model in w.serves))
                    for w in self.workers.values())
 
     def _place(self, item: Item, front: bool = False) -> bool:
@@ -281,14 +318,14 @@ class Dispatcher:
             return wait_ns / 1e9
         n = min(len(queue), w.batch)
         if self._flush and self.policy == "pull":
-            others = [o.view() for o in self._live(model) if o.id != w.id]
-            if others and not tail_take(w.view(), others, n, len(queue), now):
+            others = [o.view(model) for o in self._live(model) if o.id != w.id]
+            if others and not tail_take(w.view(model), others, n, len(queue), now):
                 soonest = min((o.busy_until_ns for o in others), default=now)
                 return max(1e-4, (soonest - now) / 1e9)
         bound = self.latency_bound_ns.get(model)
         if bound is not None and self.policy == "pull":
-            others = [o.view() for o in self._live(model) if o.id != w.id]
-            n = slo_take(w.view(), others, n, oldest + bound, now)
+            others = [o.view(model) for o in self._live(model) if o.id != w.id]
+            n = slo_take(w.view(model), others, n, oldest + bound, now)
             if n == 0:
                 # Another worker will meet the bound once free: look again when it should be.
                 soonest = min((o.busy_until_ns for o in others), default=now)
@@ -297,7 +334,7 @@ class Dispatcher:
         bucket = w.bucket_for(n)
         ready = [max(it.enqueued_ns, w.free_since_ns) for it in items]
         start = max(now, w.busy_until_ns) if w.in_flight else now
-        w.busy_until_ns = int(start + w.estimate.expected_ns(bucket))
+        w.busy_until_ns = int(start + w.estimate.expected_ns(bucket, model))
         w.in_flight += 1
         if model != w.last_served:
             if w.last_served is not None and len(self.events) < self.max_events:
@@ -327,17 +364,26 @@ class Dispatcher:
 
     def finished(self, w: WorkerState, batch: Batch, start_ns: int, end_ns: int,
                  timing: Any = None) -> None:
-        """A batch completed: update the estimate, report the samples, free the worker."""
-        w.estimate.update(batch.bucket, end_ns - start_ns)
-        if self.on_batch_done is not None:
-            self.on_batch_done(w, batch, start_ns, end_ns, timing)
+        """A batch completed: update the estimate, report the samples, free the worker.
+
+        A batch of an earlier trial (see `begin_trial`) only frees the worker.
+        """
         with self.cond:
+            w.estimate.update(batch.bucket, end_ns - start_ns, batch.model)
+            stale = self._stale(batch.items)
             w.in_flight -= 1
             if w.in_flight == 0:
                 w.free_since_ns = end_ns
                 w.busy_until_ns = end_ns
             self.cond.notify_all()
+        if stale:
+            return
+        if self.on_batch_done is not None:
+            self.on_batch_done(w, batch, start_ns, end_ns, timing)
         self._report(batch.items, ok=True, when_ns=end_ns)
+
+    def _stale(self, items: Sequence[Item]) -> bool:
+        return bool(items) and items[0].trial != self.trial
 
     def failed(self, w: WorkerState, batches: Sequence[Batch], exc: BaseException) -> None:
         """A worker failed: take it out of service and retry or fail every item it held."""
@@ -349,7 +395,8 @@ class Dispatcher:
             w.in_flight = 0
             self.events.append({"t_ns": now, "event": "worker_failed", "worker": w.name,
                                 "error": w.error})
-            held = [it for b in batches for it in b.items] + list(w.own_queue)
+            held = [it for b in batches for it in b.items if it.trial == self.trial]
+            held += list(w.own_queue)
             w.own_queue.clear()
             for item in reversed(held):
                 item.attempts += 1
@@ -380,12 +427,26 @@ class Dispatcher:
     # -- placement --------------------------------------------------------------------------
 
     def move(self, worker_id: int, model: str, reason: str = "") -> None:
-        """Serve `model` with this worker from its next batch on (dynamic placement)."""
+        """Serve `model` with this worker from its next batch on (dynamic placement).
+
+        Items of its old model waiting in its own queue (round robin) go back to that model's
+        other workers, or fail if it has none left: the worker's next batch is of `model` only.
+        """
+        now = self.clock_ns()
+        give_up: list[Item] = []
         with self.cond:
             w = self.workers[worker_id]
             if model not in w.serves:
                 raise ValueError(f"worker {w.name} has no runner for model {model!r}")
-            self.events.append({"t_ns": self.clock_ns(), "event": "move", "worker": w.name,
+            if model == w.model:
+                return
+            self.events.append({"t_ns": now, "event": "move", "worker": w.name,
                                 "unit": w.unit, "from": w.model, "to": model, "reason": reason})
+            held = list(w.own_queue)
+            w.own_queue.clear()
             w.model = model
+            for item in held:
+                if not self._place(item):
+                    give_up.append(item)
             self.cond.notify_all()
+        self._fail_items(give_up, now)

@@ -129,7 +129,11 @@ def summarise(
             "batch_histogram": _histogram(recs),
             # One batch from its launch to its outputs on the host (what a bench point times).
             "batch_latency": latency_summary_ms([r.end_ns - r.start_ns for r in recs]),
-            "latency_estimate_ms": {str(b): v / 1e6 for b, v in w.estimate.snapshot().items()},
+            "latency_estimate_ms": {str(b): v / 1e6
+                                    for b, v in w.estimate.snapshot(w.model).items()},
+            "latency_estimate_ms_by_model": {
+                m: {str(b): v / 1e6 for b, v in w.estimate.snapshot(m).items()}
+                for m in w.estimate.models()},
         }
     run["models"] = models
     run["workers"] = per_worker

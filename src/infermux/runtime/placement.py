@@ -6,6 +6,7 @@ placement controller call them with the current time.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -15,33 +16,47 @@ __all__ = [
 
 
 class LatencyEstimate:
-    """A moving average of one worker's batch latency per batch size (bucket), in ns.
+    """A moving average of one worker's batch latency per (model, batch size), in ns.
 
+    A worker under dynamic placement runs several networks: each model keeps its own averages.
     `alpha` weighs the newest batch; a bucket never measured is estimated from the nearest
-    measured bucket, scaled by the batch size (an upper bound for a larger bucket).
+    measured bucket of the same model, scaled by the batch size (an upper bound for a larger
+    bucket). Figures recorded without a model stand for any model that has none of its own.
+    Thread-safe: workers update it while the dispatcher and the placement controller read it.
     """
 
     def __init__(self, alpha: float = 0.2) -> None:
         self.alpha = alpha
-        self._ns: dict[int, float] = {}
+        self._ns: dict[str | None, dict[int, float]] = {}
+        self._lock = threading.Lock()
 
-    def update(self, bucket: int, latency_ns: float) -> None:
-        """Fold one measured batch into the bucket's average."""
-        old = self._ns.get(bucket)
-        self._ns[bucket] = latency_ns if old is None else old + self.alpha * (latency_ns - old)
+    def update(self, bucket: int, latency_ns: float, model: str | None = None) -> None:
+        """Fold one measured batch of `model` into the bucket's average."""
+        with self._lock:
+            table = self._ns.setdefault(model, {})
+            old = table.get(bucket)
+            table[bucket] = latency_ns if old is None else old + self.alpha * (latency_ns - old)
 
-    def expected_ns(self, bucket: int) -> float:
-        """The expected latency of a batch run at `bucket`; 0 when nothing is known yet."""
-        if bucket in self._ns:
-            return self._ns[bucket]
-        if not self._ns:
-            return 0.0
-        nearest = min(self._ns, key=lambda b: abs(b - bucket))
-        return self._ns[nearest] * max(1.0, bucket / nearest)
+    def expected_ns(self, bucket: int, model: str | None = None) -> float:
+        """The expected latency of a batch of `model` run at `bucket`; 0 when nothing is known."""
+        with self._lock:
+            table = self._ns.get(model) or self._ns.get(None)
+            if not table:
+                return 0.0
+            if bucket in table:
+                return table[bucket]
+            nearest = min(table, key=lambda b: abs(b - bucket))
+            return table[nearest] * max(1.0, bucket / nearest)
 
-    def snapshot(self) -> dict[int, float]:
-        """The current averages, ns per bucket."""
-        return dict(self._ns)
+    def snapshot(self, model: str | None = None) -> dict[int, float]:
+        """The current averages of `model` (or the model-less ones), ns per bucket."""
+        with self._lock:
+            return dict(self._ns.get(model) or self._ns.get(None) or {})
+
+    def models(self) -> list[str]:
+        """The models with averages of their own."""
+        with self._lock:
+            return sorted(m for m in self._ns if m is not None)
 
 
 @dataclass
@@ -53,14 +68,20 @@ class WorkerView:
     estimate: LatencyEstimate
     busy_until_ns: int = 0
     alive: bool = True
+    #: The model whose batches are in question (its own latency estimates are used).
+    model: str | None = None
 
     def bucket_for(self, n: int) -> int:
         """The smallest bucket that holds `n` items (the largest if none does)."""
         return next((b for b in self.buckets if b >= n), self.buckets[-1])
 
+    def expected_ns(self, bucket: int) -> float:
+        """The expected latency of a batch of this view's model at `bucket`."""
+        return self.estimate.expected_ns(bucket, self.model)
+
     def finish_ns(self, n: int, now_ns: int) -> float:
         """When a batch of `n` items taken now (or when it frees up) would complete."""
-        return max(now_ns, self.busy_until_ns) + self.estimate.expected_ns(self.bucket_for(n))
+        return max(now_ns, self.busy_until_ns) + self.expected_ns(self.bucket_for(n))
 
 
 def slo_take(
@@ -80,7 +101,7 @@ def slo_take(
     n = min(available, me.buckets[-1])
     sizes = [n] + [b for b in reversed(me.buckets) if b < n]
     for size in sizes:
-        if now_ns + me.estimate.expected_ns(me.bucket_for(size)) <= deadline_ns:
+        if now_ns + me.expected_ns(me.bucket_for(size)) <= deadline_ns:
             return size
     for other in others:
         if other.alive and other.id != me.id and other.finish_ns(1, now_ns) <= deadline_ns:
@@ -99,7 +120,7 @@ def tail_take(me: WorkerView, others: Sequence[WorkerView], n: int, queued: int,
     live = [o for o in others if o.alive and o.id != me.id]
     rate_per_ns = 0.0
     for other in live:
-        est = other.estimate.expected_ns(other.buckets[-1])
+        est = other.expected_ns(other.buckets[-1])
         if est > 0:
             rate_per_ns += other.buckets[-1] / est
     if rate_per_ns <= 0:

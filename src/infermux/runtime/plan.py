@@ -218,6 +218,10 @@ class DispatcherSettings(_Strict):
     cpu_workers: Literal["process", "thread"] = "process"
     #: A failed batch is retried on another worker this many times before its queries fail.
     max_retries: int = Field(2, ge=0, le=10)
+    #: When a GPU worker takes its next batch while one runs: `early`, as soon as items wait;
+    #: `just_in_time`, when the running batch is about to end (or a full batch waits), so the
+    #: items stay in the model's queue for whichever worker frees first and the batch fills.
+    gpu_take: Literal["early", "just_in_time"] = "just_in_time"
 
 
 class MixPhase(_Strict):
@@ -329,6 +333,17 @@ class Plan(_Strict):
                     )
         if all(m.share == 0 for m in self.models) and not self.load.mix:
             raise ValueError("every model has share 0: give at least one model a positive share")
+        return self
+
+    @model_validator(mode="after")
+    def _policy_fits_placement(self) -> Plan:
+        if self.dispatcher.policy == "round_robin" and self.placement == "dynamic":
+            raise ValueError(
+                "dispatcher.policy 'round_robin' cannot go with placement 'dynamic': round robin "
+                "binds each query to a worker of its model when it arrives, and a worker moved to "
+                "another model would strand them; use policy: pull with placement: dynamic, or "
+                "round_robin with placement: static"
+            )
         return self
 
     def to_dict(self) -> dict[str, Any]:

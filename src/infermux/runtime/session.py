@@ -29,10 +29,13 @@ from infermux.runtime.worker import ProcessHost, RunnerSpec, Worker
 from infermux.store import Store
 from infermux.units import Discovery, Unit, discover, select_units
 
-__all__ = ["RunReport", "RuntimeSUT", "WorkerPlan", "layout_workers", "run_plan", "with_load"]
+__all__ = ["RunReport", "RuntimeSUT", "WorkerPlan", "bucket_options", "layout_workers", "run_plan",
+           "with_load"]
 
 #: progress(label, fraction 0..1)
 ProgressFn = Callable[[str, float], None]
+#: Trial t numbers its queries from t << _TRIAL_ID_BITS: ranges of trials never overlap.
+_TRIAL_ID_BITS = 40
 
 
 @dataclass
@@ -102,6 +105,26 @@ def layout_workers(plan: Plan, found: Discovery) -> list[WorkerPlan]:
                     tuple(cores), hosting,
                 ))
     return workers
+
+
+#: Buckets this much smaller than a compiled replica's batch run its engine without compiling.
+COMPILED_BUCKETS = 2
+
+
+def bucket_options(replica: Replica, bucket: int) -> dict[str, Any]:
+    """Engine options of one bucket's runner: `compile` only for the largest buckets.
+
+    torch.compile builds every batch size on its own (about 11 s each for ResNet50 on an H100),
+    so compiling every power-of-two bucket made a compiled plan take 101 s to start instead of
+    18 s. Only the plan's batch and the next bucket down are compiled; smaller, partial batches
+    (light server load) run the same engine with CUDA graphs, where per-batch overhead is what
+    matters, not kernel choice.
+    """
+    options = dict(replica.options)
+    if options.get("compile") and bucket not in replica.buckets()[-COMPILED_BUCKETS:]:
+        del options["compile"]
+        options.pop("compile_cache_dir", None)
+    return options
 
 
 def with_load(plan: Plan, **changes: Any) -> Plan:
@@ -188,6 +211,8 @@ class _Runtime:
         self.engines: dict[str, Any] = {}
         self.models: dict[str, LoadedModel] = {}
         self.qsl: dict[str, QuerySampleLibrary] = {}
+        #: Sample pools shared by this process's workers (one per model, dtype and device).
+        self.pools: dict[tuple[str, tuple[str, ...]], Any] = {}
         self.build_errors: dict[str, str] = {}
         self._placer: threading.Thread | None = None
         self._placer_stop = threading.Event()
@@ -251,7 +276,8 @@ class _Runtime:
                 for name in sorted(serves):
                     try:
                         runners[name] = {
-                            b: engine.build(self.models[name], wp.unit, b, wp.replica.options,
+                            b: engine.build(self.models[name], wp.unit, b,
+                                            bucket_options(wp.replica, b),
                                             data=plan.load.data, instance=wp.id)
                             for b in wp.replica.buckets()}
                     except UsageError:
@@ -282,7 +308,8 @@ class _Runtime:
                     cores, threads = host_cores, feeder_threads
                 self.workers.append(Worker(
                     state, runners, {m: self.qsl[m].data for m in runners}, self.dispatcher,
-                    cores=cores, threads=threads))
+                    cores=cores, threads=threads, pools=self.pools,
+                    just_in_time=plan.dispatcher.gpu_take == "just_in_time"))
         pipe_rows = self._build_pipelines(found)
         for entry in plan.models:
             if not any(s.alive and s.model == entry.name for s in self.states):
@@ -334,13 +361,14 @@ class _Runtime:
         return rows
 
     def _prime(self, state: WorkerState, runners: dict[str, dict[int, Runner]]) -> None:
-        """Seed the latency estimate from the build's warm-up: one timed run per bucket."""
-        for bucket, runner in runners.get(state.model, {}).items():
-            with contextlib.suppress(Exception):  # a failing runner fails in the run, visibly
-                runner.gather_input(runner.prepare_pool(self.qsl[state.model].data[:1]),
-                                    [0] * bucket)
-                for _ in range(2):
-                    state.estimate.update(bucket, runner.run().latency_ns)
+        """Seed the latency estimates from the build's warm-up: timed runs per model and bucket."""
+        for model, per in runners.items():
+            for bucket, runner in per.items():
+                with contextlib.suppress(Exception):  # a failing runner fails in the run, visibly
+                    runner.gather_input(runner.prepare_pool(self.qsl[model].data[:1]),
+                                        [0] * bucket)
+                    for _ in range(2):
+                        state.estimate.update(bucket, runner.run().latency_ns, model)
 
     def start(self) -> None:
         for worker in self.workers:
@@ -362,7 +390,7 @@ class _Runtime:
                     live = [w for w in d.workers.values() if w.alive and w.model == name]
                     cap = 0.0
                     for w in live:
-                        est = w.estimate.expected_ns(w.batch)
+                        est = w.estimate.expected_ns(w.batch, name)
                         cap += w.batch / (est / 1e9) if est > 0 else 0.0
                     loads.append(ModelLoad(name, d.queued(name), [w.id for w in live], cap))
                 idle = {w.id: (now - w.free_since_ns) / 1e9 for w in d.workers.values()
@@ -374,12 +402,15 @@ class _Runtime:
 
     def run_trial(self, settings: dict[str, Any], shares: dict[str, float],
                   mix: list[dict[str, Any]] | None) -> tuple[ScenarioResult, dict[str, Any]]:
+        # A trial starts from empty queues and zeroed counters (what an earlier trial left is
+        # dropped, its late batches go unreported) and numbers its queries in a range of its
+        # own, so nothing of an earlier trial can be credited to this one.
+        dropped = self.dispatcher.begin_trial()
         self.recorder.reset()
-        with self.dispatcher.cond:
-            self.dispatcher._flush = False
         for pipe in self.pipelines:
             pipe.begin_window()
-        gen = LoadGenerator(settings, shares, mix=mix, progress=self.progress)
+        gen = LoadGenerator(settings, shares, mix=mix, progress=self.progress,
+                            id_base=self.dispatcher.trial << _TRIAL_ID_BITS)
         pools = {m: q.count for m, q in self.qsl.items()}
         result = gen.run(RuntimeSUT(self.dispatcher), pools)
         record = summarise(result, list(self.recorder.records), self.states, {},
@@ -393,8 +424,10 @@ class _Runtime:
                     # Batches overlap in a pipeline: its busiest stage is its utilisation.
                     row["utilisation"] = max((st["busy"] for st in record["pipelines"][
                         pipe.state.model]), default=None)
-        record["retried_items"] = self.dispatcher.retried
-        record["failed_items"] = self.dispatcher.failed_items
+        with self.dispatcher.cond:  # this trial's own counts (begin_trial zeroed them)
+            record["retried_items"] = self.dispatcher.retried
+            record["failed_items"] = self.dispatcher.failed_items
+        record["dropped_from_earlier_trial"] = dropped
         return result, record
 
     def shutdown(self, *, now: bool) -> None:
@@ -511,4 +544,37 @@ def _peak(rt: _Runtime, report: RunReport, settings: dict[str, Any], shares: dic
         return res
 
     peak = find_peak(server, upper_qps=upper, bound_ms=bound)
+    if peak.peak_qps is None and peak.reason is not None:
+        if upper <= 0:
+            notes = "; ".join(record.get("validity_notes") or []) or "no notes"
+            errors = "; ".join(sorted({w["error"] for w in record.get("workers", {}).values()
+                                       if w.get("error")}))
+            peak.reason = (f"the offline trial completed no samples ({notes}"
+                           + (f"; {errors}" if errors else "") + "), so there is no server rate "
+                           "to search: fix what failed and run again")
+        else:
+            peak.reason = _no_peak_reason(rt, bound, peak.reason)
     report.peak = peak.record()
+
+
+def _no_peak_reason(rt: _Runtime, bound_ms: float, searched: str) -> str:
+    """Why no server rate held the bound, and what to do: one line for the peak record."""
+    worst: tuple[float, str, str] | None = None  # (fastest batch ms of a model, name, ref)
+    for entry in rt.plan.models:
+        fastest = [s.estimate.expected_ns(s.buckets[0], entry.name) / 1e6 for s in rt.states
+                   if s.alive and s.model == entry.name]
+        fastest = [ms for ms in fastest if ms > 0]
+        if fastest and (worst is None or min(fastest) > worst[0]):
+            worst = (min(fastest), entry.name, entry.model)
+    if worst is None:
+        return searched
+    ms, name, ref = worst
+    tune = f"`infermux tune --model {ref} --scenario server --p99 {bound_ms:g}ms`"
+    if ms > bound_ms:
+        shown = f"{ms:.0f}" if ms >= 10 else f"{ms:.2f}"
+        return (f"the plan's batch latency alone is {shown} ms > {bound_ms:g} ms bound "
+                f"(model {name}, its fastest worker at its smallest batch): find a plan that "
+                f"can hold it with {tune}, or raise the bound")
+    return (f"{searched}; a batch of {name} alone takes {ms:.1f} ms, so queueing and batching "
+            f"waits break the bound: lower dispatcher.max_queue_delay_ms or find a plan with "
+            f"{tune}")

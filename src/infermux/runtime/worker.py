@@ -4,7 +4,9 @@ Hosting, decided by measurement (docs/benchmarks.md, bench/runtime_cpu_modes.py)
 - GPU workers are threads of the one process (one CUDA context). Each owns its runners: a CUDA
   stream, pinned host buffers and one captured CUDA graph per batch bucket. A GPU runner's
   `launch()` returns at once, so the worker gathers the next batch into the pinned buffer while
-  the current one computes; copies of one worker overlap the compute of the others.
+  the current one computes (a long gather on a helper thread, while the worker waits for the
+  current batch: a batch's completion is stamped when it is collected, never after the next
+  one's gather); copies of one worker overlap the compute of the others.
 - CPU workers get an explicit, disjoint core set. By default each is a pinned child process
   (`ProcessHost`): threads stall on the GIL when per-batch Python work is large next to the
   kernels (2 pinned threads gave 1.08× one at batch 1, 2 processes 1.82×). The worker thread
@@ -48,15 +50,21 @@ class Worker:
         cores: Sequence[int] = (),
         threads: int | None = None,
         clock_ns: Callable[[], int] = time.perf_counter_ns,
+        pools: dict[tuple[str, tuple[str, ...]], Any] | None = None,
+        just_in_time: bool = False,
     ) -> None:
         self.state = state
+        #: Take the next batch only when the running one is about to end (see `_wait_to_take`).
+        self.just_in_time = just_in_time
         self.runners = runners
         self.samples = samples
         self.dispatcher = dispatcher
         self.cores = tuple(cores)
         self.threads = threads
         self.clock_ns = clock_ns
-        self._pools: dict[tuple[str, tuple[str, ...]], Any] = {}
+        # Sample pools by (model, dtype and device): shared by the workers given the same dict
+        # (every instance on one GPU reads one copy; pools are only read once made).
+        self._pools: dict[tuple[str, tuple[str, ...]], Any] = pools if pools is not None else {}
         self.thread = threading.Thread(target=self._main, name=f"infermux-{state.name}",
                                        daemon=True)
 
@@ -107,34 +115,175 @@ class Worker:
                 return
             d.finished(w, batch, start, end, timing)
 
-    def _loop_pipelined(self) -> None:
-        """Gather batch k+1 while batch k runs on the device, then collect k and launch k+1."""
+    def _wait_to_take(self, end_ns: float, gather_ns: float) -> None:
+        """Wait until the running batch is about to end, unless a full batch waits already.
+
+        Taking the next batch the moment items arrive commits them to this worker's turn after
+        its running batch, while another worker may free sooner, and takes a small batch where
+        a fuller one was a moment away: under server load that was most of the tail. Waiting
+        until two gathers (and a little slack) before the expected end keeps the gather
+        overlapped with the device; a full batch waiting is taken at once (offline load).
+        """
         d, w = self.dispatcher, self.state
-        pending: tuple[Batch, Runner, int] | None = None
+        take_at = end_ns - 2 * gather_ns - _TAKE_SLACK_NS
+        with d.cond:
+            while True:
+                left = take_at - self.clock_ns()
+                if left <= 0 or d.closed or d.queued(w.model) >= w.batch:
+                    return
+                d.cond.wait(left / 1e9)
+
+    def _loop_pipelined(self) -> None:
+        """Gather batch k+1 while batch k runs on the device, then collect k and launch k+1.
+
+        k's completion is stamped the moment `collect()` returns, never after k+1's gather.
+        Where k+1's gather goes depends on what is expected to remain of k (its latency
+        estimate): nothing (the device idles) — collect k first, then gather; more than twice
+        the gather — gather here, then collect (which still waits for k: the stamp is exact,
+        and no thread hand-over is paid); less — on a helper thread while this one waits in
+        `collect()`, so the gather overlaps k without lengthening k's latency.
+        """
+        d, w = self.dispatcher, self.state
+        if self.threads and self.threads > 1:
+            import torch
+
+            # The gather's threads leave a core to this thread, which waits on the device
+            # meanwhile (measured on an H100 host: a full-width gather beside the waiting
+            # thread ran a ResNet18 batch-32 cycle at 2.5 ms instead of 1.3 ms).
+            torch.set_num_threads(self.threads - 1)
+        # (batch, runner, launched at, expected to end at)
+        pending: tuple[Batch, Runner, int, float] | None = None
+        helper: _Helper | None = None
+        gather_ns = 0.0  # moving average of one gather's duration
+        try:
+            while True:
+                if pending is not None and self.just_in_time:
+                    self._wait_to_take(pending[3], gather_ns)
+                batch = d.next_batch(w, block=pending is None)
+                if batch is None and pending is None:
+                    return
+                held = [b for b in (pending[0] if pending else None, batch) if b is not None]
+                on_helper = False
+                try:
+                    done: tuple[Batch, int, int, BatchTiming] | None = None
+                    where = ""
+                    if batch is not None:
+                        runner = self._runner(batch)
+                        pool = self._pool(batch.model, runner)
+                        left = 0.0 if pending is None else pending[3] - self.clock_ns()
+                        where = ("here" if pending is None or gather_ns < 0.5 * left
+                                 else "after" if left <= 0 else "helper")
+                        if where == "here":
+                            took = self.clock_ns()
+                            runner.gather_input(pool, batch.samples)
+                            gather_ns = _average(gather_ns, self.clock_ns() - took)
+                        elif where == "helper":
+                            helper = helper or _Helper(f"infermux-{w.name}-gather", self.cores,
+                                                       self.clock_ns)
+                            helper.submit(runner.gather_input, pool, batch.samples)
+                            on_helper = True
+                    if pending is not None:
+                        p_batch, p_runner, p_start, _ = pending
+                        timing = p_runner.collect()
+                        done = (p_batch, p_start, self.clock_ns(), timing)
+                    if where == "after":
+                        assert batch is not None
+                        took = self.clock_ns()
+                        runner.gather_input(pool, batch.samples)
+                        gather_ns = _average(gather_ns, self.clock_ns() - took)
+                    elif on_helper:
+                        assert helper is not None
+                        on_helper = False
+                        _, began, ended = helper.result()
+                        gather_ns = _average(gather_ns, ended - began)
+                    pending = None
+                    if batch is not None:
+                        start = self.clock_ns()
+                        runner.launch()
+                        pending = (batch, runner, start,
+                                   start + w.estimate.expected_ns(batch.bucket, batch.model))
+                except Exception as exc:  # noqa: BLE001 - every failure takes the worker out
+                    if on_helper and helper is not None:
+                        with contextlib.suppress(Exception):  # it must not write on, unseen
+                            helper.result()
+                    d.failed(w, held, _translate(exc, w))
+                    return
+                if done is not None:
+                    d.finished(w, done[0], done[1], done[2], done[3])
+        finally:
+            if helper is not None:
+                helper.close()
+
+
+#: Slack before a running batch's expected end at which a just-in-time worker takes the next.
+_TAKE_SLACK_NS = 200_000
+
+
+def _average(old: float, new: float, alpha: float = 0.2) -> float:
+    return float(new) if old <= 0 else old + alpha * (new - old)
+
+
+class _Helper:
+    """A pipelined worker's second thread: runs one call at a time (a gather), timed."""
+
+    def __init__(self, name: str, cores: Sequence[int], clock_ns: Callable[[], int]) -> None:
+        self._cores = tuple(cores)
+        self._clock_ns = clock_ns
+        self._cond = threading.Condition()
+        self._job: tuple[Callable[..., Any], tuple[Any, ...]] | None = None
+        self._busy = False
+        self._outcome: tuple[Any, int, int] = (None, 0, 0)
+        self._error: BaseException | None = None
+        self._stop = False
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Start `fn(*args)` on the thread; collect it with `result()` before the next."""
+        with self._cond:
+            self._job, self._busy, self._error = (fn, args), True, None
+            self._cond.notify_all()
+
+    def result(self) -> tuple[Any, int, int]:
+        """(its return value, the clock when it started, when it returned); or its error."""
+        with self._cond:
+            while self._busy:
+                self._cond.wait()
+            error, self._error = self._error, None
+            outcome = self._outcome
+        if error is not None:
+            raise error
+        return outcome
+
+    def close(self) -> None:
+        """End the thread (after the call in hand)."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+
+    def _main(self) -> None:
+        if self._cores:
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(0, self._cores)
         while True:
-            batch = d.next_batch(w, block=pending is None)
-            if batch is None and pending is None:
-                return
-            held = [b for b in (pending[0] if pending else None, batch) if b is not None]
+            with self._cond:
+                while self._job is None and not self._stop:
+                    self._cond.wait()
+                if self._job is None:
+                    return
+                fn, args = self._job
+                self._job = None
+            error: BaseException | None = None
+            value: Any = None
+            began = self._clock_ns()
             try:
-                if batch is not None:
-                    runner = self._runner(batch)
-                    runner.gather_input(self._pool(batch.model, runner), batch.samples)
-                done: tuple[Batch, int, int, BatchTiming] | None = None
-                if pending is not None:
-                    p_batch, p_runner, p_start = pending
-                    timing = p_runner.collect()
-                    done = (p_batch, p_start, self.clock_ns(), timing)
-                pending = None
-                if batch is not None:
-                    start = self.clock_ns()
-                    runner.launch()
-                    pending = (batch, runner, start)
-            except Exception as exc:  # noqa: BLE001 - every failure takes the worker out
-                d.failed(w, held, _translate(exc, w))
-                return
-            if done is not None:
-                d.finished(w, done[0], done[1], done[2], done[3])
+                value = fn(*args)
+            except BaseException as exc:  # noqa: BLE001 - raised in the worker by result()
+                error = exc
+            ended = self._clock_ns()
+            with self._cond:
+                self._busy, self._error, self._outcome = False, error, (value, began, ended)
+                self._cond.notify_all()
 
 
 def _translate(exc: BaseException, w: WorkerState) -> BaseException:
@@ -207,10 +356,13 @@ class ProcessHost:
     caller's main script, which breaks scripts and notebooks without a main guard.
     """
 
-    def __init__(self, name: str, cores: Sequence[int], specs: Sequence[RunnerSpec]) -> None:
+    def __init__(self, name: str, cores: Sequence[int], specs: Sequence[RunnerSpec], *,
+                 call_timeout_s: float = 600.0) -> None:
         self.name = name
         self.cores = tuple(cores)
         self.specs = list(specs)
+        #: The longest one batch may take in the child before it is taken for hung and stopped.
+        self.call_timeout_s = call_timeout_s
         self.info: dict[str, dict[int, dict[str, Any]]] = {}
         self._proc: subprocess.Popen[bytes] | None = None
         self._conn_in: Connection | None = None
@@ -262,15 +414,27 @@ class ProcessHost:
                 for m, per in self.info.items()}
 
     def call(self, model: str, bucket: int, indices: list[int]) -> BatchTiming:
-        """Run one batch in the child; its failures come back as RunError/DeviceOutOfMemoryError."""
+        """Run one batch in the child; its failures come back as RunError/DeviceOutOfMemoryError.
+
+        A child that fails a batch, or answers none within `call_timeout_s`, is stopped: the
+        worker is out of service either way.
+        """
+        if self._conn_out is None:
+            raise RunError(f"worker {self.name}: its process was stopped")
         try:
-            assert self._conn_out is not None
             self._conn_out.send(("run", model, bucket, indices))
-            msg = self._recv()
+            msg = self._recv(self.call_timeout_s)
+        except TimeoutError:
+            self.close(timeout_s=1.0)
+            raise RunError(
+                f"worker {self.name}: its process answered no batch in {self.call_timeout_s:g}s "
+                "and was stopped as hung; if batches this slow are expected, use smaller batches"
+            ) from None
         except (EOFError, OSError):
             code = self._proc.poll() if self._proc is not None else None
             raise RunError(f"worker {self.name}: its process died (exit code {code})") from None
         if msg[0] == "error":
+            self.close()
             _raise_child_error(self.name, msg)
         return BatchTiming(*msg[1])
 

@@ -1,7 +1,8 @@
 """Jetson boards: INA3221 power rails, GPU/DLA/EMC clocks, GPU and EMC load, temperatures.
 
-Every path is relative to `root` so trees captured from boards (tests/fixtures/jetson_*) are
-parsed exactly as the board's own files. The layouts, as read by jetson-stats (rbonghi/
+Every path is relative to `root`, so a tree copied from a board parses exactly as the board's
+own files. The trees in tests/fixtures/jetson_* were assembled from the public sources below,
+not captured from a board (tests/fixtures/jetson_README.md). The layouts, as read by jetson-stats (rbonghi/
 jetson_stats, jtop/core/{power,gpu,memory,engine}.py), zeus (zeus/device/soc/jetson.py) and
 energymon (jetson/ina3221{,x}.c):
 

@@ -1,7 +1,8 @@
 """Jetson boards: the board model, L4T release, power mode and DLA cores, read from files.
 
-Every path is taken relative to `root` so captured trees from real boards (tests/fixtures) are
-parsed exactly as the board's own files are.
+Every path is taken relative to `root`, so a tree copied from a board parses exactly as the
+board's own files do. The trees in tests/fixtures (units_orin, units_nano) were assembled from
+public documentation of L4T's files, not captured from a board.
 """
 
 from __future__ import annotations

@@ -1,0 +1,276 @@
+"""Runtime correctness on real workers: trials that start clean, peak searches that end with a
+reason, batch completions stamped when collected, CPU children that cannot hang a run."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+import yaml
+
+from infermux.engines.base import BatchTiming, Runner
+from infermux.errors import RunError
+from infermux.load.base import Query
+from infermux.runtime import Dispatcher, LatencyEstimate, WorkerState, parse_plan, run_plan
+from infermux.runtime.session import _Runtime
+from infermux.runtime.worker import ProcessHost, RunnerSpec, Worker
+
+from .conftest import TINY, needs_two_cores, run_cli
+
+
+def plan(models, *, dispatcher=None, load=None, **kw):
+    data = {"name": "test", "models": models, "dispatcher": {"cpu_workers": "thread",
+                                                             **(dispatcher or {})},
+            "load": {"min_duration_s": 0.3, "min_queries": 20, "sample_pool": 32, **(load or {})}}
+    data.update(kw)
+    return parse_plan(data)
+
+
+def tiny(name="tiny", factory="tiny_cnn", **kw):
+    return {"name": name, "model": f"{TINY}:{factory}", **kw}
+
+
+# -- trials ----------------------------------------------------------------------------------
+
+
+def test_what_an_earlier_trial_left_queued_is_never_served_into_the_next():
+    rt = _Runtime(plan([tiny(replicas=[{"unit": "cpu:0", "batch": 4}])]), None)
+    rt.build()
+    try:
+        # An earlier trial whose drain gave up left 50 items queued, numbered from 0 as a new
+        # trial numbers its own queries.
+        rt.dispatcher.submit([Query(i, "tiny", (i % 32,)) for i in range(50)])
+        # The workers come up while the next trial is already issuing.
+        timer = threading.Timer(0.3, rt.start)
+        timer.start()
+        settings = {**rt.plan.load.model_dump(mode="json"), "scenario": "server",
+                    "rate_qps": 100.0, "min_duration_s": 0.6}
+        result, record = rt.run_trial(settings, {"tiny": 1.0}, None)
+        timer.join()
+    finally:
+        rt.shutdown(now=False)
+    served = sum(r.size for r in rt.recorder.records)
+    counts = result.counts()
+    assert counts["unfinished"] == 0 and counts["failed"] == 0
+    # Every batch served in the trial was the trial's own: nothing stale was credited.
+    assert served == counts["completed_samples"] == record["completed_samples"]
+    assert record["dropped_from_earlier_trial"] == 50
+    # Each query completed after its own arrival, never before it.
+    assert min(result.latencies_ns()) > 0
+
+
+@needs_two_cores
+def test_each_trial_of_a_peak_search_counts_its_own_retries():
+    p = plan([tiny(factory="flaky_cnn", replicas=[
+        {"unit": "cpu:0", "batch": 4, "batch_buckets": "none"},
+        {"unit": "cpu:1", "batch": 4, "batch_buckets": "none"}])],
+        load={"scenario": "server", "find_peak": True, "p99_bound_ms": 500,
+              "min_duration_s": 0.3, "min_queries": 200})
+    report = run_plan(p)
+    assert report.status == "complete", report.error
+    offline, *servers = report.trials
+    assert offline["scenario"] == "offline" and offline["retried_items"] >= 1
+    assert servers and all(t["retried_items"] == 0 and t["failed_items"] == 0 for t in servers)
+    assert all(t["unfinished"] == 0 for t in report.trials)
+
+
+# -- the peak search's ends ------------------------------------------------------------------
+
+
+def test_an_empty_offline_trial_ends_the_peak_search_with_a_reason():
+    p = plan([tiny(factory="failing_cnn", replicas=[{"unit": "cpu:0", "batch": 4}])],
+             load={"scenario": "server", "find_peak": True, "p99_bound_ms": 50})
+    report = run_plan(p)
+    assert report.status == "complete", report.error
+    peak = report.peak
+    assert peak is not None and peak["peak_qps"] is None and peak["trials"] == []
+    assert "offline trial completed no samples" in peak["reason"]
+    assert "injected failure in a worker" in peak["reason"]
+    assert len(report.trials) == 1 and report.trials[0]["completed"] == 0
+
+
+def test_no_rate_within_the_bound_says_the_batch_latency_alone_breaks_it():
+    p = plan([tiny(factory="wide_cnn", replicas=[
+        {"unit": "cpu:0", "batch": 64, "batch_buckets": "none"}])],
+        dispatcher={"max_queue_delay_ms": 0},
+        load={"scenario": "server", "find_peak": True, "p99_bound_ms": 2, "min_queries": 10})
+    report = run_plan(p)
+    peak = report.peak
+    assert peak is not None and peak["peak_qps"] is None
+    reason = peak["reason"]
+    assert "the plan's batch latency alone is" in reason and "> 2 ms bound" in reason
+    assert f"infermux tune --model {TINY}:wide_cnn --scenario server --p99 2ms" in reason
+
+
+def test_infermux_run_prints_why_there_is_no_peak(tmp_path):
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump({
+        "models": [tiny(factory="failing_cnn", replicas=[{"unit": "cpu:0", "batch": 4}])],
+        "dispatcher": {"cpu_workers": "thread"},
+        "load": {"min_duration_s": 0.3, "min_queries": 20}}))
+    run = run_cli("run", str(path), "--no-store", "--find-peak", "--p99", "50")
+    assert run.returncode == 0, run.stderr
+    assert "no peak: the offline trial completed no samples" in " ".join(run.stdout.split())
+
+
+# -- pipelined GPU-style workers -------------------------------------------------------------
+
+
+class SleepDevice(Runner):
+    """An asynchronous runner whose 'device' is the clock: a batch is done `device_s` after its
+    launch; gathering its inputs takes `gather_s` of host time."""
+
+    engine = "sleep"
+    asynchronous = True
+
+    def __init__(self, batch: int, device_s: float, gather_s: float) -> None:
+        self.batch = batch
+        self.input_shape = (1,)
+        self.options = {}
+        self.device_s = device_s
+        self.gather_s = gather_s
+        self._done_at = 0.0
+        self._launched_at = 0.0
+
+    def gather_input(self, pool, indices) -> None:
+        time.sleep(self.gather_s)
+
+    def launch(self) -> None:
+        self._launched_at = time.perf_counter()
+        self._done_at = self._launched_at + self.device_s
+
+    def collect(self) -> BatchTiming:
+        left = self._done_at - time.perf_counter()
+        if left > 0:
+            time.sleep(left)
+        return BatchTiming(latency_ns=int((time.perf_counter() - self._launched_at) * 1e9))
+
+    def run(self) -> BatchTiming:
+        self.launch()
+        return self.collect()
+
+    def set_input(self, batch: np.ndarray) -> None:
+        pass
+
+    def outputs(self) -> list[np.ndarray]:
+        return []
+
+
+@pytest.mark.parametrize(("device_s", "gather_s", "primed"),
+                         [(0.03, 0.08, True), (0.08, 0.03, True), (0.03, 0.08, False)],
+                         ids=["gather-longer", "device-longer", "no-estimate-yet"])
+def test_a_pipelined_batch_completes_when_collected_not_after_the_next_gather(device_s, gather_s,
+                                                                            primed):
+    batches = 6
+    d = Dispatcher(["m"], max_queue_delay_ns=0)
+    state = WorkerState(0, "gpu#0", "cuda:0/fp16", "m", [1], {"m"}, LatencyEstimate(), depth=2)
+    if primed:  # as the runtime primes it after the build
+        state.estimate.update(1, device_s * 1e9, "m")
+    d.add_worker(state)
+    spans: list[tuple[int, int]] = []
+    d.on_batch_done = lambda w, b, start, end, timing: spans.append((start, end))
+    finished = threading.Event()
+    d.set_completion(lambda pairs, ok, t: len(spans) >= batches and finished.set())
+    runner = SleepDevice(1, device_s, gather_s)
+    worker = Worker(state, {"m": {1: runner}}, {"m": np.zeros((8, 1), np.float32)}, d)
+    d.submit([Query(i, "m", (i,)) for i in range(batches)])
+    worker.start()
+    assert finished.wait(30)
+    d.close()
+    worker.join(10)
+    assert len(spans) == batches
+    latencies_ms = [(end - start) / 1e6 for start, end in spans]
+    # Each batch's latency is its device time, never stretched to the next batch's gather.
+    assert max(latencies_ms) < (device_s + 0.5 * abs(gather_s - device_s)) * 1e3, latencies_ms
+    assert min(latencies_ms) >= device_s * 1e3 * 0.95, latencies_ms
+    # And gathers still overlap the device: a cycle costs the longer of the two, not both
+    # (from the first launch: overlapped 5 × longer + device, one after the other 5 × both +
+    # device).
+    # Without an estimate the first batches collect before gathering (no overlap to lose is
+    # known yet); the stamps are exact either way.
+    total_s = (spans[-1][1] - spans[0][0]) / 1e9
+    longer, shorter = max(device_s, gather_s), min(device_s, gather_s)
+    assert total_s < (batches - 1) * longer + device_s + (2 if primed else 3) * shorter, total_s
+
+
+# -- process-hosted CPU workers --------------------------------------------------------------
+
+
+def _host(tmp_path, monkeypatch, timeout_s: float) -> tuple[ProcessHost, object]:
+    switch = tmp_path / "switch"
+    monkeypatch.setenv("INFERMUX_TEST_SWITCH", str(switch))
+    core = min(os.sched_getaffinity(0))
+    spec = RunnerSpec("m", f"{TINY}:switched_cnn", None, None, "torch", f"cpu:{core}", (1,), {},
+                      "host", 0, 4, 0)
+    host = ProcessHost("m/cpu#0", (core,), [spec], call_timeout_s=timeout_s)
+    host.start()
+    host.wait_ready()
+    assert host.call("m", 1, [0]).latency_ns > 0
+    return host, switch
+
+
+def test_a_hung_child_is_stopped_and_its_call_raises(tmp_path, monkeypatch):
+    host, switch = _host(tmp_path, monkeypatch, timeout_s=2.0)
+    proc = host._proc
+    try:
+        switch.write_text("hang")
+        started = time.monotonic()
+        with pytest.raises(RunError, match="answered no batch in 2s"):
+            host.call("m", 1, [0])
+        assert time.monotonic() - started < 15
+        assert proc is not None and proc.wait(10) is not None
+        with pytest.raises(RunError, match="stopped"):
+            host.call("m", 1, [0])
+    finally:
+        host.close()
+
+
+def test_a_child_that_answers_with_an_error_is_closed(tmp_path, monkeypatch):
+    host, switch = _host(tmp_path, monkeypatch, timeout_s=120.0)
+    proc = host._proc
+    try:
+        switch.write_text("fail")
+        with pytest.raises(RunError, match="injected failure in the child"):
+            host.call("m", 1, [0])
+        assert proc is not None and proc.wait(15) is not None
+    finally:
+        host.close()
+
+
+@pytest.mark.parametrize("just_in_time", [False, True], ids=["early", "just-in-time"])
+def test_a_just_in_time_worker_takes_its_next_batch_when_the_running_one_ends(just_in_time):
+    """Items trickling in while a batch runs: an early worker takes the first as a batch of
+    one; a just-in-time worker leaves them queued until the running batch is about to end and
+    takes them together."""
+    device_s = 0.12
+    buckets = [1, 2, 4, 8]
+    d = Dispatcher(["m"], max_queue_delay_ns=0)
+    state = WorkerState(0, "gpu#0", "cuda:0/fp16", "m", buckets, {"m"}, LatencyEstimate(), depth=2)
+    for b in buckets:
+        state.estimate.update(b, device_s * 1e9, "m")
+    d.add_worker(state)
+    sizes: list[int] = []
+    d.on_batch_done = lambda w, b, start, end, timing: sizes.append(len(b.items))
+    done = threading.Event()
+    d.set_completion(lambda pairs, ok, t: sum(sizes) >= 6 and done.set())
+    # The first batch's gather takes 30 ms: an item arriving meanwhile is queued when it launches.
+    runners = {b: SleepDevice(b, device_s, 0.03) for b in buckets}
+    worker = Worker(state, {"m": runners}, {"m": np.zeros((8, 1), np.float32)}, d,
+                    just_in_time=just_in_time)
+    worker.start()
+    d.submit([Query(0, "m", (0,))])
+    time.sleep(0.01)
+    for i in range(1, 6):  # five more, 15 ms apart, while the first batch gathers and runs
+        d.submit([Query(i, "m", (i,))])
+        time.sleep(0.015)
+    assert done.wait(30)
+    d.close()
+    worker.join(10)
+    assert sizes[0] == 1 and sum(sizes) == 6
+    if just_in_time:
+        assert sizes[1:] == [5], sizes
+    else:
+        assert len(sizes) >= 3 and sizes[1] < 5, sizes  # taken at the first launch
