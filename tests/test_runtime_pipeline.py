@@ -148,3 +148,32 @@ def test_compiled_replica_compiles_only_its_largest_buckets():
     assert compiled == [32, 64]
     assert bucket_options(rep, 1) == {}
     assert rep.options == {"compile": "default"}  # the plan itself is untouched
+
+
+@pytest.mark.parametrize("threaded", [False, True], ids=["one-thread", "split-gather"])
+def test_fed_indices_gather_the_right_rows(threaded, monkeypatch):
+    """The runtime feeds rows of its sample pool by index, split over threads when large."""
+    import infermux.partition.pipeline as pipeline_module
+
+    if threaded:  # every gather counts as large: the threaded path runs on a tiny model
+        monkeypatch.setattr(pipeline_module, "_GATHER_BYTES_PER_THREAD", 1)
+    model = load_model(ModelSpec(f"{TINY}:tiny_cnn"))
+    graph = capture_graph(model.module, model.input_shape)
+    units = {u.id: u for u in select_units(["cpu:0"], discover(with_runtimes=False))}
+    plan = PipelinePlan(model="m", stages=[
+        {"start": "input", "end": "body_1", "units": ["cpu:0"], "batch": 4},
+        {"start": "body_1", "end": "output", "units": ["cpu:0"], "batch": 4}])
+    rng = np.random.default_rng(1)
+    pool = torch.from_numpy(rng.standard_normal((16, 3, 32, 32)).astype(np.float32))
+    picks = [[3, 1, 4, 1], [5, 9], [2, 6, 5]]
+    got: dict[int, np.ndarray] = {}
+    with Pipeline(plan, model, graph, units, buckets=True) as pipe:
+        assert pipe.feed_dtype == torch.float32
+        pipe.serve(lambda cid, _ns, outs: got.__setitem__(cid, outs[0].numpy().copy()), print)
+        for cid, rows in enumerate(picks):
+            pipe.feed_indices(cid, pool, rows)
+        pipe.end_serving()
+    with torch.no_grad():
+        for cid, rows in enumerate(picks):
+            np.testing.assert_allclose(got[cid], model.module(pool[rows]).numpy(), rtol=1e-4,
+                                       atol=1e-5)

@@ -20,6 +20,7 @@ builds whole copies of the chain that share the feeder and the sink. Outputs car
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 import time
@@ -35,13 +36,16 @@ from infermux.models import LoadedModel
 from infermux.partition.graph import ModelGraph
 from infermux.partition.plan import PipelinePlan
 from infermux.partition.segments import build_segment
-from infermux.partition.transfer import alloc, copy_into, pin_thread, stream_for
+from infermux.partition.transfer import alloc, copy_into, dtype_of, pin_thread, stream_for
 from infermux.stats import latency_summary_ms
 from infermux.units import Unit
 
 __all__ = ["Pipeline", "PipelineMeasurement"]
 
 _POLL_S = 0.05
+#: Feeding gathers of at least this many bytes per thread are split over threads (up to 4).
+_GATHER_BYTES_PER_THREAD = 8 << 20
+_GATHER_THREADS = 4
 _END = object()
 
 
@@ -202,8 +206,14 @@ class Pipeline:
         first = plan.stages[0]
         feed_slots = first.buffers * (first.batch // self.chunk) * max(
             1, len(first.units) * first.instances * plan.pipeline_replicas)
-        self._feed_pool = _Pool([[alloc(None, (self.chunk, *self._input.shape))]
+        # Inputs wait on the host in the first stage's compute dtype (fp16 for a `cuda:N/fp16`
+        # stage): the host→device copy moves what the stage reads, as a replica's runner does.
+        first_unit = units.get(first.units[0])
+        self.feed_dtype = dtype_of(first_unit if first_unit is not None and
+                                   first_unit.kind == "cuda" else None)
+        self._feed_pool = _Pool([[alloc(None, (self.chunk, *self._input.shape), self.feed_dtype)]
                                  for _ in range(feed_slots)], self._stop)
+        self._gather_pool: Any = None
         self._source = _Link(self._stop)
         self._sink = _Link(self._stop)
         self.copies: list[list[_StageCopy]] = [[] for _ in plan.stages]
@@ -518,6 +528,41 @@ class Pipeline:
         tensor[:len(data)].copy_(data)
         self._source.publish((self._feed_pool, slot, chunk_id, time.perf_counter_ns(), len(data)))
 
+    def feed_indices(self, chunk_id: int, pool: Any, indices: Any) -> None:
+        """Queue one chunk of rows `indices` of `pool` (a host tensor in `feed_dtype`).
+
+        The rows go straight into an input slot: one indexed copy, split over threads when large.
+        """
+        import torch
+
+        if len(indices) > self.chunk:
+            raise UsageError(f"a chunk holds at most {self.chunk} rows, not {len(indices)}")
+        self._check()
+        try:
+            slot = self._feed_pool.acquire()
+        except _StoppedError:
+            self._check()
+            raise RunError("the pipeline was stopped") from None
+        n = len(indices)
+        dst = self._feed_pool.slots[slot][0].narrow(0, 0, n)
+        idx = torch.as_tensor(list(indices), dtype=torch.long)
+        parts = min(_GATHER_THREADS, n, int(dst.nbytes // _GATHER_BYTES_PER_THREAD))
+        if parts <= 1:
+            torch.index_select(pool, 0, idx, out=dst)
+        else:
+            # index_select releases the GIL: a large chunk (ResNet50 b64 is 19 MB in fp16) is
+            # gathered by several threads, as the torch runner gathers a replica's batch.
+            if self._gather_pool is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self._gather_pool = ThreadPoolExecutor(_GATHER_THREADS, "infermux-feed")
+            bounds = [n * k // parts for k in range(parts + 1)]
+            for job in [self._gather_pool.submit(torch.index_select, pool, 0, idx[a:b],
+                                                 out=dst.narrow(0, a, b - a))
+                        for a, b in itertools.pairwise(bounds)]:
+                job.result()
+        self._source.publish((self._feed_pool, slot, chunk_id, time.perf_counter_ns(), n))
+
     def end_serving(self, timeout_s: float = 60.0) -> None:
         """No more chunks: let the stages drain, then stop them."""
         if not self._started:
@@ -582,6 +627,8 @@ class Pipeline:
                     runner.close()
         for engine in self._engines.values():
             getattr(engine, "release", lambda: None)()
+        if getattr(self, "_gather_pool", None) is not None:
+            self._gather_pool.shutdown(wait=False)
 
     def __enter__(self) -> Pipeline:
         return self

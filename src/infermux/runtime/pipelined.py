@@ -88,7 +88,11 @@ class PipelineWorker:
                  dispatcher: Dispatcher) -> None:
         self.state = state
         self.pipeline = pipeline
+        import torch
+
         self.samples = samples
+        #: The sample pool as the pipeline's input slots hold it (dtype), gathered from directly.
+        self.pool = torch.from_numpy(np.ascontiguousarray(samples)).to(pipeline.feed_dtype)
         self.dispatcher = dispatcher
         self.chunk: int = pipeline.chunk
         self._lock = threading.Lock()
@@ -122,7 +126,7 @@ class PipelineWorker:
                     for k in range(len(chunks)):
                         self._owner[first + k] = first
                 for k, rows in enumerate(chunks):
-                    self.pipeline.feed(first + k, self.samples[rows])
+                    self.pipeline.feed_indices(first + k, self.pool, rows)
         except RunError as exc:
             self._on_error(exc)
         finally:
