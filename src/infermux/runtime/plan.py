@@ -451,6 +451,7 @@ dispatcher:
   estimate_alpha: 0.2              # moving average of batch latency (SLO-aware placement)
   cpu_workers: process             # CPU workers as pinned processes (measured) or threads
   max_retries: 2                   # a failed batch is retried elsewhere, then reported failed
+  gpu_take: just_in_time           # GPU workers take their next batch as the running one ends
 placement: static                  # dynamic: idle workers move to the model whose queue grows
 placement_interval_s: 0.2
 load:
