@@ -84,3 +84,22 @@ needs_two_cores = pytest.mark.skipif(
 )
 
 sys.path.insert(0, str(ROOT / "src"))
+
+
+@pytest.fixture(scope="module")
+def module_cache_dir(tmp_path_factory: pytest.TempPathFactory):
+    """A fresh INFERMUX_CACHE_DIR for one test module (ONNX exports, engine caches)."""
+    path = tmp_path_factory.mktemp("cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("INFERMUX_CACHE_DIR", str(path))
+        yield path
+
+
+@pytest.fixture(scope="module")
+def cpu():
+    """The whole-CPU unit of this machine."""
+    from infermux.units import discover
+
+    unit = discover(with_runtimes=False).get("cpu")
+    assert unit is not None
+    return unit

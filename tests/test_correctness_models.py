@@ -19,7 +19,6 @@ from infermux.engines import create_engine, engine_status
 from infermux.errors import UsageError
 from infermux.export import export_onnx
 from infermux.models import ModelSpec, load_model
-from infermux.units import Unit, discover
 
 FACTORY = '''
 import torch
@@ -47,13 +46,6 @@ def build():
 def _cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setenv("INFERMUX_CACHE_DIR", str(tmp_path / "cache"))
     yield
-
-
-@pytest.fixture(scope="module")
-def cpu() -> Unit:
-    unit = discover(with_runtimes=False).get("cpu")
-    assert unit is not None
-    return unit
 
 
 def _factory(folder: Path, outputs: int, scale: float) -> str:

@@ -7,7 +7,6 @@ not installed (or without a CPU path, like TensorRT) are skipped with the reason
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -25,17 +24,8 @@ ONNX_ENGINES = ("onnxruntime", "openvino")
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("INFERMUX_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
-        yield
-
-
-@pytest.fixture(scope="module")
-def cpu() -> Unit:
-    unit = discover(with_runtimes=False).get("cpu")
-    assert unit is not None
-    return unit
+def _cache(module_cache_dir: Path) -> None:
+    """Exports and engine caches of this module live in a fresh folder."""
 
 
 @pytest.fixture(scope="module")

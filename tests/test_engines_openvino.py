@@ -7,7 +7,7 @@ streams busy; outputs stay those of PyTorch fp32.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,7 +17,7 @@ from infermux import agreement
 from infermux.engines import create_engine, engine_status
 from infermux.engines.openvino import OvRunner, split_parts
 from infermux.models import LoadedModel, load_model
-from infermux.units import Unit, discover
+from infermux.units import Unit
 
 pytestmark = pytest.mark.skipif(not engine_status()["openvino"][0],
                                 reason=f"engine openvino not usable here: "
@@ -25,17 +25,8 @@ pytestmark = pytest.mark.skipif(not engine_status()["openvino"][0],
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("INFERMUX_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
-        yield
-
-
-@pytest.fixture(scope="module")
-def cpu() -> Unit:
-    unit = discover(with_runtimes=False).get("cpu")
-    assert unit is not None
-    return unit
+def _cache(module_cache_dir: Path) -> None:
+    """Exports and engine caches of this module live in a fresh folder."""
 
 
 @pytest.fixture(scope="module")

@@ -225,11 +225,7 @@ class StageAgreement:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready; non-finite errors become None."""
-        data = asdict(self)
-        for key in ("max_abs_err", "rel_err"):
-            if data[key] is not None and not math.isfinite(data[key]):
-                data[key] = None
-        return data
+        return _finite_errors(asdict(self))
 
 
 @dataclass(frozen=True)
@@ -258,12 +254,17 @@ class ChainAgreement:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready."""
-        data = asdict(self)
+        data = _finite_errors(asdict(self))
         data["stages"] = [s.to_dict() for s in self.stages]
-        for key in ("max_abs_err", "rel_err"):
-            if data[key] is not None and not math.isfinite(data[key]):
-                data[key] = None
         return data
+
+
+def _finite_errors(data: dict[str, Any]) -> dict[str, Any]:
+    """Non-finite error figures become None (JSON has no inf or nan)."""
+    for key in ("max_abs_err", "rel_err"):
+        if data[key] is not None and not math.isfinite(data[key]):
+            data[key] = None
+    return data
 
 
 def _chain_problems(graph: ModelGraph, stages: Sequence[ChainStage]) -> list[str]:

@@ -510,16 +510,20 @@ class Pipeline:
                 exc = self._errors[0]
                 on_error(RunError(f"a pipeline stage failed: {type(exc).__name__}: {exc}"))
 
+    def _feed_slot(self) -> int:
+        """A free input slot (blocks while all are in flight); a stopped pipeline raises."""
+        self._check()
+        try:
+            return self._feed_pool.acquire()
+        except _StoppedError:
+            self._check()
+            raise RunError("the pipeline was stopped") from None
+
     def feed(self, chunk_id: int, rows: Any) -> None:
         """Queue one chunk (at most `chunk` rows, a torch tensor or array); blocks while full."""
         import torch
 
-        self._check()
-        try:
-            slot = self._feed_pool.acquire()
-        except _StoppedError:
-            self._check()
-            raise RunError("the pipeline was stopped") from None
+        slot = self._feed_slot()
         tensor = self._feed_pool.slots[slot][0]
         data = rows if isinstance(rows, torch.Tensor) else torch.from_numpy(np.asarray(rows))
         if len(data) > self.chunk:
@@ -537,12 +541,7 @@ class Pipeline:
 
         if len(indices) > self.chunk:
             raise UsageError(f"a chunk holds at most {self.chunk} rows, not {len(indices)}")
-        self._check()
-        try:
-            slot = self._feed_pool.acquire()
-        except _StoppedError:
-            self._check()
-            raise RunError("the pipeline was stopped") from None
+        slot = self._feed_slot()
         n = len(indices)
         dst = self._feed_pool.slots[slot][0].narrow(0, 0, n)
         idx = torch.as_tensor(list(indices), dtype=torch.long)
