@@ -340,11 +340,13 @@ class _Runtime:
             except InfermuxError as exc:
                 error, pipeline = str(exc), None
             units = "|".join("+".join(s.units) for s in entry.stages)
+            first = entry.stages[0]
+            # Batches it may hold: as many as its first stage's copies have input buffers.
+            depth = max(2, first.buffers * len(first.units) * first.instances
+                        * entry.pipeline_replicas)
             state = WorkerState(
                 len(self.states) + 10_000, name, units, entry.name, pipeline_buckets(entry),
-                {entry.name}, LatencyEstimate(self.plan.dispatcher.estimate_alpha),
-                depth=max(2, sum(s.buffers for s in entry.stages[:1]) * entry.pipeline_replicas
-                          * len(entry.stages[0].units) * entry.stages[0].instances))
+                {entry.name}, LatencyEstimate(self.plan.dispatcher.estimate_alpha), depth=depth)
             if pipeline is None:
                 state.alive, state.error = False, error
                 self.build_errors[name] = error or ""
@@ -440,9 +442,10 @@ class _Runtime:
             worker.join(30)
         for pipe in self.pipelines:
             if now:
+                pipe.close()  # stop the stages: what is in flight stays unfinished
+            pipe.join(60)  # closed dispatcher: the feeder ends and the stages drain
+            if not now:
                 pipe.close()
-            pipe.join(60)
-            pipe.close()
         for host in self.hosts:
             host.close()
         for engine in self.engines.values():
