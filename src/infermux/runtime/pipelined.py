@@ -86,11 +86,10 @@ class PipelineWorker:
 
     def __init__(self, state: WorkerState, pipeline: Any, samples: np.ndarray,
                  dispatcher: Dispatcher) -> None:
-        self.state = state
-        self.pipeline = pipeline
         import torch
 
-        self.samples = samples
+        self.state = state
+        self.pipeline = pipeline
         #: The sample pool as the pipeline's input slots hold it (dtype), gathered from directly.
         self.pool = torch.from_numpy(np.ascontiguousarray(samples)).to(pipeline.feed_dtype)
         self.dispatcher = dispatcher
