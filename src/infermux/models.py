@@ -1,9 +1,10 @@
 """Models: where a network comes from, its input spec, and loading its weights.
 
 Sources, in the order a bare name is tried: an ONNX file (`*.onnx`), a Python factory
-(`path/to/file.py:build`), `torchvision:NAME`, `timm:NAME`, then a bare architecture name looked
-up in torchvision and then timm. Without `weights` the network is randomly initialised and
-`LoadedModel.weights_note` says so; every result carries that note.
+(`path/to/file.py:build`), a built-in network (`digits-cnn`, trained on first use),
+`torchvision:NAME`, `timm:NAME`, then a bare architecture name looked up in torchvision and then
+timm. Without `weights` the network is randomly initialised and `LoadedModel.weights_note` says
+so; every result carries that note.
 
 What runs code: weights files are read without running pickled code (`weights_only=True`, or
 safetensors). A factory is different: loading `file.py:build` imports `file.py`, which executes
@@ -17,7 +18,7 @@ import difflib
 import hashlib
 import importlib
 import importlib.util
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,9 @@ from infermux.errors import RunError, UsageError
 __all__ = ["LoadedModel", "ModelSpec", "list_models", "load_model"]
 
 _STATE_DICT_KEYS = ("state_dict", "model_state_dict", "model", "module", "net")
+#: Networks infermux ships, needing no download: name → module with `build()` (the network) and
+#: `trained_weights()` (its weights file, trained and cached on first use).
+_BUILTIN = {"digits-cnn": "infermux.characterize.digits"}
 
 
 @dataclass(frozen=True)
@@ -121,6 +125,8 @@ def list_models(pattern: str = "*") -> dict[str, list[str]]:
     import fnmatch
 
     found = {"torchvision": [n for n in _torchvision_names() if fnmatch.fnmatch(n, pattern)]}
+    if builtin := [n for n in _BUILTIN if fnmatch.fnmatch(n, pattern)]:
+        found["infermux"] = builtin
     timm = _timm()
     if timm is not None:
         found["timm"] = list(timm.list_models(pattern))
@@ -268,6 +274,8 @@ def resolve_source(ref: str) -> tuple[str, str]:
         return "onnx", ref
     if ".py:" in ref:
         return "factory", ref
+    if ref in _BUILTIN:
+        return "builtin", ref
     for prefix in ("torchvision:", "timm:"):
         if ref.startswith(prefix):
             return prefix[:-1], ref[len(prefix):]
@@ -306,7 +314,13 @@ def load_model(spec: ModelSpec | str) -> LoadedModel:
     if source == "torchvision" and name not in _torchvision_names():
         close = difflib.get_close_matches(name, _torchvision_names(), n=5)
         raise UsageError(f"torchvision has no model {name!r}; close names: {', '.join(close)}")
-    module = builders[source](name)
+    if source == "builtin":
+        builtin = importlib.import_module(_BUILTIN[name])
+        module = builtin.build()
+        if not spec.weights:
+            spec = replace(spec, weights=builtin.trained_weights())
+    else:
+        module = builders[source](name)
     import torch
 
     if not isinstance(module, torch.nn.Module):
