@@ -85,7 +85,7 @@ def test_a_failed_combination_is_a_failed_trial_with_its_error():
 def test_the_tuner_measures_and_reports_a_combination():
     report = run_tune(TuneRequest(
         models=[ModelSpec(MODEL)], units="cpu:0,cpu:1", engines="torch", budget_s=90.0,
-        batches=[2, 8], max_instances=1, trial=SHORT, fine_tune=False))
+        batches=[2, 8], max_instances=1, trial=SHORT, fine_tune=False, pipelines=False))
     result = report.result
     combos = [t for t in result.trials if len(t.candidate.configs) == 2]
     assert combos and all(t.method == "runtime" for t in combos)

@@ -338,6 +338,7 @@ def main(argv: list[str] | None = None) -> None:
         err.print(f"error: unexpected {type(exc).__name__}: {exc} (run with --debug for the "
                   "traceback)", markup=False, highlight=False, soft_wrap=True)
         sys.exit(1)
+from infermux import cli_characterize as _cli_characterize  # noqa: E402,F401
 from infermux import cli_monitor as _cli_monitor  # noqa: E402,F401
 from infermux import cli_partition as _cli_partition  # noqa: E402,F401
 from infermux import cli_run as _cli_run  # noqa: E402,F401
