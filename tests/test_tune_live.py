@@ -69,6 +69,13 @@ def test_tune_server_scenario_holds_the_bound_and_finds_a_peak(tmp_path):
     data = yaml.safe_load((tmp_path / "s.yaml").read_text())
     assert data["load"]["scenario"] == "server" and data["load"]["p99_bound_ms"] == 200.0
     assert report.server_peak is not None and report.server_peak["peak_qps"] is not None
+    # The plan written is the one with the highest measured peak, and says so.
+    peaks = report.server_peaks
+    assert peaks and sum(row["chosen"] for row in peaks) == 1
+    chosen = next(row for row in peaks if row["chosen"])
+    assert chosen["peak_qps"] == max(row["peak_qps"] or 0 for row in peaks)
+    assert chosen["peak_qps"] == report.server_peak["peak_qps"]
+    assert "(chosen)" in (tmp_path / "s.yaml").read_text()
 
 
 def test_tune_budget_is_a_wall_time_bound(tmp_path):

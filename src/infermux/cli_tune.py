@@ -193,6 +193,12 @@ def tune_command(
         peak = report.server_peak
         out.print(f"[bold]server[/]: peak {_num(peak.get('peak_qps'))} qps within p99 ≤ "
                   f"{peak['p99_bound_ms']:g} ms")
+    if len(report.server_peaks) > 1:
+        for row in report.server_peaks:
+            mark = "[bold]chosen[/]" if row["chosen"] else "      "
+            out.print(f"  {mark} {escape(row['plan'])}: offline {_num(row['offline_items_per_s'])} "
+                      f"items/s, peak {_num(row['peak_qps'])} qps"
+                      + (f" ({escape(str(row['reason']))})" if row["peak_qps"] is None and row["reason"] else ""))
     failed = data_out["failed"]
     if failed:
         first = failed[0]
