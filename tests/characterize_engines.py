@@ -73,12 +73,10 @@ class NoisyStandIn(Engine):
     def accepts(self, model: LoadedModel) -> bool:
         return model.module is not None
 
-    def build(self, model: LoadedModel, unit: Unit, batch: int,
-              options: dict[str, Any] | None = None, data: str = "host",
-              instance: int = 0) -> Runner:
-        self.check_build_args(batch, data)
+    def _build(self, model: LoadedModel, unit: Unit, batch: int, opts: dict[str, Any],
+               data: str, instance: int) -> Runner:
         return StandInRunner(self.name, model.module, unit, batch, model.input_shape,
-                             float((options or {}).get("noise", self.noise)))
+                             float(opts.get("noise", self.noise)))
 
 
 @register_engine

@@ -122,7 +122,7 @@ def test_out_of_memory_is_recorded_and_the_sweep_goes_on(tmp_path, db):
         run = store.run(report.run_id)
     statuses = [m.status for m in report.measurements]
     assert statuses == ["ok", "oom", "ok"]
-    assert "out of device memory" in report.measurements[1].error
+    assert "ran out of memory" in report.measurements[1].error
     assert [r["status"] for r in run["results"]] == statuses
     assert run["summary"] == {"points": 3, "valid": 2}
 

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from infermux.bench import BenchConfig, Measurement, engine_options, engines_for, run_bench
+from infermux.bench import BenchConfig, Measurement, run_bench
 from infermux.cli import main
 from infermux.engines import engine_status
+from infermux.engines.select import engine_options, engines_for
 from infermux.errors import UsageError
 from infermux.models import ModelSpec
 from infermux.store import Store

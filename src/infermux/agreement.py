@@ -390,9 +390,7 @@ def check_stages(
             x = got[0]
     finally:
         for engine in own.values():
-            release = getattr(engine, "release", None)
-            if release is not None:
-                release()
+            engine.release()
     tol = max(tolerances, default=_DEFAULT_TOLERANCE)
     final: _Comparison | str = "the chain produced no output"
     if outputs is not None:

@@ -27,8 +27,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from infermux import agreement
-from infermux.engines import Runner, create_engine, engine_status, list_engines
+from infermux.engines import Runner, create_engine
 from infermux.engines.base import DATA_PLACEMENTS, Engine, is_out_of_memory
+from infermux.engines.select import engine_options, engines_for
 from infermux.env import capture_environment
 from infermux.errors import DeviceOutOfMemoryError, InfermuxError, UsageError
 from infermux.models import LoadedModel, ModelSpec, load_model
@@ -39,7 +40,7 @@ from infermux.units import Unit, discover, select_units
 
 __all__ = [
     "BenchConfig", "BenchReport", "Measurement", "engine_options", "engines_for", "measure",
-    "measure_point", "run_bench", "telemetry_device",
+    "measure_point", "run_bench",
 ]
 
 #: progress(label, fraction) — fraction of the current point's validity rule met, 0..1.
@@ -345,9 +346,7 @@ def run_bench(
                         store.add_telemetry(run_id, result_id, point.telemetry.rows())
                 if point.status == "interrupted":
                     raise KeyboardInterrupt
-            release = getattr(engines[name], "release", None)
-            if release is not None:  # one (unit, engine) at a time holds memory
-                release()
+            engines[name].release()  # one (unit, engine) at a time holds memory
     except KeyboardInterrupt:
         report.status = "interrupted"
     finally:
@@ -358,67 +357,8 @@ def run_bench(
             valid = sum(1 for m in report.measurements if m.validity[0])
             store.finish_run(run_id, status, {"points": len(report.measurements), "valid": valid})
         for engine in engines.values():
-            release = getattr(engine, "release", None)
-            if release is not None:
-                release()
+            engine.release()
     return report
-
-
-def telemetry_device(unit: Unit) -> str:
-    """The telemetry device that observes `unit` (`cuda:0`, `cpu`, `dla:1`)."""
-    if unit.kind == "cpu" or unit.device.upper().startswith("OPENVINO:CPU"):
-        return "cpu"
-    return unit.device
-def engines_for(spec: str, units: list[Unit], model: LoadedModel | None = None
-                ) -> list[tuple[Unit, str]]:
-    """(unit, engine) pairs to measure: `auto` → every usable engine that supports each unit.
-
-    `spec` is one engine name, a comma-separated list, or `auto`. A named engine that cannot run
-    a unit (or the model) is a usage error; `auto` skips it, and engines not installed, silently.
-    """
-    names = [n.strip() for n in spec.split(",") if n.strip()]
-    if not names:
-        raise UsageError(f"--engine {spec!r} is empty: use one of {', '.join(list_engines())}, auto")
-    if names == ["auto"]:
-        usable = [create_engine(n) for n, (ok, _) in engine_status().items() if ok]
-        plan = [(u, e.name) for u in units for e in usable
-                if e.supports(u) and (model is None or e.accepts(model))]
-        if not plan:
-            raise UsageError(f"no engine installed here runs {', '.join(u.id for u in units)}")
-        return plan
-    plan = []
-    for name in names:
-        engine = create_engine(name)  # unknown or uninstalled: one clear line
-        if model is not None and not engine.accepts(model):
-            raise UsageError(f"engine {name!r} cannot run model {model.name!r} "
-                             f"({model.source}); use --engine auto or an ONNX engine")
-        for unit in units:
-            if not engine.supports(unit):
-                why = getattr(engine, "unsupported_reason", lambda _u: "")(unit)
-                raise UsageError(
-                    f"engine {name!r} cannot run on unit {unit.id!r}: "
-                    + (why or f"it runs {', '.join(engine.unit_kinds)} units")
-                    + " (or use --engine auto)"
-                )
-            plan.append((unit, name))
-    return sorted(plan, key=lambda p: units.index(p[0]))
-
-
-def engine_options(engine: str, options: dict[str, Any]) -> dict[str, Any]:
-    """The options meant for `engine`: plain keys go to every engine, `NAME.key` only to NAME."""
-    known = set(list_engines())
-    chosen: dict[str, Any] = {}
-    for key, value in options.items():
-        prefix, dot, rest = key.partition(".")
-        if dot and prefix in known:
-            if prefix == engine:
-                chosen[rest] = value
-        elif dot:
-            raise UsageError(f"option {key!r}: {prefix!r} is not an engine "
-                             f"({', '.join(sorted(known))}); write ENGINE.option=value")
-        else:
-            chosen[key] = value
-    return chosen
 
 
 def _check_agreement(runner: Runner, model: LoadedModel,
@@ -474,7 +414,7 @@ def measure_point(
         )
         if sampler is not None and window:
             point.telemetry = sampler.window(window[0], window[1])
-            point.energy = point.telemetry.summary([telemetry_device(unit)])
+            point.energy = point.telemetry.summary([unit.telemetry_device])
     except KeyboardInterrupt as exc:
         point.status = "interrupted"
         point.error = "interrupted by the user"
@@ -490,9 +430,8 @@ def measure_point(
         oom = is_out_of_memory(exc)
         point.status = "oom" if oom else "error"
         point.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-        release = getattr(engine, "release", None)
-        if oom and release is not None:
-            release()
+        if oom:
+            engine.release()
     if progress is not None:
         progress(label, 1.0)
     return point

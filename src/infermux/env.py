@@ -7,8 +7,8 @@ import platform
 import sys
 from typing import Any
 
+from infermux.nvidia import nvml_info
 from infermux.units.cpu import read_cpu_info
-from infermux.units.cuda import nvml_info
 
 __all__ = ["capture_environment"]
 

@@ -329,7 +329,7 @@ def _precision_of(unit: Unit, engine: str, options: dict[str, Any]) -> str:
 def plan_variants(config: CharacterizeConfig, units: list[Unit], model: LoadedModel
                   ) -> list[Variant]:
     """Every (unit, engine, precision, option set) the study builds, in order."""
-    from infermux.bench import engine_options, engines_for
+    from infermux.engines.select import engine_options, engines_for
 
     pairs = engines_for(config.engine, units, model)
     sets = config.configs or {"default": config.options}

@@ -18,7 +18,7 @@ from typing import Any, ClassVar, TypeVar
 import numpy as np
 from pydantic import BaseModel, ValidationError
 
-from infermux.errors import UsageError
+from infermux.errors import DeviceOutOfMemoryError, UsageError
 from infermux.models import LoadedModel
 from infermux.units import Unit
 
@@ -177,23 +177,51 @@ def host_array(x: Any) -> np.ndarray:
 
 
 class Engine(ABC):
-    """Turns a loaded model into runners for the units it supports; caches within its life."""
+    """Turns a loaded model into runners for the units it supports; caches within its life.
+
+    An engine declares what it needs (`requires`, `install_hint`, `unit_kinds`,
+    `options_model`) and implements `_build`; the base runs the checks every engine shares
+    (the unit, the batch, the data placement, the options), keeps one runner per key for the
+    engine's life, and `release()` closes them all. The registry (`register_engine`) makes an
+    engine creatable by name, as timm's registry does for models.
+    """
 
     name: ClassVar[str]
     #: The unit kinds this engine can drive.
     unit_kinds: ClassVar[tuple[str, ...]]
+    #: Modules that must import for the engine to be usable here.
+    requires: ClassVar[tuple[str, ...]] = ()
+    #: How to get `requires` when they are missing (the tail of "install it with: ...").
+    install_hint: ClassVar[str] = ""
+    #: The engine's options (a pydantic model), validated by `parse_options`.
+    options_model: ClassVar[type[BaseModel] | None] = None
 
     @classmethod
     def available(cls) -> tuple[bool, str]:
         """Whether the engine's library is importable here, and if not, how to get it."""
+        import importlib
+
+        for module in cls.requires:
+            try:
+                importlib.import_module(module)
+            except ImportError:
+                return False, f"install it with: {cls.install_hint or 'pip install ' + module}"
         return True, ""
+
+    def unsupported_reason(self, unit: Unit) -> str:
+        """Why this engine cannot run on `unit` here ("" when it can)."""
+        if unit.kind not in self.unit_kinds:
+            return (f"the {self.name} engine cannot run on unit {unit.id!r} "
+                    f"(it runs {', '.join(self.unit_kinds)})")
+        return ""
 
     def supports(self, unit: Unit) -> bool:
         """Whether this engine can run on `unit`."""
-        return unit.kind in self.unit_kinds
+        return not self.unsupported_reason(unit)
 
     def __init__(self) -> None:
         self._onnx_exports: dict[tuple[str, int | None], Any] = {}
+        self._runners: dict[tuple[Any, ...], Runner] = {}
 
     @staticmethod
     def check_build_args(batch: int, data: str) -> None:
@@ -220,7 +248,6 @@ class Engine(ABC):
         """Whether this engine can run `model` (engines that need a torch module say no to ONNX)."""
         return True
 
-    @abstractmethod
     def build(
         self,
         model: LoadedModel,
@@ -233,8 +260,58 @@ class Engine(ABC):
         """Compile `model` for `unit` at a fixed `batch` and return a ready runner.
 
         Runners with different `instance` numbers are distinct (own buffers, streams, graphs)
-        but may share the prepared model's weights.
+        but may share the prepared model's weights. A runner built before with the same model,
+        unit, options, batch, data placement and instance is returned again while it is open.
         """
+        why = self.unsupported_reason(unit)
+        if why:
+            raise UsageError(why)
+        self.check_build_args(batch, data)
+        opts = self.resolve_options(options, unit, model, data)
+        key = (model.key, unit.id, self.options_key(opts), batch, data, instance)
+        runner = self._runners.get(key)
+        if runner is not None and not getattr(runner, "closed", False):
+            return runner
+        try:
+            runner = self._build(model, unit, batch, opts, data, instance)
+        except DeviceOutOfMemoryError:
+            raise
+        except Exception as exc:
+            if not is_out_of_memory(exc):
+                raise
+            # One type for every engine's out-of-memory, whatever its library raised: the
+            # runtime, the tuner and the bench record it as `oom` by this type.
+            self.release()
+            where = "device memory" if unit.kind in ("cuda", "dla") else "memory"
+            raise DeviceOutOfMemoryError(
+                f"{model.name} on {unit.id} at batch {batch} ran out of {where}") from exc
+        self._runners[key] = runner
+        return runner
+
+    def resolve_options(self, options: dict[str, Any] | None, unit: Unit, model: LoadedModel,
+                        data: str) -> Any:
+        """The validated options for one build (engines resolve defaults against the unit)."""
+        if self.options_model is None:
+            return dict(options or {})
+        return parse_options(self.options_model, self.name, options)
+
+    @staticmethod
+    def options_key(opts: Any) -> str:
+        """The resolved options as part of the runner cache key."""
+        if isinstance(opts, BaseModel):
+            return opts.model_dump_json()
+        return repr(sorted(opts.items())) if isinstance(opts, dict) else repr(opts)
+
+    @abstractmethod
+    def _build(self, model: LoadedModel, unit: Unit, batch: int, opts: Any, data: str,
+               instance: int) -> Runner:
+        """Build a new runner; `opts` is what `resolve_options` returned."""
+
+    def release(self) -> None:
+        """Close every runner this engine built and forget them (and what engines cache)."""
+        for runner in self._runners.values():
+            runner.close()
+        self._runners.clear()
 
 
 OptionsT = TypeVar("OptionsT", bound=BaseModel)
@@ -255,18 +332,27 @@ def parse_options(model: type[OptionsT], engine: str, options: dict[str, Any] | 
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
-    """Whether `exc` is a device out-of-memory error, by type (torch's, or ours)."""
+    """Whether `exc`, or an error it was raised from, is an out-of-memory error, by type.
+
+    Ours (`DeviceOutOfMemoryError`), torch's (`torch.OutOfMemoryError`) and Python's
+    (`MemoryError`, which numpy raises for a host buffer it cannot allocate).
+    """
     import sys
 
     from infermux.errors import DeviceOutOfMemoryError
 
-    if isinstance(exc, DeviceOutOfMemoryError):
-        return True
     torch = sys.modules.get("torch")
-    if torch is None:
-        return False
-    oom_type = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
-    return isinstance(exc, oom_type)
+    types: tuple[type[BaseException], ...] = (DeviceOutOfMemoryError, MemoryError)
+    if torch is not None:
+        types += (getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError,)
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, types):
+            return True
+        seen.add(id(current))
+        current = current.__cause__
+    return False
 
 
 _ENGINES: dict[str, type[Engine]] = {}

@@ -257,59 +257,37 @@ class OrtEngine(Engine):
     name = "onnxruntime"
     unit_kinds = ("cpu", "cuda", "dla")
 
-    @classmethod
-    def available(cls) -> tuple[bool, str]:
-        """Importable here, or how to install it."""
-        try:
-            import onnxruntime  # noqa: F401
-        except ImportError:
-            return False, "install it with: pip install 'infermux[onnx]' (onnxruntime-gpu for GPUs)"
-        return True, ""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._runners: dict[tuple[Any, ...], OrtRunner] = {}
-
-    def supports(self, unit: Unit) -> bool:
-        """A GPU unit only where the provider it needs is installed (onnxruntime-gpu)."""
-        return unit.kind in self.unit_kinds and not self.unsupported_reason(unit)
+    requires = ("onnxruntime",)
+    install_hint = "pip install 'infermux[onnx]' (onnxruntime-gpu for GPUs)"
+    options_model = OrtOptions
 
     def unsupported_reason(self, unit: Unit) -> str:
-        """Why `unit` cannot run here ("" when it can)."""
+        """Why `unit` cannot run here ("" when it can): GPU units need onnxruntime-gpu."""
+        why = super().unsupported_reason(unit)
+        if why or unit.kind == "cpu":
+            return why
         import onnxruntime as ort
 
-        if unit.kind == "cpu":
-            return ""
         needed = ("TensorrtExecutionProvider" if unit.kind == "dla" or unit.mode in ("fp16", "int8")
                   else "CUDAExecutionProvider")
         if needed not in ort.get_available_providers():
             return f"{unit.id} needs ONNX Runtime's {needed}: pip install onnxruntime-gpu"
         return ""
 
-
-    def build(
-        self,
-        model: LoadedModel,
-        unit: Unit,
-        batch: int,
-        options: dict[str, Any] | None = None,
-        data: str = "host",
-        instance: int = 0,
-    ) -> OrtRunner:
-        """A session for `unit` (one per instance: each owns its intra-op pool) at `batch`."""
-        import onnxruntime as ort
-
-        if unit.kind not in self.unit_kinds:
-            raise UsageError(f"the onnxruntime engine cannot run on unit {unit.id!r} "
-                             f"(it runs {', '.join(self.unit_kinds)})")
-        self.check_build_args(batch, data)
+    def resolve_options(self, options: dict[str, Any] | None, unit: Unit, model: LoadedModel,
+                        data: str) -> OrtOptions:
+        """Parsed, with defaults resolved for the unit (provider, threads)."""
         opts = parse_options(OrtOptions, "onnxruntime", options).resolve(unit)
         if opts.cuda_graph and data != "device":
             raise UsageError("option cuda_graph=true needs inputs and outputs in device memory "
                              "(ONNX Runtime replays fixed addresses): add --data device")
-        key = (model.key, unit.id, opts.model_dump_json(), batch, data, instance)
-        if key in self._runners:
-            return self._runners[key]
+        return opts
+
+    def _build(self, model: LoadedModel, unit: Unit, batch: int, opts: OrtOptions, data: str,
+               instance: int) -> OrtRunner:
+        """A session for `unit` (one per instance: each owns its intra-op pool) at `batch`."""
+        import onnxruntime as ort
+
         provider = _PROVIDER_NAMES[opts.provider or "cpu"]
         if provider not in ort.get_available_providers():
             raise UsageError(
@@ -356,14 +334,7 @@ class OrtEngine(Engine):
                            f"{batch}: {_first_line(exc)}") from exc
         runner.options["onnx_file"] = str(onnx_file.path)
         runner.options["onnx_sha256"] = onnx_file.digest
-        self._runners[key] = runner
         return runner
-
-    def release(self) -> None:
-        """Close every cached runner (sessions and their buffers)."""
-        for runner in self._runners.values():
-            runner.close()
-        self._runners.clear()
 
 
 def check_batch_dim(shape: list[Any], batch: int, path: Path) -> None:

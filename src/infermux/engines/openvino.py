@@ -397,44 +397,34 @@ class OvEngine(Engine):
     name = "openvino"
     unit_kinds = ("cpu", "openvino")
 
-    @classmethod
-    def available(cls) -> tuple[bool, str]:
-        """Importable here, or how to install it."""
-        try:
-            import openvino  # noqa: F401
-        except ImportError:
-            return False, "install it with: pip install 'infermux[openvino]'"
-        return True, ""
+    requires = ("openvino",)
+    install_hint = "pip install 'infermux[openvino]'"
+    options_model = OvOptions
 
     def __init__(self) -> None:
         super().__init__()
         self._core: Any = None
-        self._runners: dict[tuple[Any, ...], OvRunner] = {}
 
-
-    def build(
-        self,
-        model: LoadedModel,
-        unit: Unit,
-        batch: int,
-        options: dict[str, Any] | None = None,
-        data: str = "host",
-        instance: int = 0,
-    ) -> OvRunner:
-        """Read the ONNX file, fix its batch, compile it for the unit's device with the hints."""
-        import openvino as ov
-
-        if not self.supports(unit):
-            raise UsageError(f"the openvino engine cannot run on unit {unit.id!r} "
-                             f"(it runs {', '.join(self.unit_kinds)})")
-        self.check_build_args(batch, data)
+    def resolve_options(self, options: dict[str, Any] | None, unit: Unit, model: LoadedModel,
+                        data: str) -> tuple[str, OvOptions]:
+        """The OpenVINO device for the unit and the options resolved for it."""
         device, opts = parse_options(OvOptions, "openvino", options).resolve(unit)
         if data == "device" and not device.startswith("CPU"):
             raise UsageError(f"--data device is not supported by the openvino engine on {unit.id!r}:"
                              " use --data host")
-        key = (model.key, unit.id, opts.model_dump_json(), batch, data, instance)
-        if key in self._runners:
-            return self._runners[key]
+        return device, opts
+
+    @staticmethod
+    def options_key(opts: Any) -> str:
+        """The options part of the cache key (the device follows from the unit)."""
+        return str(opts[1].model_dump_json())
+
+    def _build(self, model: LoadedModel, unit: Unit, batch: int, resolved: Any, data: str,
+               instance: int) -> OvRunner:
+        """Read the ONNX file, fix its batch, compile it for the unit's device with the hints."""
+        import openvino as ov
+
+        device, opts = resolved
         started = time.perf_counter()
         onnx_file = self.onnx_for(model, opts.opset)
         if self._core is None:
@@ -473,7 +463,6 @@ class OvEngine(Engine):
                           parts=parts)
         runner.options["onnx_file"] = str(onnx_file.path)
         runner.options["onnx_sha256"] = onnx_file.digest
-        self._runners[key] = runner
         return runner
 
     def _compile(self, ov_model: Any, device: str, config: dict[str, str], name: str,
@@ -483,12 +472,6 @@ class OvEngine(Engine):
         except Exception as exc:
             raise RunError(f"OpenVINO failed to compile {name} for {device} at batch "
                            f"{batch}: {_first_line(exc)}") from exc
-
-    def release(self) -> None:
-        """Drain and forget every cached runner."""
-        for runner in self._runners.values():
-            runner.close()
-        self._runners.clear()
 
 
 def _is_quantised(ov_model: Any) -> bool:

@@ -397,12 +397,13 @@ class TorchEngine(Engine):
     name = "torch"
     unit_kinds = ("cpu", "cuda")
 
+    options_model = TorchOptions
+
     def __init__(self) -> None:
         super().__init__()
-        # Prepared modules per (model, unit, options) and runners per batch, for this engine's
-        # life: a sweep over batch sizes converts and compiles the module once.
+        # Prepared modules per (model, unit, options) for this engine's life, beside the
+        # runners per batch: a sweep over batch sizes converts and compiles the module once.
         self._modules: dict[tuple[str, str, str], Any] = {}
-        self._runners: dict[tuple[str, str, str, int, str, int], TorchRunner] = {}
 
     def accepts(self, model: LoadedModel) -> bool:
         """Only torch modules: an ONNX file is for the ONNX engines."""
@@ -443,28 +444,20 @@ class TorchEngine(Engine):
         self._modules[key] = module
         return module
 
-    def build(
-        self,
-        model: LoadedModel,
-        unit: Unit,
-        batch: int,
-        options: dict[str, Any] | None = None,
-        data: str = "host",
-        instance: int = 0,
-    ) -> TorchRunner:
-        """A runner for `model` on `unit` at `batch`, reused if built before with the same key."""
-        if not self.supports(unit):
-            raise UsageError(f"the torch engine cannot run on unit {unit.id!r} (it runs cpu, cuda)")
-        self.check_build_args(batch, data)
-        opts = parse_options(TorchOptions, "torch", options).resolve(unit, len(model.input_shape) + 1)
-        key = (model.key, unit.id, opts.model_dump_json(), batch, data, instance)
-        if key in self._runners and not self._runners[key].closed:
-            return self._runners[key]
+    def resolve_options(self, options: dict[str, Any] | None, unit: Unit, model: LoadedModel,
+                        data: str) -> TorchOptions:
+        """Parsed, with defaults resolved for the unit and the input's rank."""
+        return parse_options(TorchOptions, "torch", options).resolve(unit, len(model.input_shape) + 1)
+
+    def _build(self, model: LoadedModel, unit: Unit, batch: int, opts: TorchOptions, data: str,
+               instance: int) -> TorchRunner:
+        """A runner for `model` on `unit` at `batch` (the module prepared once per options)."""
         try:
             module = self._prepare(model, unit, opts)
             runner = TorchRunner(module, unit, batch, model.input_shape, opts, data)
         except Exception as exc:
-            if is_out_of_memory(exc):
+            # torch's CPU allocator raises a plain RuntimeError that names itself.
+            if is_out_of_memory(exc) or "DefaultCPUAllocator" in str(exc):
                 # Forget the caches so their memory can go, but close nothing: one engine
                 # builds the runners of several runtime workers, and closing a runner that
                 # another worker holds would break that worker (its next batch found no graph
@@ -472,8 +465,9 @@ class TorchEngine(Engine):
                 self._runners.clear()
                 self._modules.clear()
                 _free_device_memory()
+                where = "device memory" if unit.kind == "cuda" else "memory"
                 raise DeviceOutOfMemoryError(
-                    f"{model.name} on {unit.id} at batch {batch} ran out of device memory"
+                    f"{model.name} on {unit.id} at batch {batch} ran out of {where}"
                 ) from exc
             if isinstance(exc, (UsageError, RunError)):
                 raise
@@ -481,14 +475,11 @@ class TorchEngine(Engine):
                 f"torch engine failed to build {model.name} on {unit.id} at batch {batch}: "
                 f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             ) from exc
-        self._runners[key] = runner
         return runner
 
     def release(self) -> None:
         """Forget every cached module and runner and return cached device memory."""
-        for runner in self._runners.values():
-            runner.close()
-        self._runners.clear()
+        super().release()
         self._modules.clear()
         _free_device_memory()
 

@@ -34,7 +34,6 @@ from infermux.engines.base import (
     Engine,
     Runner,
     compute_device,
-    parse_options,
     register_engine,
 )
 from infermux.errors import RunError, UsageError
@@ -395,40 +394,22 @@ class TrtEngine(Engine):
     name = "tensorrt"
     unit_kinds = ("cuda", "dla")
 
-    @classmethod
-    def available(cls) -> tuple[bool, str]:
-        """Importable here, or how to get it."""
-        try:
-            import tensorrt  # noqa: F401
-        except ImportError:
-            return False, ("install it with: pip install tensorrt (on a Jetson it comes with "
-                           "JetPack); it needs an NVIDIA GPU")
-        return True, ""
+    requires = ("tensorrt",)
+    install_hint = ("pip install tensorrt (on a Jetson it comes with JetPack); it needs an "
+                    "NVIDIA GPU")
+    options_model = TrtOptions
 
     def __init__(self) -> None:
         super().__init__()
-        self._runners: dict[tuple[Any, ...], TrtRunner] = {}
         self._logger: Any = None
 
-    def build(
-        self,
-        model: LoadedModel,
-        unit: Unit,
-        batch: int,
-        options: dict[str, Any] | None = None,
-        data: str = "host",
-        instance: int = 0,
-    ) -> TrtRunner:
+    def _build(self, model: LoadedModel, unit: Unit, batch: int, opts: TrtOptions, data: str,
+               instance: int) -> TrtRunner:
         """Build (or load from the cache) an engine for `unit` at `batch`; return a runner."""
         import tensorrt as trt
         import torch
 
-        self.check_build_args(batch, data)
-        opts = parse_options(TrtOptions, "tensorrt", options)
         plan = build_plan(unit, opts)
-        key = (model.key, unit.id, opts.model_dump_json(), batch, data, instance)
-        if key in self._runners:
-            return self._runners[key]
         started = time.perf_counter()
         onnx_file = self.onnx_for(model, opts.opset)
         gpu_index = plan.device_index if plan.device == "gpu" else 0
@@ -463,7 +444,6 @@ class TrtEngine(Engine):
                                f"{type(exc).__name__}: {exc}") from exc
         runner.options.update(onnx_file=str(onnx_file.path), engine_file=str(engine_path),
                               onnx_sha256=onnx_file.digest)
-        self._runners[key] = runner
         return runner
 
     def _build_engine(self, trt: Any, onnx_file: ExportedModel, model: LoadedModel,
@@ -532,12 +512,6 @@ class TrtEngine(Engine):
         # Atomic: a concurrent build reads the old cache or the new one, never half of one.
         _write_atomic(timing_path, bytes(config.get_timing_cache().serialize()))
         return bytes(serialized)
-
-    def release(self) -> None:
-        """Close every cached runner."""
-        for runner in self._runners.values():
-            runner.close()
-        self._runners.clear()
 
 
 def _write_atomic(path: Path, data: bytes) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -19,6 +19,9 @@ class Query:
     id: int
     model: str
     samples: tuple[int, ...]
+    #: Inputs that came with the query (a server's request): row `s` of `inputs` is sample `s`,
+    #: and the runtime returns the outputs. None: samples are indices into the model's QSL.
+    inputs: Any = None
 
 
 #: complete([(query_id, samples_done), ...], ok, when_ns): the SUT reports finished samples,

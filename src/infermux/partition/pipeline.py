@@ -625,7 +625,7 @@ class Pipeline:
                 for runner in c.runners.values():
                     runner.close()
         for engine in self._engines.values():
-            getattr(engine, "release", lambda: None)()
+            engine.release()
         if getattr(self, "_gather_pool", None) is not None:
             self._gather_pool.shutdown(wait=False)
 

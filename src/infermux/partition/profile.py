@@ -216,7 +216,7 @@ def profile_segments(
                 runner.close()
                 done += 1
             profile.compute_s[placement(unit.id, name)] = times
-            getattr(engine, "release", lambda: None)()
+            engine.release()
         if progress is not None:
             progress("profile the whole model alone and on all units at once", done / steps)
         for unit, name in placed:
@@ -241,7 +241,7 @@ def profile_segments(
                                     * slow[u.id] for u, e in placed}
     finally:
         for engine in built.values():
-            getattr(engine, "release", lambda: None)()
+            engine.release()
     if progress is not None:
         progress("profile transfers", done / steps)
     for unit in units:

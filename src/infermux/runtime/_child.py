@@ -6,11 +6,14 @@ batches of sample indices sent by the parent's worker thread until told to close
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 from multiprocessing.connection import Connection
 from typing import Any
+
+import numpy as np
 
 from infermux.engines.base import Runner, is_out_of_memory
 
@@ -57,22 +60,51 @@ def child_main(conn_in: Any, conn_out: Any) -> None:
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises it
         conn_out.send(("error", is_out_of_memory(exc), f"{type(exc).__name__}: {exc}"))
         return
+    shared: dict[str, Any] = {}  # shared memory blocks of served rows, by name
     while True:
         try:
             msg = conn_in.recv()
         except EOFError:
-            return
+            break
         if msg[0] == "close":
-            return
-        _, model_name, bucket, indices = msg
+            break
+        kind, model_name, bucket, indices = msg
         try:
             runner = runners[(model_name, bucket)]
-            runner.gather_input(pools[model_name], indices)
+            if kind == "shm":  # a served batch: its own input rows, outputs sent back
+                name, shape = indices
+                rows = np.ndarray(shape, np.float32, buffer=_attach(shared, name).buf)
+                runner.gather_input(runner.prepare_pool(rows), range(len(rows)))
+                del rows
+            else:
+                runner.gather_input(pools[model_name], indices)
             timing = runner.run()
-            conn_out.send(("ok", (timing.latency_ns, timing.h2d_ns, timing.compute_ns,
-                                  timing.d2h_ns)))
+            times = (timing.latency_ns, timing.h2d_ns, timing.compute_ns, timing.d2h_ns)
+            if kind == "shm":
+                n = shape[0]
+                conn_out.send(("ok", times, [np.array(y[:n]) for y in runner.outputs()]))
+            else:
+                conn_out.send(("ok", times))
         except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises it
             conn_out.send(("error", is_out_of_memory(exc), f"{type(exc).__name__}: {exc}"))
+    for block in shared.values():
+        with contextlib.suppress(Exception):
+            block.close()
+
+
+def _attach(shared: dict[str, Any], name: str) -> Any:
+    """The parent's shared memory block `name`, attached once (the parent owns and unlinks it)."""
+    block = shared.get(name)
+    if block is None:
+        from multiprocessing import resource_tracker
+        from multiprocessing.shared_memory import SharedMemory
+
+        block = shared[name] = SharedMemory(name=name)
+        # Python < 3.13 registers an attached block too, and its tracker would unlink the
+        # parent's block when this process exits.
+        with contextlib.suppress(Exception):
+            resource_tracker.unregister(block._name, "shared_memory")  # type: ignore[attr-defined]
+    return block
 
 
 if __name__ == "__main__":

@@ -35,6 +35,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from infermux.load.base import CompletionFn, Query
 from infermux.runtime.placement import LatencyEstimate, WorkerView, slo_take, tail_take
 
@@ -55,6 +57,8 @@ class Item:
     attempts: int = 0
     #: The trial the item belongs to (`Dispatcher.begin_trial`).
     trial: int = 0
+    #: The sample's own input row (a served request's), instead of the QSL's row `sample`.
+    data: Any = None
 
 
 @dataclass
@@ -72,6 +76,19 @@ class Batch:
         """The QSL indices of the batch's items, in order."""
         return [it.sample for it in self.items]
 
+    def inputs(self) -> np.ndarray | None:
+        """The items' own input rows stacked `(n, *shape)` (served requests), else None."""
+        if not self.items or self.items[0].data is None:
+            return None
+        return np.stack([it.data for it in self.items])
+
+
+def failure_kind(exc: BaseException) -> str:
+    """A stopped worker's status from its error's type: `oom` or `failed`."""
+    from infermux.engines.base import is_out_of_memory
+
+    return "oom" if is_out_of_memory(exc) else "failed"
+
 
 @dataclass
 class WorkerState:
@@ -88,6 +105,9 @@ class WorkerState:
     depth: int = 1
     alive: bool = True
     error: str | None = None
+    #: Why a worker that is not alive stopped: `oom` (an out-of-memory error, by its type) or
+    #: `failed` (any other error).
+    failure: str | None = None
     free_since_ns: int = 0
     busy_until_ns: int = 0
     in_flight: int = 0
@@ -156,6 +176,9 @@ class Dispatcher:
         #: The current trial: items of an earlier one are stale (see `begin_trial`).
         self.trial = 0
         self.on_batch_done: Callable[[WorkerState, Batch, int, int, Any], None] | None = None
+        #: Where the outputs of batches with their own inputs go (a server): (batch, outputs),
+        #: one float32 array per model output, a row per item, before completion is reported.
+        self.on_outputs: Callable[[Batch, list[np.ndarray]], None] | None = None
         self.events: list[dict[str, Any]] = []
 
     # -- set-up -----------------------------------------------------------------------------
@@ -208,8 +231,9 @@ class Dispatcher:
                 ok = servable.get(q.model)
                 if ok is None:
                     ok = servable[q.model] = self._can_serve(q.model)
-                for s in q.samples:
-                    item = Item(q.id, q.model, s, now, trial=self.trial)
+                for j, s in enumerate(q.samples):
+                    item = Item(q.id, q.model, s, now, trial=self.trial,
+                                data=None if q.inputs is None else q.inputs[j])
                     if not ok:
                         dead.append(item)
                     elif self.policy == "round_robin":
@@ -363,9 +387,10 @@ class Dispatcher:
         return self._closed
 
     def finished(self, w: WorkerState, batch: Batch, start_ns: int, end_ns: int,
-                 timing: Any = None) -> None:
+                 timing: Any = None, outputs: list[np.ndarray] | None = None) -> None:
         """A batch completed: update the estimate, report the samples, free the worker.
 
+        `outputs` (batches with their own inputs) go to `on_outputs` before the completion.
         A batch of an earlier trial (see `begin_trial`) only frees the worker.
         """
         with self.cond:
@@ -380,6 +405,8 @@ class Dispatcher:
             return
         if self.on_batch_done is not None:
             self.on_batch_done(w, batch, start_ns, end_ns, timing)
+        if outputs is not None and self.on_outputs is not None:
+            self.on_outputs(batch, outputs)
         self._report(batch.items, ok=True, when_ns=end_ns)
 
     def _stale(self, items: Sequence[Item]) -> bool:
@@ -392,6 +419,7 @@ class Dispatcher:
         with self.cond:
             w.alive = False
             w.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            w.failure = failure_kind(exc)
             w.in_flight = 0
             self.events.append({"t_ns": now, "event": "worker_failed", "worker": w.name,
                                 "error": w.error})

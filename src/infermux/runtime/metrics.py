@@ -121,7 +121,7 @@ def summarise(
             served[r.model] += r.size
         per_worker[w.name] = {
             "worker": w.name, "unit": w.unit, "model": worker_models.get(w.name, w.model),
-            "status": "ok" if w.alive else "failed", "error": w.error,
+            "status": "ok" if w.alive else (w.failure or "failed"), "error": w.error,
             "batches": len(recs), "items": items, "share": items / total_items,
             "items_by_model": dict(served),
             "busy_s": busy, "utilisation": busy / duration if duration else None,

@@ -79,6 +79,8 @@ class _InFlight:
     batch: Batch
     start_ns: int
     chunks_left: int
+    #: Outputs per chunk (batches with their own inputs only), joined when the last comes out.
+    outputs: dict[int, list[np.ndarray]] | None = None
 
 
 class PipelineWorker:
@@ -117,15 +119,21 @@ class PipelineWorker:
         try:
             while (batch := d.next_batch(w)) is not None:
                 indices = batch.samples
+                own = batch.inputs()  # a served batch brings its own rows
                 chunks = [indices[i:i + self.chunk] for i in range(0, len(indices), self.chunk)]
                 with self._lock:
                     first = self._next_chunk
                     self._next_chunk += len(chunks)
-                    self._in_flight[first] = _InFlight(batch, time.perf_counter_ns(), len(chunks))
+                    self._in_flight[first] = _InFlight(batch, time.perf_counter_ns(), len(chunks),
+                                                       None if own is None else {})
                     for k in range(len(chunks)):
                         self._owner[first + k] = first
                 for k, rows in enumerate(chunks):
-                    self.pipeline.feed_indices(first + k, self.pool, rows)
+                    if own is None:
+                        self.pipeline.feed_indices(first + k, self.pool, rows)
+                    else:
+                        at = k * self.chunk
+                        self.pipeline.feed(first + k, own[at:at + len(rows)])
         except RunError as exc:
             self._on_error(exc)
         finally:
@@ -138,13 +146,20 @@ class PipelineWorker:
             if first is None:
                 return
             entry = self._in_flight[first]
+            if entry.outputs is not None:  # valid only during this call: copied
+                entry.outputs[chunk_id - first] = [
+                    np.array(t.detach().float().cpu().numpy()) for t in outputs]
             entry.chunks_left -= 1
             if entry.chunks_left:
                 return
             del self._in_flight[first]
+        joined = None
+        if entry.outputs is not None:
+            parts = [entry.outputs[k] for k in sorted(entry.outputs)]
+            joined = [np.concatenate([p[i] for p in parts]) for i in range(len(parts[0]))]
         latency = out_ns - entry.start_ns
         self.dispatcher.finished(self.state, entry.batch, entry.start_ns, out_ns,
-                                 BatchTiming(latency, compute_ns=latency))
+                                 BatchTiming(latency, compute_ns=latency), joined)
 
     def _on_error(self, exc: BaseException) -> None:
         with self._lock:

@@ -20,7 +20,7 @@ from infermux.errors import InfermuxError, RunError, UsageError
 from infermux.load.base import CompletionFn, Query, QuerySampleLibrary
 from infermux.load.scenarios import LoadGenerator, ScenarioResult, find_peak
 from infermux.models import LoadedModel, ModelSpec, load_model
-from infermux.runtime.dispatcher import Dispatcher, WorkerState
+from infermux.runtime.dispatcher import Dispatcher, WorkerState, failure_kind
 from infermux.runtime.metrics import Recorder, summarise
 from infermux.runtime.pipelined import PipelineWorker, build_pipeline, pipeline_buckets
 from infermux.runtime.placement import LatencyEstimate, ModelLoad, rebalance
@@ -30,7 +30,7 @@ from infermux.store import Store
 from infermux.units import Discovery, Unit, discover, select_units
 
 __all__ = ["RunReport", "RuntimeSUT", "WorkerPlan", "bucket_options", "layout_workers", "run_plan",
-           "with_load"]
+           "start_runtime", "with_load"]
 
 #: progress(label, fraction 0..1)
 ProgressFn = Callable[[str, float], None]
@@ -216,6 +216,8 @@ class _Runtime:
         self.build_errors: dict[str, str] = {}
         self._placer: threading.Thread | None = None
         self._placer_stop = threading.Event()
+        #: What `build()` returned (set by `start_runtime`).
+        self.build_info: dict[str, Any] = {}
 
     def _note(self, label: str, fraction: float) -> None:
         if self.progress is not None:
@@ -263,13 +265,14 @@ class _Runtime:
             serves = {wp.model} if not dynamic else {m.name for m in plan.models}
             runners: dict[str, dict[int, Runner]] = {}
             error: str | None = None
+            failure: str | None = None
             if wp.hosting == "process":
                 host = next(hosts)
                 try:
                     host.wait_ready()
                     runners = host.runners()
                 except InfermuxError as exc:
-                    error = str(exc)
+                    error, failure = str(exc), failure_kind(exc)
             else:
                 engine = self.engines.setdefault(wp.replica.engine,
                                                  create_engine(wp.replica.engine))
@@ -284,7 +287,7 @@ class _Runtime:
                         raise
                     except InfermuxError as exc:
                         if name == wp.model:
-                            error = str(exc)
+                            error, failure = str(exc), failure_kind(exc)
                             break
             built_s[wp.name] = sum(r.build_s for rs in runners.values() for r in rs.values())
             asynchronous = any(r.asynchronous for rs in runners.values() for r in rs.values())
@@ -295,7 +298,7 @@ class _Runtime:
             )
             if error is not None:
                 state.alive = False
-                state.error = error
+                state.error, state.failure = error, failure
                 self.build_errors[wp.name] = error
             else:
                 self._prime(state, runners)
@@ -333,12 +336,13 @@ class _Runtime:
             name = f"{entry.name}/pipeline"
             started = time.perf_counter()
             error: str | None = None
+            failure: str | None = None
             try:
                 pipeline = build_pipeline(entry, self.models[entry.name], found, f"models[{mi}]")
             except UsageError:
                 raise
             except InfermuxError as exc:
-                error, pipeline = str(exc), None
+                error, pipeline, failure = str(exc), None, failure_kind(exc)
             units = "|".join("+".join(s.units) for s in entry.stages)
             first = entry.stages[0]
             # Batches it may hold: as many as its first stage's copies have input buffers.
@@ -348,7 +352,7 @@ class _Runtime:
                 len(self.states) + 10_000, name, units, entry.name, pipeline_buckets(entry),
                 {entry.name}, LatencyEstimate(self.plan.dispatcher.estimate_alpha), depth=depth)
             if pipeline is None:
-                state.alive, state.error = False, error
+                state.alive, state.error, state.failure = False, error, failure
                 self.build_errors[name] = error or ""
             self.dispatcher.add_worker(state)
             self.states.append(state)
@@ -449,10 +453,25 @@ class _Runtime:
         for host in self.hosts:
             host.close()
         for engine in self.engines.values():
-            release = getattr(engine, "release", None)
-            if release is not None:
-                with contextlib.suppress(Exception):
-                    release()
+            with contextlib.suppress(Exception):
+                engine.release()
+
+
+def start_runtime(plan: Plan, *, progress: ProgressFn | None = None) -> _Runtime:
+    """Build and start `plan`'s workers with no load generator attached (for a server).
+
+    The caller submits queries to `.dispatcher` (with `Query.inputs` to get outputs back
+    through `dispatcher.on_outputs`), reads `.states` and `.build_info`, and ends it with
+    `.shutdown(now=False)` (finish what is queued) or `now=True`.
+    """
+    rt = _Runtime(plan, progress)
+    try:
+        rt.build_info = rt.build()
+        rt.start()
+    except BaseException:
+        rt.shutdown(now=True)
+        raise
+    return rt
 
 
 def run_plan(

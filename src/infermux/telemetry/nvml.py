@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from infermux.nvidia import cuda_nvml_map
 from infermux.telemetry.base import Reading, Source, SourceUnavailable
 
 __all__ = ["THROTTLE_REASONS", "NvmlSource", "decode_throttle"]
@@ -34,33 +35,6 @@ THROTTLE_REASONS: dict[str, int] = {
 def decode_throttle(mask: int) -> tuple[str, ...]:
     """Names of the reasons set in an NVML clocks-event bitmask, in bit order."""
     return tuple(name for name, bit in THROTTLE_REASONS.items() if mask & bit)
-
-
-def _cuda_to_nvml_index(pynvml: Any, count: int) -> dict[int, int]:
-    """Map CUDA device indices (what units say) to NVML indices (PCI order, all GPUs).
-
-    They differ under CUDA_VISIBLE_DEVICES or CUDA_DEVICE_ORDER=FASTEST_FIRST; the UUID ties
-    them. Without torch's UUIDs the indices are assumed equal.
-    """
-    torch = sys.modules.get("torch")
-    mapping: dict[int, int] = {}
-    if torch is not None and torch.cuda.is_available():
-        nvml_by_uuid = {}
-        for i in range(count):
-            uuid = pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(i))
-            nvml_by_uuid[uuid.decode() if isinstance(uuid, bytes) else uuid] = i
-        for cuda_index in range(torch.cuda.device_count()):
-            uuid = getattr(torch.cuda.get_device_properties(cuda_index), "uuid", None)
-            if uuid is not None and f"GPU-{uuid}" in nvml_by_uuid:
-                mapping[cuda_index] = nvml_by_uuid[f"GPU-{uuid}"]
-    if not mapping:
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        if visible and all(p.strip().isdigit() for p in visible.split(",")):
-            ids = [int(p) for p in visible.split(",")]
-            mapping = {i: n for i, n in enumerate(ids) if n < count}
-        else:
-            mapping = {i: i for i in range(count)}
-    return mapping
 
 
 def _holds_cuda_memory(cuda_index: int) -> bool:
@@ -137,7 +111,7 @@ class NvmlSource(Source):
                 f"nvml: cannot initialise NVML ({exc}): no NVIDIA driver here") from None
         try:
             count = pynvml.nvmlDeviceGetCount()
-            mapping = _cuda_to_nvml_index(pynvml, count)
+            mapping = cuda_nvml_map(pynvml)
             wanted = sorted(mapping) if cuda_indices is None else list(cuda_indices)
             missing = [i for i in wanted if i not in mapping]
             if missing:

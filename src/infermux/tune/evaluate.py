@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from infermux.errors import InfermuxError, UsageError
+from infermux.errors import DeviceOutOfMemoryError, InfermuxError, UsageError
 from infermux.models import LoadedModel, ModelSpec, load_model
 from infermux.store import Store
 from infermux.tune.space import Candidate, Config
@@ -292,9 +292,7 @@ class LiveEvaluator:
         them (CUDA graphs, compiled modules, buffers) at once.
         """
         for engine in self._engines.values():
-            release = getattr(engine, "release", None)
-            if release is not None:
-                release()
+            engine.release()
         self._engines.clear()
         # Runners that a finished runtime left in reference cycles go now, so their device
         # memory is back in the allocator before its cache is emptied.
@@ -441,7 +439,7 @@ class LiveEvaluator:
         except InfermuxError as exc:
             if isinstance(exc, UsageError):
                 raise
-            status = "oom" if _oom_text(str(exc)) else "error"
+            status = "oom" if isinstance(exc, DeviceOutOfMemoryError) else "error"
             return Trial(candidate, "runtime", status, error=str(exc))
         t1 = time.perf_counter_ns()
         rec = report.final or {}
@@ -449,7 +447,7 @@ class LiveEvaluator:
         failed = [w for w in workers if w.get("status") != "ok"]
         status = "ok" if rec.get("valid") and not failed else "invalid"
         if failed:
-            status = "oom" if any(_oom_text(w.get("error") or "") for w in failed) else "error"
+            status = "oom" if any(w.get("status") == "oom" for w in failed) else "error"
         per_unit: dict[str, float] = {}
         if status == "ok":
             for w in workers:
@@ -477,7 +475,7 @@ class LiveEvaluator:
                       build_s=report.build.get("build_s"))
         if self._sampler is not None and "t0" in marks and trial.items_per_s:
             window = self._sampler.window(marks["t0"], t1)
-            devices = sorted({_telemetry_device(self.units[u]) for u in candidate.units})
+            devices = sorted({self.units[u].telemetry_device for u in candidate.units})
             energy = window.summary(devices).record(int(rec.get("completed_samples") or 0))
             trial.energy_per_item_j = energy.get("energy_per_item_j")
             trial.power_w = energy.get("mean_power_w")
@@ -498,13 +496,6 @@ class LiveEvaluator:
         return worker_unit
 
 
-def _oom_text(text: str) -> bool:
-    """Whether an error message says a device ran out of memory (ours or PyTorch's words)."""
-    lowered = text.lower()
-    return "out of memory" in lowered or "out of device memory" in lowered \
-        or "outofmemory" in lowered
-
-
 def _empty_device_cache() -> None:
     """Return the CUDA allocator's cached blocks to the device (no-op without CUDA in use)."""
     import sys
@@ -512,12 +503,6 @@ def _empty_device_cache() -> None:
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
-
-
-def _telemetry_device(unit: Unit) -> str:
-    from infermux.bench import telemetry_device
-
-    return telemetry_device(unit)
 
 
 def _reset_peak_memory(unit: Unit) -> Any:

@@ -175,7 +175,7 @@ def _tune_units(spec: str) -> tuple[list[Unit], tuple[int, ...]]:
 
 def prepare(request: TuneRequest) -> tuple[list[Unit], dict[str, LoadedModel], Space]:
     """The request's units, its models loaded (by plan name) and the space to search."""
-    from infermux.bench import engines_for
+    from infermux.engines.select import engines_for
     from infermux.models import load_model
 
     units, host_cores = _tune_units(request.units)

@@ -46,6 +46,13 @@ class Unit:
         return int(rest) if rest.isdigit() else 0
 
     @property
+    def telemetry_device(self) -> str:
+        """The telemetry device that observes this unit (`cuda:0`, `cpu`, `dla:1`)."""
+        if self.kind == "cpu" or self.device.upper().startswith("OPENVINO:CPU"):
+            return "cpu"
+        return self.device
+
+    @property
     def torch_dtype_name(self) -> str:
         """The compute dtype's name in torch (`float32`, `float16`, `bfloat16`)."""
         return {"fp16": "float16", "bf16": "bfloat16"}.get(self.mode, "float32")

@@ -1,34 +1,13 @@
-"""CUDA GPUs, seen through PyTorch (and NVML where nvidia-ml-py is installed)."""
+"""CUDA GPUs, seen through PyTorch (and NVML where nvidia-ml-py is installed, `infermux.nvidia`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from infermux.nvidia import nvml_info
 from infermux.units.base import CUDA_MODES, Unit
 
-__all__ = ["cuda_units", "nvml_info"]
-
-
-def nvml_info(index: int) -> dict[str, Any]:
-    """Driver, UUID and current clocks of GPU `index` from NVML; empty when NVML is absent."""
-    try:
-        import pynvml
-    except ImportError:
-        return {}
-    try:
-        pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-        info: dict[str, Any] = {
-            "driver": pynvml.nvmlSystemGetDriverVersion(),
-            "uuid": pynvml.nvmlDeviceGetUUID(handle),
-            "sm_clock_mhz": pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM),
-            "mem_clock_mhz": pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_MEM),
-            "max_sm_clock_mhz": pynvml.nvmlDeviceGetMaxClockInfo(handle, pynvml.NVML_CLOCK_SM),
-            "power_limit_w": pynvml.nvmlDeviceGetPowerManagementLimit(handle) / 1000.0,
-        }
-        return {k: (v.decode() if isinstance(v, bytes) else v) for k, v in info.items()}
-    except pynvml.NVMLError as exc:
-        return {"nvml_error": str(exc)}
+__all__ = ["cuda_units"]
 
 
 def cuda_units(notes: list[str]) -> list[Unit]:
