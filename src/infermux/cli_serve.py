@@ -1,0 +1,105 @@
+"""`infermux serve PLAN`: the plan's runtime behind the KServe v2 / Triton protocol."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from typing import Annotated, Any
+
+import typer
+
+from infermux.cli import DbOpt, JsonOpt, _print_json, app, err, out
+from infermux.errors import UsageError
+
+__all__ = ["serve_command"]
+
+
+def _missing_extra() -> str | None:
+    import importlib.util
+
+    needed = {"uvicorn": "uvicorn", "grpc": "grpcio", "tritonclient": "tritonclient[grpc]",
+              "prometheus_client": "prometheus-client"}
+    missing = [pkg for mod, pkg in needed.items() if importlib.util.find_spec(mod) is None]
+    if not missing:
+        return None
+    return (f"`infermux serve` needs {', '.join(missing)}: pip install 'infermux[serve]'")
+
+
+@app.command("serve")
+def serve_command(
+    plan_file: Annotated[str, typer.Argument(help="Plan file (YAML or JSON), as `infermux run` takes.")],
+    host: Annotated[str, typer.Option("--host", help="Address to bind (all three ports).")] = "127.0.0.1",
+    http_port: Annotated[int, typer.Option("--http-port", help="KServe v2 REST port (0: any free port).")] = 8000,
+    grpc_port: Annotated[int, typer.Option("--grpc-port", help="KServe v2 gRPC port (0: any free port).")] = 8001,
+    metrics_port: Annotated[int, typer.Option("--metrics-port", help="Prometheus /metrics port (0: any free port).")] = 8002,
+    max_queue: Annotated[int | None, typer.Option("--max-queue", help="Items a model may hold admitted and unanswered; more get 503 (default: 4x what its workers hold, at least 64).")] = None,
+    api_key: Annotated[str | None, typer.Option("--api-key", help="Require `Authorization: Bearer KEY` (or env INFERMUX_API_KEY); health probes stay open.")] = None,
+    drain_timeout: Annotated[str, typer.Option("--drain-timeout", help="On SIGTERM/Ctrl-C, how long admitted requests may take to finish.")] = "30s",
+    telemetry: Annotated[str, typer.Option("--telemetry", help="Sampler period for the hardware metrics (e.g. 1s) or off.")] = "1s",
+    db: DbOpt = "infermux.db",
+    no_store: Annotated[bool, typer.Option("--no-store", help="Do not write the results database.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Serve a plan over the KServe v2 / Triton protocol (HTTP and gRPC) with Prometheus metrics.
+
+    Stops on SIGTERM or Ctrl-C: no new requests, the admitted ones answered, exit code 0.
+    """
+    from infermux._parse import parse_duration_s
+    from infermux.runtime import load_plan
+    from infermux.store import open_store
+
+    plan = load_plan(plan_file)
+    why = _missing_extra()
+    if why is not None:
+        raise UsageError(why)
+    from infermux.serve import ServeSettings, serve_plan
+
+    interval = 0.0 if telemetry.strip().lower() == "off" else parse_duration_s(
+        telemetry, name="--telemetry")
+    settings = ServeSettings(
+        host=host, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
+        max_queue_items=max_queue, api_key=api_key or os.environ.get("INFERMUX_API_KEY") or None,
+        drain_timeout_s=parse_duration_s(drain_timeout, name="--drain-timeout"),
+        telemetry_interval_s=interval)
+    store = None if no_store else open_store(db)
+    command = "infermux " + shlex.join(a if a != api_key else "***" for a in sys.argv[1:])
+
+    def on_ready(info: dict[str, Any]) -> None:
+        if as_json:
+            sys.stdout.write(_one_line(info) + "\n")
+            sys.stdout.flush()
+            return
+        h = info["host"]
+        out.print(f"[bold]serving[/] {plan.name}: http://{h}:{info['http_port']}/v2 (REST), "
+                  f"{h}:{info['grpc_port']} (gRPC), http://{h}:{info['metrics_port']}/metrics")
+        for m in info["models"]:
+            shape = m["inputs"][0]["shape"]
+            out.print(f"  {m['name']}: input {shape}, max batch {m['max_batch_size']}, "
+                      f"{len(m['workers'])} worker(s), admits {m['max_queue_items']} items")
+        out.print("[dim]SIGTERM or Ctrl-C stops it (admitted requests are answered)[/]")
+        sys.stdout.flush()
+
+    def on_progress(label: str, fraction: float) -> None:
+        if not as_json:
+            err.print(f"[dim]{label}[/]")
+
+    summary = serve_plan(plan, settings, store=store, command=command, on_ready=on_ready,
+                         progress=on_progress)
+    if as_json:
+        _print_json({"event": "stopped", **summary})
+    else:
+        for name, m in summary["models"].items():
+            out.print(f"{name}: {m['requests_ok']} answered, {m['requests_failed']} failed, "
+                      f"{m['requests_rejected']} rejected (503), {m['items']} items in "
+                      f"{m['batches']} batches")
+        if summary.get("run_id") is not None:
+            out.print(f"[dim]stored as run {summary['run_id']} in {db}[/]")
+    if summary.get("status") != "complete":
+        raise typer.Exit(1)
+
+
+def _one_line(data: dict[str, Any]) -> str:
+    import json
+
+    return json.dumps(data, default=str)

@@ -1,0 +1,532 @@
+"""The protocol-neutral core of `infermux serve`: models, admission, requests into the runtime.
+
+The HTTP and gRPC fronts parse their wire formats into `numpy` inputs and call
+`InferenceCore.infer`; everything they share lives here: the model descriptions that metadata
+and config answer from, request validation (every error a `ProtocolError` naming the field),
+bounded admission, the routing of the runtime's outputs back to each request, and the
+statistics Triton's clients read.
+
+Each request's items enter the dispatcher as one query whose samples carry their own input
+rows (`Query.inputs`), exactly like a load generator's queries: dynamic batching, replicas,
+pipelines, SLO-aware and dynamic placement all apply. Outputs come back per batch through
+`Dispatcher.on_outputs`, a row per item, and are written into the request's own arrays in
+order; failures come back through the completion callback. Every admitted request is answered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import itertools
+import math
+import re
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from infermux.load.base import Query
+from infermux.runtime.dispatcher import Batch, WorkerState
+from infermux.runtime.plan import ModelEntry, Plan
+
+__all__ = [
+    "DATATYPES",
+    "InferenceCore",
+    "ModelInfo",
+    "ProtocolError",
+    "TensorSpec",
+    "tensor_from_bytes",
+    "tensor_from_list",
+]
+
+#: KServe v2 datatypes this server reads, with their numpy dtype (little-endian on the wire).
+DATATYPES: dict[str, np.dtype] = {
+    "FP32": np.dtype("<f4"), "FP16": np.dtype("<f2"), "FP64": np.dtype("<f8"),
+}
+#: Every datatype name of the protocol, so a wrong one is told apart from a misspelt one.
+_KNOWN_DATATYPES = ("BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32",
+                    "INT64", "FP16", "FP32", "FP64", "BYTES", "BF16")
+#: The protocol extensions this server implements (perf_analyzer reads the list).
+EXTENSIONS = ["binary_tensor_data", "statistics", "model_configuration"]
+SERVER_NAME = "infermux"
+
+
+class ProtocolError(Exception):
+    """A request the server answers with an error: HTTP status, message, optional Retry-After.
+
+    400: the request is wrong (the message names the field); 401: no or a wrong API key;
+    404: no such route; 503: the server cannot take it now (full queue, shutting down, no live
+    worker), with `retry_after_s` where waiting helps.
+    """
+
+    def __init__(self, status: int, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.retry_after_s = retry_after_s
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One input or output of a model: name, v2 datatype, shape of one item (no batch axis)."""
+
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+
+    def metadata(self) -> dict[str, Any]:
+        """The v2 metadata entry: the batch axis is -1."""
+        return {"name": self.name, "datatype": self.datatype, "shape": [-1, *self.shape]}
+
+    def config(self) -> dict[str, Any]:
+        """The Triton model-config entry."""
+        return {"name": self.name, "data_type": f"TYPE_{self.datatype}", "dims": list(self.shape)}
+
+
+@dataclass
+class _Totals:
+    count: int = 0
+    ns: int = 0
+
+    def add(self, ns: int, count: int = 1) -> None:
+        self.count += count
+        self.ns += ns
+
+    def dump(self) -> dict[str, int]:
+        return {"count": self.count, "ns": self.ns}
+
+
+@dataclass
+class ModelStats:
+    """What Triton's statistics extension reports for one model (request and batch totals)."""
+
+    success: _Totals = field(default_factory=_Totals)
+    fail: _Totals = field(default_factory=_Totals)
+    queue: _Totals = field(default_factory=_Totals)
+    compute_input: _Totals = field(default_factory=_Totals)
+    compute_infer: _Totals = field(default_factory=_Totals)
+    compute_output: _Totals = field(default_factory=_Totals)
+    inference_count: int = 0
+    execution_count: int = 0
+    rejected: int = 0
+    last_inference_ms: int = 0
+    #: batch size → (count, compute_input ns, compute_infer ns, compute_output ns)
+    batches: dict[int, list[int]] = field(default_factory=dict)
+
+
+@dataclass
+class ModelInfo:
+    """What the server says about one model: its tensors, batch limit and where it runs."""
+
+    name: str
+    entry: ModelEntry
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+    max_batch_size: int
+    max_queue_delay_us: int
+    #: Items this model may hold admitted and unanswered before new requests get a 503.
+    max_queue_items: int
+    instance_groups: list[dict[str, Any]]
+    version: str = "1"
+    stats: ModelStats = field(default_factory=ModelStats)
+    in_flight_items: int = 0
+    in_flight_requests: int = 0
+
+    def metadata(self) -> dict[str, Any]:
+        """The v2 model metadata."""
+        return {"name": self.name, "versions": [self.version], "platform": "infermux",
+                "inputs": [t.metadata() for t in self.inputs],
+                "outputs": [t.metadata() for t in self.outputs]}
+
+    def config(self) -> dict[str, Any]:
+        """The Triton model configuration (what perf_analyzer and Model Analyzer read)."""
+        buckets = sorted({b for r in self.entry.replicas for b in r.buckets()})
+        return {
+            "name": self.name,
+            "platform": "infermux",
+            "backend": "infermux",
+            "version_policy": {"latest": {"num_versions": 1}},
+            "max_batch_size": self.max_batch_size,
+            "input": [t.config() for t in self.inputs],
+            "output": [t.config() for t in self.outputs],
+            "dynamic_batching": {
+                "preferred_batch_size": buckets[-1:] if buckets else [self.max_batch_size],
+                "max_queue_delay_microseconds": self.max_queue_delay_us,
+            },
+            "instance_group": self.instance_groups,
+            "parameters": {"model": {"string_value": self.entry.model}},
+        }
+
+    def statistics(self) -> dict[str, Any]:
+        """The Triton statistics-extension record of this model."""
+        s = self.stats
+        return {
+            "name": self.name, "version": self.version,
+            "last_inference": s.last_inference_ms,
+            "inference_count": s.inference_count, "execution_count": s.execution_count,
+            "inference_stats": {
+                "success": s.success.dump(), "fail": s.fail.dump(), "queue": s.queue.dump(),
+                "compute_input": s.compute_input.dump(), "compute_infer": s.compute_infer.dump(),
+                "compute_output": s.compute_output.dump(),
+                "cache_hit": {"count": 0, "ns": 0}, "cache_miss": {"count": 0, "ns": 0},
+            },
+            "batch_stats": [
+                {"batch_size": b, "compute_input": {"count": v[0], "ns": v[1]},
+                 "compute_infer": {"count": v[0], "ns": v[2]},
+                 "compute_output": {"count": v[0], "ns": v[3]}}
+                for b, v in sorted(s.batches.items())],
+        }
+
+    def check_input(self, name: Any, datatype: Any, shape: Any) -> tuple[TensorSpec, tuple[int, ...]]:
+        """Validate one input's name, datatype and shape; its spec and the full shape."""
+        names = ", ".join(t.name for t in self.inputs)
+        spec = next((t for t in self.inputs if t.name == name), None)
+        if spec is None:
+            raise ProtocolError(400, f"input name {name!r} is not an input of model "
+                                     f"{self.name!r}; inputs: {names}")
+        if not isinstance(datatype, str) or datatype not in DATATYPES:
+            if datatype in _KNOWN_DATATYPES:
+                why = f"{datatype} is not accepted"
+            else:
+                why = f"{datatype!r} is not a v2 datatype"
+            raise ProtocolError(400, f"input {name!r} datatype: {why}; use "
+                                     f"{spec.datatype} (also taken: {', '.join(DATATYPES)})")
+        if (not isinstance(shape, (list, tuple)) or not shape
+                or not all(isinstance(d, int) and not isinstance(d, bool) for d in shape)):
+            raise ProtocolError(400, f"input {name!r} shape {shape!r} is not a list of integers; "
+                                     f"expected [N, {', '.join(map(str, spec.shape))}]")
+        full = tuple(int(d) for d in shape)
+        if full[1:] != spec.shape:
+            raise ProtocolError(400, f"input {name!r} shape {list(full)} does not match the "
+                                     f"model: expected [N, {', '.join(map(str, spec.shape))}] "
+                                     f"with 1 ≤ N ≤ {self.max_batch_size}")
+        if not 1 <= full[0] <= self.max_batch_size:
+            raise ProtocolError(400, f"input {name!r} batch {full[0]} is outside 1 to the "
+                                     f"model's max_batch_size {self.max_batch_size}")
+        return spec, full
+
+
+def tensor_from_bytes(name: str, datatype: str, shape: tuple[int, ...], raw: bytes | memoryview,
+                      ) -> np.ndarray:
+    """A tensor from raw little-endian bytes; the byte count must match the shape exactly."""
+    dtype = DATATYPES[datatype]
+    expected = math.prod(shape) * dtype.itemsize
+    if len(raw) != expected:
+        raise ProtocolError(400, f"input {name!r}: {len(raw)} bytes of data given, shape "
+                                 f"{list(shape)} of {datatype} needs {expected}")
+    return np.frombuffer(raw, dtype=dtype).reshape(shape)
+
+
+def tensor_from_list(name: str, datatype: str, shape: tuple[int, ...], data: Any) -> np.ndarray:
+    """A tensor from JSON data (flat or nested numbers); the count must match the shape."""
+    if not isinstance(data, list):
+        raise ProtocolError(400, f"input {name!r} data must be a list of numbers, not "
+                                 f"{type(data).__name__}")
+    try:
+        arr = np.asarray(data, dtype=DATATYPES[datatype])
+    except (ValueError, TypeError):
+        raise ProtocolError(400, f"input {name!r} data is not a regular array of numbers") from None
+    if arr.size != math.prod(shape):
+        raise ProtocolError(400, f"input {name!r}: {arr.size} values given, shape {list(shape)} "
+                                 f"needs {math.prod(shape)}")
+    return arr.reshape(shape)
+
+
+@dataclass
+class _Pending:
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[list[np.ndarray]]
+    model: ModelInfo
+    items: int
+    admitted_ns: int
+    left: int
+    outputs: list[np.ndarray] | None = None
+
+
+class InferenceCore:
+    """Requests into the runtime's dispatcher and answers back; thread-safe where it must be.
+
+    `infer()` runs on the fronts' event loop; `_on_outputs`, `_on_complete` and `_on_batch`
+    run on worker threads and hand results back with `call_soon_threadsafe`.
+    """
+
+    def __init__(self, runtime: Any, plan: Plan, *, max_queue_items: int | None = None,
+                 metrics: Any = None) -> None:
+        self.runtime = runtime
+        self.plan = plan
+        self.dispatcher = runtime.dispatcher
+        self.metrics = metrics
+        self.models: dict[str, ModelInfo] = {}
+        self._lock = threading.Lock()
+        self._pending: dict[int, _Pending] = {}
+        self._ids = itertools.count(1)
+        self._closing = False
+        self._drained: asyncio.Event | None = None
+        self.started_ns = time.perf_counter_ns()
+        d = self.dispatcher
+        self._previous_batch_hook = d.on_batch_done
+        d.on_batch_done = self._on_batch
+        d.on_outputs = self._on_outputs
+        d.set_completion(self._on_complete)
+        for entry in plan.models:
+            self.models[entry.name] = self._describe(entry, max_queue_items)
+
+    # -- models -------------------------------------------------------------------------------
+
+    def _describe(self, entry: ModelEntry, max_queue_items: int | None) -> ModelInfo:
+        loaded = self.runtime.models[entry.name]
+        states = [s for s in self.runtime.states if s.model == entry.name]
+        max_batch = max([s.batch for s in states] or [1])
+        capacity = sum(s.batch * s.depth for s in states if s.alive)
+        groups: dict[str, int] = {}
+        for s in states:
+            groups[s.unit] = groups.get(s.unit, 0) + 1
+        instance_groups = []
+        for unit, count in sorted(groups.items()):
+            gpus = sorted({int(g) for g in re.findall(r"cuda:(\d+)", unit)})
+            group: dict[str, Any] = {"name": f"{entry.name} on {unit}", "count": count,
+                                     "kind": "KIND_GPU" if gpus else "KIND_CPU"}
+            if gpus:
+                group["gpus"] = gpus
+            instance_groups.append(group)
+        return ModelInfo(
+            name=entry.name, entry=entry,
+            inputs=[TensorSpec("input", "FP32", tuple(loaded.input_shape))],
+            outputs=[],  # filled by `probe_outputs`
+            max_batch_size=max_batch,
+            max_queue_delay_us=int(self.plan.dispatcher.max_queue_delay_ms * 1000),
+            # Enough to keep every worker busy with a batch queued behind it, and no more:
+            # memory stays bounded whatever the clients send.
+            max_queue_items=max_queue_items or max(64, 4 * capacity),
+            instance_groups=instance_groups,
+        )
+
+    async def probe_outputs(self) -> None:
+        """Learn each model's outputs (names, shapes) by serving one zero item through it."""
+        for info in self.models.values():
+            spec = info.inputs[0]
+            outs = await self._submit(info, np.zeros((1, *spec.shape), dtype=np.float32),
+                                      count=False)
+            names = ["output"] if len(outs) == 1 else [f"output_{i}" for i in range(len(outs))]
+            info.outputs = [TensorSpec(n, "FP32", tuple(o.shape[1:]))
+                            for n, o in zip(names, outs, strict=True)]
+
+    def model(self, name: str, version: str | None = None) -> ModelInfo:
+        """The model called `name` (and `version`, if given), or a 400 naming what exists."""
+        info = self.models.get(name)
+        if info is None:
+            raise ProtocolError(400, f"model {name!r} is not served here; models: "
+                                     f"{', '.join(self.models)}")
+        if version not in (None, "", info.version):
+            raise ProtocolError(400, f"model {name!r} has no version {version!r}; versions: "
+                                     f"{info.version}")
+        return info
+
+    def live(self) -> bool:
+        """The process is up (the fronts answer)."""
+        return True
+
+    def model_ready(self, name: str) -> bool:
+        """At least one live worker serves the model, and the server is not shutting down."""
+        if self._closing:
+            return False
+        return any(s.alive and (s.model == name or name in s.serves)
+                   for s in self.runtime.states)
+
+    def ready(self) -> bool:
+        """Every model is ready."""
+        return all(self.model_ready(m) for m in self.models)
+
+    def server_metadata(self) -> dict[str, Any]:
+        """The v2 server metadata, with the extensions perf_analyzer looks for."""
+        from infermux import __version__
+
+        return {"name": SERVER_NAME, "version": __version__, "extensions": EXTENSIONS}
+
+    # -- requests -----------------------------------------------------------------------------
+
+    async def infer(self, info: ModelInfo, inputs: np.ndarray) -> list[np.ndarray]:
+        """Serve one request of `(n, *input_shape)` items; outputs, a row per item, in order.
+
+        Raises ProtocolError 503 (with Retry-After) when the model's admission limit is
+        reached, the server is shutting down, or no worker is left to serve the model.
+        """
+        return await self._submit(info, inputs, count=True)
+
+    async def _submit(self, info: ModelInfo, inputs: np.ndarray, *, count: bool,
+                      ) -> list[np.ndarray]:
+        n = len(inputs)
+        if inputs.dtype != np.float32:
+            inputs = inputs.astype(np.float32)
+        loop = asyncio.get_running_loop()
+        now = time.perf_counter_ns()
+        with self._lock:
+            if self._closing:
+                raise ProtocolError(503, "the server is shutting down and takes no new requests",
+                                    retry_after_s=1.0)
+            if info.in_flight_items + n > info.max_queue_items:
+                info.stats.rejected += 1
+                if self.metrics is not None:
+                    self.metrics.rejected(info.name)
+                raise ProtocolError(
+                    503, f"model {info.name!r} has {info.in_flight_items} items in flight, its "
+                         f"admission limit is {info.max_queue_items}: retry later",
+                    retry_after_s=1.0)
+            if not self.model_ready(info.name):
+                raise ProtocolError(503, f"model {info.name!r} is not ready: no live worker "
+                                         f"serves it ({self._last_error(info.name)})")
+            qid = next(self._ids)
+            pending = _Pending(loop, loop.create_future(), info, n, now, n)
+            self._pending[qid] = pending
+            info.in_flight_items += n
+            info.in_flight_requests += 1
+            if self.metrics is not None:
+                self.metrics.pending(info.name, info.in_flight_requests, info.in_flight_items)
+        pending.future.add_done_callback(lambda f: f.exception())  # never "never retrieved"
+        self.dispatcher.submit([Query(qid, info.name, tuple(range(n)), inputs)])
+        outputs = await pending.future
+        if count:
+            self._request_done(info, ok=True, started_ns=now)
+        return outputs
+
+    def _request_done(self, info: ModelInfo, *, ok: bool, started_ns: int) -> None:
+        took = time.perf_counter_ns() - started_ns
+        with self._lock:
+            (info.stats.success if ok else info.stats.fail).add(took)
+            info.stats.last_inference_ms = int(time.time() * 1000)
+        if self.metrics is not None:
+            self.metrics.request(info.name, ok, took)
+
+    def _last_error(self, model: str) -> str:
+        errors = [s.error for s in self.runtime.states if s.model == model and s.error]
+        return f"last error: {errors[-1]}" if errors else "none was built"
+
+    def _finish(self, qid: int, outputs: list[np.ndarray] | None, error: str | None) -> None:
+        """Hand a request's answer to its event loop (called with `_lock` held)."""
+        pending = self._pending.pop(qid, None)
+        if pending is None:
+            return
+        info = pending.model
+        info.in_flight_items -= pending.items
+        info.in_flight_requests -= 1
+        if self.metrics is not None:
+            self.metrics.pending(info.name, info.in_flight_requests, info.in_flight_items)
+        if error is None and outputs is not None:
+            pending.loop.call_soon_threadsafe(_set_result, pending.future, outputs)
+        else:
+            exc = ProtocolError(503, error or "inference failed")
+            pending.loop.call_soon_threadsafe(_set_exception, pending.future, exc)
+            pending.loop.call_soon_threadsafe(functools.partial(
+                self._request_done, pending.model, ok=False, started_ns=pending.admitted_ns))
+        if self._closing and not self._pending and self._drained is not None:
+            pending.loop.call_soon_threadsafe(self._drained.set)
+
+    # -- the runtime's callbacks (worker threads) ----------------------------------------------
+
+    def _on_outputs(self, batch: Batch, outputs: list[np.ndarray]) -> None:
+        with self._lock:
+            for i, item in enumerate(batch.items):
+                pending = self._pending.get(item.query)
+                if pending is None:
+                    continue
+                if pending.outputs is None:
+                    pending.outputs = [np.empty((pending.items, *y.shape[1:]), dtype=y.dtype)
+                                       for y in outputs]
+                for dst, y in zip(pending.outputs, outputs, strict=True):
+                    dst[item.sample] = y[i]
+                pending.left -= 1
+                if pending.left == 0:
+                    self._finish(item.query, pending.outputs, None)
+
+    def _on_complete(self, done: Sequence[tuple[int, int]], ok: bool, when_ns: int) -> None:
+        if ok:
+            return  # the outputs came through `_on_outputs`
+        with self._lock:
+            for qid, _ in done:
+                pending = self._pending.get(qid)
+                if pending is None:
+                    continue
+                self._finish(qid, None, f"inference of model {pending.model.name!r} failed: "
+                                        f"{self._last_error(pending.model.name)}")
+
+    def _on_batch(self, w: WorkerState, batch: Batch, start_ns: int, end_ns: int,
+                  timing: Any) -> None:
+        info = self.models.get(batch.model)
+        if self._previous_batch_hook is not None:
+            self._previous_batch_hook(w, batch, start_ns, end_ns, timing)
+        if info is None:
+            return
+        n = len(batch.items)
+        queue_ns = sum(batch.taken_ns - it.enqueued_ns for it in batch.items)
+        compute_ns = end_ns - start_ns
+        infer_ns = getattr(timing, "compute_ns", 0) or compute_ns
+        input_ns = getattr(timing, "h2d_ns", 0) or 0
+        output_ns = getattr(timing, "d2h_ns", 0) or 0
+        with self._lock:
+            s = info.stats
+            s.inference_count += n
+            s.execution_count += 1
+            s.queue.add(queue_ns, n)
+            s.compute_input.add(input_ns * n, n)
+            s.compute_infer.add(infer_ns * n, n)
+            s.compute_output.add(output_ns * n, n)
+            row = s.batches.setdefault(n, [0, 0, 0, 0])
+            row[0] += 1
+            row[1] += input_ns
+            row[2] += infer_ns
+            row[3] += output_ns
+        if self.metrics is not None:
+            self.metrics.batch(w, batch.model, n, queue_ns, compute_ns, infer_ns, input_ns,
+                               output_ns)
+
+    # -- shutdown -------------------------------------------------------------------------------
+
+    def begin_close(self) -> None:
+        """Take no new requests (503); those admitted are still answered."""
+        with self._lock:
+            self._closing = True
+
+    async def drain(self, timeout_s: float) -> int:
+        """Wait until every admitted request is answered (at most `timeout_s`); those left."""
+        with self._lock:
+            if not self._pending:
+                return 0
+            self._drained = asyncio.Event()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._drained.wait(), timeout_s)
+        with self._lock:
+            return len(self._pending)
+
+    def fail_pending(self, reason: str) -> None:
+        """Answer every request still pending with an error (when the runtime is stopped)."""
+        with self._lock:
+            for qid in list(self._pending):
+                self._finish(qid, None, reason)
+
+    def summary(self) -> dict[str, Any]:
+        """Per-model totals for the stored run and `--json`."""
+        out: dict[str, Any] = {}
+        for name, info in self.models.items():
+            s = info.stats
+            out[name] = {
+                "requests_ok": s.success.count, "requests_failed": s.fail.count,
+                "requests_rejected": s.rejected, "items": s.inference_count,
+                "batches": s.execution_count,
+                "mean_request_ms": s.success.ns / s.success.count / 1e6 if s.success.count else None,
+                "mean_batch": s.inference_count / s.execution_count if s.execution_count else None,
+            }
+        return out
+
+
+def _set_result(future: asyncio.Future[Any], value: Any) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def _set_exception(future: asyncio.Future[Any], exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)

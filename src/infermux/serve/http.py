@@ -1,0 +1,348 @@
+"""The KServe v2 REST front: an ASGI application served by uvicorn.
+
+Routes (every one also under `/v2/models/{m}/versions/{v}/...`):
+`GET /v2/health/live`, `/v2/health/ready`, `/v2`, `/v2/models/{m}`, `/v2/models/{m}/ready`,
+`/v2/models/{m}/config`, `/v2/models/{m}/stats`, `/v2/models/stats`,
+`POST /v2/models/{m}/infer`, `POST /v2/repository/index`.
+
+`infer` takes JSON tensors and the binary tensor data extension: the JSON header's length in
+`Inference-Header-Content-Length`, then each input's raw little-endian bytes in order
+(`parameters.binary_data_size`); outputs come back binary when the request says
+`binary_data_output` (or per output `binary_data`), else as JSON. Bodies may be gzip or
+deflate encoded. Every malformed request gets a 4xx with a JSON `error` naming the field.
+
+`handle()` is independent of the server library (it maps a method, path, headers and body to
+a status, headers and body); `HttpFront` adapts it to ASGI.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import zlib
+from typing import Any
+
+import numpy as np
+
+from infermux.serve.core import (
+    InferenceCore,
+    ModelInfo,
+    ProtocolError,
+    tensor_from_bytes,
+    tensor_from_list,
+)
+
+__all__ = ["HttpFront", "Reply", "handle"]
+
+#: (status, headers, body)
+Reply = tuple[int, list[tuple[bytes, bytes]], bytes]
+_JSON = (b"content-type", b"application/json")
+#: Bytes a request body may have beyond its model's largest batch of inputs (the JSON header;
+#: JSON-encoded numbers take up to ~25 characters per value).
+_HEADER_ALLOWANCE = 1 << 20
+_JSON_EXPANSION = 25
+
+
+def _json(status: int, payload: Any, extra: list[tuple[bytes, bytes]] | None = None) -> Reply:
+    body = json.dumps(payload, separators=(",", ":")).encode()
+    return status, [_JSON, *(extra or [])], body
+
+
+def error_reply(exc: ProtocolError) -> Reply:
+    """A ProtocolError as `{"error": ...}` with its status (and Retry-After on a 503)."""
+    extra = []
+    if exc.retry_after_s is not None:
+        extra.append((b"retry-after", str(max(1, round(exc.retry_after_s))).encode()))
+    if exc.status == 401:
+        extra.append((b"www-authenticate", b"Bearer"))
+    return _json(exc.status, {"error": exc.message}, extra)
+
+
+def body_limit(core: InferenceCore) -> int:
+    """The largest request body accepted (larger ones get a 413 before they are read)."""
+    largest = 0
+    for info in core.models.values():
+        items = info.max_batch_size * int(np.prod([int(np.prod(t.shape)) for t in info.inputs]))
+        largest = max(largest, items * _JSON_EXPANSION)
+    return largest + _HEADER_ALLOWANCE
+
+
+async def handle(core: InferenceCore, method: str, path: str, headers: dict[str, str],
+                 body: bytes, api_key: str | None = None) -> Reply:
+    """Answer one request; never raises for a bad request (a 4xx reply instead)."""
+    try:
+        return await _route(core, method, path.rstrip("/") or "/", headers, body, api_key)
+    except ProtocolError as exc:
+        return error_reply(exc)
+
+
+def _check_key(headers: dict[str, str], api_key: str) -> None:
+    given = headers.get("x-api-key")
+    auth = headers.get("authorization", "")
+    if auth.lower().startswith("bearer "):
+        given = auth[7:].strip()
+    if given is None or not hmac.compare_digest(given.encode(), api_key.encode()):
+        raise ProtocolError(401, "missing or wrong API key: send `Authorization: Bearer KEY` "
+                                 "or `X-API-Key: KEY`")
+
+
+async def _route(core: InferenceCore, method: str, path: str, headers: dict[str, str],
+                 body: bytes, api_key: str | None) -> Reply:
+    parts = path.strip("/").split("/")
+    if not parts or parts[0] != "v2":
+        raise ProtocolError(404, f"no route {path!r}: the API is under /v2")
+    rest = parts[1:]
+    if rest[:1] == ["health"] and len(rest) == 2 and rest[1] in ("live", "ready"):
+        _method(method, "GET", path)
+        ok = core.live() if rest[1] == "live" else core.ready()
+        return (200 if ok else 503), [], b""
+    if api_key is not None:
+        _check_key(headers, api_key)
+    if not rest:
+        _method(method, "GET", path)
+        return _json(200, core.server_metadata())
+    if rest == ["models", "stats"]:
+        _method(method, "GET", path)
+        return _json(200, {"model_stats": [m.statistics() for m in core.models.values()]})
+    if rest == ["repository", "index"]:
+        _method(method, "POST", path)
+        return _json(200, [{"name": m.name, "version": m.version,
+                            "state": "READY" if core.model_ready(m.name) else "UNAVAILABLE"}
+                           for m in core.models.values()])
+    if rest[:1] != ["models"] or len(rest) < 2:
+        raise ProtocolError(404, f"no route {path!r}")
+    name, tail = rest[1], rest[2:]
+    version = None
+    if tail[:1] == ["versions"]:
+        if len(tail) < 2:
+            raise ProtocolError(404, f"no route {path!r}: give a version after /versions/")
+        version, tail = tail[1], tail[2:]
+    info = core.model(name, version)
+    action = tail[0] if len(tail) == 1 else ("" if not tail else None)
+    if action == "":
+        _method(method, "GET", path)
+        return _json(200, info.metadata())
+    if action == "ready":
+        _method(method, "GET", path)
+        return (200 if core.model_ready(info.name) else 503), [], b""
+    if action == "config":
+        _method(method, "GET", path)
+        return _json(200, info.config())
+    if action == "stats":
+        _method(method, "GET", path)
+        return _json(200, {"model_stats": [info.statistics()]})
+    if action == "infer":
+        _method(method, "POST", path)
+        return await _infer(core, info, headers, body)
+    raise ProtocolError(404, f"no route {path!r}")
+
+
+def _method(given: str, wanted: str, path: str) -> None:
+    if given != wanted:
+        raise ProtocolError(405, f"{given} {path}: this route takes {wanted}")
+
+
+def _decode(headers: dict[str, str], body: bytes) -> bytes:
+    encoding = headers.get("content-encoding", "identity").strip().lower()
+    if encoding in ("", "identity"):
+        return body
+    if encoding not in ("gzip", "deflate"):
+        raise ProtocolError(400, f"Content-Encoding {encoding!r} is not supported: use gzip, "
+                                 "deflate or none")
+    try:
+        return zlib.decompress(body, wbits=31 if encoding == "gzip" else 15)
+    except zlib.error as exc:
+        raise ProtocolError(400, f"the body is not valid {encoding} data: {exc}") from None
+
+
+async def _infer(core: InferenceCore, info: ModelInfo, headers: dict[str, str],
+                 body: bytes) -> Reply:
+    body = _decode(headers, body)
+    length = headers.get("inference-header-content-length")
+    if length is None:
+        header_bytes, binary = body, memoryview(b"")
+    else:
+        try:
+            size = int(length)
+        except ValueError:
+            raise ProtocolError(400, f"Inference-Header-Content-Length {length!r} is not an "
+                                     "integer") from None
+        if not 0 < size <= len(body):
+            raise ProtocolError(400, f"Inference-Header-Content-Length {size} is outside the "
+                                     f"body's {len(body)} bytes")
+        header_bytes, binary = body[:size], memoryview(body)[size:]
+    try:
+        request = json.loads(header_bytes)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ProtocolError(400, f"the request's JSON header is not valid JSON: {exc}") from None
+    if not isinstance(request, dict):
+        raise ProtocolError(400, "the request's JSON header must be an object with `inputs`")
+    request_id = request.get("id")
+    if request_id is not None and not isinstance(request_id, str):
+        raise ProtocolError(400, f"id must be a string, not {type(request_id).__name__}")
+    params = _params(request.get("parameters"), "parameters")
+    inputs = request.get("inputs")
+    if not isinstance(inputs, list) or not inputs:
+        raise ProtocolError(400, "inputs must be a non-empty list of tensors")
+    tensors: dict[str, np.ndarray] = {}
+    offset = 0
+    for k, tensor in enumerate(inputs):
+        if not isinstance(tensor, dict):
+            raise ProtocolError(400, f"inputs[{k}] must be an object with name, datatype, shape")
+        spec, shape = info.check_input(tensor.get("name"), tensor.get("datatype"),
+                                       tensor.get("shape"))
+        if spec.name in tensors:
+            raise ProtocolError(400, f"input {spec.name!r} is given twice")
+        tparams = _params(tensor.get("parameters"), f"inputs[{k}].parameters")
+        nbytes = tparams.get("binary_data_size")
+        if nbytes is not None:
+            if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
+                raise ProtocolError(400, f"input {spec.name!r} parameters.binary_data_size "
+                                         f"{nbytes!r} is not a byte count")
+            if "data" in tensor:
+                raise ProtocolError(400, f"input {spec.name!r} has both data and "
+                                         "binary_data_size: give one")
+            if offset + nbytes > len(binary):
+                raise ProtocolError(400, f"input {spec.name!r} declares {nbytes} bytes of binary "
+                                         f"data, {len(binary) - offset} follow the JSON header")
+            tensors[spec.name] = tensor_from_bytes(spec.name, tensor["datatype"], shape,
+                                                   binary[offset:offset + nbytes])
+            offset += nbytes
+        elif "data" in tensor:
+            tensors[spec.name] = tensor_from_list(spec.name, tensor["datatype"], shape,
+                                                  tensor["data"])
+        else:
+            raise ProtocolError(400, f"input {spec.name!r} has neither data nor "
+                                     "parameters.binary_data_size")
+    if offset != len(binary):
+        raise ProtocolError(400, f"{len(binary)} bytes follow the JSON header, the inputs "
+                                 f"declare {offset}")
+    missing = [t.name for t in info.inputs if t.name not in tensors]
+    if missing:
+        raise ProtocolError(400, f"inputs {missing} are missing")
+    wanted = _requested_outputs(info, request.get("outputs"),
+                                _flag(params, "binary_data_output", "parameters"))
+    batch = {len(t) for t in tensors.values()}
+    if len(batch) > 1:
+        raise ProtocolError(400, f"inputs have different batch sizes {sorted(batch)}")
+    outputs = await core.infer(info, tensors[info.inputs[0].name])
+    return _response(info, request_id, outputs, wanted)
+
+
+def _params(value: Any, where: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ProtocolError(400, f"{where} must be an object, not {type(value).__name__}")
+    return value
+
+
+def _flag(params: dict[str, Any], key: str, where: str) -> bool:
+    value = params.get(key, False)
+    if not isinstance(value, bool):
+        raise ProtocolError(400, f"{where}.{key} must be true or false, not {value!r}")
+    return value
+
+
+def _requested_outputs(info: ModelInfo, requested: Any, binary: bool) -> list[tuple[int, bool]]:
+    """(output index, as binary) for each output to return, in the order asked."""
+    names = {t.name: i for i, t in enumerate(info.outputs)}
+    if requested is None:
+        return [(i, binary) for i in range(len(info.outputs))]
+    if not isinstance(requested, list):
+        raise ProtocolError(400, "outputs must be a list of {name, parameters}")
+    wanted = []
+    for k, out in enumerate(requested):
+        if not isinstance(out, dict) or not isinstance(out.get("name"), str):
+            raise ProtocolError(400, f"outputs[{k}] must be an object with a name")
+        if out["name"] not in names:
+            raise ProtocolError(400, f"output name {out['name']!r} is not an output of model "
+                                     f"{info.name!r}; outputs: {', '.join(names)}")
+        params = _params(out.get("parameters"), f"outputs[{k}].parameters")
+        if "classification" in params:
+            raise ProtocolError(400, f"outputs[{k}].parameters.classification is not supported: "
+                                     "ask for the tensor and take its top-k")
+        as_binary = _flag(params, "binary_data", f"outputs[{k}].parameters") \
+            if "binary_data" in params else binary
+        wanted.append((names[out["name"]], as_binary))
+    return wanted
+
+
+def _response(info: ModelInfo, request_id: str | None, outputs: list[np.ndarray],
+              wanted: list[tuple[int, bool]]) -> Reply:
+    entries = []
+    chunks = []
+    for index, as_binary in wanted:
+        spec, y = info.outputs[index], outputs[index]
+        entry: dict[str, Any] = {"name": spec.name, "datatype": spec.datatype,
+                                 "shape": list(y.shape)}
+        if as_binary:
+            raw = np.ascontiguousarray(y, dtype="<f4").tobytes()
+            entry["parameters"] = {"binary_data_size": len(raw)}
+            chunks.append(raw)
+        else:
+            entry["data"] = y.ravel().tolist()
+        entries.append(entry)
+    payload: dict[str, Any] = {"model_name": info.name, "model_version": info.version,
+                               "outputs": entries}
+    if request_id is not None:
+        payload["id"] = request_id
+    header = json.dumps(payload, separators=(",", ":")).encode()
+    if not chunks:
+        return 200, [_JSON], header
+    return 200, [(b"content-type", b"application/octet-stream"),
+                 (b"inference-header-content-length", str(len(header)).encode())], \
+        b"".join([header, *chunks])
+
+
+class HttpFront:
+    """The ASGI application: reads the body (bounded), calls `handle`, sends the reply."""
+
+    def __init__(self, core: InferenceCore, api_key: str | None = None) -> None:
+        self.core = core
+        self.api_key = api_key
+        self.max_body = body_limit(core)
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        """The ASGI entry point (lifespan events are acknowledged, nothing else is served)."""
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif message["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        if scope["type"] != "http":
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        reply, body = await self._read(headers, receive)
+        if reply is None:
+            reply = await handle(self.core, scope["method"], scope["path"], headers, body,
+                                 self.api_key)
+        status, out_headers, payload = reply
+        out_headers = [*out_headers, (b"content-length", str(len(payload)).encode())]
+        await send({"type": "http.response.start", "status": status, "headers": out_headers})
+        await send({"type": "http.response.body", "body": payload})
+
+    async def _read(self, headers: dict[str, str], receive: Any) -> tuple[Reply | None, bytes]:
+        """(None, the body); or (a 413 reply, b"") when it is too large."""
+        declared = headers.get("content-length")
+        too_large = ProtocolError(413, f"the request body is larger than the {self.max_body} "
+                                       "bytes the largest batch of any model needs")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body:
+            return error_reply(too_large), b""
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                break
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body:
+                return error_reply(too_large), b""
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        return None, b"".join(chunks)

@@ -1,0 +1,242 @@
+"""Prometheus metrics of `infermux serve`, named as Triton names them where the meaning matches.
+
+Triton's names (`nv_inference_*`, `nv_gpu_*`, `nv_energy_consumption`, `nv_cpu_*`) keep their
+meaning and units (durations in µs, utilisation as a 0–1 fraction, power in W, energy in J);
+prometheus-client appends `_total` to every Counter. The gauges perf_analyzer's
+`--collect-metrics` reads (`nv_gpu_utilization`, `nv_gpu_power_usage`,
+`nv_gpu_memory_used_bytes`, `nv_gpu_memory_total_bytes`) carry exactly those names and a
+`gpu_uuid` label. infermux's own figures (per worker, per unit, per pipeline stage, batch sizes,
+rejections) are prefixed `infermux_`.
+
+Hardware figures come from the telemetry sampler (NVML, RAPL, Jetson rails) and are read at
+scrape time; request and batch figures are updated by the server as requests complete.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+__all__ = ["ServeMetrics"]
+
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+_LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                      5.0, 10.0)
+
+
+class ServeMetrics:
+    """A registry of its own (no module-level state) with the server's metrics."""
+
+    def __init__(self, runtime: Any, sampler: Any = None) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.runtime = runtime
+        self.sampler = sampler
+        r = self.registry
+        mv = ["model", "version"]
+        self._success = Counter("nv_inference_request_success",
+                                "Successful inference requests", mv, registry=r)
+        self._failure = Counter("nv_inference_request_failure",
+                                "Failed inference requests (reason: REJECTED when admission "
+                                "refused it, BACKEND when the runtime failed it)",
+                                [*mv, "reason"], registry=r)
+        self._count = Counter("nv_inference_count", "Inferences performed (items)", mv,
+                              registry=r)
+        self._exec = Counter("nv_inference_exec_count", "Batches executed", mv, registry=r)
+        self._request_us = Counter("nv_inference_request_duration_us",
+                                   "Cumulative request duration, admission to answer (µs)", mv,
+                                   registry=r)
+        self._queue_us = Counter("nv_inference_queue_duration_us",
+                                 "Cumulative time items waited in the dispatcher's queue (µs)",
+                                 mv, registry=r)
+        self._input_us = Counter("nv_inference_compute_input_duration_us",
+                                 "Cumulative input copy time per item (µs)", mv, registry=r)
+        self._infer_us = Counter("nv_inference_compute_infer_duration_us",
+                                 "Cumulative compute time per item (µs)", mv, registry=r)
+        self._output_us = Counter("nv_inference_compute_output_duration_us",
+                                  "Cumulative output copy time per item (µs)", mv, registry=r)
+        self._pending = Gauge("nv_inference_pending_request_count",
+                              "Requests admitted and not yet answered", mv, registry=r)
+        self._items = Gauge("infermux_items_in_flight",
+                            "Items admitted and not yet answered (bounded by admission)",
+                            ["model"], registry=r)
+        self._rejected = Counter("infermux_requests_rejected",
+                                 "Requests refused with 503 by admission control", ["model"],
+                                 registry=r)
+        self._latency = Histogram("infermux_request_duration_seconds",
+                                  "Request duration, admission to answer", ["model"],
+                                  buckets=_LATENCY_BUCKETS_S, registry=r)
+        self._batch = Histogram("infermux_batch_size", "Items per executed batch",
+                                ["model"], buckets=_BATCH_BUCKETS, registry=r)
+        wl = ["worker", "unit", "model"]
+        self._w_batches = Counter("infermux_worker_batches", "Batches run by each worker", wl,
+                                  registry=r)
+        self._w_items = Counter("infermux_worker_items", "Items run by each worker", wl,
+                                registry=r)
+        self._w_busy = Counter("infermux_worker_busy_seconds",
+                               "Time each worker spent running batches", wl, registry=r)
+        self._busy_s: dict[str, float] = {}
+        self._lock = threading.Lock()
+        self._since = (time.perf_counter(), dict[str, float]())
+        r.register(_Collector(self))
+
+    # -- updates from the server --------------------------------------------------------------
+
+    def request(self, model: str, ok: bool, duration_ns: int) -> None:
+        """One request answered (ok) or failed by the runtime."""
+        if ok:
+            self._success.labels(model, "1").inc()
+            self._request_us.labels(model, "1").inc(duration_ns / 1e3)
+            self._latency.labels(model).observe(duration_ns / 1e9)
+        else:
+            self._failure.labels(model, "1", "BACKEND").inc()
+
+    def rejected(self, model: str) -> None:
+        """One request refused by admission control (a 503)."""
+        self._failure.labels(model, "1", "REJECTED").inc()
+        self._rejected.labels(model).inc()
+
+    def pending(self, model: str, requests: int, items: int) -> None:
+        """Requests and items admitted and not yet answered."""
+        self._pending.labels(model, "1").set(requests)
+        self._items.labels(model).set(items)
+
+    def batch(self, worker: Any, model: str, items: int, queue_ns: int, compute_ns: int,
+              infer_ns: int, input_ns: int, output_ns: int) -> None:
+        """One batch executed by `worker` (a WorkerState)."""
+        self._count.labels(model, "1").inc(items)
+        self._exec.labels(model, "1").inc()
+        self._queue_us.labels(model, "1").inc(queue_ns / 1e3)
+        self._input_us.labels(model, "1").inc(input_ns * items / 1e3)
+        self._infer_us.labels(model, "1").inc(infer_ns * items / 1e3)
+        self._output_us.labels(model, "1").inc(output_ns * items / 1e3)
+        self._batch.labels(model).observe(items)
+        labels = (worker.name, worker.unit, worker.model)
+        self._w_batches.labels(*labels).inc()
+        self._w_items.labels(*labels).inc(items)
+        self._w_busy.labels(*labels).inc(compute_ns / 1e9)
+        with self._lock:
+            self._busy_s[worker.name] = self._busy_s.get(worker.name, 0.0) + compute_ns / 1e9
+
+    def utilisation(self) -> dict[str, float]:
+        """Each worker's busy share since the previous call (at least a second's window)."""
+        now = time.perf_counter()
+        with self._lock:
+            then, before = self._since
+            busy = dict(self._busy_s)
+            span = now - then
+            if span >= 1.0:
+                self._since = (now, busy)
+        return {w: min(1.0, max(0.0, (b - before.get(w, 0.0)) / span)) if span > 0 else 0.0
+                for w, b in busy.items()}
+
+    def text(self) -> bytes:
+        """The exposition text (what `/metrics` answers)."""
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry)
+
+
+class _Collector:
+    """Figures read at scrape time: worker liveness and utilisation, pipeline stages, hardware."""
+
+    def __init__(self, metrics: ServeMetrics) -> None:
+        self.m = metrics
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        rt = self.m.runtime
+        alive = GaugeMetricFamily("infermux_worker_alive", "1 while a worker serves, 0 after "
+                                  "it failed", labels=["worker", "unit", "model"])
+        util = GaugeMetricFamily("infermux_worker_utilisation",
+                                 "Busy share of each worker since the previous scrape (0-1)",
+                                 labels=["worker", "unit", "model"])
+        shares = self.m.utilisation()
+        for s in rt.states:
+            alive.add_metric([s.name, s.unit, s.model], 1.0 if s.alive else 0.0)
+            util.add_metric([s.name, s.unit, s.model], shares.get(s.name, 0.0))
+        yield alive
+        yield util
+        if rt.pipelines:
+            stage = GaugeMetricFamily("infermux_pipeline_stage_busy",
+                                      "Busy share of each pipeline stage since serving began",
+                                      labels=["model", "stage", "units", "engine"])
+            depth = GaugeMetricFamily("infermux_pipeline_stage_queue_depth",
+                                      "Mean depth of each stage's inbound link",
+                                      labels=["model", "stage", "units", "engine"])
+            for pipe in rt.pipelines:
+                for st in pipe.stage_stats():
+                    labels = [pipe.state.model, str(st["stage"]), "+".join(st["units"]),
+                              st["engine"]]
+                    stage.add_metric(labels, float(st.get("busy") or 0.0))
+                    depth.add_metric(labels, float(st.get("queue_depth") or 0.0))
+            yield stage
+            yield depth
+        yield from self._hardware(GaugeMetricFamily, CounterMetricFamily)
+
+    def _hardware(self, gauge: Any, counter: Any) -> Iterator[Any]:
+        import psutil
+
+        cpu_util = gauge("nv_cpu_utilization", "CPU utilisation (0-1)")
+        cpu_util.add_metric([], psutil.cpu_percent(interval=None) / 100.0)
+        mem = psutil.virtual_memory()
+        cpu_used = gauge("nv_cpu_memory_used_bytes", "CPU memory used (bytes)")
+        cpu_used.add_metric([], float(mem.total - mem.available))
+        cpu_total = gauge("nv_cpu_memory_total_bytes", "CPU memory in total (bytes)")
+        cpu_total.add_metric([], float(mem.total))
+        yield from (cpu_util, cpu_used, cpu_total)
+        tick = self.m.sampler.latest() if self.m.sampler is not None else None
+        if tick is None:
+            return
+        gpu = [r for r in tick.readings if r.device.startswith(("cuda", "dla"))
+               or r.source == "nvml"]
+        labels = ["gpu_uuid"]
+        families = {
+            "util": gauge("nv_gpu_utilization", "GPU utilisation (0-1)", labels=labels),
+            "power": gauge("nv_gpu_power_usage", "GPU power (W)", labels=labels),
+            "used": gauge("nv_gpu_memory_used_bytes", "GPU memory used (bytes)", labels=labels),
+            "total": gauge("nv_gpu_memory_total_bytes", "GPU memory in total (bytes)",
+                           labels=labels),
+            "energy": counter("nv_energy_consumption", "GPU energy since the server started (J)",
+                              labels=labels),
+        }
+        for reading in gpu:
+            key = [reading.device]
+            if reading.util_pct is not None:
+                families["util"].add_metric(key, reading.util_pct / 100.0)
+            if reading.power_w is not None:
+                families["power"].add_metric(key, reading.power_w)
+            if reading.mem_used_bytes is not None:
+                families["used"].add_metric(key, float(reading.mem_used_bytes))
+            total = _gpu_memory_total(reading.device)
+            if total is not None:
+                families["total"].add_metric(key, float(total))
+            if reading.energy_j is not None:
+                families["energy"].add_metric(key, reading.energy_j)
+        if gpu:
+            yield from families.values()
+        cpu_energy = [r for r in tick.readings if r.device == "cpu" and r.energy_j is not None]
+        if cpu_energy:
+            fam = counter("infermux_cpu_energy_joules", "CPU package energy (RAPL) since the "
+                          "server started (J)")
+            fam.add_metric([], sum(r.energy_j or 0.0 for r in cpu_energy))
+            yield fam
+
+
+def _gpu_memory_total(device: str) -> int | None:
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is None or not device.startswith("cuda:") or not torch.cuda.is_available():
+        return None
+    try:
+        return int(torch.cuda.get_device_properties(int(device.split(":")[1])).total_memory)
+    except (RuntimeError, ValueError, AssertionError):
+        return None
