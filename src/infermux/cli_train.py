@@ -1,0 +1,338 @@
+"""`infermux train-profile` and `infermux train-predict`: training time and energy, measured and predicted."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from typing import Annotated, Any
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from infermux.cli import DbOpt, JsonOpt, _print_json, _progress, app, err, out
+
+__all__ = ["train_predict", "train_profile"]
+
+_BAR = {"fetch": "[red]█[/]", "h2d": "[yellow]█[/]", "forward": "[green]█[/]",
+        "backward": "[blue]█[/]", "optimizer": "[magenta]█[/]"}
+_BAR_WIDTH = 30
+
+ModelOpt = Annotated[str, typer.Option("--model", "-m", help="resnet18, timm:NAME, file.py:fn")]
+UnitOpt = Annotated[str, typer.Option("--unit", "-u", help="cpu or cuda:N.")]
+DataOpt = Annotated[str, typer.Option("--data", help="synthetic (JPEGs written here), an ImageFolder DIR, or a .pt/.npz tensor file.")]
+ImagesOpt = Annotated[int, typer.Option("--images", help="Synthetic images to write.")]
+SizeOpt = Annotated[int, typer.Option("--image-size", help="Synthetic image side, pixels.")]
+ClassesOpt = Annotated[int, typer.Option("--classes", help="Synthetic classes.")]
+FormatOpt = Annotated[str, typer.Option("--image-format", help="jpeg or png.")]
+BatchOpt = Annotated[str, typer.Option("--batch", "-b", help="Minibatch sizes, e.g. 16,64.")]
+WorkersOpt = Annotated[str, typer.Option("--workers", "-w", help="Loader workers, e.g. 0,1,2.")]
+PrefetchOpt = Annotated[str, typer.Option("--prefetch", help="Batches prefetched per worker, e.g. 2,4.")]
+PinOpt = Annotated[str, typer.Option("--pin-memory", help="false, true or false,true (CUDA only).")]
+PersistOpt = Annotated[str, typer.Option("--persistent", help="Persistent workers: false, true or both.")]
+StorageOpt = Annotated[str, typer.Option("--storage", help="Where the data lives: disk, tmpfs or a folder; comma list.")]
+CoresOpt = Annotated[str, typer.Option("--cores", help="Core sets, e.g. 0,0-1, or all.")]
+PrecisionOpt = Annotated[str, typer.Option("--precision", help="fp32, amp, bf16, fp16 (CUDA); comma list.")]
+OptimizerOpt = Annotated[str, typer.Option("--optimizer", help="sgd or adamw.")]
+LrOpt = Annotated[float | None, typer.Option("--lr", help="Learning rate (default 0.01 SGD, 1e-3 AdamW).")]
+StepsOpt = Annotated[int, typer.Option("--profile-steps", help="Most minibatches profiled per configuration (cold + warm).")]
+ShareOpt = Annotated[float, typer.Option("--profile-share", help="Most share of an epoch profiled per configuration.")]
+BudgetOpt = Annotated[str | None, typer.Option("--budget", help="Wall-time budget for the profiles, e.g. 10m.")]
+DiskOpt = Annotated[str | None, typer.Option("--disk-dir", help="Folder of --storage disk (default: the infermux cache).")]
+TelemetryOpt = Annotated[str, typer.Option("--telemetry", help="Sampler period (e.g. 100ms) or off.")]
+WattsOpt = Annotated[float, typer.Option("--watts-per-core", help="CPU energy model where no counter is readable: W per busy core.")]
+PowerOpt = Annotated[str | None, typer.Option("--power-mode", help="Jetson only: set this nvpmodel mode (id or name) first.")]
+ClocksOpt = Annotated[bool, typer.Option("--jetson-clocks", help="Jetson only: pin clocks at their maximum after --power-mode.")]
+InputOpt = Annotated[str | None, typer.Option("--input-shape", help="One item, e.g. 3x64x64.")]
+WeightsOpt = Annotated[str | None, typer.Option("--weights", help="State dict or checkpoint file.")]
+SeedOpt = Annotated[int, typer.Option("--seed", help="Seed of data, subsets and weights.")]
+NoStoreOpt = Annotated[bool, typer.Option("--no-store", help="Do not write the results database.")]
+
+
+def _config(model: str, unit: str, data: str, images: int, image_size: int, classes: int,
+            image_format: str, batch: str, workers: str, prefetch: str, pin_memory: str,
+            persistent: str, storage: str, cores: str, precision: str, optimizer: str,
+            lr: float | None, profile_steps: int, profile_share: float, budget: str | None,
+            disk_dir: str | None, telemetry: str, watts_per_core: float,
+            power_mode: str | None, jetson_clocks: bool, input_shape: str | None,
+            weights: str | None, seed: int) -> Any:
+    from infermux._parse import parse_duration_s, parse_shape
+    from infermux.cli import _sampler_period_s
+    from infermux.errors import UsageError
+    from infermux.models import ModelSpec
+    from infermux.train import DataSpec, Grid, TrainConfig
+    from infermux.train.knobs import parse_bools, parse_cores, parse_ints
+
+    storages = [s.strip() for s in storage.split(",") if s.strip()]
+    if not storages:
+        raise UsageError("--storage is empty: e.g. --storage disk,tmpfs")
+    precisions = [p.strip() for p in precision.split(",") if p.strip()]
+    if not precisions:
+        raise UsageError("--precision is empty: e.g. --precision fp32")
+    grid = Grid(batch=parse_ints(batch, "--batch", minimum=1),
+                workers=parse_ints(workers, "--workers", minimum=0),
+                prefetch_factor=parse_ints(prefetch, "--prefetch", minimum=1),
+                pin_memory=parse_bools(pin_memory, "--pin-memory"),
+                persistent_workers=parse_bools(persistent, "--persistent"),
+                storage=storages, cores=parse_cores(cores), precision=precisions)
+    source = "synthetic" if data.strip() == "synthetic" else data
+    return TrainConfig(
+        model=ModelSpec(model, weights, parse_shape(input_shape) if input_shape else None),
+        grid=grid, data=DataSpec(source, images, image_size, classes, image_format, seed),
+        unit=unit, optimizer=optimizer, lr=lr, profile_steps=profile_steps,
+        profile_share=profile_share,
+        budget_s=parse_duration_s(budget, name="--budget") if budget else None,
+        disk_dir=disk_dir,
+        telemetry_interval_s=None if telemetry.strip().lower() == "off" else _sampler_period_s(telemetry),
+        watts_per_core=watts_per_core, power_mode=power_mode, jetson_clocks=jetson_clocks,
+        seed=seed)
+
+
+def _num(value: float | None, digits: int = 2) -> str:
+    if value is None:
+        return "–"
+    return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.{digits}f}"
+
+
+def _phase_table(passes: list[dict[str, Any]]) -> Table:
+    """Where the time goes: per pass, ms per minibatch by phase, as numbers and a stacked bar."""
+    table = Table(title="Where the time goes, per minibatch (█ fetch stall, h2d, forward, "
+                        "backward, optimizer)")
+    for col, justify in (("configuration", "left"), ("pass", "left"), ("ms/minibatch", "right"),
+                         ("fetch", "right"), ("h2d", "right"), ("fwd", "right"),
+                         ("bwd", "right"), ("opt", "right"), ("", "left"),
+                         ("items/s", "right"), ("J/item", "right"), ("CPU s", "right"),
+                         ("note", "left")):
+        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    slowest = max((p["wall_s"] / max(1, p["steps"]) for p in passes if p.get("steps")),
+                  default=1.0)
+    for p in passes:
+        if p["status"] != "ok":
+            table.add_row(escape(p["label"]), p["pass"], "", "", "", "", "", "", "", "", "", "",
+                          f"[red]{p['status'].upper()}[/]: {escape(p.get('error') or '')}")
+            continue
+        steps = max(1, p["steps"])
+        phases = p["phases_s"]
+        per = {k: phases[k] / steps * 1e3 for k in ("fetch", "h2d", "forward", "backward",
+                                                    "optimizer")}
+        total = p["wall_s"] / steps * 1e3
+        bar = "".join(_BAR[k] * round(per[k] / (slowest * 1e3) * _BAR_WIDTH) for k in per)
+        energy = p["energy_j"] / p["items"] if p.get("energy_j") and p["items"] else None
+        note = "; ".join(p.get("flags") or [])
+        if p["energy_source"].startswith("modelled"):
+            note = ("J modelled" + ("; " + note if note else ""))
+        table.add_row(escape(p["label"]), p["pass"], _num(total), _num(per["fetch"]),
+                      _num(per["h2d"]), _num(per["forward"]), _num(per["backward"]),
+                      _num(per["optimizer"]), bar, _num(p.get("items_per_s"), 0),
+                      _num(energy, 4), _num(p.get("cpu_s"), 1), escape(note))
+    return table
+
+
+def _print_best(best: dict[str, Any]) -> None:
+    if "time" in best:
+        t = best["time"]
+        out.print(f"[bold]best for time[/]: {escape(t['label'])} — later epoch "
+                  f"{_num(t['epoch_s'])} s (first {_num(t['first_epoch_s'])} s)")
+    if "energy" in best:
+        e = best["energy"]
+        modelled = " (modelled)" if str(e.get("energy_source", "")).startswith("modelled") else ""
+        out.print(f"[bold]best for energy[/]: {escape(e['label'])} — later epoch "
+                  f"{_num(e['epoch_energy_j'], 1)} J{modelled}, {_num(e['epoch_s'])} s")
+
+
+@app.command("train-profile")
+def train_profile(
+    model: ModelOpt,
+    unit: UnitOpt = "cpu",
+    data: DataOpt = "synthetic",
+    images: ImagesOpt = 2000,
+    image_size: SizeOpt = 64,
+    classes: ClassesOpt = 10,
+    image_format: FormatOpt = "jpeg",
+    batch: BatchOpt = "32",
+    workers: WorkersOpt = "0,2",
+    prefetch: PrefetchOpt = "2",
+    pin_memory: PinOpt = "false",
+    persistent: PersistOpt = "false",
+    storage: StorageOpt = "disk",
+    cores: CoresOpt = "all",
+    precision: PrecisionOpt = "fp32",
+    optimizer: OptimizerOpt = "sgd",
+    lr: LrOpt = None,
+    profile_steps: StepsOpt = 40,
+    profile_share: ShareOpt = 0.1,
+    budget: BudgetOpt = None,
+    disk_dir: DiskOpt = None,
+    telemetry: TelemetryOpt = "100ms",
+    watts_per_core: WattsOpt = 3.5,
+    power_mode: PowerOpt = None,
+    jetson_clocks: ClocksOpt = False,
+    input_shape: InputOpt = None,
+    weights: WeightsOpt = None,
+    seed: SeedOpt = 0,
+    db: DbOpt = "infermux.db",
+    no_store: NoStoreOpt = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Profile training over a grid of loader and step knobs: phases, energy, best settings."""
+    from infermux.store import open_store
+    from infermux.train import run_train_profile
+
+    config = _config(model, unit, data, images, image_size, classes, image_format, batch,
+                     workers, prefetch, pin_memory, persistent, storage, cores, precision,
+                     optimizer, lr, profile_steps, profile_share, budget, disk_dir, telemetry,
+                     watts_per_core, power_mode, jetson_clocks, input_shape, weights, seed)
+    store = None if no_store else open_store(db)
+    command = "infermux " + shlex.join(sys.argv[1:])
+    try:
+        with _progress() as progress:
+            task = progress.add_task("starting", total=1.0)
+
+            def on_progress(label: str, fraction: float) -> None:
+                progress.update(task, description=label[:70], completed=fraction)
+
+            report = run_train_profile(config, store=store, progress=on_progress, command=command)
+    finally:
+        if store is not None:
+            store.close()
+    data_out = report.to_dict()
+    if as_json:
+        _print_json(data_out)
+        return
+    out.print(_phase_table(data_out["passes"]))
+    _print_best(report.best)
+    mode = report.power
+    out.print(f"[dim]power mode: {mode.name or 'none'}"
+              f"{f' (id {mode.mode_id})' if mode.mode_id is not None else ''}; "
+              f"{report.dataset_items} items per epoch; cold = page cache dropped first[/]")
+    for note in report.notes:
+        out.print(f"[dim]{escape(note)}[/]")
+    if report.run_id is not None:
+        out.print(f"[dim]stored as run {report.run_id} in {db}[/]")
+    if report.status == "failed":
+        err.print("no configuration could be measured: see the errors above")
+        raise typer.Exit(1)
+
+
+def _predict_table(data: dict[str, Any]) -> Table:
+    table = Table(title="Predicted epochs (95% bounds) and, where validated, measured")
+    for col, justify in (("configuration", "left"), ("how", "left"), ("first epoch s", "right"),
+                         ("later epoch s", "right"), ("later epoch J", "right"),
+                         ("measured first s", "right"), ("measured later s", "right"),
+                         ("error", "right")):
+        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    rows: dict[int, dict[str, dict[str, Any]]] = {}
+    for r in data["predictions"]:
+        rows.setdefault(r["config"], {})[r["epoch"]] = r
+    for cfg in sorted(rows):
+        first, later = rows[cfg]["first"], rows[cfg]["later"]
+
+        def span(r: dict[str, Any]) -> str:
+            return f"{_num(r['predicted_s'])} [{_num(r['low_s'])}–{_num(r['high_s'])}]"
+
+        errors = [f"{(r['predicted_s'] - r['measured_s']) / r['measured_s']:+.0%}"
+                  for r in (first, later) if r.get("measured_s")]
+        table.add_row(escape(first["label"]), first["method"], span(first), span(later),
+                      _num(later.get("predicted_energy_j"), 1), _num(first.get("measured_s")),
+                      _num(later.get("measured_s")), " / ".join(errors))
+    return table
+
+
+@app.command("train-predict")
+def train_predict(
+    model: ModelOpt,
+    unit: UnitOpt = "cpu",
+    data: DataOpt = "synthetic",
+    images: ImagesOpt = 2000,
+    image_size: SizeOpt = 64,
+    classes: ClassesOpt = 10,
+    image_format: FormatOpt = "jpeg",
+    batch: BatchOpt = "16,64",
+    workers: WorkersOpt = "0,1,2",
+    prefetch: PrefetchOpt = "2",
+    pin_memory: PinOpt = "false",
+    persistent: PersistOpt = "false",
+    storage: StorageOpt = "disk",
+    cores: CoresOpt = "all",
+    precision: PrecisionOpt = "fp32",
+    optimizer: OptimizerOpt = "sgd",
+    lr: LrOpt = None,
+    profile_steps: StepsOpt = 40,
+    profile_share: ShareOpt = 0.1,
+    budget: BudgetOpt = None,
+    disk_dir: DiskOpt = None,
+    telemetry: TelemetryOpt = "100ms",
+    watts_per_core: WattsOpt = 3.5,
+    power_mode: PowerOpt = None,
+    jetson_clocks: ClocksOpt = False,
+    input_shape: InputOpt = None,
+    weights: WeightsOpt = None,
+    seed: SeedOpt = 0,
+    profile_configs: Annotated[int | None, typer.Option("--profile-configs", help="Configurations to profile (default a third of the grid).")] = None,
+    from_run: Annotated[int | None, typer.Option("--from", help="Use the profiles of this stored run instead of profiling.")] = None,
+    reference: Annotated[int | None, typer.Option("--reference", help="A stored run of another network to transfer the learned model from.")] = None,
+    method: Annotated[str, typer.Option("--method", help="auto, simple or learned.")] = "auto",
+    validate: Annotated[str, typer.Option("--validate", help="Held-out configurations to train for two full epochs and score: a count, all, or 0.")] = "0",
+    db: DbOpt = "infermux.db",
+    no_store: NoStoreOpt = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Predict every configuration's epoch time and energy from short profiles of a few."""
+    from infermux.errors import UsageError
+    from infermux.store import open_store
+    from infermux.train import run_train_predict
+
+    config = _config(model, unit, data, images, image_size, classes, image_format, batch,
+                     workers, prefetch, pin_memory, persistent, storage, cores, precision,
+                     optimizer, lr, profile_steps, profile_share, budget, disk_dir, telemetry,
+                     watts_per_core, power_mode, jetson_clocks, input_shape, weights, seed)
+    if validate.strip() == "all":
+        count: int | None = None
+    else:
+        try:
+            count = int(validate)
+        except ValueError:
+            raise UsageError(f"--validate {validate!r} is not a count: give a number of held-out "
+                             "configurations, all, or 0") from None
+    store = None if no_store else open_store(db)
+    command = "infermux " + shlex.join(sys.argv[1:])
+    try:
+        with _progress() as progress:
+            task = progress.add_task("starting", total=1.0)
+
+            def on_progress(label: str, fraction: float) -> None:
+                progress.update(task, description=label[:70], completed=fraction)
+
+            report = run_train_predict(config, store=store, progress=on_progress,
+                                       command=command, profile_configs=profile_configs,
+                                       from_run=from_run, reference_run=reference,
+                                       method=method, validate=count)
+    finally:
+        if store is not None:
+            store.close()
+    data_out = report.to_dict()
+    if as_json:
+        _print_json(data_out)
+        return
+    if data_out["profile_passes"]:
+        out.print(_phase_table(data_out["profile_passes"]))
+    out.print(_predict_table(data_out))
+    info, scores = data_out["model_info"], data_out["scores"]
+    learned = info.get("learned") or {}
+    out.print(f"predictor: [bold]{info['chosen']}[/] for the configurations not profiled "
+              f"(leave-one-out error: simple {_num(info.get('simple_loo_mape_pct'), 1)}%"
+              + (f", learned {learned['kind']} {_num(learned.get('loo_mape_pct'), 1)}%"
+                 if learned else "") + ")")
+    if scores["configurations"]:
+        out.print(f"validated on {scores['configurations']} held-out configurations: MAPE time "
+                  f"first epoch {_num(scores['first_time_mape_pct'], 1)}%, later "
+                  f"{_num(scores['later_time_mape_pct'], 1)}%; energy first "
+                  f"{_num(scores['first_energy_mape_pct'], 1)}%, later "
+                  f"{_num(scores['later_energy_mape_pct'], 1)}%")
+    out.print(f"[dim]profiled {len(data_out['profiled'])} of {len(data_out['predictions']) // 2} "
+              f"configurations, {data_out['profiled_minibatches']} minibatches, "
+              f"{_num(report.profile_s, 0)} s; validation {_num(report.validate_s, 0)} s[/]")
+    for note in report.notes:
+        out.print(f"[dim]{escape(note)}[/]")
+    if report.run_id is not None:
+        out.print(f"[dim]stored as run {report.run_id} in {db}[/]")

@@ -1,0 +1,499 @@
+"""`train-profile`: measure training over a grid of knobs, minibatch by minibatch, within a budget.
+
+For each configuration of the grid, in a fresh copy of the model (same initial weights), on its
+core set, with its loader:
+- **profile** (default): a random subset of the data set, `steps` minibatches long, is trained
+  over twice: a **cold** pass with the subset's files dropped from the page cache first (what an
+  epoch that reads from the medium sees) and a **warm** pass over the same, now cached, files
+  (what later epochs see when the data set fits in memory). Both passes together stay within
+  `profile_share` of an epoch (and at least 3 minibatches each).
+- **epoch**: the same two passes over the whole data set: the first and a later epoch, measured
+  in full (what `train-predict --validate` compares predictions with).
+
+Every minibatch's phases (`loop.run_pass`), each pass's CPU time, energy (telemetry counters;
+where none is readable, CPU time × a stated watts-per-core model, labelled as modelled), the
+machine's load from other processes, and the power mode are recorded; with a store, every pass
+and minibatch is written as it is measured (run kind `train`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import os
+import random
+import shutil
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from infermux.errors import DeviceOutOfMemoryError, InfermuxError, RunError, UsageError
+from infermux.models import LoadedModel, ModelSpec, load_model
+from infermux.store import Store
+from infermux.train import records
+from infermux.train.data import (
+    DataSpec,
+    evict,
+    fs_type,
+    open_dataset,
+    resolve_storage,
+    stage,
+    write_synthetic,
+)
+from infermux.train.knobs import Grid, Knobs
+from infermux.train.loop import PassResult, ProcessTreeCpu, Trainer, make_loader, pinned, run_pass
+from infermux.train.power import PowerMode, read_power_mode, set_power_mode
+
+__all__ = [
+    "DEFAULT_WATTS_PER_CORE",
+    "PassRecord",
+    "TrainConfig",
+    "TrainReport",
+    "TrainSetup",
+    "measure_configs",
+    "prepare",
+    "profile_steps",
+    "run_train_profile",
+]
+
+ProgressFn = Callable[[str, float], None]
+#: The CPU energy model used where no power counter is readable: watts per busy core. A stated
+#: assumption (a server core under load, e.g. a 64-core 225 W package: ~3.5 W per core), not a
+#: measurement; every figure it produces is labelled `modelled`.
+DEFAULT_WATTS_PER_CORE = 3.5
+#: Mean cores used by other processes above which a pass is flagged as measured on a shared machine.
+SHARED_CORES_FLAG = 0.25
+
+
+@dataclass
+class TrainConfig:
+    """What to train, on which data and unit, over which knobs, and how long to profile."""
+
+    model: ModelSpec
+    grid: Grid
+    data: DataSpec = field(default_factory=DataSpec)
+    unit: str = "cpu"
+    optimizer: str = "sgd"
+    lr: float | None = None
+    #: Most minibatches profiled per configuration (cold + warm passes together).
+    profile_steps: int = 40
+    #: Most share of an epoch profiled per configuration (both passes together).
+    profile_share: float = 0.1
+    budget_s: float | None = None
+    #: Folder for `--storage disk` (default: the infermux cache's train-data folder).
+    disk_dir: str | None = None
+    telemetry_interval_s: float | None = 0.1
+    watts_per_core: float = DEFAULT_WATTS_PER_CORE
+    #: Set this Jetson power mode (id or name) first; None leaves the mode as it is.
+    power_mode: str | None = None
+    jetson_clocks: bool = False
+    #: Keep data sets copied to a tmpfs after the run (default: removed, they take memory).
+    keep_tmpfs: bool = False
+    seed: int = 0
+
+    def validate(self) -> None:
+        """One line naming a bad value and what is allowed."""
+        self.data.validate()
+        if not self.unit == "cpu" and not self.unit.startswith("cuda:"):
+            raise UsageError(f"--unit {self.unit!r}: training runs on cpu or cuda:N (e.g. "
+                             "cuda:0); core sets are given with --cores")
+        if self.profile_steps < 6:
+            raise UsageError(f"--profile-steps {self.profile_steps} is too few: at least 6 "
+                             "(3 per pass), e.g. --profile-steps 40")
+        if not 0 < self.profile_share <= 1:
+            raise UsageError(f"--profile-share {self.profile_share} must be in (0, 1], e.g. 0.1")
+        if self.budget_s is not None and self.budget_s <= 0:
+            raise UsageError(f"--budget {self.budget_s}s must be positive, e.g. --budget 10m")
+        if self.watts_per_core <= 0:
+            raise UsageError(f"--watts-per-core {self.watts_per_core} must be positive, e.g. 3.5")
+        if self.jetson_clocks and self.power_mode is None:
+            raise UsageError("--jetson-clocks needs --power-mode: name the mode to set with it")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready (stored with the run)."""
+        data = asdict(self)
+        data["model"] = asdict(self.model)
+        data["grid"] = self.grid.to_dict()
+        data["data"] = self.data.to_dict()
+        return data
+
+
+@dataclass
+class PassRecord:
+    """One measured pass of one configuration, as stored and as the predictor reads it."""
+
+    config: int
+    knobs: Knobs
+    kind: str  # profile | epoch
+    pass_name: str  # cold | warm
+    status: str = "ok"
+    error: str | None = None
+    result: PassResult | None = None
+    dataset_items: int = 0
+    energy_j: float | None = None
+    energy_source: str = "none"
+    flags: list[str] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def wall_s(self) -> float | None:
+        """The pass's wall time."""
+        return self.result.wall_ns / 1e9 if self.result else None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: knobs, timing totals, energy, flags (minibatches live in `train_steps`)."""
+        data: dict[str, Any] = {
+            "config": self.config, "label": self.knobs.label, "knobs": self.knobs.to_dict(),
+            "kind": self.kind, "pass": self.pass_name, "status": self.status,
+            "error": self.error, "dataset_items": self.dataset_items,
+            "energy_j": self.energy_j, "energy_source": self.energy_source,
+            "flags": self.flags, **self.extra,
+        }
+        if self.result is not None:
+            data.update(self.result.summary())
+            data.update(startup_ns=self.result.startup_ns, tail_ns=self.result.tail_ns,
+                        wall_ns=self.result.wall_ns)
+        return data
+
+    def as_data(self) -> dict[str, Any]:
+        """`to_dict` with the minibatches, the form `predict` reads (as `records.load_passes`)."""
+        data = self.to_dict()
+        data["steps"] = [s.to_dict() for s in self.result.steps] if self.result else []
+        return data
+
+
+@dataclass
+class TrainSetup:
+    """What the configurations share: the model, the staged data sets, the sampler, the store."""
+
+    config: TrainConfig
+    model: LoadedModel
+    pristine: Any  # the module's initial state, copied for every configuration
+    datasets: dict[str, tuple[Path, Any]]  # storage → (staged path, Dataset)
+    dataset_items: int
+    power: PowerMode
+    sampler: Any = None
+    store: Store | None = None
+    run_id: int | None = None
+    notes: list[str] = field(default_factory=list)
+    cleanup: list[Path] = field(default_factory=list)
+
+    @property
+    def device(self) -> str:
+        """The torch device trained on."""
+        return self.config.unit
+
+    def close(self) -> None:
+        """Stop the sampler; remove tmpfs copies unless asked to keep them."""
+        if self.sampler is not None:
+            self.sampler.stop()
+            self.sampler = None
+        for path in self.cleanup:
+            shutil.rmtree(path, ignore_errors=True)
+            with contextlib.suppress(FileNotFoundError):
+                (path.parent / f".{path.name}.staged").unlink()
+        self.cleanup = []
+
+
+def _disk_root(config: TrainConfig) -> Path:
+    if config.disk_dir:
+        return Path(config.disk_dir).expanduser()
+    from infermux.export import cache_dir
+
+    return cache_dir() / "train-data"
+
+
+def prepare(config: TrainConfig, *, progress: ProgressFn | None = None,
+            storages: list[str] | None = None) -> TrainSetup:
+    """Validate, read (or set) the power mode, load the model, write and stage the data sets."""
+    config.validate()
+    power = (set_power_mode(config.power_mode, jetson_clocks=config.jetson_clocks)
+             if config.power_mode is not None else read_power_mode())
+    model = load_model(config.model)
+    if model.module is None:
+        raise UsageError(f"{model.name} is an ONNX file: training needs a torch model "
+                         "(torchvision or timm name, or file.py:function)")
+    disk = resolve_storage("disk", _disk_root(config))
+    if config.data.source == "synthetic":
+        if progress is not None:
+            progress(f"writing {config.data.count} synthetic {config.data.fmt} images", 0.0)
+        source = write_synthetic(config.data, disk)
+    else:
+        source = Path(config.data.source)
+    datasets: dict[str, tuple[Path, Any]] = {}
+    cleanup: list[Path] = []
+    for storage in storages or list(dict.fromkeys(config.grid.storage)):
+        folder = resolve_storage(storage, disk)
+        path = stage(source, folder)
+        if storage == "tmpfs" and not config.keep_tmpfs and path.resolve() != source.resolve():
+            cleanup.append(path)
+        datasets[storage] = (path, open_dataset(path, model.input_shape))
+    sizes = {len(d) for _, d in datasets.values()}
+    notes = [f"model: {model.weights_note}"]
+    notes += [f"storage {s}: {p} ({fs_type(p)})" for s, (p, _) in datasets.items()]
+    return TrainSetup(config, model, copy.deepcopy(model.module).cpu().state_dict(), datasets,
+                      min(sizes), power, notes=notes, cleanup=cleanup)
+
+
+def profile_steps(config: TrainConfig, knobs: Knobs, items: int) -> int:
+    """Minibatches per profile pass: within `profile_share` and `profile_steps`, at least 3."""
+    per_epoch = math.ceil(items / knobs.batch)
+    share = math.floor(config.profile_share * per_epoch / 2)
+    return max(1, min(per_epoch, max(3, min(config.profile_steps // 2, share))))
+
+
+def _energy(setup: TrainSetup, result: PassResult, rec: PassRecord) -> None:
+    """Energy and load of a pass: telemetry where a counter exists, else the stated CPU model."""
+    summary = None
+    if setup.sampler is not None:
+        window = setup.sampler.window(result.t0_ns, result.t1_ns)
+        summary = window.summary([setup.device.split(":")[0] if setup.device == "cpu"
+                                  else setup.device])
+        rec.extra["telemetry"] = {k: v for k, v in summary.record(result.items).items()
+                                  if k in ("mean_power_w", "peak_power_w", "utilisation",
+                                           "telemetry_flags", "energy_by_device_j")}
+        rec.extra["_window"] = window
+        rec.flags += summary.invalid_flags
+        cpu = summary.devices.get("cpu")
+        if cpu is not None and cpu.util_pct is not None:
+            cores = os.cpu_count() or 1
+            wall = result.wall_ns / 1e9
+            others = max(0.0, cpu.util_pct / 100.0 * cores * wall - result.cpu_s) / wall
+            rec.extra["others_cores"] = others
+            if others > SHARED_CORES_FLAG:
+                rec.flags.append(f"shared machine: other processes used {others:.2f} cores "
+                                 "on average")
+    if summary is not None and summary.energy_j is not None:
+        rec.energy_j, rec.energy_source = summary.energy_j, summary.energy_source
+    else:
+        rec.energy_j = result.cpu_s * setup.config.watts_per_core
+        rec.energy_source = (f"modelled: CPU time of the training process and its loader "
+                             f"workers × {setup.config.watts_per_core:g} W per busy core (no "
+                             "power counter readable)")
+    with contextlib.suppress(OSError):
+        rec.extra["loadavg"] = float(Path("/proc/loadavg").read_text().split()[0])
+
+
+def _subset(items: int, count: int, seed: int) -> list[int]:
+    order = list(range(items))
+    random.Random(seed).shuffle(order)
+    return order[:count]
+
+
+def _measure_one(setup: TrainSetup, index: int, knobs: Knobs, kind: str) -> list[PassRecord]:
+    import torch
+
+    config = setup.config
+    path, dataset = setup.datasets[knobs.storage]
+    items = setup.dataset_items
+    indices = None
+    if kind == "profile":
+        steps = profile_steps(config, knobs, items)
+        indices = _subset(items, min(items, steps * knobs.batch), config.seed + index)
+    recs = [PassRecord(index, knobs, kind, name, dataset_items=items) for name in ("cold", "warm")]
+    module = copy.deepcopy(setup.model.module)
+    module.load_state_dict(setup.pristine)
+    skip = (setup.sampler._thread.native_id,) if setup.sampler is not None else ()
+    torch.manual_seed(config.seed)
+    cpu = ProcessTreeCpu()
+    with pinned(knobs.cores, knobs.threads, skip=tuple(t for t in skip if t)), \
+            warnings.catch_warnings():
+        # The loader warns when workers outnumber cores; that is a knob measured here.
+        warnings.filterwarnings("ignore", message=".*worker processes in total.*")
+        trainer = Trainer(module, device=setup.device, precision=knobs.precision,
+                          optimizer=config.optimizer, lr=config.lr)
+        loader = make_loader(dataset, knobs, indices=indices, seed=config.seed + index,
+                             device=setup.device)
+        for rec in recs:
+            if rec.pass_name == "cold":
+                rec.extra["eviction"] = evict(path)
+            try:
+                rec.result = run_pass(trainer, loader, cpu=cpu)
+            except DeviceOutOfMemoryError as exc:
+                rec.status, rec.error = "oom", str(exc)
+            except InfermuxError as exc:
+                rec.status, rec.error = "failed", str(exc)
+            if rec.result is not None:
+                _energy(setup, rec.result, rec)
+            if rec.status != "ok":
+                break
+    for rec in recs:
+        if rec.result is None and rec.status == "ok":
+            rec.status, rec.error = "skipped", "an earlier pass of this configuration failed"
+    del loader
+    return recs
+
+
+def measure_configs(setup: TrainSetup, configs: list[Knobs], *, kind: str = "profile",
+                    progress: ProgressFn | None = None, budget_s: float | None = None,
+                    indices: list[int] | None = None) -> tuple[list[PassRecord], list[Knobs]]:
+    """Measure each configuration (two passes each) within `budget_s`; (passes, skipped).
+
+    A configuration starts only if the mean time of those measured so far still fits in the
+    budget; the first always runs. `indices` number the configurations (default: their position
+    in `configs`; a prediction passes their position in the whole grid). Passes are stored as
+    they are measured.
+    """
+    started = time.perf_counter()
+    done: list[float] = []
+    passes: list[PassRecord] = []
+    skipped: list[Knobs] = []
+    for i, knobs in enumerate(configs):
+        elapsed = time.perf_counter() - started
+        if budget_s is not None and done and elapsed + sum(done) / len(done) > budget_s:
+            skipped.append(knobs)
+            continue
+        if progress is not None:
+            progress(f"{kind} {knobs.label}", i / max(1, len(configs)))
+        t0 = time.perf_counter()
+        recs = _measure_one(setup, indices[i] if indices is not None else i, knobs, kind)
+        done.append(time.perf_counter() - t0)
+        for rec in recs:
+            window = rec.extra.pop("_window", None)
+            if setup.store is not None and setup.run_id is not None:
+                records.add_pass(setup.store, setup.run_id, rec, model_name=setup.model.name,
+                                 unit=_unit_label(setup.device, knobs),
+                                 telemetry_rows=window.rows() if window is not None else None)
+        passes += recs
+    return passes, skipped
+
+
+def _unit_label(device: str, knobs: Knobs) -> str:
+    if device == "cpu" and knobs.cores is not None:
+        return "cpu:" + knobs.label.split(" c", 1)[1].split(" ")[0]
+    return device
+
+
+@dataclass
+class TrainReport:
+    """A profile (or prediction) run: every pass, what was skipped, the best settings."""
+
+    run_id: int | None
+    model: dict[str, Any]
+    configs: list[Knobs]
+    passes: list[PassRecord]
+    skipped: list[Knobs]
+    power: PowerMode
+    dataset_items: int
+    notes: list[str]
+    status: str = "complete"
+    elapsed_s: float = 0.0
+    best: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: passes (without minibatches), best settings, notes."""
+        return {
+            "run_id": self.run_id, "status": self.status, "model": self.model,
+            "dataset_items": self.dataset_items, "power_mode": self.power.to_dict(),
+            "configs": [k.to_dict() | {"label": k.label} for k in self.configs],
+            "passes": [p.to_dict() for p in self.passes],
+            "skipped": [k.label for k in self.skipped], "best": self.best,
+            "notes": self.notes, "elapsed_s": self.elapsed_s,
+        }
+
+
+def begin(setup: TrainSetup, store: Store | None, command: str, extra: dict[str, Any]) -> None:
+    """Record the run as started (kind `train`)."""
+    from infermux.env import capture_environment
+
+    if store is None:
+        return
+    records.ensure_tables(store)
+    env = capture_environment() | {"power_mode": setup.power.to_dict()}
+    cfg = setup.config.to_dict() | {"model_description": setup.model.describe(),
+                                    "dataset_items": setup.dataset_items} | extra
+    setup.store = store
+    setup.run_id = store.begin_run("train", cfg, env, command)
+
+
+def start_sampler(setup: TrainSetup) -> None:
+    """The telemetry sampler for the unit trained on (None when turned off)."""
+    from infermux.telemetry import Sampler
+    from infermux.units import discover, select_units
+
+    interval = setup.config.telemetry_interval_s
+    if interval is None:
+        return
+    # A GPU's telemetry is the same whatever its numeric mode: any unit of the device will do.
+    ref = setup.device if setup.device == "cpu" or "/" in setup.device else f"{setup.device}/*"
+    units = select_units(ref, discover(with_runtimes=False))[:1]
+    setup.sampler = Sampler.for_units(units, interval_s=interval).start()
+    setup.notes += [n for n in setup.sampler.describe()["notes"] if "rapl" in n or "nvml" in n]
+
+
+def best_settings(passes: list[PassRecord]) -> dict[str, Any]:
+    """The configurations with the shortest later epoch and the least energy per item."""
+    from infermux.train.predict import profile_estimate
+
+    by_config: dict[int, list[dict[str, Any]]] = {}
+    for p in passes:
+        if p.status == "ok":
+            by_config.setdefault(p.config, []).append(p.as_data())
+    estimates = []
+    for cfg, data in by_config.items():
+        est = profile_estimate(data)
+        if est is not None:
+            estimates.append((cfg, data[0]["label"], est))
+    if not estimates:
+        return {}
+    fastest = min(estimates, key=lambda e: e[2]["later_s"])
+    energies = [e for e in estimates if e[2].get("later_energy_j") is not None]
+    best = {"time": {"config": fastest[0], "label": fastest[1],
+                     "epoch_s": fastest[2]["later_s"], "first_epoch_s": fastest[2]["first_s"]}}
+    if energies:
+        frugal = min(energies, key=lambda e: e[2]["later_energy_j"])
+        best["energy"] = {"config": frugal[0], "label": frugal[1],
+                          "epoch_energy_j": frugal[2]["later_energy_j"],
+                          "epoch_s": frugal[2]["later_s"],
+                          "energy_source": frugal[2].get("energy_source")}
+    return best
+
+
+def run_train_profile(config: TrainConfig, *, store: Store | None = None,
+                      progress: ProgressFn | None = None, command: str = "") -> TrainReport:
+    """Profile every configuration of the grid within the budget (see the module docstring)."""
+    started = time.perf_counter()
+    configs = config.grid.configs(config.unit)
+    setup = prepare(config, progress=progress)
+    report = TrainReport(None, setup.model.describe(), configs, [], [], setup.power,
+                         setup.dataset_items, setup.notes)
+    status = "failed"
+    try:
+        begin(setup, store, command, {"configs": [k.label for k in configs]})
+        report.run_id = setup.run_id
+        start_sampler(setup)
+        remaining = None if config.budget_s is None else (
+            config.budget_s - (time.perf_counter() - started))
+        report.passes, report.skipped = measure_configs(setup, configs, progress=progress,
+                                                        budget_s=remaining)
+        report.best = best_settings(report.passes)
+        status = "complete" if any(p.status == "ok" for p in report.passes) else "failed"
+        if report.skipped:
+            report.notes.append(f"{len(report.skipped)} configuration(s) did not fit in the "
+                                f"budget: {', '.join(k.label for k in report.skipped)}")
+        return report
+    except KeyboardInterrupt:
+        status = "interrupted"
+        raise
+    finally:
+        report.status = status
+        report.elapsed_s = time.perf_counter() - started
+        setup.close()
+        if store is not None and setup.run_id is not None:
+            store.finish_run(setup.run_id, status, {
+                "configs": len(configs), "measured": len({p.config for p in report.passes}),
+                "skipped": len(report.skipped), "best": report.best,
+                "elapsed_s": report.elapsed_s})
+
+
+def check_device(unit: str) -> None:
+    """Fail early, in one line, when the unit's device is not here."""
+    if unit.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise RunError(f"--unit {unit}: no CUDA device is visible here; use --unit cpu")
