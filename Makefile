@@ -8,9 +8,9 @@ TORCH_SPEC ?= torch==2.9.1 torchvision==0.24.1
 else
 TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
 endif
-EXTRAS ?= dev,onnx,openvino,tune,characterize
+EXTRAS ?= dev,onnx,openvino,tune,characterize,serve,report,train
 
-.PHONY: demo test lint typecheck unit-tests install clean
+.PHONY: demo test lint typecheck unit-tests install clean perf-analyzer browser
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -26,6 +26,7 @@ demo: install
 		--min-duration 3s --min-queries 256 --db demo.db
 	$(VENV)/bin/infermux tune --model mobilenet_v3_small --units auto --batch 1,4,16,64 \
 		--budget 90s --db demo.db --out demo-plan.yaml
+	$(VENV)/bin/infermux report last:2 --db demo.db -o demo-report.html
 
 lint: install
 	$(VENV)/bin/ruff check src tests bench
@@ -33,10 +34,43 @@ lint: install
 typecheck: install
 	$(VENV)/bin/mypy
 
-unit-tests: install
+# Headless Chromium (Debian's package) for the report's browser tests; where it is missing and
+# apt-get is not there (or fails), those tests skip and say why.
+browser:
+	@command -v chromium >/dev/null 2>&1 || ! command -v apt-get >/dev/null 2>&1 \
+		|| (apt-get update -q && apt-get install -y -q chromium) \
+		|| echo "chromium could not be installed: the report's browser tests will skip"
+
+unit-tests: install browser
 	$(VENV)/bin/pytest -q
 
 test: lint typecheck unit-tests
 
 clean:
-	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache demo.db demo-plan.yaml
+	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache demo.db demo-plan.yaml demo-report.html
+
+# Triton's perf_analyzer, for benchmarking `infermux serve`. Its own wheels need glibc 2.38; the
+# manylinux wheel of tritonclient 2.48.0 ships a binary that runs on glibc 2.36 given libb64
+# (apt) and the CUDA runtime library (a pip wheel). Both libraries are copied beside it
+# ($(PA_DIR)/lib), so the folder also runs on a machine without them;
+# $(VENV)/bin/perf_analyzer is a wrapper that puts lib/ on LD_LIBRARY_PATH.
+PA_DIR := $(VENV)/opt/perf_analyzer
+PA_WHEELS := $(VENV)/opt/perf_analyzer-wheels
+perf-analyzer: install
+	@test -e /usr/lib/x86_64-linux-gnu/libb64.so.0d || apt-get install -y libb64-0d \
+		|| (apt-get update && apt-get install -y libb64-0d) \
+		|| (echo "install libb64-0d (Debian/Ubuntu) as root, then run make perf-analyzer again" && false)
+	mkdir -p $(PA_DIR)/lib
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --platform manylinux1_x86_64 \
+		--python-version 3.11 tritonclient==2.48.0 -d $(PA_WHEELS)
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --platform manylinux2014_x86_64 \
+		--python-version 3.11 nvidia-cuda-runtime-cu12 -d $(PA_WHEELS)
+	unzip -o -q -j $(PA_WHEELS)/tritonclient-2.48.0-*.whl -d $(PA_DIR) \
+		'tritonclient-2.48.0.data/data/bin/perf_analyzer' && chmod +x $(PA_DIR)/perf_analyzer
+	unzip -o -q -j $(PA_WHEELS)/nvidia_cuda_runtime_cu12-*.whl \
+		'nvidia/cuda_runtime/lib/libcudart.so.12' -d $(PA_DIR)/lib
+	cp -L /usr/lib/x86_64-linux-gnu/libb64.so.0d $(PA_DIR)/lib/
+	printf '#!/bin/sh\nD="$$(dirname "$$(readlink -f "$$0")")/../opt/perf_analyzer"\nLD_LIBRARY_PATH="$$D/lib:$$LD_LIBRARY_PATH" exec "$$D/perf_analyzer" "$$@"\n' \
+		> $(VENV)/bin/perf_analyzer
+	chmod +x $(VENV)/bin/perf_analyzer
+	$(VENV)/bin/perf_analyzer --version

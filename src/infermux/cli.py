@@ -341,5 +341,8 @@ def main(argv: list[str] | None = None) -> None:
 from infermux import cli_characterize as _cli_characterize  # noqa: E402,F401
 from infermux import cli_monitor as _cli_monitor  # noqa: E402,F401
 from infermux import cli_partition as _cli_partition  # noqa: E402,F401
+from infermux import cli_report as _cli_report  # noqa: E402,F401
 from infermux import cli_run as _cli_run  # noqa: E402,F401
+from infermux import cli_serve as _cli_serve  # noqa: E402,F401
+from infermux import cli_train as _cli_train  # noqa: E402,F401
 from infermux import cli_tune as _cli_tune  # noqa: E402,F401

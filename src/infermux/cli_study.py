@@ -1,0 +1,99 @@
+"""`infermux study NAME`: a seed study on this machine, stored as runs, with its HTML report."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from infermux.cli import DbOpt, JsonOpt, _print_json, _progress, _state, app, err, out
+
+__all__ = ["study_command"]
+
+
+def _num(value: object, digits: int = 1) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, float):
+        return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.{digits}f}"
+    return str(value)
+
+
+@app.command("study")
+def study_command(
+    name: Annotated[str, typer.Argument(help="multi-instance, multi-tenancy or pipeline.")],
+    model: Annotated[list[str] | None, typer.Option("--model", "-m", help="Model; repeat for several (default: multi-instance resnet50; multi-tenancy mobilenet_v3_small, resnet18; pipeline resnet50, mobilenet_v3_small, resnet18).")] = None,
+    units: Annotated[str, typer.Option("--units", "-u", help="Units or globs, comma-separated, or auto.")] = "auto",
+    budget: Annotated[str, typer.Option("--budget", help="Wall-time budget, e.g. 10m; points that would not fit are skipped.")] = "10m",
+    batch: Annotated[str | None, typer.Option("--batch", "-b", help="Batch sizes (default: multi-instance 1,8,64; multi-tenancy 1,8; pipeline 8).")] = None,
+    instances: Annotated[str | None, typer.Option("--instances", help="Instances per unit, e.g. 1,2 (multi-instance).")] = None,
+    engine: Annotated[str, typer.Option("--engine", help="Engine for every unit, or auto (torch where it runs).")] = "auto",
+    duration: Annotated[str, typer.Option("--duration", help="Least measured time per point.")] = "2s",
+    min_queries: Annotated[int, typer.Option("--min-queries", help="Least samples per point.")] = 64,
+    p99: Annotated[float, typer.Option("--p99", help="Server load: the p99 bound (ms) of the peak search.")] = 100.0,
+    input_shape: Annotated[str | None, typer.Option("--input-shape", help="One item, e.g. 3x224x224.")] = None,
+    cpu_workers: Annotated[str, typer.Option("--cpu-workers", help="CPU workers as pinned processes (process, the runtime's default) or threads (thread: quicker to start).")] = "process",
+    output: Annotated[str | None, typer.Option("--output", "-o", help="Report file (default study-NAME.html).")] = None,
+    no_report: Annotated[bool, typer.Option("--no-report", help="Do not write the HTML report.")] = False,
+    db: DbOpt = "infermux.db",
+    as_json: JsonOpt = False,
+) -> None:
+    """Run a seed study (runs stored) and write its report beside the paper's figures."""
+    from infermux._parse import parse_batches, parse_duration_s, parse_shape
+    from infermux.errors import UsageError
+    from infermux.store import open_store
+    from infermux.study import STUDIES, StudyConfig, list_studies, run_study
+
+    if name not in STUDIES:
+        raise UsageError(f"study {name!r} unknown: use {', '.join(list_studies())}")
+    defaults = STUDIES[name]
+    config = StudyConfig(
+        name=name, models=model or list(defaults["models"]), units=units,
+        batches=parse_batches(batch) if batch else list(defaults["batches"]),
+        instances=parse_batches(instances) if instances else list(defaults["instances"]),
+        engine=engine, budget_s=parse_duration_s(budget, name="--budget"),
+        duration_s=parse_duration_s(duration, name="--duration"), min_queries=min_queries,
+        p99_ms=p99, input_shape=parse_shape(input_shape) if input_shape else None,
+        cpu_workers=cpu_workers)
+    command = "infermux " + shlex.join(sys.argv[1:])
+    with open_store(db) as store, _progress() as progress:
+        task = progress.add_task("starting", total=1.0)
+
+        def on_progress(label: str, fraction: float) -> None:
+            progress.update(task, description=label[:70], completed=fraction)
+
+        report = run_study(config, store=store, progress=on_progress, command=command)
+    data = report.to_dict()
+    if not no_report and report.run_id is not None:
+        from infermux.report import write_report
+
+        path = output or f"study-{name}.html"
+        written = write_report(db, [report.run_id], path, strict=bool(_state["debug"]))
+        data["report"] = written.to_dict()
+    if as_json:
+        _print_json(data)
+    else:
+        table = Table(title=f"study {name}: every point")
+        for col in ("#", "point", "batch", "inst", "scenario", "status", "items/s", "p99 ms",
+                    "run", "note"):
+            table.add_column(col)
+        for p in report.points:
+            f = p["figures"] or {}
+            table.add_row(str(p["point"]), p["variant"], _num(p["params"].get("batch")),
+                          _num(p["params"].get("instances")),
+                          str(p["params"].get("scenario") or "offline"), p["status"],
+                          _num(f.get("items_per_s")), _num(f.get("p99_ms"), 2),
+                          _num(p.get("sub_run_id")), (p.get("error") or "")[:60])
+        out.print(table)
+        for line in report.headline.get("findings") or []:
+            out.print(line, highlight=False)
+        if report.run_id is not None:
+            out.print(f"[dim]stored as run {report.run_id} (kind study) in {db}[/]")
+        if "report" in data:
+            out.print(f"report → {data['report']['path']}", highlight=False)
+    if report.status == "interrupted":
+        err.print("interrupted: the points measured so far are kept")
+        raise typer.Exit(130)

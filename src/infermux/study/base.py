@@ -1,0 +1,300 @@
+"""What every study shares: a grid of runtime plans measured one by one within a budget.
+
+A study owns no measurement code: each point is a Plan run by `infermux.runtime.run_plan`
+and stored as a run of kind `run`; the study itself is a run of kind `study` whose
+`study_points` rows name each point's parameters, its run and the figures taken from it
+(throughput, p99, each unit's items/s). The report reads those rows and the runs they name.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from infermux.errors import InfermuxError, UsageError
+from infermux.store import Store
+
+__all__ = [
+    "Point", "StudyConfig", "StudyReport", "ensure_tables", "max_duration_s", "measure_points",
+    "stored_points", "unit_of_worker",
+]
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS study_points (
+    run_id INTEGER NOT NULL REFERENCES runs(id) ON DELETE CASCADE,
+    point INTEGER NOT NULL,
+    variant TEXT NOT NULL,         -- what the point is (a unit combination, an execution mode)
+    status TEXT NOT NULL,          -- ok | invalid | oom | error | skipped
+    error TEXT,
+    sub_run_id INTEGER,            -- the `run` run that measured it
+    params_json TEXT NOT NULL,     -- its parameters (units, batch, instances, models, load)
+    figures_json TEXT NOT NULL     -- items/s, p99, per unit and per model
+);
+CREATE INDEX IF NOT EXISTS study_points_by_run ON study_points(run_id);
+"""
+
+#: progress(label, fraction of the study's points done)
+ProgressFn = Callable[[str, float], None]
+
+
+def ensure_tables(store: Store) -> None:
+    """Create the studies' table if this database lacks it."""
+    store.connection.executescript(_SCHEMA)
+    store.connection.commit()
+
+
+@dataclass
+class StudyConfig:
+    """What a study measures: models, units, batches, instances, how long, within what budget."""
+
+    name: str
+    models: list[str]
+    units: str = "auto"
+    batches: list[int] = field(default_factory=lambda: [1, 8, 64])
+    instances: list[int] = field(default_factory=lambda: [1, 2])
+    engine: str = "auto"
+    budget_s: float = 600.0
+    #: Each point's minimum duration and query count (offline: samples).
+    duration_s: float = 2.0
+    min_queries: int = 64
+    #: Server load: the p99 bound of the peak search (multi-tenancy).
+    p99_ms: float = 100.0
+    input_shape: tuple[int, ...] | None = None
+    #: How the runtime hosts CPU workers: `process` (pinned processes, its default) or
+    #: `thread` (starts in a fraction of the time; for quick looks and tests).
+    cpu_workers: str = "process"
+
+    def __post_init__(self) -> None:
+        if not self.models:
+            raise UsageError("no model given: pass --model NAME (e.g. --model resnet50)")
+        if self.budget_s <= 0:
+            raise UsageError(f"--budget {self.budget_s:g}s must be positive, e.g. --budget 10m")
+        if any(b < 1 for b in self.batches) or not self.batches:
+            raise UsageError(f"--batch {self.batches} must be batch sizes of at least 1")
+        if any(k < 1 for k in self.instances) or not self.instances:
+            raise UsageError(f"--instances {self.instances} must be counts of at least 1")
+        if self.duration_s <= 0:
+            raise UsageError(f"--duration {self.duration_s:g}s must be positive, e.g. 2s")
+        if self.cpu_workers not in ("process", "thread"):
+            raise UsageError(f"--cpu-workers {self.cpu_workers!r} unknown: use process or thread")
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready copy (stored with the study's run)."""
+        return {"name": self.name, "models": self.models, "units": self.units,
+                "batches": self.batches, "instances": self.instances, "engine": self.engine,
+                "budget_s": self.budget_s, "duration_s": self.duration_s,
+                "min_queries": self.min_queries, "p99_ms": self.p99_ms,
+                "input_shape": list(self.input_shape or ()), "cpu_workers": self.cpu_workers}
+
+
+def max_duration_s(config: StudyConfig) -> float:
+    """A point's hard stop, in seconds.
+
+    Generous, so that a slow point on a busy machine still completes its minimum query count
+    (a point stopped short is stored as invalid, and says why).
+    """
+    return max(30.0, 10 * config.duration_s)
+
+
+@dataclass
+class Point:
+    """One measurement of a study: a plan (as a dict), what it stands for, and its outcome."""
+
+    variant: str
+    params: dict[str, Any]
+    plan: dict[str, Any] | None
+    status: str = "pending"
+    error: str | None = None
+    sub_run_id: int | None = None
+    figures: dict[str, Any] = field(default_factory=dict)
+    #: Builds the plan when the point's turn comes (a pipeline from a partitioning run that
+    #: is stored too); None when `plan` is known up front.
+    prepare: Callable[[Store | None, dict[str, Any]], dict[str, Any]] | None = field(
+        default=None, repr=False)
+
+    def record(self, index: int) -> dict[str, Any]:
+        """The stored row's content."""
+        return {"point": index, "variant": self.variant, "status": self.status,
+                "error": self.error, "sub_run_id": self.sub_run_id, "params": self.params,
+                "figures": self.figures}
+
+
+@dataclass
+class StudyReport:
+    """What a study returns: its run, every point and its headline (the paper-shaped tables)."""
+
+    run_id: int | None
+    config: StudyConfig
+    points: list[dict[str, Any]]
+    headline: dict[str, Any]
+    status: str
+    elapsed_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready."""
+        return {"run_id": self.run_id, "study": self.config.name, "status": self.status,
+                "config": self.config.to_dict(), "elapsed_s": self.elapsed_s,
+                "headline": self.headline, "points": self.points}
+
+
+def unit_of_worker(worker_unit: str, units: Sequence[str]) -> str:
+    """The study unit a runtime worker ran on (a CPU worker runs on a share of its unit)."""
+    if worker_unit in units or not worker_unit.startswith("cpu") or "|" in worker_unit:
+        return worker_unit  # a unit of the study, a GPU or DLA, or a pipeline's stage units
+    from infermux.units import parse_core_set
+
+    mine = set(parse_core_set(worker_unit[4:])) if worker_unit.startswith("cpu:") else set()
+    for unit in units:
+        if unit.startswith("cpu:") and mine <= set(parse_core_set(unit[4:])):
+            return unit
+    return "cpu" if "cpu" in units else worker_unit
+
+
+def _figures(report: Any, units: Sequence[str]) -> dict[str, Any]:
+    """Throughput, p99 and each unit's and model's items/s of a finished runtime run."""
+    final = report.final or {}
+    per_unit: dict[str, float] = {}
+    batch_p99 = []
+    failed = []
+    for w in (final.get("workers") or {}).values():
+        unit = unit_of_worker(str(w.get("unit")), units)
+        per_unit[unit] = per_unit.get(unit, 0.0) + (w.get("items_per_s") or 0.0)
+        p99 = (w.get("batch_latency") or {}).get("p99_ms")
+        if p99 is not None:
+            batch_p99.append(p99)
+        if w.get("status") != "ok":
+            failed.append(f"{w.get('worker')}: {w.get('error')}")
+    per_model = {name: m.get("throughput_samples_per_s")
+                 for name, m in (final.get("models") or {}).items()}
+    peak = report.peak or {}
+    return {
+        "scenario": final.get("scenario"),
+        "items_per_s": final.get("throughput_samples_per_s"),
+        "p99_ms": (final.get("latency") or {}).get("p99_ms"),
+        "batch_p99_ms": max(batch_p99) if batch_p99 else None,
+        "per_unit": per_unit, "per_model": per_model, "valid": bool(final.get("valid")),
+        "notes": final.get("validity_notes") or [], "failed_workers": failed,
+        "peak_qps": peak.get("peak_qps"), "peak_reason": peak.get("reason"),
+        "p99_bound_ms": peak.get("p99_bound_ms"),
+    }
+
+
+def _outcome(point: Point, exc: InfermuxError) -> None:
+    text = str(exc)
+    point.error = text
+    if isinstance(exc, UsageError):
+        point.status = "skipped"  # a plan this machine cannot run (e.g. too few cores)
+    elif "out of memory" in text.lower() or "outofmemory" in text.lower():
+        point.status = "oom"
+    else:
+        point.status = "error"
+
+
+def _energy(sampler: Any, devices: Sequence[str], t0: int | None, t1: int,
+            items: int) -> dict[str, Any]:
+    """Energy per item and mean power of a point's measured window (empty without readings)."""
+    if sampler is None or t0 is None or not items:
+        return {}
+    record = sampler.window(t0, t1).summary(list(devices)).record(items)
+    return {k: record.get(k) for k in ("energy_per_item_j", "mean_power_w", "energy_source")}
+
+
+def measure_points(
+    config: StudyConfig,
+    points: list[Point],
+    *,
+    store: Store | None,
+    study_run: int | None,
+    deadline: float,
+    progress: ProgressFn | None = None,
+    sampler: Any = None,
+    devices: Sequence[str] = (),
+) -> str:
+    """Run each point's plan in order until the budget ends; returns `complete` or `interrupted`.
+
+    A point starts only if the mean cost of the points so far still fits before `deadline`;
+    the ones that do not are recorded as skipped for the budget. A point that cannot run here
+    (a usage error: too few cores for its instances) is skipped with the reason; one that fails
+    is recorded with its error and the study goes on.
+    """
+    from infermux.runtime import parse_plan, run_plan
+
+    costs: list[float] = []
+    status = "complete"
+    for i, point in enumerate(points):
+        if progress is not None:
+            progress(f"{config.name}: {point.variant}", i / max(1, len(points)))
+        if point.plan is None and point.prepare is None:
+            pass  # decided when the grid was built (skipped, with its reason)
+        elif costs and time.monotonic() + sum(costs) / len(costs) > deadline:
+            point.status, point.error = "skipped", "budget: not started (raise --budget)"
+        else:
+            started = time.monotonic()
+            marks: dict[str, int] = {}
+
+            def mark(label: str, fraction: float, marks: dict[str, int] = marks) -> None:
+                if label == "built":
+                    marks["t0"] = time.perf_counter_ns()
+
+            try:
+                if point.plan is None and point.prepare is not None:
+                    point.plan = point.prepare(store, point.params)
+                assert point.plan is not None
+                data = {**point.plan, "dispatcher": {**(point.plan.get("dispatcher") or {}),
+                                                     "cpu_workers": config.cpu_workers}}
+                plan = parse_plan(data, source=f"{config.name} point {i}")
+                report = run_plan(plan, store=store, progress=mark,
+                                  command=f"infermux study {config.name} (point {i})")
+                t1 = time.perf_counter_ns()
+                point.sub_run_id = report.run_id
+                point.figures = _figures(report, point.params.get("units") or [])
+                if point.figures.get("scenario") == "offline":
+                    completed = int(((report.final or {}).get("completed_samples")) or 0)
+                    point.figures.update(_energy(sampler, devices, marks.get("t0"), t1,
+                                                 completed))
+                if report.status == "interrupted":
+                    point.status, point.error = "interrupted", "interrupted by the user"
+                elif point.figures["failed_workers"]:
+                    point.status = "error"
+                    point.error = "; ".join(point.figures["failed_workers"])
+                else:
+                    point.status = "ok" if point.figures["valid"] else "invalid"
+                    point.error = "; ".join(point.figures["notes"]) or None
+            except InfermuxError as exc:
+                _outcome(point, exc)
+            except KeyboardInterrupt:
+                point.status, point.error = "interrupted", "interrupted by the user"
+            costs.append(time.monotonic() - started)
+        if store is not None and study_run is not None:
+            _store_point(store, study_run, i, point)
+        if point.status == "interrupted":
+            status = "interrupted"
+            for rest in points[i + 1:]:
+                rest.status, rest.error = "skipped", "the study was interrupted"
+            break
+    return status
+
+
+def _store_point(store: Store, run_id: int, index: int, point: Point) -> None:
+    with store.connection as db:
+        db.execute("INSERT INTO study_points VALUES (?,?,?,?,?,?,?,?)",
+                   (run_id, index, point.variant, point.status, point.error, point.sub_run_id,
+                    json.dumps(point.params), json.dumps(point.figures, default=str)))
+
+
+def stored_points(store_or_rows: Any, run_id: int | None = None) -> list[dict[str, Any]]:
+    """A study's points as dicts (from a Store and run id, or from rows already read)."""
+    if isinstance(store_or_rows, Store):
+        rows = store_or_rows.connection.execute(
+            "SELECT * FROM study_points WHERE run_id = ? ORDER BY point", (run_id,)).fetchall()
+        out = []
+        for r in rows:
+            d = dict(r)
+            d["params"] = json.loads(d.pop("params_json"))
+            d["figures"] = json.loads(d.pop("figures_json"))
+            out.append(d)
+        return out
+    return [dict(r) for r in store_or_rows]

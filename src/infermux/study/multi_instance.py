@@ -1,0 +1,148 @@
+"""`study multi-instance`: unit combinations × batch sizes × instances, measured together.
+
+The grid of the Jetson AGX Orin study: each unit alone, every pair, and all of them, at each
+batch size and instance count, each combination run through the runtime (units that run
+together contend, so their solo figures do not add up). The headline is the paper's table:
+throughput and p99 per combination and batch, the best single unit against the best
+combination, and each combination's contention (measured ÷ the sum of its units alone).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from itertools import combinations
+from typing import Any
+
+from infermux.study.base import Point, StudyConfig, max_duration_s
+
+__all__ = ["build_points", "combo_label", "headline"]
+
+
+def combo_label(units: Sequence[str]) -> str:
+    """`cuda:0/fp32 + cuda:0/fp16`."""
+    return " + ".join(units)
+
+
+def _combos(units: Sequence[str]) -> list[tuple[str, ...]]:
+    out: list[tuple[str, ...]] = [(u,) for u in units]
+    out += list(combinations(units, 2))
+    if len(units) > 2:
+        out.append(tuple(units))
+    return out
+
+
+def build_points(config: StudyConfig, units: Sequence[str], engines: dict[str, str],
+                 model: dict[str, Any]) -> list[Point]:
+    """Every (instances, batch, combination) point, in the order they are measured.
+
+    Instances outermost: the one-instance grid is the paper's table and comes first within
+    the budget; within it, each batch's solo units before their combinations.
+    """
+    points: list[Point] = []
+    for k in config.instances:
+        for b in config.batches:
+            for combo in _combos(units):
+                replicas = [{"unit": u, "engine": engines[u], "instances": k, "batch": b,
+                             "batch_buckets": "none"} for u in combo]
+                plan = {"name": f"multi-instance-{len(points)}",
+                        "models": [{**model, "replicas": replicas}],
+                        "dispatcher": {"max_queue_delay_ms": 2.0},
+                        "load": {"scenario": "offline", "min_duration_s": config.duration_s,
+                                 "min_queries": max(config.min_queries, 2 * b * k * len(combo)),
+                                 "max_duration_s": max_duration_s(config)}}
+                points.append(Point(combo_label(combo), {"units": list(combo), "batch": b,
+                                                         "instances": k,
+                                                         "engines": [engines[u] for u in combo]},
+                                    plan))
+    return points
+
+
+def headline(points: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The paper-shaped tables from stored points (`Point.record()` dicts).
+
+    `rows`: one per (instances, combination) with items/s and p99 per batch; `contention`:
+    each combination's measured ÷ summed-solo figure and each unit's inside ÷ alone; `best`:
+    the best single unit and the best combination; `findings`: one line per batch size saying
+    which configuration won, and where all units together lost to contention.
+    """
+    solo: dict[tuple[str, int, int], dict[str, Any]] = {}
+    by_key: dict[tuple[str, int], dict[int, dict[str, Any]]] = {}
+    batches = sorted({p["params"]["batch"] for p in points})
+    for p in points:
+        prm = p["params"]
+        units = tuple(prm["units"])
+        by_key.setdefault((combo_label(units), prm["instances"]), {})[prm["batch"]] = p
+        if len(units) == 1 and p["status"] == "ok":
+            solo[(units[0], prm["batch"], prm["instances"])] = p
+    rows = []
+    for (label, k), per_batch in by_key.items():
+        cells = {}
+        for b in batches:
+            cell = per_batch.get(b)
+            if cell is None:
+                continue
+            f = cell.get("figures") or {}
+            cells[str(b)] = {"status": cell["status"], "items_per_s": f.get("items_per_s"),
+                             "p99_ms": f.get("p99_ms"), "error": cell.get("error"),
+                             "run": cell.get("sub_run_id")}
+        rows.append({"combination": label, "units": label.count("+") + 1, "instances": k,
+                     "cells": cells})
+    contention = []
+    for p in points:
+        prm = p["params"]
+        if len(prm["units"]) < 2 or p["status"] != "ok":
+            continue
+        f = p["figures"]
+        found = [solo.get((u, prm["batch"], prm["instances"])) for u in prm["units"]]
+        alone = [a for a in found if a is not None]
+        if len(alone) < len(found):
+            continue
+        summed = sum(a["figures"]["items_per_s"] or 0.0 for a in alone)
+        per_unit = {u: ((f.get("per_unit") or {}).get(u), a["figures"]["items_per_s"])
+                    for u, a in zip(prm["units"], alone, strict=True)}
+        contention.append({
+            "combination": p["variant"], "batch": prm["batch"], "instances": prm["instances"],
+            "measured_items_per_s": f.get("items_per_s"), "summed_solo_items_per_s": summed,
+            "factor": (f.get("items_per_s") or 0.0) / summed if summed else None,
+            "per_unit": {u: {"inside": i, "alone": a, "factor": i / a if i is not None and a
+                             else None} for u, (i, a) in per_unit.items()},
+        })
+    ok = [p for p in points if p["status"] == "ok" and (p.get("figures") or {}).get("items_per_s")]
+    singles = [p for p in ok if len(p["params"]["units"]) == 1]
+    combos = [p for p in ok if len(p["params"]["units"]) > 1]
+
+    def brief(p: dict[str, Any] | None) -> dict[str, Any] | None:
+        if p is None:
+            return None
+        return {"combination": p["variant"], "batch": p["params"]["batch"],
+                "instances": p["params"]["instances"], "items_per_s": p["figures"]["items_per_s"],
+                "p99_ms": p["figures"].get("p99_ms"), "run": p.get("sub_run_id")}
+
+    best_single = max(singles, key=lambda p: p["figures"]["items_per_s"], default=None)
+    best_combo = max(combos, key=lambda p: p["figures"]["items_per_s"], default=None)
+    findings = []
+    for b in batches:
+        here = [q for q in ok if q["params"]["batch"] == b]
+        if not here:
+            continue
+        win = max(here, key=lambda q: q["figures"]["items_per_s"])
+        findings.append(f"batch {b}: {win['variant']} ×{win['params']['instances']} is best, "
+                        f"{win['figures']['items_per_s']:,.1f} items/s")
+        widest = max(len(q["params"]["units"]) for q in here)
+        if widest > 2:
+            full = [q for q in here if len(q["params"]["units"]) == widest]
+            rest = [q for q in here if len(q["params"]["units"]) < widest]
+            if full and rest:
+                f_best = max(full, key=lambda p: p["figures"]["items_per_s"])
+                r_best = max(rest, key=lambda p: p["figures"]["items_per_s"])
+                if f_best["figures"]["items_per_s"] < r_best["figures"]["items_per_s"]:
+                    findings.append(
+                        f"batch {b}: all {widest} units together ({f_best['figures']['items_per_s']:,.1f}"
+                        f" items/s) lose to {r_best['variant']} "
+                        f"({r_best['figures']['items_per_s']:,.1f}): contention")
+    return {"batches": batches, "rows": rows, "contention": contention,
+            "best_single": brief(best_single), "best_combination": brief(best_combo),
+            "combination_over_single": (best_combo["figures"]["items_per_s"]
+                                        / best_single["figures"]["items_per_s"])
+            if best_combo and best_single else None,
+            "findings": findings}
