@@ -1,6 +1,6 @@
 import pytest
 
-from infermux._parse import parse_batches, parse_duration_s, parse_shape
+from infermux._parse import parse_batches, parse_duration_s, parse_latency_ms, parse_shape
 from infermux.errors import UsageError
 
 
@@ -30,3 +30,16 @@ def test_shapes():
     for bad in ("3xAx4", "0x3", ""):
         with pytest.raises(UsageError, match="input shape"):
             parse_shape(bad)
+
+
+@pytest.mark.parametrize(("text", "ms"), [("15", 15.0), ("15ms", 15.0), ("0.015s", 15.0),
+                                          (" 2.5 ", 2.5), ("1m", 60_000.0), (15, 15.0)])
+def test_a_latency_bound_is_ms_whether_or_not_it_says_so(text, ms) -> None:
+    assert parse_latency_ms(text) == pytest.approx(ms)
+
+
+@pytest.mark.parametrize(("text", "needle"), [("soon", "is not a duration"), ("0", "must be above 0"),
+                                              ("0ms", "must be above 0"), ("-3", "is not a duration")])
+def test_a_bad_latency_bound_is_one_line(text, needle) -> None:
+    with pytest.raises(UsageError, match=needle):
+        parse_latency_ms(text)

@@ -6,7 +6,7 @@ import re
 
 from infermux.errors import UsageError
 
-__all__ = ["parse_batches", "parse_bytes", "parse_duration_s", "parse_shape"]
+__all__ = ["parse_batches", "parse_bytes", "parse_duration_s", "parse_latency_ms", "parse_shape"]
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|min|h)?\s*$")
 _SCALE_S = {"ms": 1e-3, "s": 1.0, None: 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
@@ -28,6 +28,22 @@ def parse_duration_s(text: str | float, *, name: str = "duration") -> float:
     return value
 
 
+def parse_latency_ms(text: str | float, *, name: str = "--p99") -> float:
+    """A latency bound in ms: `"15ms"`, `"0.015s"`, or a bare number of milliseconds (`15`).
+
+    `run`, `tune` and `study` read `--p99` with it, so `--p99 15` and `--p99 15ms` mean the same
+    everywhere.
+    """
+    if isinstance(text, (int, float)) or _BARE_NUMBER.match(text):
+        value = float(text)
+    else:
+        value = parse_duration_s(text, name=name) * 1e3
+    if not value > 0:
+        raise UsageError(f"{name} {text!r} must be above 0: a latency bound, e.g. 15ms")
+    return value
+
+
+_BARE_NUMBER = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*$")
 _BYTES = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _SCALE_B = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}

@@ -115,7 +115,7 @@ def run_command(
     plan_file: Annotated[str, typer.Argument(help="Plan file (YAML or JSON); see `infermux plan --example`.")],
     scenario: Annotated[str | None, typer.Option("--scenario", help="offline, server, single-stream or multi-stream.")] = None,
     qps: Annotated[float | None, typer.Option("--qps", help="Server: Poisson arrival rate, queries/s.")] = None,
-    p99: Annotated[float | None, typer.Option("--p99", help="Server: p99 latency bound in ms.")] = None,
+    p99: Annotated[str | None, typer.Option("--p99", help="Server: p99 latency bound, e.g. 15ms (a bare number is ms).")] = None,
     find_peak: Annotated[bool, typer.Option("--find-peak", help="Server: search the highest rate within --p99.")] = False,
     duration: Annotated[str | None, typer.Option("--duration", help="Minimum duration, e.g. 10s.")] = None,
     min_queries: Annotated[int | None, typer.Option("--min-queries", help="Minimum queries (samples offline).")] = None,
@@ -125,7 +125,7 @@ def run_command(
     as_json: JsonOpt = False,
 ) -> None:
     """Run a plan: workers on its units, its load scenario, metrics stored as a run."""
-    from infermux._parse import parse_duration_s
+    from infermux._parse import parse_duration_s, parse_latency_ms
     from infermux.runtime import load_plan, run_plan, with_load
     from infermux.store import open_store
 
@@ -136,7 +136,7 @@ def run_command(
     if find_peak and scenario is None:
         scenario = "server"
     plan = with_load(
-        plan, scenario=scenario, rate_qps=qps, p99_bound_ms=p99, find_peak=find_peak or None,
+        plan, scenario=scenario, rate_qps=qps, p99_bound_ms=parse_latency_ms(p99) if p99 is not None else None, find_peak=find_peak or None,
         min_duration_s=parse_duration_s(duration, name="--duration") if duration else None,
         min_queries=min_queries, seed=seed,
     )

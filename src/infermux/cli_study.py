@@ -33,7 +33,7 @@ def study_command(
     engine: Annotated[str, typer.Option("--engine", help="Engine for every unit, or auto (torch where it runs).")] = "auto",
     duration: Annotated[str, typer.Option("--duration", help="Least measured time per point.")] = "2s",
     min_queries: Annotated[int, typer.Option("--min-queries", help="Least samples per point.")] = 64,
-    p99: Annotated[float, typer.Option("--p99", help="Server load: the p99 bound (ms) of the peak search.")] = 100.0,
+    p99: Annotated[str, typer.Option("--p99", help="Server load: the p99 bound of the peak search, e.g. 100ms (a bare number is ms).")] = "100",
     input_shape: Annotated[str | None, typer.Option("--input-shape", help="One item, e.g. 3x224x224.")] = None,
     cpu_workers: Annotated[str, typer.Option("--cpu-workers", help="CPU workers as pinned processes (process, the runtime's default) or threads (thread: quicker to start).")] = "process",
     output: Annotated[str | None, typer.Option("--output", "-o", help="Report file (default study-NAME.html).")] = None,
@@ -42,7 +42,7 @@ def study_command(
     as_json: JsonOpt = False,
 ) -> None:
     """Run a seed study (runs stored) and write its report beside the paper's figures."""
-    from infermux._parse import parse_batches, parse_duration_s, parse_shape
+    from infermux._parse import parse_batches, parse_duration_s, parse_latency_ms, parse_shape
     from infermux.errors import UsageError
     from infermux.store import open_store
     from infermux.study import STUDIES, StudyConfig, list_studies, run_study
@@ -56,7 +56,7 @@ def study_command(
         instances=parse_batches(instances) if instances else list(defaults["instances"]),
         engine=engine, budget_s=parse_duration_s(budget, name="--budget"),
         duration_s=parse_duration_s(duration, name="--duration"), min_queries=min_queries,
-        p99_ms=p99, input_shape=parse_shape(input_shape) if input_shape else None,
+        p99_ms=parse_latency_ms(p99), input_shape=parse_shape(input_shape) if input_shape else None,
         cpu_workers=cpu_workers)
     command = "infermux " + shlex.join(sys.argv[1:])
     with open_store(db) as store, _progress() as progress:

@@ -110,7 +110,7 @@ def tune_command(
     units: Annotated[str, typer.Option("--units", "-u", help="Units or globs, comma-separated, or auto.")] = "auto",
     engine: Annotated[str, typer.Option("--engine", help="Engines to consider: auto or a comma list.")] = "auto",
     scenario: Annotated[str, typer.Option("--scenario", help="offline, or server (needs --p99).")] = "offline",
-    p99: Annotated[str | None, typer.Option("--p99", help="Server: p99 latency bound, e.g. 15ms.")] = None,
+    p99: Annotated[str | None, typer.Option("--p99", help="Server: p99 latency bound, e.g. 15ms (a bare number is ms).")] = None,
     max_memory: Annotated[str | None, typer.Option("--max-memory", help="Device memory per config, e.g. 8GiB.")] = None,
     max_power: Annotated[float | None, typer.Option("--max-power", help="Mean power bound in W.")] = None,
     objective: Annotated[str, typer.Option("--objective", help="throughput, energy, latency or pareto.")] = "throughput",
@@ -131,7 +131,7 @@ def tune_command(
     as_json: JsonOpt = False,
 ) -> None:
     """Find the fastest plan across this machine's units under latency, memory and power bounds."""
-    from infermux._parse import parse_batches, parse_bytes, parse_duration_s, parse_shape
+    from infermux._parse import parse_batches, parse_bytes, parse_duration_s, parse_latency_ms, parse_shape
     from infermux.errors import UsageError
     from infermux.models import ModelSpec
     from infermux.store import open_store
@@ -141,7 +141,7 @@ def tune_command(
         raise UsageError(f"--data {data!r} unknown: use host or device")
     shape = parse_shape(input_shape) if input_shape else None
     constraints = Constraints(
-        p99_bound_ms=parse_duration_s(p99, name="--p99") * 1e3 if p99 else None,
+        p99_bound_ms=parse_latency_ms(p99) if p99 is not None else None,
         max_memory_bytes=parse_bytes(max_memory, name="--max-memory") if max_memory else None,
         max_power_w=max_power)
     if max_power is not None and max_power <= 0:
