@@ -87,3 +87,33 @@ def test_study_usage_errors_are_one_line(tmp_path):
     assert r.returncode == 2 and "several models" in r.stderr
     r = run_cli("study", "multi-instance", "-m", f"{TINY}:tiny_cnn", "--budget", "0s", "--db", db)
     assert r.returncode == 2 and "--budget" in r.stderr
+
+
+def test_pipeline_study_compares_the_partitioned_plan_with_single_units_and_replicas(tmp_path):
+    db = tmp_path / "p.db"
+    with Store(db) as store:
+        study = run_study(StudyConfig("pipeline", [f"{TINY}:tiny_cnn"], units="cpu:0,cpu:1",
+                                      batches=[4], engine="torch", budget_s=60, duration_s=0.3,
+                                      min_queries=16, cpu_workers="thread"),
+                          store=store)
+    assert study.status == "complete"
+    modes = {p["params"]["mode"]: p for p in study.points if p["params"]["mode"] != "single"}
+    singles = [p for p in study.points if p["params"]["mode"] == "single"]
+    assert {tuple(p["params"]["units"]) for p in singles} == {("cpu:0",), ("cpu:1",)}
+    assert all(p["status"] == "ok" for p in study.points), [(p["variant"], p["error"])
+                                                             for p in study.points]
+    pipe = modes["pipeline"]
+    # The pipeline point runs the plan its own partition run kept, over both units.
+    assert pipe["params"]["partition_run"] and "@cpu:0" in pipe["params"]["stages"] \
+        and "@cpu:1" in pipe["params"]["stages"]
+    [row] = study.headline["rows"]
+    best_single = max(p["figures"]["items_per_s"] for p in singles)
+    assert abs(row["pipeline_over_single"] - pipe["figures"]["items_per_s"] / best_single) < 1e-9
+    assert abs(row["pipeline_over_replicas"] - pipe["figures"]["items_per_s"]
+               / modes["replicas"]["figures"]["items_per_s"]) < 1e-9
+    with Store(db) as store:
+        kinds = dict(store.connection.execute("SELECT id, kind FROM runs").fetchall())
+    assert kinds[pipe["params"]["partition_run"]] == "partition"
+    assert kinds[study.run_id] == "study"
+    html = build_report(db, [study.run_id]).html
+    assert "pipeline" in html and pipe["params"]["stages"].split(" @")[0] in html
