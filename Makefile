@@ -38,7 +38,7 @@ typecheck: install
 # apt-get is not there (or fails), those tests skip and say why.
 browser:
 	@command -v chromium >/dev/null 2>&1 || ! command -v apt-get >/dev/null 2>&1 \
-		|| (apt-get update -q && apt-get install -y -q chromium) \
+		|| (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium) \
 		|| echo "chromium could not be installed: the report's browser tests will skip"
 
 unit-tests: install browser
