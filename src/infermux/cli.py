@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import shlex
 import sys
+from collections.abc import Callable
 from typing import Annotated, Any
 
 import typer
@@ -132,6 +133,30 @@ def _progress() -> Progress:
         TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
         TimeElapsedColumn(), console=err, transient=True,
     )
+
+
+def _run_with_progress(fn: Callable[..., Any], config: Any, *, db: str, no_store: bool,
+                       **kwargs: Any) -> Any:
+    """Call a library run behind a progress bar, with the results store open for it.
+
+    `fn(config, store=, progress=, command=, **kwargs)`; the store (none with `no_store`) is
+    closed after, whatever happens.
+    """
+    from infermux.store import open_store
+
+    store = None if no_store else open_store(db)
+    command = "infermux " + shlex.join(sys.argv[1:])
+    try:
+        with _progress() as progress:
+            task = progress.add_task("starting", total=1.0)
+
+            def on_progress(label: str, fraction: float) -> None:
+                progress.update(task, description=label[:80], completed=fraction)
+
+            return fn(config, store=store, progress=on_progress, command=command, **kwargs)
+    finally:
+        if store is not None:
+            store.close()
 
 
 @app.command()

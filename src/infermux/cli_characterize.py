@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import shlex
-import sys
 from typing import Annotated, Any
 
 import typer
 from rich.table import Table
 
-from infermux.cli import DbOpt, JsonOpt, _print_json, _progress, app, out, parse_options
+from infermux.cli import DbOpt, JsonOpt, _print_json, _run_with_progress, app, out, parse_options
 
 __all__ = ["accuracy_table", "causes_table", "characterize", "determinism_table"]
 
@@ -166,7 +164,6 @@ def characterize(
     from infermux._parse import parse_batches, parse_duration_s, parse_shape
     from infermux.characterize import CharacterizeConfig, run_characterize
     from infermux.models import ModelSpec
-    from infermux.store import open_store
 
     config = CharacterizeConfig(
         model=ModelSpec(model, weights, parse_shape(input_shape) if input_shape else None),
@@ -179,19 +176,7 @@ def characterize(
         build_timeout_s=parse_duration_s(build_timeout, name="--build-timeout"),
     )
     config.validate()
-    store = None if no_store else open_store(db)
-    command = "infermux " + shlex.join(sys.argv[1:])
-    try:
-        with _progress() as progress:
-            task = progress.add_task("starting", total=1.0)
-
-            def on_progress(label: str, fraction: float) -> None:
-                progress.update(task, description=label[:80], completed=fraction)
-
-            report = run_characterize(config, store=store, progress=on_progress, command=command)
-    finally:
-        if store is not None:
-            store.close()
+    report = _run_with_progress(run_characterize, config, db=db, no_store=no_store)
     data_out = report.to_dict()
     if as_json:
         _print_json(data_out)

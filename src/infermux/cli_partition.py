@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
-import shlex
-import sys
 from typing import Annotated, Any
 
 import typer
 from rich.table import Table
 
-from infermux.cli import DbOpt, JsonOpt, _print_json, _progress, app, err, out, parse_options
+from infermux.cli import (
+    DbOpt,
+    JsonOpt,
+    _print_json,
+    _progress,
+    _run_with_progress,
+    app,
+    err,
+    out,
+    parse_options,
+)
 
 __all__ = ["partition"]
 
@@ -101,7 +109,6 @@ def partition(
     from infermux.partition.graph import capture_graph
     from infermux.partition.search import PartitionConfig, describe_graph, run_partition
     from infermux.partition.segments import split
-    from infermux.store import open_store
 
     spec = ModelSpec(model, weights, parse_shape(input_shape) if input_shape else None)
     if show:
@@ -130,19 +137,7 @@ def partition(
         options=parse_options(option or []),
         engines=_engines(engines),
     )
-    store = None if no_store else open_store(db)
-    command = "infermux " + shlex.join(sys.argv[1:])
-    try:
-        with _progress() as progress:
-            task = progress.add_task("starting", total=1.0)
-
-            def on_progress(label: str, fraction: float) -> None:
-                progress.update(task, description=label[:70], completed=fraction)
-
-            report = run_partition(config, store=store, progress=on_progress, command=command)
-    finally:
-        if store is not None:
-            store.close()
+    report = _run_with_progress(run_partition, config, db=db, no_store=no_store)
     if out_path and report.best is not None:
         report.best.save(out_path)
     data = report.to_dict()

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import shlex
-import sys
 from typing import Annotated, Any
 
 import typer
 from rich.markup import escape
 from rich.table import Table
 
-from infermux.cli import DbOpt, JsonOpt, _print_json, _progress, app, err, out
+from infermux.cli import DbOpt, JsonOpt, _print_json, _run_with_progress, app, err, out
 
 __all__ = ["train_predict", "train_profile"]
 
@@ -175,26 +173,13 @@ def train_profile(
     as_json: JsonOpt = False,
 ) -> None:
     """Profile training over a grid of loader and step knobs: phases, energy, best settings."""
-    from infermux.store import open_store
     from infermux.train import run_train_profile
 
     config = _config(model, unit, data, images, image_size, classes, image_format, batch,
                      workers, prefetch, pin_memory, persistent, storage, cores, precision,
                      optimizer, lr, profile_steps, profile_share, budget, disk_dir, telemetry,
                      watts_per_core, power_mode, jetson_clocks, input_shape, weights, seed)
-    store = None if no_store else open_store(db)
-    command = "infermux " + shlex.join(sys.argv[1:])
-    try:
-        with _progress() as progress:
-            task = progress.add_task("starting", total=1.0)
-
-            def on_progress(label: str, fraction: float) -> None:
-                progress.update(task, description=label[:70], completed=fraction)
-
-            report = run_train_profile(config, store=store, progress=on_progress, command=command)
-    finally:
-        if store is not None:
-            store.close()
+    report = _run_with_progress(run_train_profile, config, db=db, no_store=no_store)
     data_out = report.to_dict()
     if as_json:
         _print_json(data_out)
@@ -279,7 +264,6 @@ def train_predict(
 ) -> None:
     """Predict every configuration's epoch time and energy from short profiles of a few."""
     from infermux.errors import UsageError
-    from infermux.store import open_store
     from infermux.train import run_train_predict
 
     config = _config(model, unit, data, images, image_size, classes, image_format, batch,
@@ -294,22 +278,9 @@ def train_predict(
         except ValueError:
             raise UsageError(f"--validate {validate!r} is not a count: give a number of held-out "
                              "configurations, all, or 0") from None
-    store = None if no_store else open_store(db)
-    command = "infermux " + shlex.join(sys.argv[1:])
-    try:
-        with _progress() as progress:
-            task = progress.add_task("starting", total=1.0)
-
-            def on_progress(label: str, fraction: float) -> None:
-                progress.update(task, description=label[:70], completed=fraction)
-
-            report = run_train_predict(config, store=store, progress=on_progress,
-                                       command=command, profile_configs=profile_configs,
-                                       from_run=from_run, reference_run=reference,
-                                       method=method, validate=count)
-    finally:
-        if store is not None:
-            store.close()
+    report = _run_with_progress(run_train_predict, config, db=db, no_store=no_store,
+                                profile_configs=profile_configs, from_run=from_run,
+                                reference_run=reference, method=method, validate=count)
     data_out = report.to_dict()
     if as_json:
         _print_json(data_out)

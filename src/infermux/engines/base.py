@@ -280,8 +280,8 @@ class Engine(ABC):
             if not is_out_of_memory(exc):
                 raise
             # One type for every engine's out-of-memory, whatever its library raised: the
-            # runtime, the tuner and the bench record it as `oom` by this type.
-            self.release()
+            # runtime, the tuner and the bench record it as `oom` by this type. Nothing is
+            # closed here: runners this engine built for other workers are still in use.
             where = "device memory" if unit.kind in ("cuda", "dla") else "memory"
             raise DeviceOutOfMemoryError(
                 f"{model.name} on {unit.id} at batch {batch} ran out of {where}") from exc
