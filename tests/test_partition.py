@@ -426,7 +426,7 @@ def test_cli_show(tiny_factory):
     assert sum(s["parameters"] for s in data["segments"]) > 0
     from rich.console import Console
 
-    from infermux.cli_partition import _show_tables
+    from infermux.cli.render import partition_tables as _show_tables
 
     console = Console(record=True, width=120)
     for table in _show_tables(data, "tiny"):

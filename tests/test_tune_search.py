@@ -9,7 +9,7 @@ import math
 import pytest
 from rich.console import Console
 
-from infermux.cli_tune import _explain_table
+from infermux.cli.render import explain_table as _explain_table
 from infermux.errors import UsageError
 from infermux.models import ModelSpec
 from infermux.tune import (

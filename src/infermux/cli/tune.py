@@ -8,94 +8,11 @@ from typing import Annotated, Any
 
 import typer
 from rich.markup import escape
-from rich.table import Table
 
-from infermux.cli import DbOpt, JsonOpt, _print_json, _progress, app, err, out
+from infermux.cli._app import DbOpt, JsonOpt, _print_json, _progress, app, err, out
+from infermux.cli.render import explain_table, num, pareto_table, pipelines_table
 
 __all__ = ["tune_command"]
-
-
-def _num(value: Any, digits: int = 1) -> str:
-    if value is None:
-        return "–"
-    if isinstance(value, float):
-        return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.{digits}f}"
-    return str(value)
-
-
-def _how(t: dict[str, Any]) -> str:
-    """How a trial was measured, with its build time when the build was a large part of it."""
-    build = t.get("build_s")
-    compiled = any((c.get("options") or {}).get("compile") for c in t.get("configs", []))
-    if build is not None and (compiled or build >= 5.0):
-        return f"{t['method']}; built in {build:.1f}s"
-    return str(t["method"])
-
-
-def _failed(status: str | None, error: str | None) -> str:
-    return f"[bold red]{(status or 'error').upper()}[/]: {escape(error or 'no measurement')}"
-
-
-def _pipelines_table(data: dict[str, Any]) -> Table:
-    """Pipeline candidates, predicted and measured through the runtime, against the replicas."""
-    replica = data.get("replica_items_per_s")
-    table = Table(title="Pipelines beside the replica plans (runtime trials)")
-    for col, justify in (("pipeline", "left"), ("predicted/s", "right"), ("measured/s", "right"),
-                         ("× replica plan", "right"), ("batch p99 ms", "right"),
-                         ("stage busy", "left")):
-        table.add_column(col, justify=justify)  # type: ignore[arg-type]
-    for p in data["pipelines"]:
-        measured = p["items_per_s"]
-        ratio = f"{measured / replica:.2f}×" if measured and replica else "–"
-        busy = " ".join(f"{s['busy']:.0%}" for s in p.get("stage_figures") or [])
-        figure = _num(measured) if p["status"] == "ok" else _failed(p["status"], p["error"])
-        table.add_row(escape(p["plan"]), _num(p["predicted_items_per_s"]), figure, ratio,
-                      _num(p["p99_ms"], 2), busy)
-    table.caption = f"best replica plan through the runtime: {_num(replica)} items/s"
-    return table
-
-
-def _explain_table(data: dict[str, Any]) -> Table:
-    """Each unit's best solo figure, the combinations' (or why they failed) and contention."""
-    table = Table(title="Why this plan")
-    for col in ("what", "plan", "items/s", "batch p99 ms", "J/item", "how measured"):
-        table.add_column(col, justify="right" if col in ("items/s", "batch p99 ms", "J/item")
-                         else "left")
-    for key, t in data["solo_best"].items():
-        table.add_row(f"best alone on {key.split('@', 1)[1]}", t["plan"], _num(t["items_per_s"]),
-                      _num(t["p99_ms"], 2), _num(t["energy_per_item_j"], 4), _how(t))
-    for c in data["contention"]:
-        if c.get("status", "ok") != "ok":
-            table.add_row("combination", c["plan"], "–", "", "",
-                          _failed(c.get("status"), c.get("error")))
-        elif c["unit"] == "all":
-            table.add_row("combination", c["plan"], _num(c["measured_items_per_s"]), "", "",
-                          f"runtime; {_num(c['summed_solo_items_per_s'])} if solo figures "
-                          f"added up ({_num(c['factor'], 2)}×)")
-        else:
-            table.add_row(f"  {c['unit']} beside {', '.join(c['with'])}", "",
-                          _num(c["inside_items_per_s"]), "", "",
-                          f"contention factor {_num(c['factor'], 2)} (alone "
-                          f"{_num(c['alone_items_per_s'])})")
-    best, verified = data["best"], data["verified"]
-    if best is not None:
-        table.add_row("[bold]chosen[/]", best["plan"], _num(best["items_per_s"]),
-                      _num(best["p99_ms"], 2), _num(best["energy_per_item_j"], 4), _how(best))
-    if verified is not None and verified is not best and verified != best:
-        table.add_row("  as `infermux run` runs it", verified["plan"],
-                      _num(verified["items_per_s"]), _num(verified["p99_ms"], 2),
-                      _num(verified["energy_per_item_j"], 4), _how(verified))
-    return table
-
-
-def _pareto_table(front: list[dict[str, Any]]) -> Table:
-    table = Table(title="Pareto front (throughput ↑, batch p99 ↓, energy per item ↓)")
-    for col in ("plan", "items/s", "batch p99 ms", "J/item", "how measured"):
-        table.add_column(col, justify="left" if col in ("plan", "how measured") else "right")
-    for t in front[:12]:
-        table.add_row(t["plan"], _num(t["items_per_s"]), _num(t["p99_ms"], 2),
-                      _num(t["energy_per_item_j"], 4), t["method"])
-    return table
 
 
 def _compile_modes(text: str) -> tuple[str, ...]:
@@ -182,22 +99,22 @@ def tune_command(
         _print_json(data_out)
         return
     result = report.result
-    out.print(_explain_table(data_out))
+    out.print(explain_table(data_out))
     if result.pareto and (objective == "pareto" or len(result.pareto) > 1):
-        out.print(_pareto_table(data_out["pareto"]))
+        out.print(pareto_table(data_out["pareto"]))
     if data_out["pipelines"]:
-        out.print(_pipelines_table(data_out))
+        out.print(pipelines_table(data_out))
     if data_out["pipelines_note"]:
         out.print(f"[bold]pipelines[/]: {escape(data_out['pipelines_note'])}")
     if report.server_peak is not None:
         peak = report.server_peak
-        out.print(f"[bold]server[/]: peak {_num(peak.get('peak_qps'))} qps within p99 ≤ "
+        out.print(f"[bold]server[/]: peak {num(peak.get('peak_qps'))} qps within p99 ≤ "
                   f"{peak['p99_bound_ms']:g} ms")
     if len(report.server_peaks) > 1:
         for row in report.server_peaks:
             mark = "[bold]chosen[/]" if row["chosen"] else "      "
-            out.print(f"  {mark} {escape(row['plan'])}: offline {_num(row['offline_items_per_s'])} "
-                      f"items/s, peak {_num(row['peak_qps'])} qps"
+            out.print(f"  {mark} {escape(row['plan'])}: offline {num(row['offline_items_per_s'])} "
+                      f"items/s, peak {num(row['peak_qps'])} qps"
                       + (f" ({escape(str(row['reason']))})" if row["peak_qps"] is None and row["reason"] else ""))
     failed = data_out["failed"]
     if failed:

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
-from rich.table import Table
 
-from infermux.cli import (
+from infermux.cli._app import (
     DbOpt,
     JsonOpt,
     _print_json,
@@ -18,48 +17,9 @@ from infermux.cli import (
     out,
     parse_options,
 )
+from infermux.cli.render import candidates_table, num, partition_tables
 
 __all__ = ["partition"]
-
-
-def _num(value: float | None, digits: int = 1) -> str:
-    if value is None:
-        return "–"
-    return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.{digits}f}"
-
-
-def _show_tables(shown: dict[str, Any], name: str) -> list[Table]:
-    cuts = Table(title=f"{name} — cut points ({shown['capture']})")
-    for col, justify in (("#", "right"), ("after node", "left"), ("crossing tensor", "left"),
-                         ("dtype", "left"), ("KiB/item", "right")):
-        cuts.add_column(col, justify=justify)  # type: ignore[arg-type]
-    for i, c in enumerate(shown["cuts"], start=1):
-        cuts.add_row(str(i), c["node"], "×".join(map(str, c["shape"])), c["dtype"],
-                     _num(c["bytes_per_item"] / 1024))
-    segs = Table(title="Segments between consecutive cut points")
-    for col, justify in (("#", "right"), ("segment", "left"), ("MFLOPs/item", "right"),
-                         ("parameters", "right")):
-        segs.add_column(col, justify=justify)  # type: ignore[arg-type]
-    for i, s in enumerate(shown["segments"]):
-        segs.add_row(str(i), f"{s['start']}→{s['end']}", _num(s["flops_per_item"] / 1e6),
-                     f"{s['parameters']:,}")
-    return [cuts, segs]
-
-
-def _candidates_table(report: dict[str, Any]) -> Table:
-    table = Table(title=f"{report['model']['name']} — pipeline candidates at batch {report['batch']}")
-    for col, justify in (("#", "right"), ("plan", "left"), ("predicted/s", "right"),
-                         ("measured/s", "right"), ("error", "right"), ("stage busy", "left"),
-                         ("", "left")):
-        table.add_column(col, justify=justify, overflow="fold")  # type: ignore[arg-type]
-    for c in report["candidates"]:
-        m = c["measurement"] or {}
-        busy = " ".join(f"{b:.0%}" for b in m.get("stage_busy", []))
-        err_pct = f"{c['error_pct']:+.0f}%" if c["error_pct"] is not None else c["status"]
-        table.add_row(str(c["rank"]), c["plan"], _num(c["predicted_items_per_s"]),
-                      _num(c["measured_items_per_s"]), err_pct, busy,
-                      "kept" if c["chosen"] else "")
-    return table
 
 
 def _engines(spec: str) -> tuple[str, ...]:
@@ -124,7 +84,7 @@ def partition(
         if as_json:
             _print_json({"model": loaded.describe(), **shown})
             return
-        for table in _show_tables(shown, loaded.name):
+        for table in partition_tables(shown, loaded.name):
             out.print(table)
         for note in shown["notes"]:
             out.print(f"[dim]{note}[/]")
@@ -144,14 +104,14 @@ def partition(
     if as_json:
         _print_json(data)
         return
-    out.print(_candidates_table(data))
+    out.print(candidates_table(data))
     for c in report.candidates:
         if c.agreement is not None:
             checked = ", ".join(f"{a.start}→{a.end} {a.status} ({a.max_abs_err:.2g})"
                                if a.max_abs_err is not None else f"{a.start}→{a.end} {a.status}"
                                for a in c.agreement.stages)
             out.print(f"[dim]#{c.rank} against fp32 references: {c.agreement.status}; {checked}[/]")
-    single = ", ".join(f"{u} {_num(v)}" for u, v in report.single_unit.items())
+    single = ", ".join(f"{u} {num(v)}" for u, v in report.single_unit.items())
     out.print(f"[dim]predicted single unit, items/s: {single}[/]")
     out.print(f"[dim]model: {report.model.weights_note}[/]")
     if report.best is None:

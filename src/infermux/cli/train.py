@@ -6,15 +6,12 @@ from typing import Annotated, Any
 
 import typer
 from rich.markup import escape
-from rich.table import Table
 
-from infermux.cli import DbOpt, JsonOpt, _print_json, _run_with_progress, app, err, out
+from infermux.cli._app import DbOpt, JsonOpt, _print_json, _run_with_progress, app, err, out
+from infermux.cli.render import num, phase_table, predict_table
 
 __all__ = ["train_predict", "train_profile"]
 
-_BAR = {"fetch": "[red]█[/]", "h2d": "[yellow]█[/]", "forward": "[green]█[/]",
-        "backward": "[blue]█[/]", "optimizer": "[magenta]█[/]"}
-_BAR_WIDTH = 30
 
 ModelOpt = Annotated[str, typer.Option("--model", "-m", help="resnet18, timm:NAME, file.py:fn")]
 UnitOpt = Annotated[str, typer.Option("--unit", "-u", help="cpu or cuda:N.")]
@@ -55,7 +52,7 @@ def _config(model: str, unit: str, data: str, images: int, image_size: int, clas
             power_mode: str | None, jetson_clocks: bool, input_shape: str | None,
             weights: str | None, seed: int) -> Any:
     from infermux._parse import parse_duration_s, parse_shape
-    from infermux.cli import _sampler_period_s
+    from infermux.cli._app import _sampler_period_s
     from infermux.errors import UsageError
     from infermux.models import ModelSpec
     from infermux.train import DataSpec, Grid, TrainConfig
@@ -86,56 +83,16 @@ def _config(model: str, unit: str, data: str, images: int, image_size: int, clas
         seed=seed)
 
 
-def _num(value: float | None, digits: int = 2) -> str:
-    if value is None:
-        return "–"
-    return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.{digits}f}"
-
-
-def _phase_table(passes: list[dict[str, Any]]) -> Table:
-    """Where the time goes: per pass, ms per minibatch by phase, as numbers and a stacked bar."""
-    table = Table(title="Where the time goes, per minibatch (█ fetch stall, h2d, forward, "
-                        "backward, optimizer)")
-    for col, justify in (("configuration", "left"), ("pass", "left"), ("ms/minibatch", "right"),
-                         ("fetch", "right"), ("h2d", "right"), ("fwd", "right"),
-                         ("bwd", "right"), ("opt", "right"), ("", "left"),
-                         ("items/s", "right"), ("J/item", "right"), ("CPU s", "right"),
-                         ("note", "left")):
-        table.add_column(col, justify=justify)  # type: ignore[arg-type]
-    slowest = max((p["wall_s"] / max(1, p["steps"]) for p in passes if p.get("steps")),
-                  default=1.0)
-    for p in passes:
-        if p["status"] != "ok":
-            table.add_row(escape(p["label"]), p["pass"], "", "", "", "", "", "", "", "", "", "",
-                          f"[red]{p['status'].upper()}[/]: {escape(p.get('error') or '')}")
-            continue
-        steps = max(1, p["steps"])
-        phases = p["phases_s"]
-        per = {k: phases[k] / steps * 1e3 for k in ("fetch", "h2d", "forward", "backward",
-                                                    "optimizer")}
-        total = p["wall_s"] / steps * 1e3
-        bar = "".join(_BAR[k] * round(per[k] / (slowest * 1e3) * _BAR_WIDTH) for k in per)
-        energy = p["energy_j"] / p["items"] if p.get("energy_j") and p["items"] else None
-        note = "; ".join(p.get("flags") or [])
-        if p["energy_source"].startswith("modelled"):
-            note = ("J modelled" + ("; " + note if note else ""))
-        table.add_row(escape(p["label"]), p["pass"], _num(total), _num(per["fetch"]),
-                      _num(per["h2d"]), _num(per["forward"]), _num(per["backward"]),
-                      _num(per["optimizer"]), bar, _num(p.get("items_per_s"), 0),
-                      _num(energy, 4), _num(p.get("cpu_s"), 1), escape(note))
-    return table
-
-
 def _print_best(best: dict[str, Any]) -> None:
     if "time" in best:
         t = best["time"]
         out.print(f"[bold]best for time[/]: {escape(t['label'])} — later epoch "
-                  f"{_num(t['epoch_s'])} s (first {_num(t['first_epoch_s'])} s)")
+                  f"{num(t['epoch_s'])} s (first {num(t['first_epoch_s'])} s)")
     if "energy" in best:
         e = best["energy"]
         modelled = " (modelled)" if str(e.get("energy_source", "")).startswith("modelled") else ""
         out.print(f"[bold]best for energy[/]: {escape(e['label'])} — later epoch "
-                  f"{_num(e['epoch_energy_j'], 1)} J{modelled}, {_num(e['epoch_s'])} s")
+                  f"{num(e['epoch_energy_j'], 1)} J{modelled}, {num(e['epoch_s'])} s")
 
 
 @app.command("train-profile")
@@ -184,7 +141,7 @@ def train_profile(
     if as_json:
         _print_json(data_out)
         return
-    out.print(_phase_table(data_out["passes"]))
+    out.print(phase_table(data_out["passes"]))
     _print_best(report.best)
     mode = report.power
     out.print(f"[dim]power mode: {mode.name or 'none'}"
@@ -197,30 +154,6 @@ def train_profile(
     if report.status == "failed":
         err.print("no configuration could be measured: see the errors above")
         raise typer.Exit(1)
-
-
-def _predict_table(data: dict[str, Any]) -> Table:
-    table = Table(title="Predicted epochs (95% bounds) and, where validated, measured")
-    for col, justify in (("configuration", "left"), ("how", "left"), ("first epoch s", "right"),
-                         ("later epoch s", "right"), ("later epoch J", "right"),
-                         ("measured first s", "right"), ("measured later s", "right"),
-                         ("error", "right")):
-        table.add_column(col, justify=justify)  # type: ignore[arg-type]
-    rows: dict[int, dict[str, dict[str, Any]]] = {}
-    for r in data["predictions"]:
-        rows.setdefault(r["config"], {})[r["epoch"]] = r
-    for cfg in sorted(rows):
-        first, later = rows[cfg]["first"], rows[cfg]["later"]
-
-        def span(r: dict[str, Any]) -> str:
-            return f"{_num(r['predicted_s'])} [{_num(r['low_s'])}–{_num(r['high_s'])}]"
-
-        errors = [f"{(r['predicted_s'] - r['measured_s']) / r['measured_s']:+.0%}"
-                  for r in (first, later) if r.get("measured_s")]
-        table.add_row(escape(first["label"]), first["method"], span(first), span(later),
-                      _num(later.get("predicted_energy_j"), 1), _num(first.get("measured_s")),
-                      _num(later.get("measured_s")), " / ".join(errors))
-    return table
 
 
 @app.command("train-predict")
@@ -286,23 +219,23 @@ def train_predict(
         _print_json(data_out)
         return
     if data_out["profile_passes"]:
-        out.print(_phase_table(data_out["profile_passes"]))
-    out.print(_predict_table(data_out))
+        out.print(phase_table(data_out["profile_passes"]))
+    out.print(predict_table(data_out))
     info, scores = data_out["model_info"], data_out["scores"]
     learned = info.get("learned") or {}
     out.print(f"predictor: [bold]{info['chosen']}[/] for the configurations not profiled "
-              f"(leave-one-out error: simple {_num(info.get('simple_loo_mape_pct'), 1)}%"
-              + (f", learned {learned['kind']} {_num(learned.get('loo_mape_pct'), 1)}%"
+              f"(leave-one-out error: simple {num(info.get('simple_loo_mape_pct'), 1)}%"
+              + (f", learned {learned['kind']} {num(learned.get('loo_mape_pct'), 1)}%"
                  if learned else "") + ")")
     if scores["configurations"]:
         out.print(f"validated on {scores['configurations']} held-out configurations: MAPE time "
-                  f"first epoch {_num(scores['first_time_mape_pct'], 1)}%, later "
-                  f"{_num(scores['later_time_mape_pct'], 1)}%; energy first "
-                  f"{_num(scores['first_energy_mape_pct'], 1)}%, later "
-                  f"{_num(scores['later_energy_mape_pct'], 1)}%")
+                  f"first epoch {num(scores['first_time_mape_pct'], 1)}%, later "
+                  f"{num(scores['later_time_mape_pct'], 1)}%; energy first "
+                  f"{num(scores['first_energy_mape_pct'], 1)}%, later "
+                  f"{num(scores['later_energy_mape_pct'], 1)}%")
     out.print(f"[dim]profiled {len(data_out['profiled'])} of {len(data_out['predictions']) // 2} "
               f"configurations, {data_out['profiled_minibatches']} minibatches, "
-              f"{_num(report.profile_s, 0)} s; validation {_num(report.validate_s, 0)} s[/]")
+              f"{num(report.profile_s, 0)} s; validation {num(report.validate_s, 0)} s[/]")
     for note in report.notes:
         out.print(f"[dim]{escape(note)}[/]")
     if report.run_id is not None:

@@ -9,7 +9,7 @@ from typing import Annotated, Any
 
 import typer
 
-from infermux.cli import DbOpt, JsonOpt, _print_json, app, err, out
+from infermux.cli._app import DbOpt, JsonOpt, _print_json, app, err, out
 from infermux.errors import UsageError
 
 __all__ = ["serve_command"]

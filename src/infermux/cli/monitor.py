@@ -9,47 +9,11 @@ from typing import Annotated, Any
 
 import typer
 from rich.live import Live
-from rich.table import Table
 
-from infermux.cli import DbOpt, JsonOpt, _print_json, app, err, out
+from infermux.cli._app import DbOpt, JsonOpt, _print_json, app, err, out
+from infermux.cli.render import readings_table
 
 __all__ = ["monitor", "readings_table"]
-
-
-def _fmt(value: Any, digits: int = 1) -> str:
-    if value is None:
-        return "–"
-    if isinstance(value, float):
-        return f"{value:,.{digits}f}"
-    return str(value)
-
-
-def readings_table(tick: Any, title: str = "Telemetry") -> Table:
-    """One row per device reading of a tick: power, energy, utilisation, clocks, temperature."""
-    table = Table(title=title)
-    for col, justify in (("source", "left"), ("device", "left"), ("power W", "right"),
-                         ("energy J", "right"), ("util %", "right"), ("mem util %", "right"),
-                         ("clock MHz", "right"), ("temp °C", "right"), ("notes", "left")):
-        table.add_column(col, justify=justify)  # type: ignore[arg-type]
-    if tick is None:
-        return table
-    for r in tick.readings:
-        notes = []
-        if r.throttle:
-            notes.append("clocks: " + ",".join(r.throttle))
-        if r.other_processes:
-            notes.append(f"{len(r.other_processes)} other process(es)")
-        if r.rails_w:
-            notes.append(" ".join(f"{k}={v:.2f}W" for k, v in r.rails_w.items()))
-        if r.cores_util_pct:
-            notes.append("cores " + " ".join(f"{c:.0f}" for c in r.cores_util_pct))
-        if r.mem_used_bytes is not None:
-            notes.append(f"mem {r.mem_used_bytes / 2**30:.1f} GiB")
-        notes.extend(f"{k}={v:g}" for k, v in r.extra.items())
-        table.add_row(r.source, r.device, _fmt(r.power_w), _fmt(r.energy_j), _fmt(r.util_pct),
-                      _fmt(r.mem_util_pct), _fmt(r.clock_mhz, 0), _fmt(r.temp_c),
-                      "; ".join(notes))
-    return table
 
 
 @app.command()

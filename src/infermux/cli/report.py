@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from infermux.cli import DbOpt, JsonOpt, _print_json, _state, app, err, out
+from infermux.cli._app import DbOpt, JsonOpt, _print_json, _state, app, err, out
 
 __all__ = ["report_command"]
 
@@ -43,4 +43,4 @@ def report_command(
 
 # `infermux study` writes reports too; its commands register with the app here, so the app
 # module imports one module of this area.
-from infermux import cli_study as _cli_study  # noqa: E402,F401
+

@@ -7,19 +7,11 @@ import sys
 from typing import Annotated
 
 import typer
-from rich.table import Table
 
-from infermux.cli import DbOpt, JsonOpt, _print_json, _progress, _state, app, err, out
+from infermux.cli._app import DbOpt, JsonOpt, _print_json, _progress, _state, app, err, out
+from infermux.cli.render import study_points_table
 
 __all__ = ["study_command"]
-
-
-def _num(value: object, digits: int = 1) -> str:
-    if value is None:
-        return "–"
-    if isinstance(value, float):
-        return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.{digits}f}"
-    return str(value)
 
 
 @app.command("study")
@@ -76,18 +68,7 @@ def study_command(
     if as_json:
         _print_json(data)
     else:
-        table = Table(title=f"study {name}: every point")
-        for col in ("#", "point", "batch", "inst", "scenario", "status", "items/s", "p99 ms",
-                    "run", "note"):
-            table.add_column(col)
-        for p in report.points:
-            f = p["figures"] or {}
-            table.add_row(str(p["point"]), p["variant"], _num(p["params"].get("batch")),
-                          _num(p["params"].get("instances")),
-                          str(p["params"].get("scenario") or "offline"), p["status"],
-                          _num(f.get("items_per_s")), _num(f.get("p99_ms"), 2),
-                          _num(p.get("sub_run_id")), (p.get("error") or "")[:60])
-        out.print(table)
+        out.print(study_points_table(name, report.points))
         for line in report.headline.get("findings") or []:
             out.print(line, highlight=False)
         if report.run_id is not None:

@@ -4,110 +4,25 @@ from __future__ import annotations
 
 import shlex
 import sys
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 from rich.markup import escape
-from rich.table import Table
 
-from infermux.cli import DbOpt, JsonOpt, _print_json, _progress, app, err, out
+from infermux.cli._app import DbOpt, JsonOpt, _print_json, _progress, app, err, out
+from infermux.cli.render import (
+    num,
+    run_headline,
+    run_models_table,
+    stages_table,
+    timeline_text,
+    workers_table,
+)
 from infermux.errors import UsageError
 
 __all__ = ["plan_command", "run_command"]
 
 _SCENARIOS = ("offline", "server", "single-stream", "multi-stream")
-
-
-def _num(value: Any, digits: int = 1) -> str:
-    if value is None:
-        return "–"
-    if isinstance(value, float):
-        return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.{digits}f}"
-    return str(value)
-
-
-def _models_table(record: dict[str, Any]) -> Table:
-    table = Table(title="Models")
-    for col in ("model", "completed", "failed", "samples/s", "p50 ms", "p99 ms",
-                "queue p99", "batch-wait p99", "compute p99", "batch sizes"):
-        table.add_column(col, justify="left" if col in ("model", "batch sizes") else "right")
-    for m in record.get("models", {}).values():
-        ph = m["phases"]
-        hist = " ".join(f"{k}×{v}" for k, v in m["batch_histogram"].items())
-        table.add_row(m["model"], str(m["completed"]), str(m["failed"]),
-                      _num(m["throughput_samples_per_s"]), _num(m["latency"].get("p50_ms"), 2),
-                      _num(m["latency"].get("p99_ms"), 2),
-                      _num(ph["queueing"].get("p99_ms"), 2),
-                      _num(ph["batching_wait"].get("p99_ms"), 2),
-                      _num(ph["compute"].get("p99_ms"), 2), hist[:40])
-    return table
-
-
-def _workers_table(record: dict[str, Any]) -> Table:
-    table = Table(title="Workers")
-    for col in ("worker", "unit", "status", "batches", "items", "share", "utilisation",
-                "batch sizes"):
-        table.add_column(col)
-    for w in record.get("workers", {}).values():
-        hist = " ".join(f"{k}×{v}" for k, v in w["batch_histogram"].items())
-        status = w["status"] if not w.get("error") else f"{w['status']}: {w['error'][:50]}"
-        table.add_row(w["worker"], w["unit"], status, str(w["batches"]), str(w["items"]),
-                      f"{w['share']:.1%}", _num((w.get("utilisation") or 0) * 100, 0) + "%",
-                      hist[:40])
-    return table
-
-
-def _stages_table(record: dict[str, Any]) -> Table | None:
-    pipelines = record.get("pipelines") or {}
-    if not pipelines:
-        return None
-    table = Table(title="Pipeline stages")
-    for col in ("model", "#", "segment", "units", "engine", "busy", "mean batch",
-                "compute ms/batch", "transfer ms/batch", "queue depth"):
-        table.add_column(col)
-    for model, stages in pipelines.items():
-        for st in stages:
-            table.add_row(model, str(st["stage"]), st["segment"], "+".join(st["units"]),
-                          st["engine"], f"{st['busy']:.0%}", _num(st["mean_batch"]),
-                          _num(st["compute_ms_per_batch"], 2), _num(st["transfer_ms_per_batch"], 2),
-                          _num(st["queue_depth"]))
-    return table
-
-
-def _headline(record: dict[str, Any]) -> str:
-    lat = record.get("latency", {})
-    parts = [f"[bold]{record['scenario']}[/]",
-             "[green]valid[/]" if record["valid"] else "[red]INVALID[/]",
-             f"{_num(record.get('throughput_samples_per_s'))} samples/s",
-             f"{record['completed']} queries in {record['duration_s']:.2f}s",
-             f"p50 {_num(lat.get('p50_ms'), 2)} / p90 {_num(lat.get('p90_ms'), 2)} / "
-             f"p99 {_num(lat.get('p99_ms'), 2)} ms"]
-    if record.get("rate_qps"):
-        parts.append(f"at {record['rate_qps']:.1f} qps")
-    text = " · ".join(parts)
-    if record.get("validity_notes"):
-        text += "\n[dim]" + "; ".join(record["validity_notes"]) + "[/]"
-    return text
-
-
-def _timeline_text(record: dict[str, Any]) -> str:
-    """Which unit served which model over time, when any unit served more than one model."""
-    rows = record.get("timeline", {}).get("rows", [])
-    per_unit: dict[str, set[str]] = {}
-    for r in rows:
-        per_unit.setdefault(r["unit"], set()).add(r["model"])
-    if not rows or all(len(models) <= 1 for models in per_unit.values()):
-        return ""
-    units = sorted(per_unit)
-    lines = ["timeline (items served per unit and model, by completion time):"]
-    for t in sorted({r["t_s"] for r in rows}):
-        cells = []
-        for unit in units:
-            served = {r["model"]: r["items"] for r in rows if r["t_s"] == t and r["unit"] == unit}
-            text = ", ".join(f"{m} {n}" for m, n in sorted(served.items())) or "idle"
-            cells.append(f"{unit}: {text}")
-        lines.append(f"  {t:6.2f}s  " + " | ".join(cells))
-    return "\n".join(lines)
 
 
 @app.command("run")
@@ -162,22 +77,22 @@ def run_command(
         if report.peak is not None:
             peak = report.peak
             frac = peak.get("peak_fraction_of_offline")
-            out.print(f"[bold]peak[/] {_num(peak.get('peak_qps'))} qps within p99 ≤ "
-                      f"{peak['p99_bound_ms']:g} ms; offline {_num(peak.get('offline_samples_per_s'))}"
+            out.print(f"[bold]peak[/] {num(peak.get('peak_qps'))} qps within p99 ≤ "
+                      f"{peak['p99_bound_ms']:g} ms; offline {num(peak.get('offline_samples_per_s'))}"
                       f" samples/s" + (f" ({frac:.0%} of offline)" if frac else ""))
             for t in peak["trials"]:
-                out.print(f"  {t['rate_qps']:.1f} qps: p99 {_num(t['p99_ms'], 2)} ms "
+                out.print(f"  {t['rate_qps']:.1f} qps: p99 {num(t['p99_ms'], 2)} ms "
                           f"{'valid' if t['valid'] else 'invalid'}")
             if peak.get("reason"):
                 out.print(f"[yellow]no peak[/]: {escape(peak['reason'])}", highlight=False)
         if record is not None:
-            out.print(_headline(record))
-            out.print(_models_table(record))
-            out.print(_workers_table(record))
-            stages = _stages_table(record)
+            out.print(run_headline(record))
+            out.print(run_models_table(record))
+            out.print(workers_table(record))
+            stages = stages_table(record)
             if stages is not None:
                 out.print(stages)
-            timeline = _timeline_text(record)
+            timeline = timeline_text(record)
             if timeline:
                 out.print(timeline)
         if report.run_id is not None:
