@@ -49,7 +49,7 @@ def _points(out: Path, duration_s: float) -> tuple[list[dict], dict]:
                 record["run_id"] = report.run_id
                 rows.append(record)
                 print(f"{record['unit']} b{record['batch']}: "
-                      f"{record.get('throughput_items_per_s') or 0:,.0f} img/s, "
+                      f"{record.get('items_per_s') or 0:,.0f} img/s, "
                       f"{record.get('energy_per_item_j')} J/img", file=sys.stderr)
     return rows, telemetry
 
@@ -115,7 +115,7 @@ def _markdown(points: list[dict], overhead: list[dict], telemetry: dict, machine
         gpu = p.get("utilisation", {}).get("cuda:0", {})
         lines.append(
             f"| {p['unit'].split('/')[1]} | {p['batch']} | "
-            f"{_fmt(p.get('throughput_items_per_s'), ',.0f')} | "
+            f"{_fmt(p.get('items_per_s'), ',.0f')} | "
             f"{_fmt(p.get('energy_per_item_j'), '.4f')} | {_fmt(p.get('mean_power_w'), '.0f')} | "
             f"{_fmt(p.get('peak_power_w'), '.0f')} | {_fmt(p.get('items_per_s_per_w'), '.2f')} | "
             f"{_fmt(gpu.get('util_pct'), '.0f')} | {_fmt(gpu.get('clock_mhz'), '.0f')} | "

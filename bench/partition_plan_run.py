@@ -79,7 +79,7 @@ def main() -> None:
         with Pipeline(PipelinePlan.from_entry(entry), model, graph, units) as pipe:
             direct = pipe.measure(args.duration, 1.0).items_per_s
         ran = run_plan(offline).final or {}
-        rounds.append({"partitioner": direct, "runtime": ran.get("throughput_samples_per_s") or 0.0,
+        rounds.append({"partitioner": direct, "runtime": ran.get("items_per_s") or 0.0,
                        "runtime_p99_ms": (ran.get("latency") or {}).get("p99_ms") or 0.0})
         print(f"round {r + 1}: partitioner {direct:,.1f}, runtime {rounds[-1]['runtime']:,.1f} "
               "items/s", flush=True)
@@ -87,7 +87,7 @@ def main() -> None:
     rate = args.server_fraction * statistics.median(x["runtime"] for x in rounds)
     server = run_plan(_with_load(plan, scenario="server", rate_qps=rate, min_duration_s=args.duration,
                                  min_queries=128, p99_bound_ms=args.p99)).final or {}
-    print(f"server at {rate:,.1f} qps: {server.get('throughput_samples_per_s') or 0:,.1f} items/s, "
+    print(f"server at {rate:,.1f} qps: {server.get('items_per_s') or 0:,.1f} items/s, "
           f"p99 {(server.get('latency') or {}).get('p99_ms')} ms, valid {server.get('valid')}")
     peak = None
     if args.p99 is not None:
@@ -102,7 +102,7 @@ def main() -> None:
         "partition_measured_items_per_s": report.best.measured_items_per_s,
         "predicted_items_per_s": report.best.predicted_items_per_s,
         "rounds": rounds, "runtime_over_partitioner_median": ratio,
-        "server": {"rate_qps": rate, "throughput": server.get("throughput_samples_per_s"),
+        "server": {"rate_qps": rate, "throughput": server.get("items_per_s"),
                    "latency": server.get("latency"), "valid": server.get("valid"),
                    "pipelines": server.get("pipelines")},
         "peak": peak, "elapsed_s": time.perf_counter() - started,

@@ -100,7 +100,7 @@ def run_runtime(model_ref: str, shape: tuple[int, ...] | None, batch: int, durat
         "load": {"scenario": "offline", "min_duration_s": duration_s, "min_queries": 1},
     })
     report = run_plan(plan)
-    return float(report.final["throughput_samples_per_s"])
+    return float(report.final["items_per_s"])
 
 
 def main() -> None:

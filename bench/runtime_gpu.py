@@ -82,7 +82,7 @@ def plan(setup: Setup, replicas: list[dict[str, Any]], load: dict[str, Any],
 def offline_rate(setup: Setup, replicas: list[dict[str, Any]]) -> tuple[float, dict[str, Any]]:
     report = run_plan(plan(setup, replicas, {"scenario": "offline"}))
     rec = report.final or {}
-    return float(rec.get("throughput_samples_per_s") or 0.0), rec
+    return float(rec.get("items_per_s") or 0.0), rec
 
 
 def plain_eager(setup: Setup, batch: int) -> float:
@@ -188,7 +188,7 @@ def main() -> None:
                                              "p99_bound_ms": setup.bound_ms},
                                 bound_ms=setup.bound_ms))
     peak = peak_report.peak or {}
-    gpu_offline = peak.get("offline_samples_per_s") or 0.0
+    gpu_offline = peak.get("offline_items_per_s") or 0.0
     row("3 mixed", "GPU-only plan, offline", gpu_offline, "img/s")
     mixed_offline, mixed_rec = offline_rate(setup, mixed)
     row("3 mixed", "GPU + CPU plan, offline", mixed_offline, "img/s", gpu_offline,

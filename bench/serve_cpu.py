@@ -56,7 +56,7 @@ def offline(plan: Path) -> dict[str, Any]:
     done = subprocess.run([*INFERMUX, "run", str(plan), "--scenario", "offline", "--json",
                            "--no-store"], capture_output=True, text=True, check=True, env=ENV)
     result = json.loads(done.stdout)["result"]
-    return {"samples_per_s": result["throughput_samples_per_s"],
+    return {"items_per_s": result["items_per_s"],
             "p99_ms": result["latency"]["p99_ms"]}
 
 
@@ -155,7 +155,7 @@ def main() -> None:
                               "cpus": os.cpu_count()}
     print("offline (infermux run) ...", flush=True)
     report["offline"] = offline(plan)
-    print(f"  {report['offline']['samples_per_s']:.1f} samples/s", flush=True)
+    print(f"  {report['offline']['items_per_s']:.1f} samples/s", flush=True)
     proc, ready = start_server(plan, out)
     levels = [int(c) for c in args.concurrency.split(",")]
     try:
@@ -183,7 +183,7 @@ def main() -> None:
         report["server_exit_code"] = proc.returncode
         report["server_summary"] = json.loads(stopped[stopped.index("{"):]) if "{" in stopped else None
     best = max((r["perf_analyzer"]["throughput"] for r in rows if r["perf_analyzer"]), default=0)
-    report["best_served_over_offline"] = best / report["offline"]["samples_per_s"]
+    report["best_served_over_offline"] = best / report["offline"]["items_per_s"]
     if args.peer_python:
         peer = start_peer(args.peer_python, args, out)
         try:

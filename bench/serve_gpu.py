@@ -77,7 +77,7 @@ def find_peak(plan: Path, bound_ms: float) -> dict[str, Any]:
                            "--duration", "4s", "--json", "--no-store"],
                           capture_output=True, text=True, check=True, env=ENV)
     peak = json.loads(done.stdout)["peak"]
-    return {"peak_qps": peak.get("peak_qps"), "offline": peak.get("offline_samples_per_s")}
+    return {"peak_qps": peak.get("peak_qps"), "offline": peak.get("offline_items_per_s")}
 
 
 def sweep_perf_analyzer(exe: str, url: str, protocol: str, model: str, levels: list[int],

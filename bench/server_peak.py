@@ -92,7 +92,7 @@ def main() -> int:
             continue
         report = json.loads(proc.stdout)
         trials = report["trials"]
-        offline = trials[0].get("throughput_samples_per_s") or 0.0
+        offline = trials[0].get("items_per_s") or 0.0
         peak = (report.get("peak") or {}).get("peak_qps")
         invalid = [t for t in trials[1:] if not t.get("valid")]
         first_bad = min(invalid, key=lambda t: t.get("rate_qps") or 0) if invalid else None

@@ -17,7 +17,7 @@ def through_runtime(plan: dict[str, Any], seconds: float) -> float:
     report = run_plan(parse_plan(data, source="bench plan"))
     if report.final is None or not report.final["valid"]:
         raise SystemExit(f"plan {plan.get('name')!r} gave no valid offline result: {report.final}")
-    return float(report.final["throughput_samples_per_s"])
+    return float(report.final["items_per_s"])
 
 
 def side_by_side(plans: dict[str, dict[str, Any]], seconds: float, rounds: int

@@ -139,7 +139,7 @@ def test_samples_round_trip(db):
         samples = [Sample(i % 2, 1000 + i, i, 900 + i, 3) for i in range(50)]
         record = {"model": "m", "unit": "cpu", "engine": "torch", "batch": 1, "instances": 2,
                   "data": "host", "status": "ok", "valid": True, "items": 50, "window_s": 1.0,
-                  "throughput_items_per_s": 50.0}
+                  "items_per_s": 50.0}
         result_id = store.add_result(run_id, record, samples)
         assert store.samples(result_id) == samples
         assert np.isclose(store.run(run_id)["results"][0]["h2d_ms"], np.mean(range(50)) / 1e6)

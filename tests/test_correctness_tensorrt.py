@@ -62,3 +62,35 @@ def test_an_engine_for_the_second_gpu_runs_on_it(tmp_path, monkeypatch):
     assert runner._x_dev.device == torch.device("cuda", 1)
     assert runner.run().latency_ns > 0
     assert agreement.check(runner, agreement.reference_for(model)).status == "pass"
+
+
+@pytest.mark.parametrize(("mode", "options", "tolerance"), [
+    ("fp16", {}, 2e-2), ("bf16", {}, 8e-2), ("fp16", {"int8": True}, 2e-1)])
+def test_each_precision_builds_on_the_installed_release_and_agrees_with_fp32(
+        tmp_path, monkeypatch, mode, options, tolerance):
+    """The path the installed TensorRT takes (strongly typed on 11, flags on 10) builds and
+    agrees with the fp32 engine; the runner says which path and which precision it used."""
+    _need(1)
+    import tensorrt as trt
+
+    from infermux.engines import create_engine
+    from infermux.engines.tensorrt import trt_api
+    from infermux.models import load_model
+    from infermux.units import discover
+
+    monkeypatch.setenv("INFERMUX_CACHE_DIR", str(tmp_path))
+    found = discover()
+    unit, fp32 = found.get(f"cuda:0/{mode}"), found.get("cuda:0/fp32")
+    if unit is None or not unit.available:
+        pytest.skip(f"this GPU has no usable cuda:0/{mode} unit")
+    model = load_model(f"{TINY}:build")
+    engine = create_engine("tensorrt")
+    x = np.random.default_rng(0).standard_normal((4, *model.input_shape)).astype(np.float32)
+    want = engine.build(model, fp32, 4, {}).infer(x)[0]
+    runner = engine.build(model, unit, 4, options)
+    got = runner.infer(x)[0]
+    api = trt_api(trt)
+    assert runner.options["typing"] == ("weak" if api.precision_flags else "strong")
+    if runner.options["typing"] == "strong":
+        assert runner.options["model_precision"] == ("int8" if options else mode)
+    assert np.abs(got - want).max() <= tolerance * max(1.0, float(np.abs(want).max()))

@@ -212,8 +212,10 @@ def test_openvino_units_report_the_precision_they_compute_in(tiny: LoadedModel) 
     assert auto.options["precision"] in ("fp32", "bf16", "fp16")  # the device's choice, read back
     result = agreement.check(auto, agreement.reference_for(tiny))
     assert result.status == "pass", result.message
-    with pytest.raises(UsageError, match="quantised"):
-        engine.build(tiny, unit, 2, {"precision": "u8"})
+    # u8 on a float model: the Q/DQ model is made from calibration data (here seeded noise).
+    u8 = engine.build(tiny, unit, 2, {"precision": "u8", "calibration_items": 8})
+    assert u8.options["precision"] == "int8" and u8.options["model_precision"] == "int8"
+    assert u8.options["calibration_data"] == "random"
 
 
 def test_export_of_unexportable_model_fails_the_build_naming_the_operator(cpu: Unit) -> None:

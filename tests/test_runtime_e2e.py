@@ -96,7 +96,7 @@ def test_work_stealing_gives_the_faster_unit_more_work():
                                                  "min_queries": 50})
         rec = run_plan(p).final
         share = {w["unit"]: w["share"] for w in rec["workers"].values()}
-        return share["cpu:0"], rec["throughput_samples_per_s"]
+        return share["cpu:0"], rec["items_per_s"]
 
     pull_share, pull_rate = run("pull")
     rr_share, rr_rate = run("round_robin")
@@ -186,7 +186,7 @@ def test_find_peak_reports_a_fraction_of_offline():
                                  "min_duration_s": 0.4}))
     peak = report.peak
     assert peak is not None and len(peak["trials"]) == 6
-    assert peak["offline_samples_per_s"] > 0
+    assert peak["offline_items_per_s"] > 0
     assert peak["peak_qps"] is not None
     assert 0 < peak["peak_fraction_of_offline"] <= 1.0
     assert report.final["scenario"] == "server" and report.final["valid"]

@@ -539,6 +539,7 @@ def test_bad_serve_arguments_are_one_line(tmp_path: Path, net_file: Path) -> Non
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
     for args, words in ((["--http-port", "70000"], "--http-port 70000"),
                         (["--max-queue", "0"], "--max-queue 0"),
+                        (["--max-restarts", "-1"], "--max-restarts -1"),
                         (["--drain-timeout", "soon"], "--drain-timeout")):
         done = subprocess.run([sys.executable, "-m", "infermux", "serve", str(plan), *args],
                               capture_output=True, text=True, env=env, timeout=60)
@@ -557,7 +558,8 @@ def test_a_failed_worker_marks_its_model_not_ready_while_others_serve(net_file: 
         {"name": "fragile", "model": f"{net_file}:poisonable",
          "replicas": [{"unit": "cpu:1", "instances": 1, "batch": 4}]}],
         "dispatcher": {"max_queue_delay_ms": 1, "cpu_workers": "thread"}}
-    srv = Server(net_file.parent, plan)
+    # No restarts here (tests/test_serve_faults.py has them): the model stays not ready.
+    srv = Server(net_file.parent, plan, "--max-restarts", "0")
     try:
         client = thttp.InferenceServerClient(srv.http)
 
@@ -614,3 +616,101 @@ def test_a_pipelined_model_is_served_with_its_own_outputs(net_file: Path, refere
         with contextlib.suppress(ProcessLookupError):
             srv.proc.kill()
         srv.proc.wait(10)
+
+
+# -- large and FP16 requests (the body collected whole, rows copied straight in) -------------------
+
+
+def _infer_raw(server: Server, x: np.ndarray, datatype: str, *, chunked: bool = False,
+               ) -> np.ndarray:
+    header = json.dumps({"inputs": [{"name": "input", "datatype": datatype, "shape": list(x.shape),
+                                     "parameters": {"binary_data_size": x.nbytes}}],
+                         "parameters": {"binary_data_output": True}}).encode()
+    headers = {"Inference-Header-Content-Length": str(len(header))}
+    conn = http.client.HTTPConnection(server.http, timeout=30)
+    try:
+        if chunked:  # no Content-Length: the body arrives in pieces, uvicorn's own way
+            parts = [header, x.tobytes()[:1000], x.tobytes()[1000:]]
+            conn.request("POST", "/v2/models/net/infer", body=iter(parts), headers=headers,
+                         encode_chunked=True)
+        else:
+            conn.request("POST", "/v2/models/net/infer", body=header + x.tobytes(),
+                         headers=headers)
+        resp = conn.getresponse()
+        payload = resp.read()
+        assert resp.status == 200, payload[:300]
+    finally:
+        conn.close()
+    size = int(resp.getheader("Inference-Header-Content-Length"))
+    out = json.loads(payload[:size])["outputs"][0]
+    return np.frombuffer(payload[size:], dtype="<f4").reshape(out["shape"])
+
+
+def test_fp16_and_fp32_requests_agree_on_process_workers(server: Server, reference: Any) -> None:
+    x = _x(3, seed=11).astype(np.float16)
+    ref = reference(x.astype(np.float32))
+    np.testing.assert_allclose(_infer_raw(server, x, "FP16"), ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(_infer_raw(server, x.astype(np.float32), "FP32"), ref,
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_thread_workers_copy_rows_of_either_dtype_and_bodies_of_any_framing(
+        net_file: Path, reference: Any) -> None:
+    # Thread workers: each request's rows are copied straight into the runner's input buffer.
+    srv = Server(net_file.parent, _plan("rows", f"{net_file}:build", cpu_workers="thread"))
+    try:
+        xs = {k: _x(1 + k % 4, seed=20 + k) for k in range(12)}
+        results: dict[int, np.ndarray] = {}
+
+        def call(k: int) -> None:  # FP16 and FP32 requests batched together
+            x = xs[k].astype(np.float16) if k % 2 else xs[k]
+            results[k] = _infer_raw(srv, x, "FP16" if k % 2 else "FP32", chunked=k % 3 == 0)
+
+        threads = [threading.Thread(target=call, args=(k,)) for k in xs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert sorted(results) == sorted(xs)
+        for k, x in xs.items():
+            sent = x.astype(np.float16).astype(np.float32) if k % 2 else x
+            np.testing.assert_allclose(results[k], reference(sent), rtol=1e-5, atol=1e-5)
+    finally:
+        code, out = srv.stop()
+    assert code == 0, out
+
+
+def test_models_on_fp16_units_declare_fp16_inputs() -> None:
+    from infermux.runtime.plan import ModelEntry
+    from infermux.serve.core import _input_datatype
+
+    def entry(*units: str) -> ModelEntry:
+        return ModelEntry.model_validate({"name": "m", "model": "resnet50", "replicas": [
+            {"unit": u, "engine": "torch"} for u in units]})
+
+    assert _input_datatype(entry("cuda:0/fp16", "cuda:1/fp16")) == "FP16"
+    assert _input_datatype(entry("cuda:0/fp16", "cpu:0")) == "FP32"
+    assert _input_datatype(entry("cpu:0")) == "FP32"
+    assert _input_datatype(entry("cuda:0/bf16")) == "FP32"
+
+
+def test_infer_request_parser_leaves_raw_contents_in_place() -> None:
+    from tritonclient.grpc import service_pb2
+
+    from infermux.serve.grpc_front import InferRequest, parse_infer_request
+
+    request = service_pb2.ModelInferRequest(model_name="net", model_version="1", id="r")
+    request.parameters["priority"].int64_param = 3
+    request.inputs.add(name="input", datatype="FP16", shape=[2, 3])
+    request.outputs.add(name="output")
+    x = np.arange(6, dtype=np.float16)
+    request.raw_input_contents.extend([x.tobytes(), b""])
+    wire = request.SerializeToString()
+    parsed = parse_infer_request(wire)
+    assert isinstance(parsed, InferRequest)
+    assert all(v.obj is wire for v in parsed.raw)  # views of the message, not copies
+    assert [bytes(v) for v in parsed.raw] == list(request.raw_input_contents)
+    parsed.message.raw_input_contents.extend(bytes(v) for v in parsed.raw)
+    assert parsed.message == request
+    with pytest.raises(Exception, match="Error parsing"):  # protobuf reports bad bytes itself
+        parse_infer_request(wire[:-3])

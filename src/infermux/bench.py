@@ -30,11 +30,11 @@ from infermux import agreement
 from infermux.engines import Runner, create_engine
 from infermux.engines.base import DATA_PLACEMENTS, Engine, is_out_of_memory
 from infermux.engines.select import engine_options, engines_for
-from infermux.env import capture_environment
-from infermux.errors import DeviceOutOfMemoryError, InfermuxError, UsageError
+from infermux.errors import DeviceOutOfMemoryError, InfermuxError, UsageError, first_line
 from infermux.models import LoadedModel, ModelSpec, load_model
+from infermux.progress import ProgressFn
 from infermux.stats import latency_summary_ms
-from infermux.store import Sample, Store
+from infermux.store import Sample, Store, recording
 from infermux.telemetry import DEFAULT_INTERVAL_S, EnergySummary, Sampler, TelemetryWindow
 from infermux.units import Unit, discover, select_units
 
@@ -43,8 +43,6 @@ __all__ = [
     "measure_point", "run_bench",
 ]
 
-#: progress(label, fraction) — fraction of the current point's validity rule met, 0..1.
-ProgressFn = Callable[[str, float], None]
 
 
 @dataclass
@@ -158,7 +156,7 @@ class Measurement:
             "model": self.model, "unit": self.unit, "engine": self.engine, "batch": self.batch,
             "instances": self.instances, "data": self.data, "status": self.status,
             "valid": valid, "validity_note": note, "items": self.items,
-            "window_s": self.window_s, "throughput_items_per_s": self.throughput,
+            "window_s": self.window_s, "items_per_s": self.throughput,
             "build_s": self.build_s, "options": self.options, "error": self.error,
             "weights_note": self.weights_note, "agreement": self.agreement,
         }
@@ -321,43 +319,41 @@ def run_bench(
     model = load_model(config.model)
     plan = engines_for(config.engine, units, model)
     engines = {name: create_engine(name) for name in sorted({n for _, n in plan})}
-    run_id = None
-    if store is not None:
-        cfg = config.to_dict()
-        cfg["resolved_units"] = [u.id for u in units]
-        cfg["resolved_engines"] = [[u.id, n] for u, n in plan]
-        cfg["model_description"] = model.describe()
-        run_id = store.begin_run("bench", cfg, capture_environment(), command)
-    report = BenchReport(run_id, model, units, [], "complete")
-    sampler = None
-    if config.telemetry_interval_s is not None:
-        sampler = Sampler.for_units(units, interval_s=config.telemetry_interval_s).start()
-        report.telemetry = sampler.describe()
-    reference: list[agreement.Reference] = []
-    try:
-        for unit, name in plan:
-            for batch in config.batches:
-                point = measure_point(config, name, engines[name], model, unit, batch, progress,
-                                       reference, sampler)
-                report.measurements.append(point)
-                if store is not None and run_id is not None:
-                    result_id = store.add_result(run_id, point.record(), point.samples)
-                    if point.telemetry is not None:
-                        store.add_telemetry(run_id, result_id, point.telemetry.rows())
-                if point.status == "interrupted":
-                    raise KeyboardInterrupt
-            engines[name].release()  # one (unit, engine) at a time holds memory
-    except KeyboardInterrupt:
-        report.status = "interrupted"
-    finally:
-        if sampler is not None:
-            sampler.stop()
-        if store is not None and run_id is not None:
-            status = report.status
-            valid = sum(1 for m in report.measurements if m.validity[0])
-            store.finish_run(run_id, status, {"points": len(report.measurements), "valid": valid})
-        for engine in engines.values():
-            engine.release()
+    cfg = config.to_dict()
+    cfg["resolved_units"] = [u.id for u in units]
+    cfg["resolved_engines"] = [[u.id, n] for u, n in plan]
+    cfg["model_description"] = model.describe()
+    with recording(store, "bench", cfg, command) as rec:
+        run_id = rec.run_id
+        report = BenchReport(run_id, model, units, [], "complete")
+        sampler = None
+        if config.telemetry_interval_s is not None:
+            sampler = Sampler.for_units(units, interval_s=config.telemetry_interval_s).start()
+            report.telemetry = sampler.describe()
+        reference: list[agreement.Reference] = []
+        try:
+            for unit, name in plan:
+                for batch in config.batches:
+                    point = measure_point(config, name, engines[name], model, unit, batch,
+                                          progress, reference, sampler)
+                    report.measurements.append(point)
+                    if store is not None and run_id is not None:
+                        result_id = store.add_result(run_id, point.record(), point.samples)
+                        if point.telemetry is not None:
+                            store.add_telemetry(run_id, result_id, point.telemetry.rows())
+                    if point.status == "interrupted":
+                        raise KeyboardInterrupt
+                engines[name].release()  # one (unit, engine) at a time holds memory
+        except KeyboardInterrupt:
+            report.status = "interrupted"
+        finally:
+            if sampler is not None:
+                sampler.stop()
+            rec.status = report.status
+            rec.summary = {"points": len(report.measurements),
+                           "valid": sum(1 for m in report.measurements if m.validity[0])}
+            for engine in engines.values():
+                engine.release()
     return report
 
 
@@ -429,7 +425,7 @@ def measure_point(
     except Exception as exc:  # noqa: BLE001 - one broken point must not end the sweep
         oom = is_out_of_memory(exc)
         point.status = "oom" if oom else "error"
-        point.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        point.error = first_line(exc)
         if oom:
             engine.release()
     if progress is not None:

@@ -7,7 +7,7 @@ failure (1).
 
 from __future__ import annotations
 
-__all__ = ["DeviceOutOfMemoryError", "InfermuxError", "RunError", "UsageError"]
+__all__ = ["DeviceOutOfMemoryError", "InfermuxError", "RunError", "UsageError", "first_line"]
 
 
 class InfermuxError(Exception):
@@ -30,3 +30,17 @@ class RunError(InfermuxError):
 
 class DeviceOutOfMemoryError(RunError):
     """A device ran out of memory at one configuration (recorded as that point's result)."""
+
+
+def first_line(exc: BaseException, *, typed: bool = True, limit: int = 300) -> str:
+    """An exception as one line for a table, a record or a log: `Type: first line of message`.
+
+    `typed=False` leaves the type out where the message says enough (the type alone stands in
+    for an empty message); lines longer than `limit` are cut.
+    """
+    text = str(exc).strip()
+    line = text.splitlines()[0] if text else ""
+    name = type(exc).__name__
+    if not line:
+        return name
+    return (f"{name}: {line}" if typed else line)[:limit]

@@ -19,11 +19,13 @@ import re
 import tempfile
 import time
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from infermux.errors import RunError, UsageError
+from infermux.errors import RunError, UsageError, first_line
 from infermux.models import LoadedModel
 
 __all__ = [
@@ -140,16 +142,33 @@ def export_onnx(model: LoadedModel, runtime: str = "onnxruntime", opset: int | N
         raise UsageError(f"cannot create the ONNX cache folder {str(folder)!r} ({exc}); "
                          "set INFERMUX_CACHE_DIR to a writable folder") from exc
     started = time.perf_counter()
-    fd, tmp_name = tempfile.mkstemp(prefix=path.stem, suffix=".tmp", dir=folder)
-    os.close(fd)
-    try:
-        _torch_export(model, Path(tmp_name), opset)
-        os.replace(tmp_name, path)
-    finally:
-        if os.path.exists(tmp_name):
-            os.unlink(tmp_name)
+    with atomic_file(path) as tmp:
+        _torch_export(model, tmp, opset)
     return ExportedModel(path, file_digest(path), opset, exported=True,
                          export_s=time.perf_counter() - started)
+
+
+@contextmanager
+def atomic_file(path: Path) -> Iterator[Path]:
+    """A temporary path beside `path` that becomes `path` when the block ends without error.
+
+    Caches written this way are never seen half-written by another process.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write `data` to `path` through `atomic_file`."""
+    with atomic_file(path) as tmp:
+        tmp.write_bytes(data)
 
 
 def _torch_export(model: LoadedModel, path: Path, opset: int) -> None:
@@ -175,7 +194,7 @@ def _torch_export(model: LoadedModel, path: Path, opset: int) -> None:
             )
     except Exception as exc:
         operator = _failing_operator(exc)
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = first_line(exc, typed=False)
         where = f"operator {operator} is not exportable" if operator else first
         raise RunError(
             f"exporting {model.name} to ONNX (opset {opset}) failed: {where}"
@@ -194,7 +213,7 @@ def check_onnx_file(path: Path) -> None:
         proto = onnx.load(str(path), load_external_data=False)
         onnx.checker.check_model(proto)
     except Exception as exc:  # onnx raises DecodeError, ValidationError, OSError…
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = first_line(exc, typed=False)
         raise UsageError(
             f"ONNX file {str(path)!r} is not a valid ONNX model ({type(exc).__name__}: "
             f"{first[:200]}); re-export it or pass another file"

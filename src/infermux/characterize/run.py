@@ -37,7 +37,8 @@ from infermux.characterize.knobs import Knob, applicable_knobs, environment_for,
 from infermux.characterize.metrics import Spread, accuracy_figures, spread
 from infermux.errors import UsageError
 from infermux.models import LoadedModel, ModelSpec, load_model
-from infermux.store import Store
+from infermux.progress import ProgressFn
+from infermux.store import Store, recording
 from infermux.units import Unit
 
 __all__ = [
@@ -54,7 +55,6 @@ __all__ = [
     "run_study",
 ]
 
-ProgressFn = Callable[[str, float], None]
 #: The variances looked for: between builds, between two runs of one build, with the batch size.
 VARIANCE_KINDS = ("rebuild", "run-to-run", "batch-size")
 
@@ -569,7 +569,6 @@ def run_characterize(config: CharacterizeConfig, *, store: Store | None = None,
                      progress: ProgressFn | None = None, command: str = ""
                      ) -> CharacterizeReport:
     """Run the whole study (see the module docstring); stored as a run of kind `characterize`."""
-    from infermux.env import capture_environment
     from infermux.units import discover, select_units
 
     started = time.perf_counter()
@@ -593,68 +592,63 @@ def run_characterize(config: CharacterizeConfig, *, store: Store | None = None,
         report.notes.append(why_not)
     report.notes.append(f"model: {model.weights_note}")
     report.notes.append(f"data: {data.note}")
-    run_id = None
-    if store is not None:
-        records.ensure_tables(store)
-        cfg = config.to_dict() | {"resolved_units": [u.id for u in units],
-                                  "model_description": model.describe(),
-                                  "data_description": data.describe()}
-        run_id = store.begin_run("characterize", cfg, capture_environment(), command)
-        report.run_id = run_id
-    root = Path(tempfile.mkdtemp(prefix="infermux-characterize-"))
-    status = "failed"
-    try:
-        np.save(root / "inputs.npy", data.x)
-        np.save(root / "calibration.npy", data.calibration)
-        ws = _Workspace(root, root / "inputs.npy", root / "calibration.npy",
-                        _model_for_children(model, root), config)
-        ws.planned = {_study_key(v, v.options, v.settings, False) for v in variants}
-        total = max(1, len(variants) * config.builds)
-        done = [0]
+    cfg = config.to_dict() | {"resolved_units": [u.id for u in units],
+                              "model_description": model.describe(),
+                              "data_description": data.describe()}
+    with recording(store, "characterize", cfg, command) as rec:
+        run_id = report.run_id = rec.run_id
+        root = Path(tempfile.mkdtemp(prefix="infermux-characterize-"))
+        try:
+            np.save(root / "inputs.npy", data.x)
+            np.save(root / "calibration.npy", data.calibration)
+            ws = _Workspace(root, root / "inputs.npy", root / "calibration.npy",
+                            _model_for_children(model, root), config)
+            ws.planned = {_study_key(v, v.options, v.settings, False) for v in variants}
+            total = max(1, len(variants) * config.builds)
+            done = [0]
 
-        def tell(label: str) -> None:
-            if progress is not None:
-                progress(label, min(0.99, done[0] / total))
+            def tell(label: str) -> None:
+                if progress is not None:
+                    progress(label, min(0.99, done[0] / total))
 
-        for i, variant in enumerate(variants):
-            baseline = run_study(ws, variant, None, config.builds, f"v{i}", tell)
-            done[0] += config.builds
-            result = VariantResult(variant, baseline)
-            if baseline.ok:
-                first = baseline.ok[0]
-                result.computed_precision = ("int8" if variant.precision == "int8"
-                                             else first.get("reported_precision"))
-                result.accuracy = accuracy_figures(baseline.outputs[0],
-                                                   data.y if score else None, reference)
-                result.accuracy["top1_per_build"] = [
-                    float(np.mean(o.argmax(axis=1) == data.y)) if score and data.y is not None
-                    else None for o in baseline.outputs]
-            found_kinds = baseline.variance()
-            if config.causes and found_kinds and baseline.ok:
-                knobs = applicable_knobs(variant.engine, variant.unit.kind, variant.options,
-                                         variant.settings, config.share_cache)
-                if not knobs:
-                    result.notes.append("no knob to pin for this engine and unit")
-                for j, knob in enumerate(knobs):
-                    n = config.builds if "rebuild" in found_kinds else 1
-                    study = run_study(ws, variant, knob, n, f"v{i}k{j}", tell)
-                    result.causes.append(_cause(knob, study, baseline))
-            report.variants.append(result)
-            if store is not None and run_id is not None:
-                records.add_variant(store, run_id, i, result)
-        report.notes += [_describe_variance(r, config.builds) for r in report.variants
-                         if r.status == "ok"]
-        status = "complete" if any(r.status == "ok" for r in report.variants) else "failed"
-        report.status = status
-        return report
-    except KeyboardInterrupt:
-        status = report.status = "interrupted"
-        raise
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-        report.elapsed_s = time.perf_counter() - started
-        if store is not None and run_id is not None:
-            store.finish_run(run_id, status, {
+            for i, variant in enumerate(variants):
+                baseline = run_study(ws, variant, None, config.builds, f"v{i}", tell)
+                done[0] += config.builds
+                result = VariantResult(variant, baseline)
+                if baseline.ok:
+                    first = baseline.ok[0]
+                    result.computed_precision = ("int8" if variant.precision == "int8"
+                                                 else first.get("reported_precision"))
+                    result.accuracy = accuracy_figures(baseline.outputs[0],
+                                                       data.y if score else None, reference)
+                    result.accuracy["top1_per_build"] = [
+                        float(np.mean(o.argmax(axis=1) == data.y)) if score and data.y is not None
+                        else None for o in baseline.outputs]
+                found_kinds = baseline.variance()
+                if config.causes and found_kinds and baseline.ok:
+                    knobs = applicable_knobs(variant.engine, variant.unit.kind, variant.options,
+                                             variant.settings, config.share_cache)
+                    if not knobs:
+                        result.notes.append("no knob to pin for this engine and unit")
+                    for j, knob in enumerate(knobs):
+                        n = config.builds if "rebuild" in found_kinds else 1
+                        study = run_study(ws, variant, knob, n, f"v{i}k{j}", tell)
+                        result.causes.append(_cause(knob, study, baseline))
+                report.variants.append(result)
+                if store is not None and run_id is not None:
+                    records.add_variant(store, run_id, i, result)
+            report.notes += [_describe_variance(r, config.builds) for r in report.variants
+                             if r.status == "ok"]
+            report.status = "complete" if any(r.status == "ok" for r in report.variants) \
+                else "failed"
+            return report
+        except KeyboardInterrupt:
+            report.status = "interrupted"
+            raise
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+            report.elapsed_s = time.perf_counter() - started
+            rec.status, rec.summary = report.status, {
                 "variants": len(report.variants),
                 "with_variance": sum(1 for r in report.variants if r.baseline.variance()),
-                "elapsed_s": report.elapsed_s})
+                "elapsed_s": report.elapsed_s}

@@ -13,6 +13,7 @@ from infermux.cli import (  # noqa: F401  (each module registers its commands)
     characterize,
     monitor,
     partition,
+    quantize,
     report,
     results,
     run,

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import shlex
-import sys
 from typing import Annotated
 
 import typer
@@ -12,7 +10,7 @@ from infermux.cli._app import (
     DbOpt,
     JsonOpt,
     _print_json,
-    _progress,
+    _run_with_progress,
     _sampler_period_s,
     app,
     err,
@@ -46,7 +44,6 @@ def bench(
     from infermux.bench import BenchConfig, run_bench
     from infermux.cli.render import bench_table
     from infermux.models import ModelSpec
-    from infermux.store import open_store
 
     config = BenchConfig(
         model=ModelSpec(model, weights, parse_shape(input_shape) if input_shape else None),
@@ -62,15 +59,7 @@ def bench(
         options=parse_options(option or []),
         telemetry_interval_s=None if telemetry.strip().lower() == "off" else _sampler_period_s(telemetry),
     )
-    store = None if no_store else open_store(db)
-    command = "infermux " + shlex.join(sys.argv[1:])
-    with _progress() as progress:
-        task = progress.add_task("starting", total=1.0)
-
-        def on_progress(label: str, fraction: float) -> None:
-            progress.update(task, description=label, completed=fraction)
-
-        report = run_bench(config, store=store, progress=on_progress, command=command)
+    report = _run_with_progress(run_bench, config, db=db, no_store=no_store)
     if as_json:
         _print_json(report.to_dict())
     else:

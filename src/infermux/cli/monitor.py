@@ -5,7 +5,7 @@ from __future__ import annotations
 import shlex
 import sys
 import time
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 from rich.live import Live
@@ -29,6 +29,7 @@ def monitor(
     from infermux._parse import parse_duration_s
     from infermux.errors import UsageError
     from infermux.telemetry import Sampler
+    from infermux.telemetry.monitor import record_window, window_report
 
     interval_s = parse_duration_s(interval, name="--interval")
     duration_s = parse_duration_s(duration, name="--duration") if duration else (
@@ -61,43 +62,24 @@ def monitor(
             interrupted = True
         t1 = time.perf_counter_ns()
         window = sampler.window(t0, t1)
-    summary = window.summary()
-    setup = sampler.describe()
-    result: dict[str, Any] = {
-        "duration_s": (t1 - t0) / 1e9,
-        "interval_s": interval_s,
-        "sources": setup["sources"],
-        "notes": setup["notes"],
-        "summary": {d: s.to_dict() for d, s in summary.devices.items()},
-        "energy_j": summary.energy_j,
-        "energy_source": summary.energy_source,
-        "flags": summary.flags,
-        "sampler_cost": window.cost.to_dict(),
-        "latest": [r.to_dict() for r in (window.ticks[-1].readings if window.ticks else [])],
-    }
+    result = window_report(sampler, window, interval_s)
     if record:
-        from infermux.env import capture_environment
         from infermux.store import open_store
 
-        command = "infermux " + shlex.join(sys.argv[1:])
         with open_store(db) as store:
-            run_id = store.begin_run("monitor", {"interval_s": interval_s, "units": units,
-                                                 "duration_s": duration_s},
-                                     capture_environment(), command)
-            store.add_telemetry(run_id, None, window.rows())
-            store.finish_run(run_id, "interrupted" if interrupted else "complete",
-                             {k: result[k] for k in ("duration_s", "summary", "energy_j",
-                                                     "energy_source", "flags", "sampler_cost")})
-        result["run_id"] = run_id
+            result["run_id"] = record_window(
+                store, window, result, interrupted=interrupted,
+                config={"interval_s": interval_s, "units": units, "duration_s": duration_s},
+                command="infermux " + shlex.join(sys.argv[1:]))
     if as_json:
         _print_json(result)
         return
-    for note in setup["notes"]:
+    for note in result["notes"]:
         out.print(f"[dim]{note}[/]")
     cost = window.cost
     out.print(f"[dim]{len(window.ticks)} ticks over {result['duration_s']:.1f}s; sampler cost "
               f"{cost.cpu_per_tick_us:.0f} µs CPU per tick ({cost.cpu_share_pct:.2f}% of a core)[/]")
-    for flag in summary.flags:
+    for flag in result["flags"]:
         err.print(f"flag: {flag}")
     if record:
         out.print(f"[dim]stored as run {result['run_id']} in {db}[/]")

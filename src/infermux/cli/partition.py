@@ -58,7 +58,7 @@ def partition(
     weights: Annotated[str | None, typer.Option("--weights", help="State dict or checkpoint file.")] = None,
     input_shape: Annotated[str | None, typer.Option("--input-shape", help="One item, e.g. 3x224x224.")] = None,
     option: Annotated[list[str] | None, typer.Option("--option", help="Torch engine option KEY=VALUE.")] = None,
-    engines: Annotated[str, typer.Option("--engines", "-e", help="Engines a stage may use: torch, onnxruntime, openvino, tensorrt, comma-separated, or auto (every installed one).")] = "torch",
+    engines: Annotated[str, typer.Option("--engines", "-e", help="Engines a stage may use: torch, onnxruntime, openvino, tensorrt, litert, comma-separated, or auto (every installed one).")] = "torch",
     db: DbOpt = "infermux.db",
     no_store: Annotated[bool, typer.Option("--no-store", help="Do not write the results database.")] = False,
     as_json: JsonOpt = False,

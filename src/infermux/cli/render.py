@@ -96,7 +96,7 @@ def bench_table(results: Iterable[dict[str, Any]], title: str = "Offline benchma
             phases = f"–/{num(r.get('compute_ms'), 2)}/–"  # host units: no copies
         table.add_row(
             r["unit"], r["engine"], str(r["batch"]), str(r["instances"]),
-            num(r.get("throughput_items_per_s")), num(r.get("p50_ms"), 2),
+            num(r.get("items_per_s")), num(r.get("p50_ms"), 2),
             num(r.get("p99_ms"), 2), num(r.get("max_ms"), 2), phases,
             _agreement(r.get("agreement")),
             "yes" if r["valid"] else f"no: {r.get('validity_note', '')}", *extra,
@@ -153,7 +153,7 @@ def compare_rows(a: dict[str, Any], b: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     for k in sorted(set(left) | set(right), key=lambda t: tuple(str(x) for x in t)):
         ra, rb = left.get(k, {}), right.get(k, {})
-        ta, tb = ra.get("throughput_items_per_s"), rb.get("throughput_items_per_s")
+        ta, tb = ra.get("items_per_s"), rb.get("items_per_s")
         rows.append({
             "model": k[0], "unit": k[1], "engine": k[2], "batch": k[3], "instances": k[4],
             "data": k[5], "a_items_per_s": ta, "b_items_per_s": tb,
@@ -368,7 +368,7 @@ def run_models_table(record: dict[str, Any]) -> Table:
         ph = m["phases"]
         hist = " ".join(f"{k}×{v}" for k, v in m["batch_histogram"].items())
         table.add_row(m["model"], str(m["completed"]), str(m["failed"]),
-                      num(m["throughput_samples_per_s"]), num(m["latency"].get("p50_ms"), 2),
+                      num(m["items_per_s"]), num(m["latency"].get("p50_ms"), 2),
                       num(m["latency"].get("p99_ms"), 2),
                       num(ph["queueing"].get("p99_ms"), 2),
                       num(ph["batching_wait"].get("p99_ms"), 2),
@@ -414,7 +414,7 @@ def run_headline(record: dict[str, Any]) -> str:
     lat = record.get("latency", {})
     parts = [f"[bold]{record['scenario']}[/]",
              "[green]valid[/]" if record["valid"] else "[red]INVALID[/]",
-             f"{num(record.get('throughput_samples_per_s'))} samples/s",
+             f"{num(record.get('items_per_s'))} samples/s",
              f"{record['completed']} queries in {record['duration_s']:.2f}s",
              f"p50 {num(lat.get('p50_ms'), 2)} / p90 {num(lat.get('p90_ms'), 2)} / "
              f"p99 {num(lat.get('p99_ms'), 2)} ms"]

@@ -84,8 +84,6 @@ def results_export(
     as_csv: Annotated[bool, typer.Option("--csv", help="Same as --format csv.")] = False,
 ) -> None:
     """Export runs with every point (and raw samples in JSON) to stdout."""
-    from dataclasses import asdict
-
     from infermux.store import open_store
 
     fmt = "csv" if as_csv else ("json" if as_json else fmt)
@@ -95,10 +93,5 @@ def results_export(
         if fmt == "csv":
             sys.stdout.write(store.export_csv(run_ids))
             return
-        runs = []
-        for run_id in run_ids:
-            run = store.run(run_id)
-            for result in run["results"]:
-                result["raw_samples"] = [asdict(s) for s in store.samples(result["id"])]
-            runs.append(run)
+        runs = store.export_json(run_ids)
     _print_json(runs)

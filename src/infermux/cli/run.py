@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import shlex
 import sys
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.markup import escape
+from rich.table import Table
 
 from infermux.cli._app import DbOpt, JsonOpt, _print_json, _progress, app, err, out
 from infermux.cli.render import (
@@ -37,6 +38,7 @@ def run_command(
     seed: Annotated[int | None, typer.Option("--seed", help="Seed of arrivals and sample choice.")] = None,
     db: DbOpt = "infermux.db",
     no_store: Annotated[bool, typer.Option("--no-store", help="Do not write the results database.")] = False,
+    cluster: Annotated[str | None, typer.Option("--cluster", help="Run on a Ray cluster: ray://HOST:PORT, HOST:PORT, auto, or local:N (N local nodes to try it). PLAN is a cluster plan, or a local plan run on every node.")] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Run a plan: workers on its units, its load scenario, metrics stored as a run."""
@@ -44,12 +46,20 @@ def run_command(
     from infermux.runtime import load_plan, run_plan, with_load
     from infermux.store import open_store
 
-    plan = load_plan(plan_file)
     if scenario is not None and scenario not in _SCENARIOS:
         raise UsageError(f"--scenario {scenario!r} unknown: use offline, server, single-stream "
                          "or multi-stream")
     if find_peak and scenario is None:
         scenario = "server"
+    if cluster is not None:
+        _run_cluster(plan_file, cluster, dict(
+            scenario=scenario, rate_qps=qps,
+            p99_bound_ms=parse_latency_ms(p99) if p99 is not None else None,
+            find_peak=find_peak or None,
+            min_duration_s=parse_duration_s(duration, name="--duration") if duration else None,
+            min_queries=min_queries, seed=seed), None if no_store else db, as_json)
+        return
+    plan = load_plan(plan_file)
     plan = with_load(
         plan, scenario=scenario, rate_qps=qps, p99_bound_ms=parse_latency_ms(p99) if p99 is not None else None, find_peak=find_peak or None,
         min_duration_s=parse_duration_s(duration, name="--duration") if duration else None,
@@ -78,7 +88,7 @@ def run_command(
             peak = report.peak
             frac = peak.get("peak_fraction_of_offline")
             out.print(f"[bold]peak[/] {num(peak.get('peak_qps'))} qps within p99 ≤ "
-                      f"{peak['p99_bound_ms']:g} ms; offline {num(peak.get('offline_samples_per_s'))}"
+                      f"{peak['p99_bound_ms']:g} ms; offline {num(peak.get('offline_items_per_s'))}"
                       f" samples/s" + (f" ({frac:.0%} of offline)" if frac else ""))
             for t in peak["trials"]:
                 out.print(f"  {t['rate_qps']:.1f} qps: p99 {num(t['p99_ms'], 2)} ms "
@@ -130,3 +140,72 @@ def plan_command(
     piped = f", {pipelines} pipeline(s)" if pipelines else ""
     out.print(f"[green]valid[/]: {check} — {len(plan.models)} model(s), {workers} worker(s){piped}, "
               f"scenario {plan.load.scenario}, placement {plan.placement}")
+
+
+def _run_cluster(plan_file: str, address: str, overrides: dict[str, object], db: str | None,
+                 as_json: bool) -> None:
+    """`infermux run PLAN --cluster ADDRESS`: a runtime per Ray node, one load on them all."""
+    from pathlib import Path
+
+    import yaml
+
+    from infermux.cluster import is_cluster_plan, open_cluster, parse_address, parse_cluster_plan
+    from infermux.cluster.driver import run_cluster
+    from infermux.runtime import load_plan
+    from infermux.store import open_store
+
+    parse_address(address)  # a bad address fails before anything starts
+    path = Path(plan_file)
+    if is_cluster_plan(yaml.safe_load(path.read_text()) if path.is_file() else None):
+        data = yaml.safe_load(path.read_text())
+    else:  # a local plan: run it on every node of the cluster
+        local = load_plan(plan_file).to_dict()
+        data = {"name": local["name"], "load": local.pop("load"),
+                "nodes": [{"name": "node", "count": "all", "plan": local}]}
+    data["load"] = {**(data.get("load") or {}),
+                    **{k: v for k, v in overrides.items() if v is not None}}
+    plan = parse_cluster_plan(data, source=plan_file, base=path.parent)
+    store = None if db is None else open_store(db)
+    command = "infermux " + shlex.join(sys.argv[1:])
+    with _progress() as progress:
+        task = progress.add_task(f"connecting to {address}", total=1.0)
+
+        def on_progress(label: str, fraction: float) -> None:
+            progress.update(task, description=label, completed=fraction)
+
+        with open_cluster(address) as handle:
+            progress.console.print(f"[dim]cluster {address}: {len(handle.nodes())} node(s) "
+                                   f"alive ({handle.started_s:.1f} s)[/]")
+            report = run_cluster(plan, handle, store=store, progress=on_progress,
+                                 command=command, base=path.parent)
+    if as_json:
+        _print_json(report.to_dict())
+    else:
+        record = report.record
+        if record is not None:
+            out.print(run_headline(record))
+            out.print(_nodes_table(record))
+            out.print(run_models_table(record))
+            out.print(workers_table(record))
+            for e in record.get("cluster_events", []):
+                out.print(f"[yellow]node {escape(str(e['node']))} lost[/] at {e['t_s']:.2f} s "
+                          f"({escape(str(e.get('reason')))}): {e['held_samples']} samples held, "
+                          f"{e['rerouted_samples']} retried on other nodes, "
+                          f"{e['failed_samples']} failed", highlight=False)
+        if report.run_id is not None:
+            out.print(f"[dim]stored as run {report.run_id} in {db}[/]")
+    if report.status == "interrupted":
+        err.print("interrupted: what was measured so far is kept")
+        raise typer.Exit(130)
+
+
+def _nodes_table(record: dict[str, Any]) -> Table:
+    table = Table(title="Nodes")
+    for col in ("node", "address", "status", "samples", "share", "items/s", "lost at s",
+                "retried"):
+        table.add_column(col)
+    for n in record.get("nodes", []):
+        table.add_row(escape(str(n["node"])), str(n["address"]), str(n["status"]),
+                      str(n["completed_samples"]), f"{n['share']:.0%}", num(n["items_per_s"]),
+                      num(n["lost_at_s"], 2), str(n["rerouted_samples"]))
+    return table

@@ -34,6 +34,8 @@ def serve_command(
     grpc_port: Annotated[int, typer.Option("--grpc-port", help="KServe v2 gRPC port (0: any free port).")] = 8001,
     metrics_port: Annotated[int, typer.Option("--metrics-port", help="Prometheus /metrics port (0: any free port).")] = 8002,
     max_queue: Annotated[int | None, typer.Option("--max-queue", help="Items a model may hold admitted and unanswered; more get 503 (default: 4x what its workers hold, at least 64).")] = None,
+    wait_when_idle: Annotated[bool, typer.Option("--wait-when-idle", help="Wait out the plan's max_queue_delay_ms for a fuller batch even when the model's workers are idle (default: an idle worker takes what is queued at once).")] = False,
+    max_restarts: Annotated[int, typer.Option("--max-restarts", help="Times a failed worker is restarted before its model is left not ready (0: never).")] = 3,
     api_key: Annotated[str | None, typer.Option("--api-key", help="Require `Authorization: Bearer KEY` (or env INFERMUX_API_KEY); health probes stay open.")] = None,
     drain_timeout: Annotated[str, typer.Option("--drain-timeout", help="On SIGTERM/Ctrl-C, how long admitted requests may take to finish.")] = "30s",
     telemetry: Annotated[str, typer.Option("--telemetry", help="Sampler period for the hardware metrics (e.g. 1s) or off.")] = "1s",
@@ -59,7 +61,8 @@ def serve_command(
         telemetry, name="--telemetry")
     settings = ServeSettings(
         host=host, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
-        max_queue_items=max_queue, api_key=api_key or os.environ.get("INFERMUX_API_KEY") or None,
+        max_queue_items=max_queue, max_restarts=max_restarts, wait_when_idle=wait_when_idle,
+        api_key=api_key or os.environ.get("INFERMUX_API_KEY") or None,
         drain_timeout_s=parse_duration_s(drain_timeout, name="--drain-timeout"),
         telemetry_interval_s=interval)
     store = None if no_store else open_store(db)

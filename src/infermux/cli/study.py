@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import shlex
-import sys
 from typing import Annotated
 
 import typer
 
-from infermux.cli._app import DbOpt, JsonOpt, _print_json, _progress, _state, app, err, out
+from infermux.cli._app import DbOpt, JsonOpt, _print_json, _run_with_progress, _state, app, err, out
 from infermux.cli.render import study_points_table
 
 __all__ = ["study_command"]
@@ -36,7 +34,6 @@ def study_command(
     """Run a seed study (runs stored) and write its report beside the paper's figures."""
     from infermux._parse import parse_batches, parse_duration_s, parse_latency_ms, parse_shape
     from infermux.errors import UsageError
-    from infermux.store import open_store
     from infermux.study import STUDIES, StudyConfig, list_studies, run_study
 
     if name not in STUDIES:
@@ -50,14 +47,7 @@ def study_command(
         duration_s=parse_duration_s(duration, name="--duration"), min_queries=min_queries,
         p99_ms=parse_latency_ms(p99), input_shape=parse_shape(input_shape) if input_shape else None,
         cpu_workers=cpu_workers)
-    command = "infermux " + shlex.join(sys.argv[1:])
-    with open_store(db) as store, _progress() as progress:
-        task = progress.add_task("starting", total=1.0)
-
-        def on_progress(label: str, fraction: float) -> None:
-            progress.update(task, description=label[:70], completed=fraction)
-
-        report = run_study(config, store=store, progress=on_progress, command=command)
+    report = _run_with_progress(run_study, config, db=db, no_store=False)
     data = report.to_dict()
     if not no_report and report.run_id is not None:
         from infermux.report import write_report

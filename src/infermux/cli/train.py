@@ -114,7 +114,7 @@ def train_profile(
     precision: PrecisionOpt = "fp32",
     optimizer: OptimizerOpt = "sgd",
     lr: LrOpt = None,
-    profile_steps: StepsOpt = 40,
+    profile_steps: StepsOpt = 80,
     profile_share: ShareOpt = 0.1,
     budget: BudgetOpt = None,
     disk_dir: DiskOpt = None,
@@ -175,7 +175,7 @@ def train_predict(
     precision: PrecisionOpt = "fp32",
     optimizer: OptimizerOpt = "sgd",
     lr: LrOpt = None,
-    profile_steps: StepsOpt = 40,
+    profile_steps: StepsOpt = 80,
     profile_share: ShareOpt = 0.1,
     budget: BudgetOpt = None,
     disk_dir: DiskOpt = None,
@@ -191,6 +191,7 @@ def train_predict(
     reference: Annotated[int | None, typer.Option("--reference", help="A stored run of another network to transfer the learned model from.")] = None,
     method: Annotated[str, typer.Option("--method", help="auto, simple or learned.")] = "auto",
     validate: Annotated[str, typer.Option("--validate", help="Held-out configurations to train for two full epochs and score: a count, all, or 0.")] = "0",
+    validate_budget: Annotated[str | None, typer.Option("--validate-budget", help="Validate only as many held-out configurations as their predicted epochs fit in, e.g. 5m.")] = None,
     db: DbOpt = "infermux.db",
     no_store: NoStoreOpt = False,
     as_json: JsonOpt = False,
@@ -211,9 +212,14 @@ def train_predict(
         except ValueError:
             raise UsageError(f"--validate {validate!r} is not a count: give a number of held-out "
                              "configurations, all, or 0") from None
+    from infermux._parse import parse_duration_s
+
+    validate_budget_s = (parse_duration_s(validate_budget, name="--validate-budget")
+                         if validate_budget else None)
     report = _run_with_progress(run_train_predict, config, db=db, no_store=no_store,
                                 profile_configs=profile_configs, from_run=from_run,
-                                reference_run=reference, method=method, validate=count)
+                                reference_run=reference, method=method, validate=count,
+                                validate_budget_s=validate_budget_s)
     data_out = report.to_dict()
     if as_json:
         _print_json(data_out)
@@ -236,6 +242,12 @@ def train_predict(
     out.print(f"[dim]profiled {len(data_out['profiled'])} of {len(data_out['predictions']) // 2} "
               f"configurations, {data_out['profiled_minibatches']} minibatches, "
               f"{num(report.profile_s, 0)} s; validation {num(report.validate_s, 0)} s[/]")
+    spent = data_out["budget"]
+    if spent["max_share"] is not None:
+        verdict = "within" if spent["ok"] else "[yellow]beyond[/]"
+        out.print(f"[dim]profile budget: largest profile {num(100 * spent['max_share'], 1)}% of "
+                  f"its epoch, {spent['profiled']} of {spent['configurations']} configurations "
+                  f"profiled: {verdict} the rule ({spent['rule']})[/]")
     for note in report.notes:
         out.print(f"[dim]{escape(note)}[/]")
     if report.run_id is not None:

@@ -49,20 +49,15 @@ def tune_command(
 ) -> None:
     """Find the fastest plan across this machine's units under latency, memory and power bounds."""
     from infermux._parse import parse_batches, parse_bytes, parse_duration_s, parse_latency_ms, parse_shape
-    from infermux.errors import UsageError
     from infermux.models import ModelSpec
     from infermux.store import open_store
     from infermux.tune import Constraints, TrialSettings, TuneRequest, model_name, run_tune
 
-    if data not in ("host", "device"):
-        raise UsageError(f"--data {data!r} unknown: use host or device")
     shape = parse_shape(input_shape) if input_shape else None
     constraints = Constraints(
         p99_bound_ms=parse_latency_ms(p99) if p99 is not None else None,
         max_memory_bytes=parse_bytes(max_memory, name="--max-memory") if max_memory else None,
         max_power_w=max_power)
-    if max_power is not None and max_power <= 0:
-        raise UsageError(f"--max-power {max_power:g} must be positive watts, e.g. --max-power 300")
     request = TuneRequest(
         models=[ModelSpec(m, None, shape) for m in model], units=units, engines=engine,
         scenario=scenario, objective=objective, constraints=constraints,

@@ -4,6 +4,7 @@ One small base class, one file per engine; optional dependencies are imported la
 engine, so the registry lists every engine and says which are usable here.
 """
 
+from infermux.engines import litert as _litert  # noqa: F401 - registers the engine
 from infermux.engines import onnxruntime as _onnxruntime  # noqa: F401 - registers the engine
 from infermux.engines import openvino as _openvino  # noqa: F401 - registers the engine
 from infermux.engines import pytorch as _pytorch  # noqa: F401 - registers the engine

@@ -1,8 +1,15 @@
 """The ONNX Runtime engine: CPU, CUDA and TensorRT execution providers over one exported file.
 
 Units: `cpu` and core sets (CPU provider, intra-op threads = the unit's cores per instance),
-`cuda:N/fp32|tf32` (CUDA provider), `cuda:N/fp16|int8` and `dla:N/fp16|int8` (TensorRT provider,
-with its engine and timing caches). The GPU providers need the `onnxruntime-gpu` wheel.
+`cpu/int8` and `cpu:0-1/int8` (the CPU provider running a Q/DQ int8 model, made once from
+calibration data by `infermux.quantize`), `cuda:N/fp32|tf32` (CUDA provider), `cuda:N/fp16|int8`
+and `dla:N/fp16|int8` (TensorRT provider, with its engine and timing caches). The GPU providers
+need the `onnxruntime-gpu` wheel.
+
+The TensorRT provider follows the TensorRT engine's rules: linked against TensorRT 11 (ONNX
+Runtime 1.27 and later), networks are strongly typed, so fp16 comes from a model cast to fp16 and
+int8 from a Q/DQ model, never from `trt_fp16_enable`/`trt_int8_enable`; against TensorRT 10 the
+flags and calibration tables still apply (and the DLA needs them).
 
 A batch costs one `run_with_iobinding` call: the input and outputs are bound once to preallocated
 buffers (numpy on the host, OrtValues on the GPU), so no per-batch dict, list or array is built.
@@ -26,12 +33,13 @@ from infermux.engines.base import (
     parse_options,
     register_engine,
 )
-from infermux.errors import RunError, UsageError
+from infermux.errors import RunError, UsageError, first_line
 from infermux.export import cache_dir
 from infermux.models import LoadedModel
 from infermux.units import Unit
 
-__all__ = ["OrtEngine", "OrtOptions", "OrtRunner", "check_batch_dim", "provider_config"]
+__all__ = ["OrtEngine", "OrtOptions", "OrtRunner", "check_batch_dim", "model_precision",
+           "provider_config", "trt_typing"]
 
 Provider = Literal["cpu", "cuda", "tensorrt"]
 _PROVIDER_NAMES = {
@@ -62,6 +70,18 @@ class OrtOptions(BaseModel):
     int8: bool | None = None
     int8_calibration_table: str | None = None
     dla_core: int | None = Field(None, ge=0)
+    #: int8 (cpu/int8 units; the TensorRT provider when strongly typed): calibration data for
+    #: the Q/DQ model: an image folder, an (N, *input) .npy file, or "random" (the default:
+    #: right for timing, meaningless for accuracy).
+    calibration_data: str | None = None
+    calibration_items: int = Field(256, ge=1)
+    quantize_method: Literal["minmax", "entropy", "percentile"] = "minmax"
+    quantize_tool: Literal["onnxruntime", "modelopt"] = "onnxruntime"
+    #: The TensorRT provider: strongly typed (TensorRT 11: precision from the model), weakly
+    #: typed (TensorRT 10: precision flags), or auto (by the TensorRT release installed).
+    trt_typing: Literal["auto", "strong", "weak"] = "auto"
+    #: The TensorRT provider reads and writes its timing cache (false: kernels timed afresh).
+    reuse_timing_cache: bool = True
     cuda_graph: bool = False
     engine_cache_dir: str | None = None
     opset: int | None = None
@@ -75,11 +95,17 @@ class OrtOptions(BaseModel):
             provider = provider or "cpu"
             if provider != "cpu":
                 raise UsageError(f"option provider={provider} needs a GPU unit, not {unit.id!r}")
-            if self.fp16 or self.int8 or self.dla_core is not None or self.cuda_graph:
+            if self.fp16 or self.dla_core is not None or self.cuda_graph:
                 raise UsageError(
-                    f"options fp16/int8/dla_core/cuda_graph need the TensorRT or CUDA provider; "
+                    f"options fp16/dla_core/cuda_graph need the TensorRT or CUDA provider; "
                     f"unit {unit.id!r} runs the CPU provider: use a cuda:N/fp16 or dla:N unit"
                 )
+            if self.int8 is not None and self.int8 != (unit.mode == "int8"):
+                raise UsageError(
+                    f"option int8={str(self.int8).lower()} on unit {unit.id!r}: a CPU unit's "
+                    "precision is in its name: use the unit cpu/int8 (or cpu:0-1/int8) for int8, "
+                    "cpu for fp32, and drop the option")
+            update["int8"] = unit.mode == "int8"
             update["intra_op_threads"] = self.intra_op_threads or len(unit.cores) or 1
             update["pin_threads"] = (self.pin_threads if self.pin_threads is not None
                                      else unit.id != "cpu")
@@ -101,12 +127,45 @@ class OrtOptions(BaseModel):
                 update["dla_core"] = unit.index if self.dla_core is None else self.dla_core
             elif self.dla_core is not None:
                 raise UsageError(f"option dla_core={self.dla_core} needs a dla:N unit, not {unit.id!r}")
+            if provider == "tensorrt":
+                from infermux.engines.tensorrt import installed_trt_major
+
+                typing = trt_typing(self.trt_typing, installed_trt_major())
+                if typing == "strong" and unit.kind == "dla":
+                    raise UsageError(
+                        f"unit {unit.id!r}: the DLA needs TensorRT 10's weakly typed build "
+                        "(JetPack 6); this TensorRT is strongly typed: pass trt_typing=weak with "
+                        "TensorRT 10, or use a cuda unit")
+                update["trt_typing"] = typing
             update["intra_op_threads"] = self.intra_op_threads or 1
         else:
             raise UsageError(f"the onnxruntime engine cannot run on unit {unit.id!r}")
         update["provider"] = provider
         return self.model_copy(update=update)
 
+
+def trt_typing(requested: str, trt_major: int | None) -> str:
+    """`strong` or `weak` for the TensorRT provider: `auto` follows the installed TensorRT.
+
+    TensorRT 11 has no precision flags (strong); TensorRT 10 and older, or a release that cannot
+    be told here, keep the flags (weak). Pure: tested for both releases without either.
+    """
+    if requested != "auto":
+        return requested
+    return "strong" if trt_major is not None and trt_major >= 11 else "weak"
+
+
+def model_precision(unit: Unit, opts: OrtOptions) -> str:
+    """The precision set in the ONNX model the session loads (fp32 unless the unit needs it).
+
+    cpu int8 units load a Q/DQ model; the strongly typed TensorRT provider loads a model cast
+    to fp16 or a Q/DQ one. Everything else loads the fp32 export and is told by flags.
+    """
+    if opts.provider == "cpu":
+        return "int8" if opts.int8 else "fp32"
+    if opts.provider == "tensorrt" and opts.trt_typing == "strong":
+        return "int8" if opts.int8 else ("fp16" if opts.fp16 else "fp32")
+    return "fp32"
 
 
 def provider_config(unit: Unit, opts: OrtOptions, cache_root: Path) -> list[tuple[str, dict[str, str]]]:
@@ -124,17 +183,18 @@ def provider_config(unit: Unit, opts: OrtOptions, cache_root: Path) -> list[tupl
             cuda["enable_cuda_graph"] = "1"
         return [("CUDAExecutionProvider", cuda), ("CPUExecutionProvider", {})]
     cache = Path(opts.engine_cache_dir) if opts.engine_cache_dir else cache_root / "ort-trt"
+    weak = opts.trt_typing != "strong"  # strongly typed: the precision is in the model
     trt = {
         **device,
-        "trt_fp16_enable": str(bool(opts.fp16)),
-        "trt_int8_enable": str(bool(opts.int8)),
+        "trt_fp16_enable": str(bool(opts.fp16) and weak),
+        "trt_int8_enable": str(bool(opts.int8) and weak),
         "trt_engine_cache_enable": "True",
         "trt_engine_cache_path": str(cache),
         # A timing cache makes a rebuild pick the kernels timed the first time: reproducible.
-        "trt_timing_cache_enable": "True",
+        "trt_timing_cache_enable": str(opts.reuse_timing_cache),
         "trt_timing_cache_path": str(cache),
     }
-    if opts.int8 and opts.int8_calibration_table:
+    if opts.int8 and weak and opts.int8_calibration_table:
         trt["trt_int8_calibration_table_name"] = opts.int8_calibration_table
     if opts.dla_core is not None:
         trt["trt_dla_enable"] = "True"
@@ -296,6 +356,15 @@ class OrtEngine(Engine):
             )
         started = time.perf_counter()
         onnx_file = self.onnx_for(model, opts.opset)
+        precision_info: dict[str, Any] = {}
+        precision = model_precision(unit, opts)
+        if precision != "fp32":
+            from infermux.quantize import model_at_precision
+
+            onnx_file, precision_info = model_at_precision(
+                onnx_file, precision, model.input_shape, calibration_data=opts.calibration_data,
+                calibration_items=opts.calibration_items, method=opts.quantize_method,
+                tool=opts.quantize_tool)
         so = ort.SessionOptions()
         so.intra_op_num_threads = opts.intra_op_threads or 1
         so.inter_op_num_threads = opts.inter_op_threads or 1
@@ -322,7 +391,7 @@ class OrtEngine(Engine):
         except Exception as exc:  # onnxruntime raises its own pybind types (Fail, InvalidGraph…)
             raise RunError(
                 f"ONNX Runtime cannot load {onnx_file.path.name} for {unit.id}: "
-                f"{_first_line(exc)}; check the file with onnx.checker or re-export it"
+                f"{first_line(exc)}; check the file with onnx.checker or re-export it"
             ) from exc
         check_batch_dim(session.get_inputs()[0].shape, batch, onnx_file.path)
         try:
@@ -331,9 +400,10 @@ class OrtEngine(Engine):
             raise
         except Exception as exc:
             raise RunError(f"onnxruntime failed to run {model.name} on {unit.id} at batch "
-                           f"{batch}: {_first_line(exc)}") from exc
+                           f"{batch}: {first_line(exc)}") from exc
         runner.options["onnx_file"] = str(onnx_file.path)
         runner.options["onnx_sha256"] = onnx_file.digest
+        runner.options.update(precision_info)
         return runner
 
 
@@ -347,6 +417,3 @@ def check_batch_dim(shape: list[Any], batch: int, path: Path) -> None:
         )
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return (text.splitlines()[0] if text else type(exc).__name__)[:300]

@@ -11,6 +11,11 @@ each call a new batch (in a child process or a thread) as well as a benchmark lo
 timing is the batch's own. A batch of 1 cannot be split: repeated runs of one input keep N whole
 batches in flight instead. With the latency hint N is 1 and `run()` is a plain synchronous call.
 docs/architecture-engines.md gives the reasons and the measurements.
+
+int8 (`cpu/int8` and `cpu:0-1/int8` units, or `precision=u8` on an `openvino:*` unit): the same
+Q/DQ model ONNX Runtime runs, made once from calibration data by `infermux.quantize`; OpenVINO's
+CPU plugin folds the QuantizeLinear/DequantizeLinear pairs into u8 kernels. A file that already
+holds Q/DQ nodes is used as is.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from infermux.engines.base import (
     parse_options,
     register_engine,
 )
-from infermux.errors import RunError, UsageError
+from infermux.errors import RunError, UsageError, first_line
 from infermux.export import cache_dir
 from infermux.models import LoadedModel
 from infermux.units import Unit
@@ -64,18 +69,27 @@ class OvOptions(BaseModel):
     #: Split each batch over the requests (compiled at the sub-batch size); false runs whole
     #: batches, one request per new input.
     split_batch: bool = True
+    #: int8 only: calibration data for the Q/DQ model (an image folder, an (N, *input) .npy
+    #: file, or "random", the default: right for timing, meaningless for accuracy).
+    calibration_data: str | None = None
+    calibration_items: int = Field(256, ge=1)
+    quantize_method: Literal["minmax", "entropy", "percentile"] = "minmax"
+    quantize_tool: Literal["onnxruntime", "modelopt"] = "onnxruntime"
 
     def resolve(self, unit: Unit) -> tuple[str, OvOptions]:
         """(OpenVINO device, options with the unit's defaults), rejecting what cannot be."""
         update: dict[str, Any] = {}
         if unit.kind == "cpu":
-            # A `cpu` unit is fp32 by name: results from it must be fp32 results.
-            if self.precision not in (None, "f32"):
+            # A `cpu` unit's precision is in its name (fp32, or int8 for cpu/int8): results
+            # from it must be results in that precision.
+            wanted = "u8" if unit.mode == "int8" else "f32"
+            if self.precision not in (None, wanted):
                 raise UsageError(
-                    f"option precision={self.precision} on unit {unit.id!r}, which is fp32: use "
-                    "the unit openvino:CPU for bf16/f16/u8"
+                    f"option precision={self.precision} on unit {unit.id!r}, which is "
+                    f"{unit.mode}: use cpu/int8 for u8, the unit openvino:CPU for bf16/f16, or "
+                    "drop the option"
                 )
-            update["precision"] = "f32"
+            update["precision"] = wanted
             update["threads"] = self.threads or len(unit.cores) or None
             device = "CPU"
         elif unit.kind == "openvino":
@@ -87,7 +101,6 @@ class OvOptions(BaseModel):
         return device, self.model_copy(update=update)
 
 
-
 def compile_config(device: str, opts: OvOptions) -> dict[str, str]:
     """The properties `compile_model` gets, as OpenVINO's string keys (stable across releases)."""
     config = {"PERFORMANCE_HINT": opts.hint.upper()}
@@ -97,6 +110,10 @@ def compile_config(device: str, opts: OvOptions) -> dict[str, str]:
         config["PERFORMANCE_HINT_NUM_REQUESTS"] = str(opts.requests)
     if opts.precision in ("f32", "bf16", "f16"):
         config["INFERENCE_PRECISION_HINT"] = opts.precision
+    elif opts.precision == "u8" and device.startswith("CPU"):
+        # int8 where the model is quantized, fp32 elsewhere (as ONNX Runtime runs the same
+        # file), rather than the bf16 the CPU plugin picks for float layers where it can.
+        config["INFERENCE_PRECISION_HINT"] = "f32"
     if device.startswith("CPU"):
         if opts.threads is not None:
             config["INFERENCE_NUM_THREADS"] = str(opts.threads)
@@ -187,7 +204,8 @@ class OvRunner(Runner):
             "sub_batches": parts,
             "sub_batch": self._sub,
             "streams": _int_property(compiled, "NUM_STREAMS"),
-            "precision": _precision_of(compiled),
+            # A Q/DQ model computes in int8 where it is quantized, whatever the float hint.
+            "precision": "int8" if opts.precision == "u8" else _precision_of(compiled),
             "device": unit.device,
         }
         for _ in range(max(1, opts.warmup_iters)):
@@ -429,10 +447,18 @@ class OvEngine(Engine):
         onnx_file = self.onnx_for(model, opts.opset)
         if self._core is None:
             self._core = ov.Core()
+        precision_info: dict[str, Any] = {}
+        if opts.precision == "u8":
+            from infermux.quantize import model_at_precision
+
+            onnx_file, precision_info = model_at_precision(
+                onnx_file, "int8", model.input_shape, calibration_data=opts.calibration_data,
+                calibration_items=opts.calibration_items, method=opts.quantize_method,
+                tool=opts.quantize_tool)
         try:
             ov_model = self._core.read_model(str(onnx_file.path))
         except Exception as exc:  # openvino raises RuntimeError/its own types for bad graphs
-            raise RunError(f"OpenVINO cannot read {onnx_file.path.name}: {_first_line(exc)}; "
+            raise RunError(f"OpenVINO cannot read {onnx_file.path.name}: {first_line(exc)}; "
                            "re-export the model or pass another ONNX file") from exc
         if opts.precision == "u8" and not _is_quantised(ov_model):
             raise UsageError(
@@ -445,7 +471,7 @@ class OvEngine(Engine):
         except Exception as exc:  # translated here, with the shapes
             raise UsageError(
                 f"{onnx_file.path.name} cannot take batch {batch} with item shape "
-                f"{model.input_shape}: {_first_line(exc)}"
+                f"{model.input_shape}: {first_line(exc)}"
             ) from exc
         config = compile_config(device, opts)
         compiled = self._compile(ov_model, device, config, model.name, batch)
@@ -463,6 +489,7 @@ class OvEngine(Engine):
                           parts=parts)
         runner.options["onnx_file"] = str(onnx_file.path)
         runner.options["onnx_sha256"] = onnx_file.digest
+        runner.options.update(precision_info)
         return runner
 
     def _compile(self, ov_model: Any, device: str, config: dict[str, str], name: str,
@@ -471,7 +498,7 @@ class OvEngine(Engine):
             return self._core.compile_model(ov_model, device, config)
         except Exception as exc:
             raise RunError(f"OpenVINO failed to compile {name} for {device} at batch "
-                           f"{batch}: {_first_line(exc)}") from exc
+                           f"{batch}: {first_line(exc)}") from exc
 
 
 def _is_quantised(ov_model: Any) -> bool:
@@ -479,6 +506,3 @@ def _is_quantised(ov_model: Any) -> bool:
     return bool(kinds & {"FakeQuantize", "QuantizeLinear", "DequantizeLinear"})
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return (text.splitlines()[0] if text else type(exc).__name__)[:300]

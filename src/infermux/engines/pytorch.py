@@ -24,7 +24,7 @@ from infermux.engines.base import (
     parse_options,
     register_engine,
 )
-from infermux.errors import DeviceOutOfMemoryError, RunError, UsageError
+from infermux.errors import DeviceOutOfMemoryError, RunError, UsageError, first_line
 from infermux.models import LoadedModel
 from infermux.units import Unit
 
@@ -41,6 +41,15 @@ _DTYPES = {"fp32": "float32", "tf32": "float32", "fp16": "float16", "bf16": "bfl
 _SELF_GRAPHING = ("reduce-overhead", "max-autotune")
 #: Compiled graphs dynamo keeps per code object: every batch bucket of every unit's module.
 _RECOMPILE_LIMIT = 64
+
+
+class _ServedRows:
+    """A served batch's input rows, one array per item, as `TorchRunner.gather_input` reads them."""
+
+    __slots__ = ("rows",)
+
+    def __init__(self, rows: list[np.ndarray]) -> None:
+        self.rows = rows
 
 
 class TorchOptions(BaseModel):
@@ -279,6 +288,17 @@ class TorchRunner(Runner):
             pool = pool.to(self._x_host.device)
         return pool
 
+    def prepare_rows(self, rows: list[np.ndarray]) -> Any:
+        """A served batch's own rows (any float dtype) as `gather_input` reads them.
+
+        Rows for a host input buffer are kept as they are: `gather_input` copies each one
+        straight into the buffer, converting to the compute dtype on the way, instead of
+        stacking them, converting the stack and gathering it (three copies of every byte).
+        """
+        if self._x_host.is_cuda:
+            return self.prepare_pool(np.stack(rows))
+        return _ServedRows(rows)
+
     def pool_layout(self) -> tuple[str, ...]:
         """Dtype and device of the buffer `gather_input` writes."""
         return (str(self._dtype), str(self._x_host.device))
@@ -291,6 +311,9 @@ class TorchRunner(Runner):
         """
         import torch
 
+        if isinstance(pool, _ServedRows):
+            self._copy_rows(pool.rows)
+            return
         if not isinstance(pool, torch.Tensor):
             super().gather_input(pool, indices)
             return
@@ -322,6 +345,35 @@ class TorchRunner(Runner):
         jobs = [self._gather_pool.submit(torch.index_select, pool, 0, idx[a:b],
                                          out=dst.narrow(0, a, b - a))
                 for a, b in itertools.pairwise(bounds)]
+        for job in jobs:
+            job.result()
+
+    def _copy_rows(self, rows: list[np.ndarray]) -> None:
+        """Copy served rows into the host input buffer, converting; large batches on threads.
+
+        `copy_` releases the GIL, so the event loop keeps reading requests meanwhile.
+        """
+        import torch
+
+        if self._in_flight and self._x_host is not self._x_dev:
+            self._events[1].synchronize()
+        dst = self._x_host.narrow(0, 0, len(rows))
+
+        def copy(a: int, b: int) -> None:
+            for i in range(a, b):
+                dst[i].copy_(torch.from_numpy(rows[i]))
+
+        n = len(rows)
+        parts = min(_GATHER_THREADS, n, int(dst.nbytes // _GATHER_BYTES_PER_THREAD))
+        if parts <= 1:
+            copy(0, n)
+            return
+        if self._gather_pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._gather_pool = ThreadPoolExecutor(_GATHER_THREADS, "infermux-gather")
+        bounds = [n * k // parts for k in range(parts + 1)]
+        jobs = [self._gather_pool.submit(copy, a, b) for a, b in itertools.pairwise(bounds)]
         for job in jobs:
             job.result()
 
@@ -405,6 +457,14 @@ class TorchEngine(Engine):
         # runners per batch: a sweep over batch sizes converts and compiles the module once.
         self._modules: dict[tuple[str, str, str], Any] = {}
 
+    def unsupported_reason(self, unit: Unit) -> str:
+        """CPU int8 is a Q/DQ ONNX model: the ONNX engines run it, eager PyTorch does not."""
+        if unit.kind == "cpu" and unit.mode == "int8":
+            return (f"the torch engine has no int8 path for {unit.id!r}: int8 on CPUs runs a "
+                    "Q/DQ model on onnxruntime or openvino, or litert's own int8 "
+                    "(--engine onnxruntime)")
+        return super().unsupported_reason(unit)
+
     def accepts(self, model: LoadedModel) -> bool:
         """Only torch modules: an ONNX file is for the ONNX engines."""
         return model.module is not None
@@ -473,7 +533,7 @@ class TorchEngine(Engine):
                 raise
             raise RunError(
                 f"torch engine failed to build {model.name} on {unit.id} at batch {batch}: "
-                f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                f"{first_line(exc)}"
             ) from exc
         return runner
 

@@ -1,6 +1,19 @@
 """The TensorRT engine: ONNX → serialized engine for `cuda:N/*` and `dla:N/*` units.
 
-Written against the TensorRT Python API (8.6 on JetPack 5 through 10.x): named I/O tensors,
+Two build paths, chosen by what the installed TensorRT has (feature detection, `trt_api`), not
+by its version string:
+
+- **Strongly typed** (TensorRT 11, which removed the precision flags and the int8 calibrators;
+  also available from 9.x with `typing=strong`): the precision is in the ONNX model. fp16 and
+  bf16 units build a model cast by `infermux.quantize.convert_precision` (fp32 islands for
+  normalisation, softmax and reductions; fp32 inputs and outputs), int8 builds a Q/DQ model
+  made by post-training quantization from calibration data (`quantize_qdq`: the file the CPU
+  engines run too; its unquantized layers stay fp32 unless ModelOpt wrote it with fp16).
+- **Weakly typed** (TensorRT 10 and older, e.g. 10.3 on JetPack 6): builder flags (`FP16`,
+  `BF16`, `INT8`) and the entropy calibrator. DLAs need this path (TensorRT 11 does not support
+  the DLA on JetPack/DriveOS builds).
+
+Written against the TensorRT Python API (8.6 on JetPack 5 through 11.x): named I/O tensors,
 `execute_async_v3`, an optimisation profile fixed at the runner's batch, a timing cache so a
 rebuild picks the kernels timed the first time (kernel choice by timing is what makes TensorRT
 builds non-deterministic), serialized engines cached on disk by a key of everything that shapes
@@ -11,20 +24,23 @@ the others of a multi-input network hold zeros), and everything that touches the
 under `torch.cuda.device(N)`, so a `cuda:1` engine, context and buffers all live on GPU 1.
 Engine, timing and calibration caches are written to a temporary file and renamed into place.
 
-`build_plan` and `engine_cache_key` are pure, so the translation of units and options is tested
-on machines without TensorRT; everything that needs the library is imported lazily.
+The timing cache is keyed by TensorRT release, device and the options that change timing
+(typing, optimisation level, workspace); `reuse_timing_cache=false` times every kernel afresh
+and bypasses the engine cache, for studies of rebuild variance.
+
+`trt_api`, `build_plan`, `engine_cache_key` and `timing_cache_name` are pure, so the translation
+of units and options and the version dispatch are tested on machines without TensorRT, against
+objects shaped like either API; everything that needs the library is imported lazily.
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -37,24 +53,77 @@ from infermux.engines.base import (
     register_engine,
 )
 from infermux.errors import RunError, UsageError
-from infermux.export import ExportedModel, cache_dir
+from infermux.export import ExportedModel, cache_dir, write_atomic
 from infermux.models import LoadedModel
+from infermux.quantize import calibration_batches, calibration_identity
 from infermux.units import Unit
 
 __all__ = [
+    "TRT10_API",
     "BuildPlan",
+    "TrtApi",
     "TrtEngine",
     "TrtOptions",
     "TrtRunner",
     "build_plan",
     "calibration_batches",
     "engine_cache_key",
+    "installed_trt_major",
+    "network_flags",
+    "timing_cache_name",
+    "trt_api",
 ]
 
-#: ImageNet normalisation applied to calibration images (what torchvision classifiers expect).
-_MEAN = np.array([0.485, 0.456, 0.406], dtype=np.float32)
-_STD = np.array([0.229, 0.224, 0.225], dtype=np.float32)
-_IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
+Typing = Literal["auto", "strong", "weak"]
+
+
+@dataclass(frozen=True)
+class TrtApi:
+    """What the installed TensorRT offers, found by looking for it (not by its version)."""
+
+    version: str
+    #: `BuilderFlag.FP16`/`INT8` exist: weakly typed builds (TensorRT 10 and older).
+    precision_flags: bool
+    #: `IInt8EntropyCalibrator2` exists: implicit int8 by calibration (TensorRT 10 and older).
+    calibrators: bool
+    #: Strongly typed networks exist (`NetworkDefinitionCreationFlag.STRONGLY_TYPED`, or
+    #: TensorRT 11, where every network is strongly typed).
+    strongly_typed: bool
+
+    @property
+    def major(self) -> int:
+        """The major release (11 for 11.4.1); 0 when the version string says none."""
+        head = self.version.split(".")[0]
+        return int(head) if head.isdigit() else 0
+
+
+#: The API shape of TensorRT 10 (JetPack 6's 10.3 and later 10.x): flags, calibrators, and
+#: strong typing on request.
+TRT10_API = TrtApi("10.3.0", precision_flags=True, calibrators=True, strongly_typed=True)
+
+
+def trt_api(trt: Any) -> TrtApi:
+    """Detect the API shape of the `tensorrt` module given (or anything shaped like it)."""
+    flags = getattr(trt, "BuilderFlag", None)
+    creation = getattr(trt, "NetworkDefinitionCreationFlag", None)
+    precision_flags = flags is not None and hasattr(flags, "FP16") and hasattr(flags, "INT8")
+    version = str(getattr(trt, "__version__", "0"))
+    return TrtApi(
+        version=version,
+        precision_flags=precision_flags,
+        calibrators=hasattr(trt, "IInt8EntropyCalibrator2"),
+        strongly_typed=(creation is not None and hasattr(creation, "STRONGLY_TYPED"))
+        or not precision_flags,
+    )
+
+
+def installed_trt_major() -> int | None:
+    """The major release of the importable `tensorrt`, or None where there is none."""
+    try:
+        import tensorrt
+    except ImportError:
+        return None
+    return trt_api(tensorrt).major or None
 
 
 class TrtOptions(BaseModel):
@@ -66,9 +135,21 @@ class TrtOptions(BaseModel):
     #: Layers a DLA cannot run go to the GPU; without it such a network fails to build.
     gpu_fallback: bool | None = None
     cuda_graph: bool | None = None
-    #: An image folder, or "random" for generated data (timing only: accuracy is meaningless).
+    #: int8: an image folder, an (N, *input) .npy file, or "random" (the default: seeded noise,
+    #: right for timing, meaningless for accuracy).
     calibration_data: str | None = None
     calibration_items: int = Field(256, ge=1)
+    #: Strongly typed (precision from the model), weakly typed (precision flags, calibrators,
+    #: the DLA), or auto: weak where the TensorRT has precision flags (10 and older), else strong.
+    typing: Typing = "auto"
+    #: int8 on the strongly typed path: how the Q/DQ model is calibrated, and by whom.
+    quantize_method: Literal["minmax", "entropy", "percentile"] = "minmax"
+    quantize_tool: Literal["onnxruntime", "modelopt"] = "onnxruntime"
+    #: fp16/bf16 on the strongly typed path: infermux's cast pass or ModelOpt's AutoCast.
+    precision_tool: Literal["infermux", "modelopt"] = "infermux"
+    #: Read and write the timing cache (true), or time every kernel afresh and rebuild instead
+    #: of loading a cached engine (false: each build is a new draw, for rebuild studies).
+    reuse_timing_cache: bool = True
     workspace_mib: int | None = Field(None, ge=1)
     builder_optimization_level: int | None = Field(None, ge=0, le=5)
     engine_cache_dir: str | None = None
@@ -82,6 +163,9 @@ class BuildPlan:
 
     device: str  # gpu | dla
     device_index: int  # CUDA device, or DLA core
+    typing: str  # strong | weak
+    #: The precision set in the ONNX model before the build (strong typing), else fp32.
+    model_precision: str
     set_flags: tuple[str, ...]
     clear_flags: tuple[str, ...]
     precision: str
@@ -91,27 +175,57 @@ class BuildPlan:
     calibration_items: int
     workspace_mib: int | None
     builder_optimization_level: int | None
+    reuse_timing_cache: bool = True
+    quantize_method: str = "minmax"
+    quantize_tool: str = "onnxruntime"
+    precision_tool: str = "infermux"
 
 
+def _typing(unit: Unit, opts: TrtOptions, api: TrtApi) -> str:
+    """Strong or weak typing for this build, or one clear line why neither can be."""
+    on_dla = unit.kind == "dla"
+    if opts.typing == "weak" and not api.precision_flags:
+        raise UsageError(f"option typing=weak: TensorRT {api.version} has no precision flags "
+                         "(weakly typed builds ended with TensorRT 10): use typing=auto")
+    if opts.typing == "strong" and not api.strongly_typed:
+        raise UsageError(f"option typing=strong: TensorRT {api.version} has no strongly typed "
+                         "networks (they came with 9.x): use typing=auto")
+    typing = opts.typing if opts.typing != "auto" else (
+        "weak" if api.precision_flags else "strong")
+    if on_dla and typing == "strong":
+        if not api.precision_flags:
+            raise UsageError(
+                f"unit {unit.id!r} needs TensorRT 10 (JetPack 6): the DLA is built through "
+                f"precision flags and calibrators, which TensorRT {api.version} does not have; "
+                "install the TensorRT of JetPack 6 or use a cuda unit")
+        raise UsageError(f"unit {unit.id!r}: DLA builds are weakly typed: drop typing=strong")
+    return typing
 
-def build_plan(unit: Unit, opts: TrtOptions) -> BuildPlan:
-    """Translate a unit and options to builder flags; one clear error for what cannot be."""
+
+def build_plan(unit: Unit, opts: TrtOptions, api: TrtApi = TRT10_API) -> BuildPlan:
+    """Translate a unit and options to a build for `api`; one clear error for what cannot be."""
     if unit.kind not in ("cuda", "dla"):
         raise UsageError(f"the tensorrt engine cannot run on unit {unit.id!r} (it runs cuda, dla)")
     on_dla = unit.kind == "dla"
     int8 = opts.int8 if opts.int8 is not None else unit.mode == "int8"
+    typing = _typing(unit, opts, api)
     set_flags: list[str] = []
     clear: list[str] = []
     if unit.mode == "fp32":
-        clear.append("TF32")  # CUDA cores: what the fp32 unit means
-    elif unit.mode == "fp16":
-        set_flags.append("FP16")
-    elif unit.mode == "bf16":
-        set_flags.append("BF16")
-    elif unit.mode == "int8":
-        set_flags.append("FP16")  # layers without an int8 kernel fall back to fp16, not fp32
-    if int8:
-        set_flags.append("INT8")
+        clear.append("TF32")  # CUDA cores: what the fp32 unit means (TF32 stays in 11)
+    if typing == "weak":
+        model_precision = "fp32"
+        if unit.mode == "fp16":
+            set_flags.append("FP16")
+        elif unit.mode == "bf16":
+            set_flags.append("BF16")
+        elif unit.mode == "int8":
+            set_flags.append("FP16")  # layers without an int8 kernel fall back to fp16, not fp32
+        if int8:
+            set_flags.append("INT8")
+    else:
+        model_precision = "int8" if int8 else (
+            unit.mode if unit.mode in ("fp16", "bf16") else "fp32")
     if on_dla:
         if unit.mode not in ("fp16", "int8"):
             raise UsageError(f"unit {unit.id!r}: a DLA runs fp16 or int8 only")
@@ -122,40 +236,46 @@ def build_plan(unit: Unit, opts: TrtOptions) -> BuildPlan:
             set_flags.append("GPU_FALLBACK")
     elif opts.gpu_fallback is not None:
         raise UsageError(f"option gpu_fallback needs a dla:N unit, not {unit.id!r}")
-    if int8 and opts.calibration_data is None:
-        raise UsageError(
-            f"unit {unit.id!r} computes in int8 and needs calibration data: pass "
-            "--option calibration_data=PATH/TO/IMAGES (or calibration_data=random for timing only)"
-        )
-    if opts.calibration_data not in (None, "random") and not Path(opts.calibration_data).is_dir():
-        raise UsageError(f"option calibration_data={opts.calibration_data!r} is not a folder: "
-                         "pass a folder of .jpg/.png images or 'random'")
+    data = opts.calibration_data
+    if data not in (None, "random") and not (
+            Path(data).is_dir() or (data.endswith(".npy") and Path(data).is_file())):
+        raise UsageError(f"option calibration_data={data!r} is not a folder or a .npy file: "
+                         "pass a folder of .jpg/.png images, an (N, *input) .npy array, or "
+                         "'random' (timing only)")
     precision = "int8" if int8 else unit.mode
     return BuildPlan(
         device="dla" if on_dla else "gpu",
         device_index=unit.index,
+        typing=typing,
+        model_precision=model_precision,
         set_flags=tuple(set_flags),
         clear_flags=tuple(clear),
         precision=precision,
         cuda_graph=(not on_dla) if opts.cuda_graph is None else opts.cuda_graph,
-        calibrate=int8,
-        calibration_data=opts.calibration_data if int8 else None,
+        # Weak typing calibrates in the builder; strong typing calibrated the Q/DQ model.
+        calibrate=int8 and typing == "weak",
+        # Without data int8 calibrates on seeded noise: right for timing, not for accuracy.
+        calibration_data=(data or "random") if int8 else None,
         calibration_items=opts.calibration_items,
         workspace_mib=opts.workspace_mib,
         builder_optimization_level=opts.builder_optimization_level,
+        reuse_timing_cache=opts.reuse_timing_cache,
+        quantize_method=opts.quantize_method,
+        quantize_tool=opts.quantize_tool,
+        precision_tool=opts.precision_tool,
     )
 
 
-def _calibration_identity(data: str | None) -> str:
-    """What the calibration data is: a folder's file names, sizes and times; or 'random'."""
-    if data is None or data == "random":
-        return str(data)
-    files = sorted(p for p in Path(data).iterdir() if p.suffix.lower() in _IMAGE_SUFFIXES)
-    h = hashlib.sha256(str(Path(data).resolve()).encode())
-    for p in files:
-        stat = p.stat()
-        h.update(f"{p.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
-    return h.hexdigest()[:16]
+def timing_cache_name(plan: BuildPlan, trt_version: str, device_name: str) -> str:
+    """The timing cache file for a build: one per TensorRT release, device and timing options.
+
+    Kernel timings move with neither the release nor the device; the typing and the builder's
+    optimisation level and workspace change which kernels are timed at all.
+    """
+    level = "d" if plan.builder_optimization_level is None else plan.builder_optimization_level
+    workspace = plan.workspace_mib or "d"
+    return (f"timing-{_slug(device_name)}-trt{trt_version}-{plan.typing}-o{level}"
+            f"-w{workspace}.cache")
 
 
 def engine_cache_key(onnx_digest: str, plan: BuildPlan, batch: int, trt_version: str,
@@ -167,46 +287,9 @@ def engine_cache_key(onnx_digest: str, plan: BuildPlan, batch: int, trt_version:
     """
     fields = asdict(plan)
     fields.pop("cuda_graph")  # a run-time choice: the same engine serves both
-    fields["calibration_data"] = _calibration_identity(plan.calibration_data)
+    fields["calibration_data"] = calibration_identity(plan.calibration_data)
     text = f"{onnx_digest}|{batch}|{trt_version}|{device_name}|{sorted(fields.items())}"
     return hashlib.sha256(text.encode()).hexdigest()[:24]
-
-
-def calibration_batches(data: str, input_shape: tuple[int, ...], batch: int,
-                        items: int) -> Iterator[np.ndarray]:
-    """Float32 batches for calibration: images resized and normalised, or seeded noise.
-
-    Images are read with Pillow, resized to the model's input (H, W) and normalised with
-    ImageNet statistics; a folder with fewer images than `items` is cycled.
-    """
-    count = max(1, -(-items // batch))
-    if data == "random":
-        rng = np.random.default_rng(0)
-        for _ in range(count):
-            yield rng.standard_normal((batch, *input_shape)).astype(np.float32)
-        return
-    files = sorted(p for p in Path(data).iterdir() if p.suffix.lower() in _IMAGE_SUFFIXES)
-    if not files:
-        raise UsageError(f"calibration folder {data!r} has no .jpg/.png images")
-    if len(input_shape) != 3 or input_shape[0] not in (1, 3):
-        raise UsageError(f"image calibration needs a (C, H, W) input with 1 or 3 channels, not "
-                         f"{input_shape}: use calibration_data=random")
-    from PIL import Image  # a torchvision dependency
-
-    mode = "RGB" if input_shape[0] == 3 else "L"
-    mean = _MEAN if input_shape[0] == 3 else _MEAN[:1]
-    std = _STD if input_shape[0] == 3 else _STD[:1]
-    height, width = input_shape[1:]
-    i = 0
-    for _ in range(count):
-        out = np.empty((batch, *input_shape), dtype=np.float32)
-        for j in range(batch):
-            with Image.open(files[i % len(files)]) as image:
-                resized = image.convert(mode).resize((width, height), Image.Resampling.BILINEAR)
-            pixels = np.asarray(resized, dtype=np.float32).reshape(height, width, -1) / 255.0
-            out[j] = (pixels.transpose(2, 0, 1) - mean[:, None, None]) / std[:, None, None]
-            i += 1
-        yield out
 
 
 def _make_calibrator(trt: Any, batches: Iterator[np.ndarray], batch: int, cache: Path,
@@ -241,7 +324,7 @@ def _make_calibrator(trt: Any, batches: Iterator[np.ndarray], batch: int, cache:
 
         def write_calibration_cache(self, data: Any) -> None:
             cache.parent.mkdir(parents=True, exist_ok=True)
-            _write_atomic(cache, bytes(data))
+            write_atomic(cache, bytes(data))
 
     return _Calibrator()
 
@@ -409,9 +492,19 @@ class TrtEngine(Engine):
         import tensorrt as trt
         import torch
 
-        plan = build_plan(unit, opts)
+        api = trt_api(trt)
+        plan = build_plan(unit, opts, api)
         started = time.perf_counter()
         onnx_file = self.onnx_for(model, opts.opset)
+        precision_info: dict[str, Any] = {}
+        if plan.model_precision != "fp32":
+            from infermux.quantize import model_at_precision
+
+            onnx_file, precision_info = model_at_precision(
+                onnx_file, plan.model_precision, model.input_shape,
+                calibration_data=plan.calibration_data, calibration_items=plan.calibration_items,
+                method=plan.quantize_method, tool=plan.quantize_tool,
+                precision_tool=plan.precision_tool)
         gpu_index = plan.device_index if plan.device == "gpu" else 0
         device_name = torch.cuda.get_device_name(gpu_index)
         folder = Path(opts.engine_cache_dir) if opts.engine_cache_dir else cache_dir() / "tensorrt"
@@ -423,10 +516,11 @@ class TrtEngine(Engine):
         # buffers, stream, warm-up and graph) happens on the unit's GPU: an engine or context
         # made while device 0 is current is bound to device 0.
         with torch.cuda.device(gpu_index):
-            if not engine_path.is_file():
-                serialized = self._build_engine(trt, onnx_file, model, plan, batch, folder,
+            # Without the timing cache every build is a fresh draw: never served from the cache.
+            if not engine_path.is_file() or not plan.reuse_timing_cache:
+                serialized = self._build_engine(trt, api, onnx_file, model, plan, batch, folder,
                                                 device_name)
-                _write_atomic(engine_path, serialized)
+                write_atomic(engine_path, serialized)
             runtime = trt.Runtime(self._logger)
             if plan.device == "dla":
                 runtime.DLA_core = plan.device_index
@@ -443,15 +537,14 @@ class TrtEngine(Engine):
                 raise RunError(f"tensorrt failed to run {model.name} on {unit.id} at batch {batch}: "
                                f"{type(exc).__name__}: {exc}") from exc
         runner.options.update(onnx_file=str(onnx_file.path), engine_file=str(engine_path),
-                              onnx_sha256=onnx_file.digest)
+                              onnx_sha256=onnx_file.digest, tensorrt_version=api.version,
+                              **precision_info)
         return runner
 
-    def _build_engine(self, trt: Any, onnx_file: ExportedModel, model: LoadedModel,
+    def _build_engine(self, trt: Any, api: TrtApi, onnx_file: ExportedModel, model: LoadedModel,
                       plan: BuildPlan, batch: int, folder: Path, device_name: str) -> bytes:
         builder = trt.Builder(self._logger)
-        explicit = 1 << int(trt.NetworkDefinitionCreationFlag.EXPLICIT_BATCH) if hasattr(
-            trt.NetworkDefinitionCreationFlag, "EXPLICIT_BATCH") else 0
-        network = builder.create_network(explicit)
+        network = builder.create_network(network_flags(trt, plan.typing))
         parser = trt.OnnxParser(network, self._logger)
         if not parser.parse(onnx_file.path.read_bytes()):
             errors = [str(parser.get_error(i)) for i in range(parser.num_errors)]
@@ -463,7 +556,8 @@ class TrtEngine(Engine):
                 raise UsageError(f"TensorRT {trt.__version__} has no {flag} build mode for this unit")
             config.set_flag(getattr(trt.BuilderFlag, flag))
         for flag in plan.clear_flags:
-            config.clear_flag(getattr(trt.BuilderFlag, flag))
+            if hasattr(trt.BuilderFlag, flag):  # TF32 off: a release without TF32 has it off
+                config.clear_flag(getattr(trt.BuilderFlag, flag))
         if plan.device == "dla":
             config.default_device_type = trt.DeviceType.DLA
             config.DLA_core = plan.device_index
@@ -487,16 +581,16 @@ class TrtEngine(Engine):
                 others[tensor.name] = shape
             profile.set_shape(tensor.name, shape, shape, shape)  # fixed: DLAs take static shapes
         config.add_optimization_profile(profile)
-        timing_path = folder / f"timing-{_slug(device_name)}-trt{trt.__version__}.cache"
-        timing = config.create_timing_cache(timing_path.read_bytes() if timing_path.is_file()
-                                            else b"")
+        timing_path = folder / timing_cache_name(plan, api.version, device_name)
+        reuse = plan.reuse_timing_cache and timing_path.is_file()
+        timing = config.create_timing_cache(timing_path.read_bytes() if reuse else b"")
         config.set_timing_cache(timing, ignore_mismatch=False)
         if plan.calibrate:
-            if not hasattr(trt, "IInt8EntropyCalibrator2"):
+            if not api.calibrators:
                 raise UsageError(f"TensorRT {trt.__version__} has no calibrator API: pass an ONNX "
                                  "model quantised with Q/DQ nodes instead")
             calib_key = hashlib.sha256(
-                f"{onnx_file.digest}|{_calibration_identity(plan.calibration_data)}|"
+                f"{onnx_file.digest}|{calibration_identity(plan.calibration_data)}|"
                 f"{plan.calibration_items}".encode()).hexdigest()[:16]
             calibrator = _make_calibrator(
                 trt, calibration_batches(plan.calibration_data or "random", model.input_shape,
@@ -509,21 +603,21 @@ class TrtEngine(Engine):
             raise RunError(f"TensorRT failed to build {model.name} for {plan.device}:"
                            f"{plan.device_index} ({plan.precision}); the log above says which "
                            "layer" + (" (try gpu_fallback=true)" if plan.device == "dla" else ""))
-        # Atomic: a concurrent build reads the old cache or the new one, never half of one.
-        _write_atomic(timing_path, bytes(config.get_timing_cache().serialize()))
+        if plan.reuse_timing_cache:
+            # Atomic: a concurrent build reads the old cache or the new one, never half of one.
+            write_atomic(timing_path, bytes(config.get_timing_cache().serialize()))
         return bytes(serialized)
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Write `data` to a temporary file beside `path`, then rename it into place."""
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+def network_flags(trt: Any, typing: str) -> int:
+    """`create_network`'s flags for a typing, from what the module has.
+
+    Strong: the STRONGLY_TYPED bit (accepted and redundant on TensorRT 11, where every network
+    is strongly typed). Weak: EXPLICIT_BATCH where it still exists (8.x; ignored from 10).
+    """
+    creation = trt.NetworkDefinitionCreationFlag
+    name = "STRONGLY_TYPED" if typing == "strong" else "EXPLICIT_BATCH"
+    return 1 << int(getattr(creation, name)) if hasattr(creation, name) else 0
 
 
 def _slug(text: str) -> str:

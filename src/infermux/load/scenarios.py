@@ -29,12 +29,11 @@ from typing import Any
 import numpy as np
 
 from infermux.load.base import Query, SystemUnderTest
+from infermux.progress import ProgressFn
 from infermux.stats import latency_summary_ms
 
 __all__ = ["LoadGenerator", "PeakResult", "ScenarioResult", "find_peak", "poisson_schedule"]
 
-#: progress(label, fraction)
-ProgressFn = Callable[[str, float], None]
 _METRIC = {"offline": None, "server": 99, "single-stream": 90, "multi-stream": 99}
 
 
@@ -142,7 +141,7 @@ class ScenarioResult:
             "scenario": self.scenario, "valid": valid, "validity_notes": notes,
             "duration_s": dur, **counts,
             "throughput_qps": counts["completed"] / dur if dur else None,
-            "throughput_samples_per_s": counts["completed_samples"] / dur if dur else None,
+            "items_per_s": counts["completed_samples"] / dur if dur else None,
             "latency": self.summary_latency(),
             "interrupted": self.interrupted,
         }
@@ -159,8 +158,8 @@ class ScenarioResult:
             rec["metric"] = f"p{metric}_ms"
             rec["metric_value_ms"] = rec["latency"].get(f"p{metric}_ms")
         else:
-            rec["metric"] = "throughput_samples_per_s"
-            rec["metric_value"] = rec["throughput_samples_per_s"]
+            rec["metric"] = "items_per_s"
+            rec["metric_value"] = rec["items_per_s"]
         rec["per_model"] = {
             m: {**self.counts(m), "latency": self.summary_latency(m)} for m in self.models
         }
@@ -432,15 +431,15 @@ class PeakResult:
     bound_ms: float
     trials: list[dict[str, Any]]
     peak_qps: float | None
-    offline_samples_per_s: float | None
+    offline_items_per_s: float | None
     reason: str | None = None
 
     def record(self) -> dict[str, Any]:
         """JSON-ready, with the peak as a fraction of offline throughput."""
-        frac = (self.peak_qps / self.offline_samples_per_s
-                if self.peak_qps and self.offline_samples_per_s else None)
+        frac = (self.peak_qps / self.offline_items_per_s
+                if self.peak_qps and self.offline_items_per_s else None)
         return {"p99_bound_ms": self.bound_ms, "peak_qps": self.peak_qps,
-                "offline_samples_per_s": self.offline_samples_per_s,
+                "offline_items_per_s": self.offline_items_per_s,
                 "peak_fraction_of_offline": frac, "reason": self.reason, "trials": self.trials}
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import statistics
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,11 +30,11 @@ from infermux.partition.dp import placement
 from infermux.partition.graph import TensorInfo
 from infermux.partition.segments import Segment, segment_model
 from infermux.partition.transfer import HOST, alloc, copy_into, dtype_of, pin_thread, stream_for
+from infermux.progress import ProgressFn
 from infermux.units import Unit
 
 __all__ = ["Profile", "profile_segments", "time_transfer"]
 
-ProgressFn = Callable[[str, float], None]
 
 
 @dataclass

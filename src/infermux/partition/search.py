@@ -8,15 +8,12 @@ pipelines, and the best *measured* one is kept. Every profile and candidate goes
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from infermux.agreement import ChainAgreement, check_stages
-from infermux.env import capture_environment
 from infermux.errors import DeviceOutOfMemoryError, InfermuxError, UsageError
 from infermux.models import LoadedModel, ModelSpec, load_model
-from infermux.partition import records
 from infermux.partition.dp import (
     Candidate,
     ProfileCost,
@@ -29,7 +26,8 @@ from infermux.partition.pipeline import Pipeline, PipelineMeasurement
 from infermux.partition.plan import PipelinePlan, StageSpec
 from infermux.partition.profile import Profile, profile_segments
 from infermux.partition.segments import Segment, split
-from infermux.store import Sample, Store
+from infermux.progress import ProgressFn
+from infermux.store import Sample, Store, recording
 from infermux.units import Unit, discover, select_units
 
 __all__ = [
@@ -37,7 +35,6 @@ __all__ = [
     "describe_graph", "predict", "run_partition", "to_plan",
 ]
 
-ProgressFn = Callable[[str, float], None]
 
 
 @dataclass
@@ -269,20 +266,15 @@ def run_partition(
     model = load_model(config.model)
     if model.module is None:
         raise UsageError(f"{model.name} is an ONNX file: partitioning needs a torch model")
-    run_id = None
-    if store is not None:
-        records.ensure_tables(store)
-        cfg = config.to_dict() | {"resolved_units": list(units),
-                                  "model_description": model.describe()}
-        run_id = store.begin_run("partition", cfg, capture_environment(), command)
-    status = "failed"
-    summary: dict[str, Any] = {}
-    try:
+    cfg = config.to_dict() | {"resolved_units": list(units),
+                              "model_description": model.describe()}
+    with recording(store, "partition", cfg, command) as rec:
+        run_id = rec.run_id
         predicted = predict(config, unit_list, model, progress)
         graph, segments, profile = predicted.graph, predicted.segments, predicted.profile
-        summary = {"capture": graph.method, "pieces": len(segments)}
+        rec.summary = {"capture": graph.method, "pieces": len(segments)}
         if store is not None and run_id is not None:
-            records.add_profile(store, run_id, profile)
+            store.add_partition_profile(run_id, profile)
         found_plans = predicted.candidates
         report = PartitionReport(run_id, model, graph, segments, profile, [],
                                  predicted.single_unit, None)
@@ -321,25 +313,15 @@ def run_partition(
             best.plan.measured_items_per_s = best.measured_items_per_s
             report.best = best.plan
             if store is not None and run_id is not None:
-                store.connection.execute(
-                    "UPDATE partition_candidates SET chosen = 1 WHERE run_id = ? AND rank = ?",
-                    (run_id, best.rank))
-                store.connection.commit()
-        status = "complete"
-        report.status = status
+                store.choose_partition_candidate(run_id, best.rank)
+        report.status = "complete"
         return report
-    except KeyboardInterrupt:
-        status = "interrupted"
-        raise
-    finally:
-        if store is not None and run_id is not None:
-            store.finish_run(run_id, status, summary)
 
 
 def _store_candidate(store: Store, run_id: int, model: LoadedModel, plan: PipelinePlan,
                      result: CandidateResult) -> None:
     record = result.record()
-    records.add_candidate(store, run_id, record, plan.to_yaml())
+    store.add_partition_candidate(run_id, record, plan.to_yaml())
     m = result.measured
     point = {
         "model": model.name, "unit": "|".join("+".join(s.units) for s in plan.stages),
@@ -348,7 +330,7 @@ def _store_candidate(store: Store, run_id: int, model: LoadedModel, plan: Pipeli
         "valid": m is not None and m.items > 0,
         "validity_note": "" if m is not None else (result.error or ""),
         "items": m.items if m else 0, "window_s": m.window_s if m else 0.0,
-        "throughput_items_per_s": result.measured_items_per_s, "error": result.error,
+        "items_per_s": result.measured_items_per_s, "error": result.error,
         "plan": plan.describe(), "predicted_items_per_s": result.predicted_items_per_s,
     }
     # Samples are chunks, feed to sink: the pipeline's end-to-end latency.

@@ -5,7 +5,10 @@
   to the next worker on arrival (each worker has its own queue): the blind baseline.
 - **Dynamic batching.** A worker takes up to its batch size; with fewer items queued it waits
   until the oldest has waited `max_queue_delay_ms`, then takes what is there. After the load
-  generator's last query (`end()`) partial batches go at once.
+  generator's last query (`end()`) partial batches go at once. With `take_when_idle` (a
+  server's latency setting) a worker takes a partial batch at once when every worker of the
+  model is idle: waiting then only delays the request, since no batch is running whose end
+  the wait would have overlapped; under load workers are busy and batches fill as before.
 - **SLO-aware placement.** With a model's `latency_bound_ms`, a worker whose expected
   completion (moving average of its batch latency) would break the oldest item's bound leaves
   the items when another worker can meet it once free (`placement.slo_take`).
@@ -17,7 +20,9 @@
   unit does not stretch the end of an offline run.
 - **Faults.** A worker whose batch fails is taken out of service; the batch's items go back to
   the front of the queue for another worker, at most `max_retries` times, then their queries are
-  reported failed. Nothing is dropped silently.
+  reported failed. Nothing is dropped silently. A supervisor (`runtime.supervisor`) may restart
+  it: while a worker whose process died is `restarting`, its model's items wait for it (they
+  count as servable), `revive()` puts it back in service, `give_up()` fails what waited.
 - **Trials.** `begin_trial()` starts a trial from empty queues and zeroed counters: what an
   earlier trial left queued is dropped (it was reported unfinished there), and a batch of it
   still running when the new trial starts is neither reported to nor recorded in the new one.
@@ -37,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from infermux.errors import first_line
 from infermux.load.base import CompletionFn, Query
 from infermux.runtime.placement import LatencyEstimate, WorkerView, slo_take, tail_take
 
@@ -77,10 +83,16 @@ class Batch:
         return [it.sample for it in self.items]
 
     def inputs(self) -> np.ndarray | None:
-        """The items' own input rows stacked `(n, *shape)` (served requests), else None."""
+        """The items' own input rows stacked `(n, *shape)`, float32 (served requests), else None."""
         if not self.items or self.items[0].data is None:
             return None
-        return np.stack([it.data for it in self.items])
+        return np.stack([it.data for it in self.items]).astype(np.float32, copy=False)
+
+    def rows(self) -> list[np.ndarray] | None:
+        """The items' own input rows, unstacked (a runner may copy them straight in), else None."""
+        if not self.items or self.items[0].data is None:
+            return None
+        return [it.data for it in self.items]
 
 
 def failure_kind(exc: BaseException) -> str:
@@ -108,6 +120,10 @@ class WorkerState:
     #: Why a worker that is not alive stopped: `oom` (an out-of-memory error, by its type) or
     #: `failed` (any other error).
     failure: str | None = None
+    #: Being restarted by a supervisor: its model's items wait for it meanwhile.
+    restarting: bool = False
+    #: Times a supervisor brought it back into service.
+    restarts: int = 0
     free_since_ns: int = 0
     busy_until_ns: int = 0
     in_flight: int = 0
@@ -163,6 +179,8 @@ class Dispatcher:
         self.policy = policy
         self.max_retries = max_retries
         self.clock_ns = clock_ns
+        #: Take a partial batch at once when every worker of its model is idle (see above).
+        self.take_when_idle = False
         self.workers: dict[int, WorkerState] = {}
         self.queues: dict[str, deque[Item]] = {m: deque() for m in self.models}
         self.cond = threading.Condition()
@@ -180,6 +198,11 @@ class Dispatcher:
         #: one float32 array per model output, a row per item, before completion is reported.
         self.on_outputs: Callable[[Batch, list[np.ndarray]], None] | None = None
         self.events: list[dict[str, Any]] = []
+        #: Called, outside the lock, with each worker just taken out of service (a supervisor).
+        self.on_worker_failed: Callable[[WorkerState], None] | None = None
+        #: Asked, under the lock, whether a failed worker will be restarted (a supervisor's
+        #: answer): if so, the items it held and its model's queue wait for it.
+        self.will_restart: Callable[[WorkerState, BaseException], bool] | None = None
 
     # -- set-up -----------------------------------------------------------------------------
 
@@ -249,7 +272,11 @@ class Dispatcher:
     def _can_serve(self, model: str) -> bool:
         # Round robin feeds only a model's own workers: borrowing reads the shared queues.
         borrow = self.dynamic and self.policy == "pull"
-        return any(w.alive and (w.model == model or (borrow and model in w.serves))
+        # A worker being restarted keeps its model's items queued for it (pull only: round
+        # robin's own queues are emptied when a worker fails).
+        waiting = self.policy == "pull"
+        return any((w.alive or (waiting and w.restarting))
+                   and (w.model == model or (borrow and model in w.serves))
                    for w in self.workers.values())
 
     def _place(self, item: Item, front: bool = False) -> bool:
@@ -338,6 +365,8 @@ class Dispatcher:
         oldest = queue[0].enqueued_ns
         take_now, wait_ns = batch_ready(len(queue), w.batch, oldest, now, self.max_queue_delay_ns,
                                         self._flush)
+        if not take_now and self.take_when_idle and not w.in_flight:
+            take_now = not any(o.in_flight for o in self._live(model))
         if not take_now:
             return wait_ns / 1e9
         n = min(len(queue), w.batch)
@@ -415,30 +444,80 @@ class Dispatcher:
     def failed(self, w: WorkerState, batches: Sequence[Batch], exc: BaseException) -> None:
         """A worker failed: take it out of service and retry or fail every item it held."""
         now = self.clock_ns()
+        with self.cond:
+            give_up = self._take_out(w, batches, exc, now)
+        self._fail_items(give_up, now)
+        if self.on_worker_failed is not None:
+            self.on_worker_failed(w)
+
+    def fail_idle(self, w: WorkerState, exc: BaseException) -> bool:
+        """Take `w` out of service if it is alive and holds no batch; else False.
+
+        For a worker whose process died between batches; one that holds a batch reports the
+        failure from its own thread.
+        """
+        now = self.clock_ns()
+        with self.cond:
+            if not w.alive or w.in_flight:
+                return False
+            give_up = self._take_out(w, [], exc, now)
+        self._fail_items(give_up, now)
+        if self.on_worker_failed is not None:
+            self.on_worker_failed(w)
+        return True
+
+    def revive(self, w: WorkerState) -> None:
+        """A restarted worker is back in service (it takes batches again)."""
+        with self.cond:
+            now = self.clock_ns()
+            w.alive, w.restarting, w.error, w.failure = True, False, None, None
+            w.restarts += 1
+            w.in_flight = 0
+            w.free_since_ns = w.busy_until_ns = now
+            self.events.append({"t_ns": now, "event": "worker_restarted", "worker": w.name,
+                                "restarts": w.restarts})
+            self.cond.notify_all()
+
+    def give_up(self, w: WorkerState, reason: str) -> None:
+        """A worker will not be restarted: fail what waited for it if nothing else serves it."""
+        now = self.clock_ns()
         give_up: list[Item] = []
         with self.cond:
-            w.alive = False
-            w.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-            w.failure = failure_kind(exc)
-            w.in_flight = 0
-            self.events.append({"t_ns": now, "event": "worker_failed", "worker": w.name,
-                                "error": w.error})
-            held = [it for b in batches for it in b.items if it.trial == self.trial]
-            held += list(w.own_queue)
-            w.own_queue.clear()
-            for item in reversed(held):
-                item.attempts += 1
-                if item.attempts > self.max_retries or not self._place(item, front=True):
-                    give_up.append(item)
-                else:
-                    self.retried += 1
-            # A model left without workers fails whatever is still queued for it.
-            for model, queue in self.queues.items():
-                if queue and not self._can_serve(model):
-                    give_up.extend(queue)
-                    queue.clear()
+            w.restarting = False
+            w.error = reason
+            for queue in self.queues.values():
+                while queue and not self._can_serve(queue[0].model):
+                    give_up.append(queue.popleft())
             self.cond.notify_all()
         self._fail_items(give_up, now)
+
+    def _take_out(self, w: WorkerState, batches: Sequence[Batch], exc: BaseException,
+                  now: int) -> list[Item]:
+        """Mark `w` failed, requeue or give up what it held (called with the lock held)."""
+        give_up: list[Item] = []
+        w.alive = False
+        w.error = first_line(exc)
+        w.failure = failure_kind(exc)
+        w.in_flight = 0
+        self.events.append({"t_ns": now, "event": "worker_failed", "worker": w.name,
+                            "error": w.error})
+        w.restarting = bool(self.will_restart is not None and self.will_restart(w, exc))
+        held = [it for b in batches for it in b.items if it.trial == self.trial]
+        held += list(w.own_queue)
+        w.own_queue.clear()
+        for item in reversed(held):
+            item.attempts += 1
+            if item.attempts > self.max_retries or not self._place(item, front=True):
+                give_up.append(item)
+            else:
+                self.retried += 1
+        # A model left without workers fails whatever is still queued for it.
+        for model, queue in self.queues.items():
+            if queue and not self._can_serve(model):
+                give_up.extend(queue)
+                queue.clear()
+        self.cond.notify_all()
+        return give_up
 
     def _fail_items(self, items: list[Item], now: int) -> None:
         if items:

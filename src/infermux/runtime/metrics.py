@@ -12,8 +12,8 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
 
 import numpy as np
 
@@ -21,7 +21,100 @@ from infermux.load.scenarios import ScenarioResult
 from infermux.runtime.dispatcher import Batch, WorkerState
 from infermux.stats import latency_summary_ms
 
-__all__ = ["BatchRecord", "Recorder", "summarise"]
+__all__ = ["BatchRecord", "ModelSummary", "Recorder", "TrialSummary", "WorkerSummary", "summarise"]
+
+#: How a worker ended a trial: serving, out of device memory, or failed otherwise.
+WorkerStatus = Literal["ok", "oom", "failed"]
+
+
+@dataclass(frozen=True)
+class WorkerSummary:
+    """One worker's figures in a trial, read from the trial's record."""
+
+    worker: str
+    unit: str
+    model: str
+    status: WorkerStatus
+    error: str | None
+    batches: int
+    items: int
+    items_per_s: float | None
+    #: One batch from its launch to its outputs on the host (what a bench point times).
+    batch_p99_ms: float | None
+
+    @property
+    def ok(self) -> bool:
+        """Still serving at the end of the trial."""
+        return self.status == "ok"
+
+    @classmethod
+    def from_record(cls, rec: dict[str, Any]) -> WorkerSummary:
+        """The typed view of one entry of a trial record's `workers`."""
+        status = rec.get("status")
+        return cls(str(rec.get("worker")), str(rec.get("unit")), str(rec.get("model")),
+                   status if status in ("ok", "oom") else "failed", rec.get("error"),
+                   int(rec.get("batches") or 0), int(rec.get("items") or 0),
+                   rec.get("items_per_s"), (rec.get("batch_latency") or {}).get("p99_ms"))
+
+
+@dataclass(frozen=True)
+class ModelSummary:
+    """One model's figures in a trial."""
+
+    model: str
+    completed_samples: int
+    items_per_s: float | None
+    p99_ms: float | None
+
+    @classmethod
+    def from_record(cls, name: str, rec: dict[str, Any]) -> ModelSummary:
+        """The typed view of one entry of a trial record's `models`."""
+        return cls(name, int(rec.get("completed_samples") or 0),
+                   rec.get("items_per_s"), (rec.get("latency") or {}).get("p99_ms"))
+
+
+@dataclass(frozen=True)
+class TrialSummary:
+    """A trial's headline, per model and per worker, typed; `record` is the stored dict."""
+
+    scenario: str
+    valid: bool
+    validity_notes: list[str]
+    items_per_s: float | None
+    completed_samples: int
+    models: dict[str, ModelSummary]
+    workers: dict[str, WorkerSummary]
+    #: A pipeline model's stage figures, by model.
+    pipelines: dict[str, list[dict[str, Any]]]
+    record: dict[str, Any] = field(repr=False)
+
+    @property
+    def failed_workers(self) -> list[WorkerSummary]:
+        """Workers that did not end the trial serving."""
+        return [w for w in self.workers.values() if not w.ok]
+
+    def failures(self) -> str:
+        """One line per distinct failure, naming the workers it took out (empty when none).
+
+        Four workers that ran out of memory the same way are one message, not four.
+        """
+        errors: dict[str, list[str]] = {}
+        for w in self.failed_workers:
+            errors.setdefault(w.error or w.status, []).append(w.worker)
+        return "; ".join(f"{text} ({', '.join(names)})" if len(names) > 1 else text
+                         for text, names in errors.items())
+
+    @classmethod
+    def from_record(cls, rec: dict[str, Any] | None) -> TrialSummary:
+        """The typed view of a trial record (`summarise`'s output); empty for None."""
+        rec = rec or {}
+        return cls(
+            str(rec.get("scenario") or ""), bool(rec.get("valid")),
+            list(rec.get("validity_notes") or []), rec.get("items_per_s"),
+            int(rec.get("completed_samples") or 0),
+            {n: ModelSummary.from_record(n, m) for n, m in (rec.get("models") or {}).items()},
+            {n: WorkerSummary.from_record(w) for n, w in (rec.get("workers") or {}).items()},
+            dict(rec.get("pipelines") or {}), rec)
 
 
 @dataclass
@@ -104,7 +197,7 @@ def summarise(
             **{k: base[k] for k in ("issued", "completed", "failed", "unfinished",
                                     "completed_samples")},
             "throughput_qps": base["completed"] / duration if duration else None,
-            "throughput_samples_per_s": base["completed_samples"] / duration if duration else None,
+            "items_per_s": base["completed_samples"] / duration if duration else None,
             "latency": base["latency"],
             "phases": _phases(recs),
             "batch_histogram": _histogram(recs),

@@ -34,9 +34,9 @@ __all__ = [
 
 SCENARIOS = ("offline", "server", "single-stream", "multi-stream")
 _UNIT_RE = re.compile(
-    r"^(cpu|cpu:[0-9+\-]+|cuda:\d+/(fp32|tf32|fp16|bf16)|dla:\d+/(fp16|int8)|openvino:[A-Za-z0-9_.]+)$"
+    r"^(cpu(:[0-9+\-]+)?(/(fp32|int8))?|cuda:\d+/(fp32|tf32|fp16|bf16)|dla:\d+/(fp16|int8)|openvino:[A-Za-z0-9_.]+)$"
 )
-_UNIT_HELP = "cpu, cpu:0-3, cuda:0/fp16 (fp32, tf32, fp16, bf16), dla:0/fp16 or openvino:CPU"
+_UNIT_HELP = "cpu, cpu:0-3, cpu:0-3/int8, cuda:0/fp16 (fp32, tf32, fp16, bf16), dla:0/fp16 or openvino:CPU"
 
 
 def _check_unit(value: str) -> str:
@@ -305,7 +305,7 @@ class Plan(_Strict):
                          for u, where in piped.items())
             mine: set[int] = set()
             for where, unit, cores in users:
-                if unit == "cpu":
+                if unit.partition("/")[0] == "cpu":  # cpu, cpu/int8: every core
                     whole_cpu.append(where)
                 for core in cores:
                     if where.endswith(".stages") and core in mine:

@@ -10,30 +10,28 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from infermux.engines import Runner, create_engine
-from infermux.env import capture_environment
 from infermux.errors import InfermuxError, RunError, UsageError
 from infermux.load.base import CompletionFn, Query, QuerySampleLibrary
 from infermux.load.scenarios import LoadGenerator, ScenarioResult, find_peak
 from infermux.models import LoadedModel, ModelSpec, load_model
+from infermux.progress import ProgressFn
 from infermux.runtime.dispatcher import Dispatcher, WorkerState, failure_kind
-from infermux.runtime.metrics import Recorder, summarise
+from infermux.runtime.metrics import Recorder, TrialSummary, summarise
 from infermux.runtime.pipelined import PipelineWorker, build_pipeline, pipeline_buckets
 from infermux.runtime.placement import LatencyEstimate, ModelLoad, rebalance
 from infermux.runtime.plan import Plan, Replica, parse_plan
 from infermux.runtime.worker import ProcessHost, RunnerSpec, Worker
-from infermux.store import Store
+from infermux.store import Recording, Store, recording
 from infermux.units import Discovery, Unit, discover, select_units
 
 __all__ = ["RunReport", "RuntimeSUT", "WorkerPlan", "bucket_options", "layout_workers", "run_plan",
            "start_runtime", "with_load"]
 
-#: progress(label, fraction 0..1)
-ProgressFn = Callable[[str, float], None]
 #: Trial t numbers its queries from t << _TRIAL_ID_BITS: ranges of trials never overlap.
 _TRIAL_ID_BITS = 40
 
@@ -98,7 +96,9 @@ def layout_workers(plan: Plan, found: Discovery) -> list[WorkerPlan]:
             for i, cores in enumerate(shares):
                 wunit = unit
                 if cores:
-                    wunit = select_units(["cpu:" + "+".join(str(c) for c in cores)], found)[0]
+                    mode = "" if unit.mode == "fp32" else f"/{unit.mode}"
+                    wunit = select_units(["cpu:" + "+".join(str(c) for c in cores) + mode],
+                                         found)[0]
                 hosting = (plan.dispatcher.cpu_workers if unit.kind == "cpu" else "thread")
                 workers.append(WorkerPlan(
                     len(workers), f"{entry.name}/{wunit.id}#{i}", entry.name, mi, ri, rep, wunit,
@@ -179,6 +179,11 @@ class RunReport:
                 return max(best, key=lambda t: t.get("rate_qps") or 0)
         return self.trials[-1] if self.trials else None
 
+    @property
+    def summary(self) -> TrialSummary:
+        """The final trial, typed (empty when no trial ran)."""
+        return TrialSummary.from_record(self.final)
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready."""
         return {"run_id": self.run_id, "status": self.status, "error": self.error,
@@ -218,6 +223,10 @@ class _Runtime:
         self._placer_stop = threading.Event()
         #: What `build()` returned (set by `start_runtime`).
         self.build_info: dict[str, Any] = {}
+        #: By worker id: its layout, its thread, its process host (what a restart rebuilds).
+        self.worker_plans: dict[int, WorkerPlan] = {}
+        self.worker_by_id: dict[int, Worker] = {}
+        self.host_by_id: dict[int, ProcessHost] = {}
 
     def _note(self, label: str, fraction: float) -> None:
         if self.progress is not None:
@@ -246,14 +255,10 @@ class _Runtime:
         for wp in layout:
             if wp.hosting != "process":
                 continue
-            entries = [m for m in plan.models if dynamic or m.name == wp.model]
-            specs = [RunnerSpec(
-                m.name, m.model, m.weights, tuple(m.input_shape) if m.input_shape else None,
-                wp.replica.engine, wp.unit.id, tuple(wp.replica.buckets()), wp.replica.options,
-                plan.load.data, wp.id, plan.load.sample_pool, plan.load.seed) for m in entries]
-            host = ProcessHost(wp.name, wp.cores, specs)
+            host = ProcessHost(wp.name, wp.cores, self._specs(wp))
             host.start()
             self.hosts.append(host)
+            self.host_by_id[wp.id] = host
         cpu_taken = {c for wp in layout for c in wp.cores}
         host_cores = tuple(c for c in sorted(os.sched_getaffinity(0)) if c not in cpu_taken)
         feeders = sum(1 for wp in layout if wp.unit.kind != "cpu")
@@ -261,6 +266,7 @@ class _Runtime:
         hosts = iter(self.hosts)
         built_s: dict[str, float] = {}
         for i, wp in enumerate(layout):
+            self.worker_plans[wp.id] = wp
             self._note(f"building {wp.name}", i / max(1, len(layout)))
             serves = {wp.model} if not dynamic else {m.name for m in plan.models}
             runners: dict[str, dict[int, Runner]] = {}
@@ -313,6 +319,7 @@ class _Runtime:
                     state, runners, {m: self.qsl[m].data for m in runners}, self.dispatcher,
                     cores=cores, threads=threads, pools=self.pools,
                     just_in_time=plan.dispatcher.gpu_take == "just_in_time"))
+                self.worker_by_id[wp.id] = self.workers[-1]
         pipe_rows = self._build_pipelines(found)
         for entry in plan.models:
             if not any(s.alive and s.model == entry.name for s in self.states):
@@ -325,6 +332,60 @@ class _Runtime:
                              "buckets": s.buckets, "error": s.error}
                             for s, wp in zip(self.states, layout, strict=False)] + pipe_rows,
                 "host_cores": list(host_cores)}
+
+    def _specs(self, wp: WorkerPlan) -> list[RunnerSpec]:
+        """What a process-hosted worker's child builds: its model (every model, dynamic)."""
+        plan = self.plan
+        entries = [m for m in plan.models if plan.placement == "dynamic" or m.name == wp.model]
+        return [RunnerSpec(
+            m.name, m.model, m.weights, tuple(m.input_shape) if m.input_shape else None,
+            wp.replica.engine, wp.unit.id, tuple(wp.replica.buckets()), wp.replica.options,
+            plan.load.data, wp.id, plan.load.sample_pool, plan.load.seed) for m in entries]
+
+    def restart_worker(self, worker_id: int, timeout_s: float = 300.0) -> None:
+        """Bring a failed worker back into service; raises RunError when it cannot.
+
+        A process-hosted worker gets a new child process (built like the first); a thread
+        worker keeps its runners. Either way every runner must run one batch of the sample
+        library before the worker takes requests again. Pipelines are not restarted.
+        """
+        state = self.dispatcher.workers[worker_id]
+        wp = self.worker_plans.get(worker_id)
+        old = self.worker_by_id.get(worker_id)
+        if wp is None or old is None:
+            raise RunError(f"worker {state.name} is not restartable (only replica workers are)")
+        old.join(30)  # out of service: its thread leaves at its next look at the queue
+        if old.thread.is_alive():
+            raise RunError(f"worker {state.name}: its thread did not stop, so it is not restarted")
+        runners = old.runners
+        if wp.hosting == "process":
+            previous = self.host_by_id.get(worker_id)
+            if previous is not None:
+                previous.close(timeout_s=2.0)
+            host = ProcessHost(wp.name, wp.cores, self._specs(wp))
+            host.start()
+            if previous is not None and previous in self.hosts:
+                self.hosts[self.hosts.index(previous)] = host
+            else:
+                self.hosts.append(host)
+            self.host_by_id[worker_id] = host
+            host.wait_ready(timeout_s)
+            runners = host.runners()
+        for model, per in runners.items():
+            for bucket, runner in per.items():
+                try:
+                    runner.gather_input(runner.prepare_pool(self.qsl[model].data[:1]),
+                                        [0] * bucket)
+                    runner.run()
+                except Exception as exc:  # noqa: BLE001 - the restart failed, with its reason
+                    raise RunError(f"worker {state.name}: its {model} runner at batch {bucket} "
+                                   f"failed its check after the restart: {exc}") from None
+        new = Worker(state, runners, old.samples, self.dispatcher, cores=old.cores,
+                     threads=old.threads, pools=self.pools, just_in_time=old.just_in_time)
+        self.workers[self.workers.index(old)] = new
+        self.worker_by_id[worker_id] = new
+        self.dispatcher.revive(state)
+        new.start()
 
     def _build_pipelines(self, found: Discovery) -> list[dict[str, Any]]:
         """One pipeline worker per model entry with `stages:` (its stages on their units)."""
@@ -486,52 +547,51 @@ def run_plan(
     Ctrl-C ends the run with what was measured (status `interrupted`); a worker that fails is
     taken out of service and the run goes on (its status and error are in the result).
     """
+    load = plan.load
+    if load.scenario == "server" and load.rate_qps is None and not load.find_peak:
+        # Checked before any worker is built: a plan that cannot run costs nothing.
+        raise UsageError("plan field load.rate_qps is required by the server scenario: "
+                         "set it or pass --qps, or use --find-peak")
     rt = _Runtime(plan, progress)
     report = RunReport(None, plan, "complete")
-    load = plan.load
     settings = load.model_dump(mode="json")
     shares = {m.name: m.share for m in plan.models}
     mix = [p.model_dump() for p in load.mix] if load.mix else None
-    if store is not None:
-        report.run_id = store.begin_run("run", {"plan": plan.to_dict(), "model": plan.name},
-                                        capture_environment(), command)
-    built = False
-    try:
-        report.build = rt.build()
-        built = True
-        rt.start()
-        if load.scenario == "server" and load.find_peak:
-            _peak(rt, report, settings, shares, mix, store)
-        else:
-            if load.scenario == "server" and load.rate_qps is None:
-                raise UsageError("plan field load.rate_qps is required by the server scenario: "
-                                 "set it or pass --qps, or use --find-peak")
-            result, record = rt.run_trial(settings, shares, mix)
-            _keep(rt, report, store, 0, result, record)
-    except KeyboardInterrupt:
-        report.status = "interrupted"
-    except Exception as exc:
-        report.status = "failed"
-        report.error = str(exc) if isinstance(exc, InfermuxError) else f"{type(exc).__name__}: {exc}"
-        raise
-    finally:
-        _finish(rt, report, store, built)
+    with recording(store, "run", {"plan": plan.to_dict(), "model": plan.name}, command) as rec:
+        report.run_id = rec.run_id
+        built = False
+        try:
+            report.build = rt.build()
+            built = True
+            rt.start()
+            if load.scenario == "server" and load.find_peak:
+                _peak(rt, report, settings, shares, mix, store)
+            else:
+                result, record = rt.run_trial(settings, shares, mix)
+                _keep(rt, report, store, 0, result, record)
+        except KeyboardInterrupt:
+            report.status = "interrupted"
+        except Exception as exc:
+            report.status = "failed"
+            report.error = str(exc) if isinstance(exc, InfermuxError) else f"{type(exc).__name__}: {exc}"
+            raise
+        finally:
+            _finish(rt, report, rec, built)
     return report
 
 
-def _finish(rt: _Runtime, report: RunReport, store: Store | None, built: bool) -> None:
+def _finish(rt: _Runtime, report: RunReport, rec: Recording, built: bool) -> None:
     rt.shutdown(now=report.status != "complete" or not built)
-    if store is not None and report.run_id is not None:
-        final = report.final or {}
-        summary = {k: final.get(k) for k in ("scenario", "valid", "validity_notes", "duration_s",
-                                               "throughput_samples_per_s", "throughput_qps",
-                                               "metric", "metric_value_ms", "completed",
-                                               "failed")}
-        summary["latency"] = final.get("latency")
-        summary["peak"] = report.peak and {k: v for k, v in report.peak.items() if k != "trials"}
-        summary["error"] = report.error
-        summary["build_errors"] = rt.build_errors
-        store.finish_run(report.run_id, report.status, summary)
+    final = report.final or {}
+    summary = {k: final.get(k) for k in ("scenario", "valid", "validity_notes", "duration_s",
+                                           "items_per_s", "throughput_qps",
+                                           "metric", "metric_value_ms", "completed",
+                                           "failed")}
+    summary["latency"] = final.get("latency")
+    summary["peak"] = report.peak and {k: v for k, v in report.peak.items() if k != "trials"}
+    summary["error"] = report.error
+    summary["build_errors"] = rt.build_errors
+    rec.status, rec.summary = report.status, summary
 
 
 def _keep(rt: _Runtime, report: RunReport, store: Store | None, trial: int,
@@ -555,7 +615,7 @@ def _peak(rt: _Runtime, report: RunReport, settings: dict[str, Any], shares: dic
     _keep(rt, report, store, 0, result, record)
     if result.interrupted:
         return
-    upper = record.get("throughput_samples_per_s") or 0.0
+    upper = record.get("items_per_s") or 0.0
     trial = [0]
 
     def server(rate: float) -> ScenarioResult:

@@ -34,7 +34,14 @@ from infermux.engines.base import BatchTiming, Runner, is_out_of_memory
 from infermux.errors import DeviceOutOfMemoryError, RunError
 from infermux.runtime.dispatcher import Batch, Dispatcher, WorkerState
 
-__all__ = ["ProcessHost", "RunnerSpec", "Worker"]
+__all__ = ["ProcessHost", "RunnerSpec", "Worker", "WorkerDiedError"]
+
+
+class WorkerDiedError(RunError):
+    """A worker's process ended (killed by a signal, crashed, exited).
+
+    Nothing it was given is known to be wrong, so what it held may wait for its restart.
+    """
 
 
 class Worker:
@@ -93,12 +100,16 @@ class Worker:
         The shared sample pool and the items' QSL indices; or, for items that brought their
         own inputs (a server's requests), those rows as the runner reads them.
         """
-        rows = batch.inputs()
+        rows = batch.rows()
         if rows is None:
             return self._pool(batch.model, runner), batch.samples
+        direct = getattr(runner, "prepare_rows", None)
+        if direct is not None:  # rows copied once, straight into the runner's input buffer
+            return direct(rows), range(len(rows))
+        stacked = np.stack(rows).astype(np.float32, copy=False)
         if isinstance(runner, _ProxyRunner):
-            return _Rows(rows), range(len(rows))
-        return runner.prepare_pool(rows), range(len(rows))
+            return _Rows(stacked), range(len(rows))
+        return runner.prepare_pool(stacked), range(len(rows))
 
     @staticmethod
     def _outputs(runner: Runner, batch: Batch) -> list[np.ndarray] | None:
@@ -498,12 +509,33 @@ class ProcessHost:
                 "and was stopped as hung; if batches this slow are expected, use smaller batches"
             ) from None
         except (EOFError, OSError):
-            code = self._proc.poll() if self._proc is not None else None
-            raise RunError(f"worker {self.name}: its process died (exit code {code})") from None
+            raise WorkerDiedError(f"worker {self.name}: {self.death()}") from None
         if msg[0] == "error":
             self.close()
             _raise_child_error(self.name, msg)
         return tuple(msg)
+
+    @property
+    def pid(self) -> int | None:
+        """The child's process id (None before `start`)."""
+        return self._proc.pid if self._proc is not None else None
+
+    def exited(self) -> int | None:
+        """The child's exit code once it has ended (negative: the signal), else None."""
+        return self._proc.poll() if self._proc is not None else None
+
+    def death(self) -> str:
+        """How the child ended, in words (its exit code, or the signal that killed it)."""
+        code = None
+        if self._proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                code = self._proc.wait(1.0)
+        if code is not None and code < 0:
+            import signal
+
+            with contextlib.suppress(ValueError):
+                return f"its process died (killed by {signal.Signals(-code).name})"
+        return f"its process died (exit code {code})"
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Ask the child to exit; kill it if it does not."""

@@ -255,8 +255,10 @@ class InferenceCore:
     """
 
     def __init__(self, runtime: Any, plan: Plan, *, max_queue_items: int | None = None,
-                 metrics: Any = None) -> None:
+                 metrics: Any = None, supervisor: Any = None) -> None:
         self.runtime = runtime
+        #: Restarts failed workers (`runtime.supervisor.Supervisor`), or None.
+        self.supervisor = supervisor
         self.plan = plan
         self.dispatcher = runtime.dispatcher
         self.metrics = metrics
@@ -295,7 +297,7 @@ class InferenceCore:
             instance_groups.append(group)
         return ModelInfo(
             name=entry.name, entry=entry,
-            inputs=[TensorSpec("input", "FP32", tuple(loaded.input_shape))],
+            inputs=[TensorSpec("input", _input_datatype(entry), tuple(loaded.input_shape))],
             outputs=[],  # filled by `probe_outputs`
             max_batch_size=max_batch,
             max_queue_delay_us=int(self.plan.dispatcher.max_queue_delay_ms * 1000),
@@ -337,6 +339,14 @@ class InferenceCore:
         return any(s.alive and (s.model == name or name in s.serves)
                    for s in self.runtime.states)
 
+    def not_ready_reason(self, name: str) -> str:
+        """Why model `name` is not ready, in words ("" when it is)."""
+        if self._closing:
+            return "the server is shutting down"
+        if self.model_ready(name):
+            return ""
+        return f"model {name!r} has no live worker ({self._last_error(name)})"
+
     def ready(self) -> bool:
         """Every model is ready."""
         return all(self.model_ready(m) for m in self.models)
@@ -360,8 +370,8 @@ class InferenceCore:
     async def _submit(self, info: ModelInfo, inputs: np.ndarray, *, count: bool,
                       ) -> list[np.ndarray]:
         n = len(inputs)
-        if inputs.dtype != np.float32:
-            inputs = inputs.astype(np.float32)
+        if inputs.dtype not in (np.float32, np.float16):
+            inputs = inputs.astype(np.float32)  # FP16 rows go as they are: the runner converts
         loop = asyncio.get_running_loop()
         now = time.perf_counter_ns()
         with self._lock:
@@ -377,8 +387,11 @@ class InferenceCore:
                          f"admission limit is {info.max_queue_items}: retry later",
                     retry_after_s=1.0)
             if not self.model_ready(info.name):
+                restarting = any(s.restarting for s in self.runtime.states
+                                 if s.model == info.name)
                 raise ProtocolError(503, f"model {info.name!r} is not ready: no live worker "
-                                         f"serves it ({self._last_error(info.name)})")
+                                         f"serves it ({self._last_error(info.name)})",
+                                    retry_after_s=1.0 if restarting else None)
             qid = next(self._ids)
             pending = _Pending(loop, loop.create_future(), info, n, now, n)
             self._pending[qid] = pending
@@ -402,8 +415,12 @@ class InferenceCore:
             self.metrics.request(info.name, ok, took)
 
     def _last_error(self, model: str) -> str:
-        errors = [s.error for s in self.runtime.states if s.model == model and s.error]
-        return f"last error: {errors[-1]}" if errors else "none was built"
+        failed = [s for s in self.runtime.states if s.model == model and s.error]
+        if not failed:
+            return "none was built"
+        if self.supervisor is not None:
+            return "; ".join(self.supervisor.describe(s) for s in failed)
+        return f"last error: {failed[-1].error}"
 
     def _finish(self, qid: int, outputs: list[np.ndarray] | None, error: str | None) -> None:
         """Hand a request's answer to its event loop (called with `_lock` held)."""
@@ -520,6 +537,16 @@ class InferenceCore:
                 "mean_batch": s.inference_count / s.execution_count if s.execution_count else None,
             }
         return out
+
+
+def _input_datatype(entry: ModelEntry) -> str:
+    """FP16 when every replica computes in fp16 (clients then send half the bytes), else FP32.
+
+    Either is accepted whatever is declared; the declared one is what perf_analyzer and
+    Triton's clients send.
+    """
+    modes = {r.unit.rpartition("/")[2] if "/" in r.unit else "" for r in entry.replicas}
+    return "FP16" if modes == {"fp16"} else "FP32"
 
 
 def _set_result(future: asyncio.Future[Any], value: Any) -> None:

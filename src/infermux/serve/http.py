@@ -13,6 +13,13 @@ deflate encoded. Every malformed request gets a 4xx with a JSON `error` naming t
 
 `handle()` is independent of the server library (it maps a method, path, headers and body to
 a status, headers and body); `HttpFront` adapts it to ASGI.
+
+Large bodies: uvicorn hands an ASGI app the body in pieces of at most 64 KiB, pausing and
+resuming the socket and waking the app for each, then copies every piece twice; at 4.8 MB
+per request (8 ResNet images) that per-piece Python on the event loop capped the server near
+1.1 GB/s. `body_protocol()` is uvicorn's httptools protocol with one change: a body whose
+Content-Length is within the limit is written straight into one buffer of that size and the
+app is woken once, when it is complete (docs/architecture-serve.md, "Large requests").
 """
 
 from __future__ import annotations
@@ -68,7 +75,7 @@ def body_limit(core: InferenceCore) -> int:
 
 
 async def handle(core: InferenceCore, method: str, path: str, headers: dict[str, str],
-                 body: bytes, api_key: str | None = None) -> Reply:
+                 body: bytes | bytearray | memoryview, api_key: str | None = None) -> Reply:
     """Answer one request; never raises for a bad request (a 4xx reply instead)."""
     try:
         return await _route(core, method, path.rstrip("/") or "/", headers, body, api_key)
@@ -87,7 +94,7 @@ def _check_key(headers: dict[str, str], api_key: str) -> None:
 
 
 async def _route(core: InferenceCore, method: str, path: str, headers: dict[str, str],
-                 body: bytes, api_key: str | None) -> Reply:
+                 body: bytes | bytearray | memoryview, api_key: str | None) -> Reply:
     parts = path.strip("/").split("/")
     if not parts or parts[0] != "v2":
         raise ProtocolError(404, f"no route {path!r}: the API is under /v2")
@@ -124,7 +131,9 @@ async def _route(core: InferenceCore, method: str, path: str, headers: dict[str,
         return _json(200, info.metadata())
     if action == "ready":
         _method(method, "GET", path)
-        return (200 if core.model_ready(info.name) else 503), [], b""
+        if core.model_ready(info.name):
+            return 200, [], b""
+        return _json(503, {"error": core.not_ready_reason(info.name)})
     if action == "config":
         _method(method, "GET", path)
         return _json(200, info.config())
@@ -142,7 +151,8 @@ def _method(given: str, wanted: str, path: str) -> None:
         raise ProtocolError(405, f"{given} {path}: this route takes {wanted}")
 
 
-def _decode(headers: dict[str, str], body: bytes) -> bytes:
+def _decode(headers: dict[str, str], body: bytes | bytearray | memoryview,
+            ) -> bytes | bytearray | memoryview:
     encoding = headers.get("content-encoding", "identity").strip().lower()
     if encoding in ("", "identity"):
         return body
@@ -156,11 +166,11 @@ def _decode(headers: dict[str, str], body: bytes) -> bytes:
 
 
 async def _infer(core: InferenceCore, info: ModelInfo, headers: dict[str, str],
-                 body: bytes) -> Reply:
+                 body: bytes | bytearray | memoryview) -> Reply:
     body = _decode(headers, body)
     length = headers.get("inference-header-content-length")
     if length is None:
-        header_bytes, binary = body, memoryview(b"")
+        header_bytes, binary = bytes(body), memoryview(b"")
     else:
         try:
             size = int(length)
@@ -170,7 +180,7 @@ async def _infer(core: InferenceCore, info: ModelInfo, headers: dict[str, str],
         if not 0 < size <= len(body):
             raise ProtocolError(400, f"Inference-Header-Content-Length {size} is outside the "
                                      f"body's {len(body)} bytes")
-        header_bytes, binary = body[:size], memoryview(body)[size:]
+        header_bytes, binary = bytes(body[:size]), memoryview(body)[size:]
     try:
         request = json.loads(header_bytes)
     except (ValueError, UnicodeDecodeError) as exc:
@@ -316,7 +326,7 @@ class HttpFront:
         if scope["type"] != "http":
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        reply, body = await self._read(headers, receive)
+        reply, body = await self._read(headers, receive, scope)
         if reply is None:
             reply = await handle(self.core, scope["method"], scope["path"], headers, body,
                                  self.api_key)
@@ -325,7 +335,8 @@ class HttpFront:
         await send({"type": "http.response.start", "status": status, "headers": out_headers})
         await send({"type": "http.response.body", "body": payload})
 
-    async def _read(self, headers: dict[str, str], receive: Any) -> tuple[Reply | None, bytes]:
+    async def _read(self, headers: dict[str, str], receive: Any, scope: dict[str, Any],
+                    ) -> tuple[Reply | None, bytes | memoryview]:
         """(None, the body); or (a 413 reply, b"") when it is too large."""
         declared = headers.get("content-length")
         too_large = ProtocolError(413, f"the request body is larger than the {self.max_body} "
@@ -345,4 +356,79 @@ class HttpFront:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
+        whole = _body_of(scope)
+        if whole is not None and whole.complete:
+            return None, whole.view()
         return None, b"".join(chunks)
+
+
+#: The scope extension under which `body_protocol()` leaves a request's collected body.
+_BODY_EXTENSION = "infermux.body"
+
+
+class _Body:
+    """A request body collected in one buffer of its declared length.
+
+    A numpy buffer: not zero-filled first (a `bytearray` of 4.8 MB was), and the copy of each
+    piece into it releases the GIL, so the worker threads run meanwhile.
+    """
+
+    __slots__ = ("buffer", "filled")
+
+    def __init__(self, size: int) -> None:
+        self.buffer = np.empty(size, dtype=np.uint8)
+        self.filled = 0
+
+    def add(self, piece: bytes) -> None:
+        end = self.filled + len(piece)
+        self.buffer[self.filled:end] = np.frombuffer(piece, dtype=np.uint8)
+        self.filled = end
+
+    @property
+    def complete(self) -> bool:
+        return self.filled == len(self.buffer)
+
+    def view(self) -> memoryview:
+        return self.buffer.data
+
+
+def _body_of(scope: Any) -> _Body | None:
+    body: _Body | None = (scope.get("extensions") or {}).get(_BODY_EXTENSION)
+    return body
+
+
+def body_protocol(max_body: int) -> Any:
+    """The httptools protocol of uvicorn, collecting bodies of up to `max_body` bytes whole.
+
+    A request with a Content-Length within the limit gets a buffer of that size (scope
+    extension `infermux.body`); each piece read is copied into it, the socket is not paused
+    per 64 KiB, and the app's `receive()` returns once the body is complete. Anything else
+    (chunked bodies, larger ones, which the app answers with 413) goes uvicorn's own way.
+    None when uvicorn's httptools protocol is not there (uvicorn then picks its own).
+    """
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    except ImportError:  # httptools is not installed: uvicorn's own h11 protocol serves
+        return None
+
+    class WholeBodyProtocol(HttpToolsProtocol):
+        def on_headers_complete(self) -> None:
+            super().on_headers_complete()
+            cycle = getattr(self, "cycle", None)
+            length = next((v for k, v in self.headers if k == b"content-length"), b"")
+            if (cycle is None or cycle.scope is not self.scope or not length.isdigit()
+                    or not 0 < int(length) <= max_body):
+                return
+            extensions: dict[str, Any] = cycle.scope.setdefault("extensions", {})
+            extensions[_BODY_EXTENSION] = _Body(int(length))
+
+        def on_body(self, body: bytes) -> None:
+            cycle = self.cycle
+            whole = _body_of(cycle.scope) if cycle is not None else None
+            if whole is None or cycle.response_complete \
+                    or whole.filled + len(body) > len(whole.buffer):
+                super().on_body(body)
+                return
+            whole.add(body)
+
+    return WholeBodyProtocol

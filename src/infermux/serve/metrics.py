@@ -158,12 +158,22 @@ class _Collector:
         util = GaugeMetricFamily("infermux_worker_utilisation",
                                  "Busy share of each worker since the previous scrape (0-1)",
                                  labels=["worker", "unit", "model"])
+        restarts = CounterMetricFamily("infermux_worker_restarts",
+                                       "Times a failed worker was restarted",
+                                       labels=["worker", "unit", "model"])
         shares = self.m.utilisation()
         for s in rt.states:
             alive.add_metric([s.name, s.unit, s.model], 1.0 if s.alive else 0.0)
             util.add_metric([s.name, s.unit, s.model], shares.get(s.name, 0.0))
+            restarts.add_metric([s.name, s.unit, s.model], float(s.restarts))
+        retried = CounterMetricFamily("infermux_items_retried",
+                                      "Items run again after the worker holding them failed "
+                                      "(on another worker, or on it once restarted)")
+        retried.add_metric([], float(rt.dispatcher.retried))
         yield alive
         yield util
+        yield restarts
+        yield retried
         if rt.pipelines:
             stage = GaugeMetricFamily("infermux_pipeline_stage_busy",
                                       "Busy share of each pipeline stage since serving began",

@@ -18,6 +18,7 @@ import os
 import signal
 import socket
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -48,6 +49,12 @@ class ServeSettings:
     drain_timeout_s: float = 30.0
     #: Seconds between telemetry samples for the hardware metrics (0: no sampler).
     telemetry_interval_s: float = 1.0
+    #: Times each failed worker is restarted before its model is left not ready (0: never).
+    max_restarts: int = 3
+    #: Wait out the plan's `max_queue_delay_ms` for a fuller batch even when every worker of
+    #: the model is idle (Triton's rule); by default an idle model's worker takes what is
+    #: queued at once (`Dispatcher.take_when_idle`; docs/benchmarks.md, serving latency).
+    wait_when_idle: bool = False
 
     def __post_init__(self) -> None:
         for flag, port in (("--http-port", self.http_port), ("--grpc-port", self.grpc_port),
@@ -58,6 +65,8 @@ class ServeSettings:
             raise UsageError(f"--max-queue {self.max_queue_items} must be at least 1 item")
         if self.drain_timeout_s < 0:
             raise UsageError(f"--drain-timeout {self.drain_timeout_s}s must not be negative")
+        if not 0 <= self.max_restarts <= 100:
+            raise UsageError(f"--max-restarts {self.max_restarts} must be 0 (never) to 100")
         if self.api_key is not None and not self.api_key.strip():
             raise UsageError("--api-key is empty: give a key, or leave the option out")
 
@@ -87,6 +96,8 @@ class InferenceServer:
         self._stop: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stops = 0
+        #: Restarts failed workers (None with `max_restarts` 0).
+        self.supervisor: Any = None
 
     def stop(self) -> None:
         """Begin a graceful shutdown (thread-safe); a second call stops at once."""
@@ -101,29 +112,45 @@ class InferenceServer:
     async def serve(self, on_ready: Callable[[dict[str, Any]], None] | None = None,
                     ) -> dict[str, Any]:
         """Serve until `stop()`; the summary (per-model totals, ports, run id)."""
-        from infermux.env import capture_environment
-        from infermux.runtime.session import start_runtime
-        from infermux.serve.core import InferenceCore
-        from infermux.serve.metrics import ServeMetrics
+        from infermux.store import recording
 
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
+        # Request rows over bytes (gRPC, chunked HTTP) are read-only arrays; the runners only
+        # read them (`TorchRunner.prepare_rows`), so torch's warning about it says nothing.
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable",
+                                category=UserWarning)
         s = self.settings
         http_sock = _bind(s.host, s.http_port, "--http-port")
-        if self.store is not None:
-            self.run_id = self.store.begin_run(
-                "serve", {"plan": self.plan.to_dict(), "model": self.plan.name,
-                          "serve": s.public()}, capture_environment(), self.command)
+        config = {"plan": self.plan.to_dict(), "model": self.plan.name, "serve": s.public()}
+        with recording(self.store, "serve", config, self.command) as rec:
+            self.run_id = rec.run_id
+            return await self._serve(rec, http_sock, on_ready)
+
+    async def _serve(self, rec: Any, http_sock: socket.socket,
+                     on_ready: Callable[[dict[str, Any]], None] | None) -> dict[str, Any]:
+        from infermux.runtime.session import start_runtime
+        from infermux.runtime.supervisor import Supervisor
+        from infermux.serve.core import InferenceCore
+        from infermux.serve.metrics import ServeMetrics
+
+        s = self.settings
+        assert self._stop is not None
         status, error = "complete", None
-        runtime = sampler = httpd = grpc_server = None
+        runtime = sampler = httpd = grpc_server = supervisor = None
         started = time.perf_counter()
         try:
             runtime = await asyncio.to_thread(start_runtime, self.plan, progress=self.progress)
             _keep_off_worker_cores(runtime.build_info.get("host_cores") or [])
             sampler = _sampler(s.telemetry_interval_s)
             metrics = ServeMetrics(runtime, sampler)
+            runtime.dispatcher.take_when_idle = not s.wait_when_idle
+            if s.max_restarts:
+                supervisor = self.supervisor = Supervisor(runtime, max_restarts=s.max_restarts)
             self.core = core = InferenceCore(runtime, self.plan, max_queue_items=s.max_queue_items,
-                                             metrics=metrics)
+                                             metrics=metrics, supervisor=supervisor)
+            if supervisor is not None:
+                supervisor.start()
             await core.probe_outputs()
             http, http_task = await self._start_http(core, http_sock)
             grpc_server, grpc_port = await self._start_grpc(core)
@@ -156,15 +183,17 @@ class InferenceServer:
             if httpd is not None:
                 httpd.shutdown()
                 httpd.server_close()
+            if supervisor is not None:
+                await asyncio.to_thread(supervisor.stop)
             if runtime is not None:
                 await asyncio.to_thread(runtime.shutdown, now=status != "complete")
             if sampler is not None:
                 sampler.stop()
             summary = {"models": self.core.summary() if self.core is not None else {},
                        "ports": self.ports, "served_s": time.perf_counter() - started,
-                       "error": error, "run_id": self.run_id, "status": status}
-            if self.store is not None and self.run_id is not None:
-                self.store.finish_run(self.run_id, status, summary)
+                       "error": error, "run_id": self.run_id, "status": status,
+                       "restarts": supervisor.summary() if supervisor is not None else {}}
+            rec.status, rec.summary = status, summary
         return summary
 
     def ready_info(self, runtime: Any) -> dict[str, Any]:
@@ -180,19 +209,24 @@ class InferenceServer:
                         "workers": [st.name for st in runtime.states if st.model == m.name]}
                        for m in self.core.models.values()],
             "build_s": runtime.build_info.get("build_s"),
+            # Process-hosted workers' process ids (a restarted worker gets a new one).
+            "worker_pids": {runtime.dispatcher.workers[wid].name: host.pid
+                            for wid, host in runtime.host_by_id.items()},
         }
 
     async def _start_http(self, core: Any, sock: socket.socket) -> tuple[Any, asyncio.Task[Any]]:
         import uvicorn
 
-        from infermux.serve.http import HttpFront
+        from infermux.serve.http import HttpFront, body_protocol
 
         # Connections beyond what admission could take are refused (503) before their bodies
         # are read: admission bounds the items in the runtime, this bounds the bodies held.
         admitted = sum(m.max_queue_items for m in core.models.values())
+        front = HttpFront(core, self.settings.api_key)
         config = uvicorn.Config(
-            HttpFront(core, self.settings.api_key), lifespan="off", log_level="warning",
-            access_log=False, timeout_graceful_shutdown=int(self.settings.drain_timeout_s) or 1,
+            front, lifespan="off", log_level="warning",
+            http=body_protocol(front.max_body) or "auto", access_log=False,
+            timeout_graceful_shutdown=int(self.settings.drain_timeout_s) or 1,
             backlog=2048, timeout_keep_alive=30, limit_concurrency=2 * admitted + 64)
         server = _QuietUvicorn(config)
         task = asyncio.create_task(server.serve(sockets=[sock]))

@@ -9,19 +9,17 @@ headline has the shape of the paper's table. From Python:
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from typing import Any
 
 from infermux.errors import UsageError
-from infermux.store import Store
+from infermux.progress import ProgressFn
+from infermux.store import Store, recording
 from infermux.study import multi_instance, multi_tenancy, pipeline
 from infermux.study.base import (
     Point,
     StudyConfig,
     StudyReport,
-    ensure_tables,
     measure_points,
-    stored_points,
 )
 from infermux.study.published import PUBLISHED
 from infermux.units import Unit
@@ -101,11 +99,9 @@ def _sampler(units: list[Unit]) -> tuple[Any, list[str]]:
 
 
 def run_study(config: StudyConfig, *, store: Store | None = None,
-              progress: Callable[[str, float], None] | None = None,
+              progress: ProgressFn | None = None,
               command: str = "") -> StudyReport:
     """Measure the study's grid within its budget; store every point as it ends."""
-    from infermux.env import capture_environment
-
     if config.name not in STUDIES:
         raise UsageError(f"study {config.name!r} unknown: use {', '.join(list_studies())}")
     if config.name == "multi-instance" and len(config.models) > 1:
@@ -123,35 +119,33 @@ def run_study(config: StudyConfig, *, store: Store | None = None,
         points = multi_tenancy.build_points(config, units, engines, entries)
     else:
         points = pipeline.build_points(config, units, engines, entries)
-    run_id = None
-    if store is not None:
-        ensure_tables(store)
-        run_id = store.begin_run("study", config.to_dict() | {
-            "resolved_units": units, "engines": engines, "model": ", ".join(config.models),
-            "points": len(points)}, capture_environment(), command)
     status = "failed"
     records: list[dict[str, Any]] = []
-    sampler, devices = _sampler(found)
-    try:
-        status = measure_points(config, points, store=store, study_run=run_id,
-                                deadline=started + config.budget_s, progress=progress,
-                                sampler=sampler, devices=devices)
-        records = [p.record(i) for i, p in enumerate(points)]
-    finally:
-        if sampler is not None:
-            sampler.stop()
-        records = records or [p.record(i) for i, p in enumerate(points)]
-        head = headline_for(config.name, records)
-        if store is not None and run_id is not None:
+    head: dict[str, Any] = {}
+    cfg = config.to_dict() | {"resolved_units": units, "engines": engines,
+                              "model": ", ".join(config.models), "points": len(points)}
+    with recording(store, "study", cfg, command) as rec:
+        run_id = rec.run_id
+        sampler, devices = _sampler(found)
+        try:
+            status = measure_points(config, points, store=store, study_run=run_id,
+                                    deadline=started + config.budget_s, progress=progress,
+                                    sampler=sampler, devices=devices)
+            records = [p.record(i) for i, p in enumerate(points)]
+        finally:
+            if sampler is not None:
+                sampler.stop()
+            records = records or [p.record(i) for i, p in enumerate(points)]
+            head = headline_for(config.name, records)
             counts: dict[str, int] = {}
             for r in records:
                 counts[r["status"]] = counts.get(r["status"], 0) + 1
-            store.finish_run(run_id, status, {"points": counts,
-                                              "elapsed_s": time.monotonic() - started,
-                                              "headline": head})
+            rec.status, rec.summary = status, {"points": counts,
+                                               "elapsed_s": time.monotonic() - started,
+                                               "headline": head}
     return StudyReport(run_id, config, records, head, status, time.monotonic() - started)
 
 
 def points_of(store: Store, run_id: int) -> list[dict[str, Any]]:
     """A stored study's points."""
-    return stored_points(store, run_id)
+    return store.study_points(run_id)

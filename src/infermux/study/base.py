@@ -8,42 +8,19 @@ and stored as a run of kind `run`; the study itself is a run of kind `study` who
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from infermux.errors import InfermuxError, UsageError
+from infermux.errors import DeviceOutOfMemoryError, InfermuxError, UsageError
+from infermux.progress import ProgressFn
 from infermux.store import Store
 
 __all__ = [
-    "Point", "StudyConfig", "StudyReport", "ensure_tables", "max_duration_s", "measure_points",
-    "stored_points", "unit_of_worker",
+    "Point", "StudyConfig", "StudyReport", "max_duration_s", "measure_points", "unit_of_worker",
 ]
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS study_points (
-    run_id INTEGER NOT NULL REFERENCES runs(id) ON DELETE CASCADE,
-    point INTEGER NOT NULL,
-    variant TEXT NOT NULL,         -- what the point is (a unit combination, an execution mode)
-    status TEXT NOT NULL,          -- ok | invalid | oom | error | skipped
-    error TEXT,
-    sub_run_id INTEGER,            -- the `run` run that measured it
-    params_json TEXT NOT NULL,     -- its parameters (units, batch, instances, models, load)
-    figures_json TEXT NOT NULL     -- items/s, p99, per unit and per model
-);
-CREATE INDEX IF NOT EXISTS study_points_by_run ON study_points(run_id);
-"""
-
-#: progress(label, fraction of the study's points done)
-ProgressFn = Callable[[str, float], None]
-
-
-def ensure_tables(store: Store) -> None:
-    """Create the studies' table if this database lacks it."""
-    store.connection.executescript(_SCHEMA)
-    store.connection.commit()
 
 
 @dataclass
@@ -155,28 +132,27 @@ def unit_of_worker(worker_unit: str, units: Sequence[str]) -> str:
 
 def _figures(report: Any, units: Sequence[str]) -> dict[str, Any]:
     """Throughput, p99 and each unit's and model's items/s of a finished runtime run."""
-    final = report.final or {}
+    summary = report.summary
+    final = summary.record
     per_unit: dict[str, float] = {}
     batch_p99 = []
     failed = []
-    for w in (final.get("workers") or {}).values():
-        unit = unit_of_worker(str(w.get("unit")), units)
-        per_unit[unit] = per_unit.get(unit, 0.0) + (w.get("items_per_s") or 0.0)
-        p99 = (w.get("batch_latency") or {}).get("p99_ms")
-        if p99 is not None:
-            batch_p99.append(p99)
-        if w.get("status") != "ok":
-            failed.append(f"{w.get('worker')}: {w.get('error')}")
-    per_model = {name: m.get("throughput_samples_per_s")
-                 for name, m in (final.get("models") or {}).items()}
+    for w in summary.workers.values():
+        unit = unit_of_worker(w.unit, units)
+        per_unit[unit] = per_unit.get(unit, 0.0) + (w.items_per_s or 0.0)
+        if w.batch_p99_ms is not None:
+            batch_p99.append(w.batch_p99_ms)
+        if not w.ok:
+            failed.append(f"{w.worker}: {w.error}")
+    per_model = {name: m.items_per_s for name, m in summary.models.items()}
     peak = report.peak or {}
     return {
-        "scenario": final.get("scenario"),
-        "items_per_s": final.get("throughput_samples_per_s"),
+        "scenario": summary.scenario or None,
+        "items_per_s": summary.items_per_s,
         "p99_ms": (final.get("latency") or {}).get("p99_ms"),
         "batch_p99_ms": max(batch_p99) if batch_p99 else None,
-        "per_unit": per_unit, "per_model": per_model, "valid": bool(final.get("valid")),
-        "notes": final.get("validity_notes") or [], "failed_workers": failed,
+        "per_unit": per_unit, "per_model": per_model, "valid": summary.valid,
+        "notes": summary.validity_notes, "failed_workers": failed,
         "peak_qps": peak.get("peak_qps"), "peak_reason": peak.get("reason"),
         "p99_bound_ms": peak.get("p99_bound_ms"),
     }
@@ -187,7 +163,7 @@ def _outcome(point: Point, exc: InfermuxError) -> None:
     point.error = text
     if isinstance(exc, UsageError):
         point.status = "skipped"  # a plan this machine cannot run (e.g. too few cores)
-    elif "out of memory" in text.lower() or "outofmemory" in text.lower():
+    elif isinstance(exc, DeviceOutOfMemoryError):
         point.status = "oom"
     else:
         point.status = "error"
@@ -279,22 +255,7 @@ def measure_points(
 
 
 def _store_point(store: Store, run_id: int, index: int, point: Point) -> None:
-    with store.connection as db:
-        db.execute("INSERT INTO study_points VALUES (?,?,?,?,?,?,?,?)",
-                   (run_id, index, point.variant, point.status, point.error, point.sub_run_id,
-                    json.dumps(point.params), json.dumps(point.figures, default=str)))
+    store.add_study_point(run_id, index, point.variant, point.status, point.error,
+                          point.sub_run_id, point.params, point.figures)
 
 
-def stored_points(store_or_rows: Any, run_id: int | None = None) -> list[dict[str, Any]]:
-    """A study's points as dicts (from a Store and run id, or from rows already read)."""
-    if isinstance(store_or_rows, Store):
-        rows = store_or_rows.connection.execute(
-            "SELECT * FROM study_points WHERE run_id = ? ORDER BY point", (run_id,)).fetchall()
-        out = []
-        for r in rows:
-            d = dict(r)
-            d["params"] = json.loads(d.pop("params_json"))
-            d["figures"] = json.loads(d.pop("figures_json"))
-            out.append(d)
-        return out
-    return [dict(r) for r in store_or_rows]

@@ -106,6 +106,26 @@ class PassResult:
         """Items trained on."""
         return sum(s.items for s in self.steps)
 
+    @property
+    def first_minibatch_ns(self) -> int | None:
+        """Time to the first minibatch: building the iterator and waiting for its first batch."""
+        return self.startup_ns + self.steps[0].fetch_ns if self.steps else None
+
+    def split(self, count: int, cpu_s: float) -> tuple[PassResult, PassResult]:
+        """The pass cut after its first `count` minibatches: (head, rest).
+
+        The head holds the start-up and those minibatches, the rest the others and the tail;
+        `cpu_s` is the CPU time of the head. Each part's wall time is its own.
+        """
+        head, rest = self.steps[:count], self.steps[count:]
+        t_cut = self.t0_ns + self.startup_ns + sum(s.wall_ns for s in head)
+        rest = [Step(**{**asdict(s), "seq": i}) for i, s in enumerate(rest)]
+        first = PassResult(head, self.startup_ns, 0, self.t0_ns, t_cut, cpu_s, self.loss_first,
+                           None, self.peak_memory_bytes, list(self.notes))
+        second = PassResult(rest, 0, self.tail_ns, t_cut, self.t1_ns, self.cpu_s - cpu_s, None,
+                            self.loss_last, self.peak_memory_bytes, list(self.notes))
+        return first, second
+
     def phase_totals_ns(self) -> dict[str, int]:
         """Each phase summed over the pass, with startup and tail."""
         totals = {p: sum(getattr(s, f"{p}_ns") for s in self.steps) for p in PHASES}
@@ -191,8 +211,11 @@ def pinned(cores: tuple[int, ...] | None, threads: int, *, skip: tuple[int, ...]
 
 
 def make_loader(dataset: Any, knobs: Knobs, *, indices: list[int] | None = None,
-                seed: int = 0, device: str = "cpu") -> Any:
-    """A DataLoader set to `knobs` over `dataset` (or the items `indices` of it), shuffled."""
+                seed: int = 0, device: str = "cpu", shuffle: bool = True) -> Any:
+    """A DataLoader set to `knobs` over `dataset` (or the items `indices` of it), shuffled.
+
+    With `shuffle` false the items come in the order of `indices`.
+    """
     import torch
     from torch.utils.data import DataLoader, Subset
 
@@ -203,7 +226,7 @@ def make_loader(dataset: Any, knobs: Knobs, *, indices: list[int] | None = None,
     if knobs.workers > 0:
         kwargs = {"prefetch_factor": knobs.prefetch_factor,
                   "persistent_workers": knobs.persistent_workers}
-    return DataLoader(data, batch_size=knobs.batch, shuffle=True, num_workers=knobs.workers,
+    return DataLoader(data, batch_size=knobs.batch, shuffle=shuffle, num_workers=knobs.workers,
                       pin_memory=knobs.pin_memory, generator=generator, **kwargs)
 
 

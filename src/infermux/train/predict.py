@@ -1,34 +1,62 @@
 """Predicting a configuration's epoch time and energy from short profiles of a few configurations.
 
+An epoch is modelled as **start-up + ramp + steady minibatches + tail**:
+
+- start-up `S`: building the loader's iterator (starting its worker processes);
+- ramp: the first `r` minibatches (r = loader workers, at least 1), whose first fetch is the time
+  to the first minibatch `F` (one worker making a whole batch: B × the loader's time per item,
+  plus the workers' own start) and whose others arrive from the workers' head start;
+- steady: the other N − r minibatches at the steady minibatch time `T` (the mean of a profile's
+  minibatches after the ramp; it holds the fetch/compute overlap the loader achieved), the last,
+  partial one in proportion to its items;
+- tail: the last fetch that finds the epoch over, and stopping the workers.
+
+The first epoch reads data from its medium (a profile's **cold** part, after the data set's pages
+were dropped from the page cache), later epochs from the page cache (its **warm** part).
+
 Three layers, each used where the one before misses:
 
-1. **Profile** (a configuration that was profiled): its own minibatches × the minibatches of an
-   epoch. The first `r` minibatches of a pass (r = loader workers, at least 1) fill the loader's
-   pipeline and are taken as measured; the rest give the steady minibatch time `T`, which already
-   holds the fetch/compute overlap the loader achieved:
-   epoch = startup + ramp + (N − r − 1)·T + T·(items of the last batch / B) + tail.
-   The cold pass predicts the first epoch (data read from its medium), the warm pass later ones
-   (page cache). Energy = the pass's mean power × the predicted time. Bounds: the steady time's
-   95% interval (its standard error × the minibatches it multiplies).
+1. **Profile** (a configuration that was profiled): its own start-up, ramp, steady time and
+   tail. A profile is one pass over a random subset twice over: the first half cold, the second
+   (the same files again) warm, so the loader starts once and the later epoch's start-up is the
+   first's less the files' read time. Energy = the part's mean power × the predicted time. Error
+   bars: the steady time's 95% interval (from the spread of its minibatches, in blocks of `r` so
+   the workers' rhythm is averaged) × the minibatches it multiplies, and the start-up's share.
 2. **Simple** (any configuration, from components of the profiled ones): compute per minibatch
-   C(B) = a + b·B per (cores, precision), its CPU seconds κ(B) likewise; the loader's CPU time ℓ
-   and read time ρ per item per (storage, pass); the main process's cost of receiving a batch
-   from a worker q per item. The steady minibatch is
+   C(B) = a + b·B per (cores, precision) (from passes without workers where workers would
+   share the cores), the training's CPU seconds κ(B) likewise (fitted with a CPU cost per
+   worker started, which no steady minibatch has); the loader's CPU time ℓ, wall time λ and
+   read time ρ per item per (storage, part, with or without workers), from the steady
+   minibatches; the main process's cost of receiving a batch from a worker q per item. The
+   steady minibatch is
    - no workers: T = B·(ℓ + ρ) + C(B) (loading and training take turns);
-   - w workers: T = max(C(B) + q·B, B·(ℓ + ρ)/w, (κ(B) + B·ℓ)/n + q·B): the compute, the
-     loader (w workers in parallel) or the n cores (training and decoding share them),
-     whichever is the bottleneck. Startup, tail and ramp come from profiled passes with the same workers.
+   - w workers: T = max(C(B) + q·B, κ_L·B·(ℓ + ρ)/w, (κ(B) + B·ℓ)/n): the compute, the
+     loader (w workers in parallel, each cycle κ_L times its items' decoding and reading:
+     collating and handing the batch over; κ_L from the loader-bound profiles, or the
+     reference network's) or the n cores (training and decoding share them), whichever is
+     the bottleneck.
+   Start-up and tail are lines in the workers (a + b·w: a process per worker to start and
+   stop), the time to the first minibatch is B·λ + the workers' start (from the profiled
+   configurations with the nearest workers), the rest of the ramp is in steady minibatches.
+   Energy, where a counter measured it, is E = P0·t + N·(a_p + b_p·B): a static power over
+   the wall time (the device waiting on start-up or its loader still draws it) and a dynamic
+   energy per minibatch per precision, fitted over the profiled passes (`_fit_energy`); else
+   power is a line in the busy share, or the mean power of the profiled passes most like the
+   configuration. A profiled configuration whose steady part was served from the loader's
+   queue (fewer than two rounds of w × prefetch batches) takes the loader's rate where it is
+   slower (`_queue_correction`).
 3. **Learned** (scikit-learn): the simple model's log error, learned across the profiled
    configurations from the knobs and the simple model's bottleneck ratios (a random forest or a
    ridge regression, whichever has the lower leave-one-out error), for time and for power. A
    model fitted on a reference network's profiles **transfers** to a new network: the new
-   network's components feed the same features and a ridge regression on its few profiles
-   recalibrates the reference's correction (after PowerTrain, which transfers a reference
-   workload's learned time and power model to a new one from a few dozen profiled modes).
+   network's components feed the same features and its few profiles recalibrate the reference's
+   correction (after PowerTrain, which transfers a reference workload's learned time and power
+   model to a new one from a few dozen profiled modes); the recalibration's slope is held in
+   [0, 1], so a reference's correction is shrunk, never amplified.
 
 Which of simple and learned is used for the unprofiled configurations is decided by their
-leave-one-configuration-out error over the profiled ones; bounds of those predictions are the
-95% band of that error.
+leave-one-configuration-out error over the profiled ones (the learned model must beat the simple
+one by a fifth); bounds of those predictions are the 95% band of that error.
 """
 
 from __future__ import annotations
@@ -45,6 +73,7 @@ from infermux.errors import UsageError
 from infermux.train.knobs import Knobs
 
 __all__ = [
+    "MIN_STEADY_STEPS",
     "Components",
     "LearnedModel",
     "Prediction",
@@ -54,10 +83,24 @@ __all__ = [
     "predict_all",
     "profile_estimate",
     "steady",
+    "warmup_steps",
 ]
 
 PASSES = ("cold", "warm")
 EPOCH_OF = {"cold": "first", "warm": "later"}
+#: The steady part of a profile's cold and warm halves: at least this many minibatches after the
+#: ramp each, where the profile share of an epoch allows it (a shorter one is flagged).
+MIN_STEADY_STEPS = 8
+#: The learned model replaces the simple one only if its leave-one-out error is this much smaller.
+LEARNED_MARGIN = 0.8
+#: ... and (with `auto`) only from this many profiled configurations: a correction of a dozen
+#: features learned from fewer won its leave-one-out comparison by chance on the stored runs.
+LEARNED_MIN_CONFIGS = 10
+
+
+def warmup_steps(workers: int) -> int:
+    """Minibatches of a pass's ramp: one per loader worker, at least one."""
+    return max(1, workers)
 
 
 def _walls(steps: list[dict[str, Any]]) -> list[int]:
@@ -65,26 +108,61 @@ def _walls(steps: list[dict[str, Any]]) -> list[int]:
                                   + s["backward_ns"] + s["optimizer_ns"]) for s in steps]
 
 
+def _block_se(values: list[int] | list[float], block: int) -> float:
+    """Standard error of the mean of `values`, from means of blocks of `block` (≥ 2 blocks)."""
+    block = max(1, block)
+    blocks = [statistics.fmean(values[i:i + block]) for i in range(0, len(values) - block + 1,
+                                                                      block)]
+    if len(blocks) >= 2:
+        return statistics.stdev(blocks) / math.sqrt(len(blocks))
+    if len(values) >= 2:
+        return statistics.stdev(values) / math.sqrt(len(values))
+    return abs(statistics.fmean(values)) * 0.1 if values else 0.0
+
+
 def steady(data: dict[str, Any]) -> dict[str, float] | None:
-    """A pass's ramp and steady state: T, its standard error, fetch, loader figures (s, per item)."""
+    """A pass's start-up, ramp and steady state (s, per minibatch or per item).
+
+    The warm half of a split profile continues the cold half's loader: it has no start-up and
+    no ramp of its own (its first minibatches were prefetched during the cold half), so all its
+    minibatches are steady.
+    """
     steps = data.get("steps") or []
     if data.get("status", "ok") != "ok" or not steps:
         return None
     workers = data["knobs"]["workers"]
-    ramp = min(len(steps) - 1, max(1, workers)) if len(steps) > 2 else min(1, len(steps) - 1)
+    continued = bool(data.get("split")) and data["pass"] == "warm"
+    ramp = 0 if continued else min(len(steps) - 1, warmup_steps(workers))
     walls = _walls(steps)
     body = walls[ramp:] or walls
     mean = statistics.fmean(body) / 1e9
-    se = (statistics.stdev(body) / math.sqrt(len(body)) / 1e9) if len(body) > 1 else mean * 0.1
+    se = _block_se(body, warmup_steps(workers)) / 1e9
     fetch = statistics.fmean(s["fetch_ns"] for s in steps[ramp:] or steps) / 1e9
     items = sum(s["items"] for s in steps)
+    batch = data["knobs"]["batch"]
+    load_wall = sum(s["load_ns"] for s in steps) / items / 1e9 if items else 0.0
+    # The loader's per-item costs from the steady minibatches: a fresh worker's first items
+    # (imports, page faults, allocator) are slower than the epoch's.
+    body_steps = steps[ramp:] or steps
+    body_items = sum(s["items"] for s in body_steps) or 1
+    first = steps[0]["fetch_ns"] / 1e9
     return {
         "T": mean, "se": se, "ramp": ramp, "ramp_s": sum(walls[:ramp]) / 1e9,
+        "first_fetch": first, "first_extra": first - batch * load_wall,
+        "first_compute": (walls[0] - steps[0]["fetch_ns"]) / 1e9,
+        # The ramp's minibatches after the first, in steady minibatches (and per minibatch).
+        "rest": (sum(walls[1:ramp]) / 1e9 / mean) if ramp > 1 and mean else 0.0,
+        "rest_per": (sum(walls[1:ramp]) / 1e9 / mean / (ramp - 1)) if ramp > 1 and mean
+        else 1.0,
         "fetch": fetch, "compute": mean - fetch, "items": items, "steps": len(steps),
-        "load_cpu": sum(s["load_cpu_ns"] for s in steps) / items / 1e9 if items else 0.0,
-        "load_wall": sum(s["load_ns"] for s in steps) / items / 1e9 if items else 0.0,
-        "read": sum(s["read_ns"] for s in steps) / items / 1e9 if items else 0.0,
+        "steady_steps": len(body),
+        "load_cpu": sum(s["load_cpu_ns"] for s in body_steps) / body_items / 1e9,
+        "load_wall": load_wall,
+        "load_wall_steady": sum(s["load_ns"] for s in body_steps) / body_items / 1e9,
+        "read": sum(s["read_ns"] for s in body_steps) / body_items / 1e9,
+        "wall": data.get("wall_ns", 0) / 1e9,
         "cpu_per_step": (data.get("cpu_s") or 0.0) / len(steps),
+        "startup": data.get("startup_ns", 0) / 1e9, "tail": data.get("tail_ns", 0) / 1e9,
         "overhead": (data.get("startup_ns", 0) + data.get("tail_ns", 0)) / 1e9,
         "power": (data["energy_j"] / (data["wall_ns"] / 1e9)
                   if data.get("energy_j") and data.get("wall_ns") else None),
@@ -98,33 +176,62 @@ def _epoch_steps(items: int, batch: int) -> tuple[int, float]:
     return n, last / batch
 
 
+def _body(items: int, batch: int, ramp: int) -> float:
+    """Steady minibatches of an epoch after `ramp`, the last, partial one in proportion."""
+    n, last = _epoch_steps(items, batch)
+    return max(0, n - ramp - 1) + (last if n > ramp else 0.0)
+
+
 def _epoch_time(step: float, overhead: float, ramp: int, ramp_s: float, items: int, batch: int
                 ) -> float:
-    n, last = _epoch_steps(items, batch)
-    ramp = min(ramp, n)
-    body = max(0, n - ramp - 1) + (last if n > ramp else 0.0)
-    return overhead + ramp_s * (min(ramp, n) / ramp if ramp else 0) + body * step
+    n, _ = _epoch_steps(items, batch)
+    share = min(ramp, n) / ramp if ramp else 0.0
+    return overhead + ramp_s * share + _body(items, batch, ramp) * step
 
 
 def profile_estimate(passes: list[dict[str, Any]]) -> dict[str, Any] | None:
     """Epoch time and energy of one profiled configuration from its own minibatches."""
     out: dict[str, Any] = {}
-    for data in passes:
-        fig = steady(data)
+    figs = {d["pass"]: (d, steady(d)) for d in passes if d.get("status", "ok") == "ok"}
+    cold = figs.get("cold", (None, None))[1]
+    for data, fig in figs.values():
         if fig is None:
             continue
         items, batch = data["dataset_items"], data["knobs"]["batch"]
         if data.get("kind") == "epoch":
-            t = data["wall_ns"] / 1e9
-            band = 0.0
+            t, band = data["wall_ns"] / 1e9, 0.0
+        elif data.get("split"):
+            if cold is None:
+                continue
+            warm = figs.get("warm", (None, None))[1]
+            tail = warm["tail"] if warm is not None else cold["tail"]
+            ramp_s = cold["ramp_s"]
+            if data["pass"] == "warm":
+                # A later epoch starts its loader afresh, reading cached files: the first
+                # epoch's first minibatch less the read time it spent, then its ramp at the
+                # warm pace.
+                first = max(0.0, cold["first_fetch"]
+                            - batch * max(0.0, cold["load_wall"] - fig["load_wall"]))
+                ramp_s = first + cold["first_compute"] + cold["rest"] * fig["T"]
+            body = _body(items, batch, int(cold["ramp"]))
+            step, se = fig["T"], fig["se"]
+            warm = figs.get("warm", (None, None))[1]
+            if warm is not None and figs["cold"][0].get("in_memory"):
+                # Files in memory (a tmpfs): nothing was read from a medium, the two halves'
+                # steady minibatches are alike and are pooled.
+                n_c, n_w = cold["steady_steps"], warm["steady_steps"]
+                step = (cold["T"] * n_c + warm["T"] * n_w) / (n_c + n_w)
+                se = math.hypot(cold["se"] * n_c, warm["se"] * n_w) / (n_c + n_w)
+            t = cold["startup"] + ramp_s + body * step + tail
+            band = 1.96 * se * body
         else:
             t = _epoch_time(fig["T"], fig["overhead"], int(fig["ramp"]), fig["ramp_s"], items,
                             batch)
-            n, _ = _epoch_steps(items, batch)
-            band = 1.96 * fig["se"] * max(0, n - fig["ramp"])
+            band = 1.96 * fig["se"] * _body(items, batch, int(fig["ramp"]))
         epoch = EPOCH_OF[data["pass"]]
         out[f"{epoch}_s"] = t
         out[f"{epoch}_low_s"], out[f"{epoch}_high_s"] = max(0.0, t - band), t + band
+        out[f"{epoch}_steady_steps"] = fig["steady_steps"]
         if fig["power"] is not None:
             out[f"{epoch}_energy_j"] = fig["power"] * t
             rel = band / t if t else 0.0
@@ -152,18 +259,50 @@ def _linfit(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return float(a), float(b)
 
 
+def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """(a, b) of y = a + b·x, both ≥ 0; the mean for a single x."""
+    if len(set(xs)) < 2:
+        return max(0.0, statistics.fmean(ys)), 0.0
+    b, a = np.polyfit(np.asarray(xs, float), np.asarray(ys, float), 1)
+    if b < 0:
+        return max(0.0, statistics.fmean(ys)), 0.0
+    if a < 0:
+        return 0.0, float(np.dot(xs, ys) / np.dot(xs, xs))
+    return float(a), float(b)
+
+
 @dataclass
 class Components:
     """The simple model's parts, fitted on profiled passes (see the module docstring)."""
 
     compute: dict[tuple[int, str], tuple[float, float]]
     cpu: dict[tuple[int, str], tuple[float, float]]
-    loader: dict[tuple[str, str], tuple[float, float]]  # (storage, pass) → (ℓ, ρ) per item
+    #: (storage, pass) and (storage, pass, workers > 0) → (ℓ CPU, ρ read, λ wall) per item:
+    #: one reader alone (no workers) reads a medium otherwise than several at once
+    loader: dict[tuple[Any, ...], tuple[float, float, float]]
     ipc: float
-    #: (workers, persistent, pass) → (startup + tail, ramp excess in minibatch times)
-    overhead: dict[tuple[int, bool, str], tuple[float, float]]
+    #: start-up and tail: a + b·workers, with and without workers
+    startup: dict[bool, tuple[float, float]]
+    tail: dict[bool, tuple[float, float]]
+    #: workers → (time to the first minibatch beyond B·λ, each ramp minibatch after the first,
+    #: in steady minibatches)
+    ramp: dict[int, tuple[float, float]]
     power: dict[tuple[Any, ...], float]
     all_cores: int
+    #: (cores, precision) → power = a + b·u, u the busy share of a steady minibatch (compute /
+    #: T): a device waiting on the loader draws less. Only where a counter measured the energy.
+    power_line: dict[tuple[int, str], tuple[float, float]] = field(default_factory=dict)
+    #: A loader-bound minibatch takes κ × B × (ℓ + ρ) / w: a worker's cycle holds more than
+    #: its items' decoding (collating, handing the batch over); κ from the loader-bound
+    #: profiled passes, 1 where none was.
+    kappa: float = 1.0
+    #: Measured energy = P0 × wall time + minibatches × (e_a + e_b × B) per precision: a static
+    #: power that accrues while the device waits (on start-up, on its loader) and a dynamic
+    #: energy per minibatch of work. None where no counter measured the energy.
+    energy: dict[str, Any] | None = None
+    #: (cores, precision) → compute C(B) = a + b·B of passes without loader workers (no worker
+    #: shares the cores), where two or more batch sizes were profiled so.
+    compute0: dict[tuple[int, str], tuple[float, float]] = field(default_factory=dict)
 
     def _group(self, table: dict[Any, Any], key: tuple[Any, ...]) -> Any:
         if key in table:
@@ -175,6 +314,12 @@ class Components:
         scale = near[0] / key[0] if isinstance(near[0], int) and key[0] else 1.0
         return (a * scale, b * scale) if table is self.compute else (a, b)
 
+    def _loader(self, storage: str, pass_name: str, workers: int = 1
+                ) -> tuple[float, float, float]:
+        return (self.loader.get((storage, pass_name, workers > 0))
+                or self.loader.get((storage, pass_name)) or self.loader.get((storage, "warm"))
+                or self.loader.get((storage, "cold")) or next(iter(self.loader.values())))
+
     def figures(self, knobs: Knobs, pass_name: str) -> dict[str, float]:
         """The steady minibatch time and its terms for one configuration and pass."""
         n = _ncores(knobs.to_dict(), self.all_cores)
@@ -183,55 +328,103 @@ class Components:
         compute = a + b * knobs.batch
         ca, cb = self._group(self.cpu, key)
         kappa = max(compute * 0.5, ca + cb * knobs.batch)
-        loader = self.loader.get((knobs.storage, pass_name)) or self.loader.get(
-            (knobs.storage, "warm")) or next(iter(self.loader.values()))
-        ell, rho = loader
+        ell, rho, _ = self._loader(knobs.storage, pass_name, knobs.workers)
         batch, w = knobs.batch, knobs.workers
+        # Where the loader's workers share the training's cores (a CPU's core set), the
+        # compute of passes with workers holds their contention, which the cores term counts:
+        # the compute is that of passes without workers, or on one core its CPU time (one
+        # thread alone on a core).
+        if key in self.compute0:
+            a0, b0 = self.compute0[key]
+            compute = a0 + b0 * batch
+        elif n == 1 and n < self.all_cores:
+            compute = ca + cb * batch
         if w == 0:
             step = batch * (ell + rho) + compute
             terms = {"compute": compute, "loader": batch * (ell + rho), "cores": step}
         else:
-            terms = {"compute": compute + self.ipc * batch, "loader": batch * (ell + rho) / w,
-                     "cores": (kappa + batch * ell) / n + self.ipc * batch}
+            terms = {"compute": compute + self.ipc * batch,
+                     "loader": self.kappa * batch * (ell + rho) / w,
+                     # The main process's CPU for receiving batches is in its CPU time κ.
+                     "cores": (kappa + batch * ell) / n}
             step = max(terms.values())
         return {"T": step, **terms, "kappa": kappa, "n": n}
 
-    def overhead_for(self, knobs: Knobs, pass_name: str) -> tuple[float, float]:
-        """(startup + tail, ramp excess in minibatch times) from the nearest profiled workers."""
-        keys = [k for k in self.overhead if k[2] == pass_name] or list(self.overhead)
-        persist = knobs.persistent_workers and knobs.workers > 0
-        exact = [k for k in keys if k[0] == knobs.workers and k[1] == persist]
-        near = exact or sorted(keys, key=lambda k: (abs(k[0] - knobs.workers), k[1] != persist))
-        return self.overhead[near[0]]
+    def _nearest(self, table: dict[int, Any], workers: int) -> Any:
+        same_kind = [w for w in table if (w > 0) == (workers > 0)] or list(table)
+        return table[min(same_kind, key=lambda w: (abs(w - workers), w))]
 
-    def power_for(self, knobs: Knobs, pass_name: str) -> float | None:
-        """Mean power of the profiled passes most like this configuration."""
+    def start_for(self, knobs: Knobs, pass_name: str, fig: dict[str, float]
+                  ) -> dict[str, float]:
+        """Start-up, ramp (first minibatch and the rest) and tail of one configuration (s)."""
+        w = knobs.workers
+        has = w > 0
+        a, b = self.startup.get(has) or next(iter(self.startup.values()))
+        ta, tb = self.tail.get(has) or next(iter(self.tail.values()))
+        extra, rest = self._nearest(self.ramp, w)
+        _, _, wall = self._loader(knobs.storage, pass_name, knobs.workers)
+        first = max(0.0, knobs.batch * wall + extra) + fig["compute"]
+        ramp = warmup_steps(w)
+        return {"startup": a + b * w, "first": first, "ramp_rest": rest * (ramp - 1) * fig["T"],
+                "ramp": warmup_steps(w), "tail": ta + tb * w}
+
+    def power_for(self, knobs: Knobs, pass_name: str, fig: dict[str, float] | None = None
+                  ) -> float | None:
+        """Power of this configuration.
+
+        From its busy share where a line is fitted, else the mean power of the profiled passes
+        most like it.
+        """
         n = _ncores(knobs.to_dict(), self.all_cores)
+        line = self.power_line.get((n, knobs.precision))
+        if line is not None and fig is not None and fig["T"] > 0:
+            busy = min(1.0, max(0.0, fig["compute"] / fig["T"]))
+            return max(1e-3, line[0] + line[1] * busy)
         for key in ((knobs.batch, n, knobs.precision, knobs.workers > 0, pass_name),
                     (n, knobs.precision, knobs.workers > 0), (n, knobs.precision), ()):
             if key in self.power:
                 return self.power[key]
         return None
 
+    def energy_for(self, knobs: Knobs, seconds: float, steps: float) -> float | None:
+        """Energy of `steps` minibatches over `seconds` from the static + dynamic line."""
+        if self.energy is None:
+            return None
+        a, b = self.energy["dynamic"].get(knobs.precision) or self.energy["dynamic_any"]
+        return self.energy["static_w"] * seconds + steps * (a + b * knobs.batch)
+
     def predict(self, knobs: Knobs, pass_name: str, items: int) -> dict[str, float]:
         """Epoch time (and energy, where power is known) of one configuration and pass."""
         fig = self.figures(knobs, pass_name)
-        overhead, excess = self.overhead_for(knobs, pass_name)
-        n, last = _epoch_steps(items, knobs.batch)
-        t = overhead + fig["T"] * (max(0, n - 1) + last + excess)
-        power = self.power_for(knobs, pass_name)
+        start = self.start_for(knobs, pass_name, fig)
+        n, _ = _epoch_steps(items, knobs.batch)
+        ramp = min(int(start["ramp"]), n)
+        t = (start["startup"] + start["first"]
+             + start["ramp_rest"] * (max(0, ramp - 1) / max(1, start["ramp"] - 1))
+             + _body(items, knobs.batch, ramp) * fig["T"] + start["tail"])
+        power = self.power_for(knobs, pass_name, fig)
         terms = {f"term_{k}": v for k, v in fig.items() if k != "T"}
-        return {"epoch_s": t, "T": fig["T"], "power": power, **terms}  # type: ignore[dict-item]
+        start_s = t - _body(items, knobs.batch, ramp) * fig["T"]
+        energy = self.energy_for(knobs, t, _body(items, knobs.batch, 0))
+        if energy is not None:
+            power = energy / t if t else power
+        return {"epoch_s": t, "T": fig["T"], "power": power,  # type: ignore[dict-item]
+                "start_s": start_s, **terms}
 
 
 def fit_components(passes: list[dict[str, Any]], all_cores: int) -> Components:
     """The simple model's components from profiled passes (status ok)."""
     compute: dict[tuple[int, str], list[tuple[float, float]]] = defaultdict(list)
     cpu: dict[tuple[int, str], list[tuple[float, float]]] = defaultdict(list)
-    loader: dict[tuple[str, str], list[tuple[float, float]]] = defaultdict(list)
-    overhead: dict[tuple[int, bool, str], list[tuple[float, float]]] = defaultdict(list)
+    loader: dict[tuple[Any, ...], list[tuple[float, float, float]]] = defaultdict(list)
+    startup: dict[bool, list[tuple[float, float]]] = defaultdict(list)
+    tail: dict[bool, list[tuple[float, float]]] = defaultdict(list)
+    ramp: dict[int, list[tuple[float, float]]] = defaultdict(list)
     power: dict[tuple[Any, ...], list[float]] = defaultdict(list)
+    busy: dict[tuple[int, str], list[tuple[float, float]]] = defaultdict(list)
     ipc: list[float] = []
+    cpu_rows: dict[tuple[int, str], list[tuple[int, int, int, float]]] = defaultdict(list)
+    compute0: dict[tuple[int, str], list[tuple[float, float]]] = defaultdict(list)
     for data in passes:
         fig = steady(data)
         if fig is None:
@@ -243,26 +436,51 @@ def fit_components(passes: list[dict[str, Any]], all_cores: int) -> Components:
         compute[(n, k["precision"])].append((batch, max(1e-6, fig["compute"])))
         cpu[(n, k["precision"])].append(
             (batch, max(1e-6, fig["cpu_per_step"] - batch * fig["load_cpu"])))
+        # The training process's CPU time: the pass's, less its loader's, per minibatch and
+        # per loader worker started (starting one costs CPU that no steady minibatch has; the
+        # warm half of a split profile continues the cold half's workers).
+        starts = not (data.get("split") and data["pass"] == "warm")
+        cpu_rows[(n, k["precision"])].append(
+            (len(data["steps"]), batch, w if starts else 0,
+             (data.get("cpu_s") or 0.0) - fig["items"] * fig["load_cpu"]))
+        if w == 0:
+            compute0[(n, k["precision"])].append((batch, max(1e-6, fig["compute"])))
+        loader[(k["storage"], data["pass"], w > 0)].append(
+            (fig["load_cpu"], fig["read"], fig["load_wall"]))
         loader[(k["storage"], data["pass"])].append(
-            (fig["load_cpu"], max(0.0, fig["read"] - 0.0)))
-        excess = (fig["ramp_s"] / fig["T"] - fig["ramp"]) if fig["T"] else 0.0
-        overhead[(w, bool(k.get("persistent_workers")) and w > 0, data["pass"])].append(
-            (fig["overhead"], excess))
+            (fig["load_cpu"], fig["read"], fig["load_wall"]))
+        split_warm = data.get("split") and data["pass"] == "warm"
+        persistent_later = data["pass"] == "warm" and k.get("persistent_workers")
+        if not split_warm and not persistent_later and fig["ramp"] >= 1:
+            startup[w > 0].append((w, fig["startup"]))
+            ramp[w].append((fig["first_extra"], fig["rest_per"]))
+        if not (data.get("split") and data["pass"] == "cold"):
+            tail[w > 0].append((w, fig["tail"]))
         if fig["power"] is not None:
             for key in ((batch, n, k["precision"], w > 0, data["pass"]), (n, k["precision"], w > 0),
                         (n, k["precision"]), ()):
                 power[key].append(fig["power"])
+            if not str(data.get("energy_source", "")).startswith("modelled") and fig["T"] > 0:
+                busy[(n, k["precision"])].append((min(1.0, fig["compute"] / fig["T"]),
+                                                  fig["power"]))
     if not compute:
         raise UsageError("no profiled configuration measured any minibatch: nothing to predict "
                          "from; check the errors of the profile run")
     comps = Components(
         compute={g: _linfit([x for x, _ in v], [y for _, y in v]) for g, v in compute.items()},
-        cpu={g: _linfit([x for x, _ in v], [y for _, y in v]) for g, v in cpu.items()},
-        loader={g: (statistics.median(a for a, _ in v), statistics.median(b for _, b in v))
-                for g, v in loader.items()},
+        cpu={g: _fit_cpu(cpu_rows[g]) or _linfit([x for x, _ in v], [y for _, y in v])
+             for g, v in cpu.items()},
+        compute0={g: _linfit([x for x, _ in v], [y for _, y in v]) for g, v in compute0.items()
+                  if len({x for x, _ in v}) >= 2},
+        loader={g: (statistics.median(a for a, _, _ in v), statistics.median(b for _, b, _ in v),
+                    statistics.median(c for _, _, c in v)) for g, v in loader.items()},
         ipc=0.0,
-        overhead={g: (statistics.median(a for a, _ in v), statistics.median(b for _, b in v))
-                  for g, v in overhead.items()},
+        startup={g: _line([x for x, _ in v], [y for _, y in v]) for g, v in startup.items()}
+        or {False: (0.0, 0.0)},
+        tail={g: _line([x for x, _ in v], [y for _, y in v]) for g, v in tail.items()}
+        or {False: (0.0, 0.0)},
+        ramp={g: (statistics.median(a for a, _ in v), statistics.median(b for _, b in v))
+              for g, v in ramp.items()} or {0: (0.0, 0.0)},
         power={g: statistics.fmean(v) for g, v in power.items()},
         all_cores=all_cores,
     )
@@ -274,7 +492,107 @@ def fit_components(passes: list[dict[str, Any]], all_cores: int) -> Components:
             knobs = Knobs.from_dict(data["knobs"])
             ipc.append(max(0.0, fig["T"] - comps.figures(knobs, data["pass"])["T"]) / knobs.batch)
     comps.ipc = statistics.median(ipc) if ipc else 0.0
+    comps.kappa = _fit_kappa(passes, all_cores) or 1.0
+    comps.energy = _fit_energy(passes)
+    for key, points in busy.items():
+        us = [u for u, _ in points]
+        if len(points) >= 3 and max(us) - min(us) > 0.1:
+            b, a = np.polyfit(np.asarray(us, float), np.asarray([p for _, p in points], float), 1)
+            comps.power_line[key] = (float(a), float(b))
     return comps
+
+
+def _fit_cpu(rows: list[tuple[int, int, int, float]]) -> tuple[float, float] | None:
+    """CPU seconds per minibatch a + b·B from passes' (minibatches, B, workers, CPU seconds).
+
+    cpu = N·a + N·B·b + w·s: `s` a loader worker's start (outside the steady minibatches; w is
+    0 for a pass that started none). None with too few rows (the per-step line of `_linfit` is used).
+    """
+    if len(rows) < 4 or len({b for _, b, _, _ in rows}) < 2:
+        return None
+    with_w = any(w for _, _, w, _ in rows)
+    x = np.asarray([[n, n * b] + ([w] if with_w else []) for n, b, w, _ in rows], float)
+    y = np.asarray([c for *_, c in rows], float)
+    coef = np.linalg.lstsq(x, y, rcond=None)[0]
+    if coef[0] < 0:  # a negative per-minibatch constant is noise: through the origin in B
+        coef = np.linalg.lstsq(x[:, 1:], y, rcond=None)[0]
+        coef = np.concatenate([[0.0], coef])
+    if coef[1] <= 0:
+        return None
+    return float(coef[0]), float(coef[1])
+
+
+def _fit_kappa(passes: list[dict[str, Any]], all_cores: int) -> float | None:
+    """κ: a loader-bound steady minibatch over B × (ℓ + ρ) / w (median over such passes).
+
+    A pass is loader-bound where its fetch stall is a quarter of its steady minibatch or more,
+    over at least two rounds of its workers (fewer are served from the prefetched queue), and
+    its cores were not the bottleneck (their CPU time per minibatch, spread over them, is well
+    below the minibatch: a CPU-bound pass stalls on fetches too, for want of cores).
+    """
+    ratios = []
+    for data in passes:
+        fig = steady(data)
+        w = data["knobs"]["workers"]
+        if fig is None or w == 0 or fig["T"] <= 0:
+            continue
+        per_item = fig["load_cpu"] + fig["read"]
+        cores_busy = fig["cpu_per_step"] / _ncores(data["knobs"], all_cores)
+        if (fig["fetch"] >= 0.25 * fig["T"] and fig["steady_steps"] >= 2 * w and per_item > 0
+                and cores_busy < 0.8 * fig["T"]):
+            ratios.append(fig["T"] * w / (data["knobs"]["batch"] * per_item))
+    return float(min(2.0, max(1.0, statistics.median(ratios)))) if ratios else None
+
+
+#: Passes shorter than this are left out of the energy fit: a counter read over a fraction of a
+#: second (and a sampler's interval at each end) is mostly noise.
+ENERGY_MIN_S = 0.3
+
+
+def _fit_energy(passes: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Static power and dynamic energy per minibatch, by least squares (`Components.energy`).
+
+    E = P0·t + Σ_p N·(a_p + b_p·B)[precision p]; b_p only where the precision was profiled at
+    two or more batch sizes. Only measured (not modelled) energies; None when fewer rows than
+    parameters + 2, or the fit is not physical (a negative static power or dynamic energy).
+    """
+    rows = []
+    for data in passes:
+        if not data.get("energy_j") or str(data.get("energy_source", "none")).startswith(
+                ("modelled", "none")):
+            continue
+        k = data["knobs"]
+        rows.append((data["wall_ns"] / 1e9, len(data.get("steps") or []), k["batch"],
+                     k["precision"], data["energy_j"]))
+    long_rows = [r for r in rows if r[0] >= ENERGY_MIN_S]
+    # The short passes only where too few long ones are left to fit.
+    rows = long_rows if len(long_rows) >= 3 + 2 * len({r[3] for r in rows}) else rows
+    precisions = sorted({r[3] for r in rows})
+    two_b = {p for p in precisions if len({r[2] for r in rows if r[3] == p}) >= 2}
+    cols = 1 + len(precisions) + len(two_b)
+    if len(rows) < cols + 2:
+        return None
+    x, y = [], []
+    for t, n, b, prec, e in rows:
+        row = [t] + [n * (prec == p) for p in precisions] + [n * b * (prec == p)
+                                                             for p in sorted(two_b)]
+        # Relative least squares: each pass weighs alike, whatever its length.
+        x.append([v / e for v in row])
+        y.append(1.0)
+    coef = np.linalg.lstsq(np.asarray(x, float), np.asarray(y, float), rcond=None)[0]
+    static = float(coef[0])
+    dynamic: dict[str, tuple[float, float]] = {}
+    for i, p in enumerate(precisions):
+        b = float(coef[1 + len(precisions) + sorted(two_b).index(p)]) if p in two_b else 0.0
+        dynamic[p] = (float(coef[1 + i]), b)
+    if static < 0 or any(a + b * 8 < 0 for a, b in dynamic.values()):
+        return None
+    pred = [static * t + n * (dynamic[p][0] + dynamic[p][1] * b) for t, n, b, p, _ in rows]
+    resid = [math.log(pv / r[4]) for pv, r in zip(pred, rows, strict=True) if pv > 0]
+    any_line = (statistics.fmean(a for a, _ in dynamic.values()),
+                statistics.fmean(b for _, b in dynamic.values()))
+    return {"static_w": static, "dynamic": dynamic, "dynamic_any": any_line, "rows": len(rows),
+            "log_error": float(np.sqrt(np.mean(np.square(resid)))) if resid else 0.0}
 
 
 # -- the learned model ---------------------------------------------------------------------------
@@ -309,7 +627,7 @@ class LearnedModel:
         """(log factor on time, log factor on power)."""
         t = float(self.time_model.predict([x])[0])
         p = float(self.power_model.predict([x])[0]) if self.power_model is not None else 0.0
-        if self.recalibration:
+        if "time" in self.recalibration:
             a, b = self.recalibration["time"]
             t = a + b * t
             if "power" in self.recalibration:
@@ -472,8 +790,8 @@ def _training_rows(passes: list[dict[str, Any]], all_cores: int, tmpfs: dict[str
             simple_terms = {f"term_{k}": v for k, v in simple.items() if k != "T"}
             xs.append(_features(knobs, data["pass"], {"T": simple["T"], **simple_terms},
                                tmpfs.get(knobs.storage, False)))
-            yt.append(math.log(fig["T"] / simple["T"]))
-            power = comps.power_for(knobs, data["pass"])
+            yt.append(math.log(_served_step(data, fig, comps.kappa) / simple["T"]))
+            power = comps.power_for(knobs, data["pass"], simple)
             yp.append(math.log(fig["power"] / power) if powered and power and fig["power"]
                       else 0.0)
             groups.append(cfg)
@@ -494,6 +812,14 @@ def predict_all(configs: list[Knobs], passes: list[dict[str, Any]], *, items: in
     by = _group(passes)
     comps = fit_components(passes, all_cores)
     info: dict[str, Any] = {"profiled": sorted(by), "method": method}
+    if reference and _fit_kappa(passes, all_cores) is None:
+        # No loader-bound profile of this network: the loader's cycle is the machine's and the
+        # data set's, not the network's, so the reference network's passes give it.
+        comps.kappa = _fit_kappa(reference, all_cores) or 1.0
+        info["kappa_from"] = "reference"
+    info["kappa"] = comps.kappa
+    if comps.energy is not None:
+        info["energy_model"] = {k: v for k, v in comps.energy.items() if k != "dynamic_any"}
     # Leave-one-configuration-out error of the simple model (log scale).
     xs, yt, yp, groups = _training_rows(passes, all_cores, tmpfs)
     simple_loo = float(np.mean(np.abs(yt))) if len(yt) else math.inf
@@ -506,10 +832,18 @@ def predict_all(configs: list[Knobs], passes: list[dict[str, Any]], *, items: in
             learned = _recalibrate(learned, xs, yt, yp)
             info["transfer"] = {"reference_rows": len(ryt), "kind": learned.kind,
                                 **learned.recalibration}
-    elif method != "simple" and len(np.unique(groups)) >= 3:
+    elif method != "simple" and len(np.unique(groups)) >= (3 if method == "learned"
+                                                           else LEARNED_MIN_CONFIGS):
         learned = fit_learned(xs, yt, yp, groups)
-    use_learned = learned is not None and (method == "learned" or learned.loo_time < simple_loo
-                                           or bool(reference))
+    if reference and learned is not None:
+        # The transferred correction is kept only where it beats the simple model on the new
+        # network's own profiles (its error there: the reference never saw them).
+        transfer_err = learned.recalibration.get("error", math.inf)
+        info["transfer"]["error_pct"] = 100 * (math.exp(transfer_err) - 1) \
+            if math.isfinite(transfer_err) else None
+        learned.loo_time = transfer_err
+    use_learned = learned is not None and (
+        method == "learned" or learned.loo_time < LEARNED_MARGIN * simple_loo)
     if learned is not None:
         info["learned"] = {"kind": learned.kind, "rows": learned.rows,
                            "loo_mape_pct": 100 * (math.exp(learned.loo_time) - 1)}
@@ -527,6 +861,19 @@ def predict_all(configs: list[Knobs], passes: list[dict[str, Any]], *, items: in
                           "energy_low_j": estimate.get(f"{e}_energy_low_j"),
                           "energy_high_j": estimate.get(f"{e}_energy_high_j")}
                       for e in ("first", "later")}
+            _queue_correction(epochs, own or [], comps, items)
+            if comps.energy is not None:
+                # Energy from the static + dynamic line fitted over every profiled pass: a
+                # pass's own mean power over a second or less is mostly the counter's noise.
+                steps = _body(items, knobs.batch, 0)
+                for fig in epochs.values():
+                    t = fig["predicted_s"] or 0.0
+                    energy = comps.energy_for(knobs, t, steps)
+                    rel = math.hypot(((fig["high_s"] or t) - t) / t if t else 0.0,
+                                     1.96 * comps.energy["log_error"])
+                    fig.update(predicted_energy_j=energy,
+                               energy_low_j=(energy or 0.0) * max(0.0, 1 - rel),
+                               energy_high_j=(energy or 0.0) * (1 + rel))
             predictions.append(Prediction(i, knobs, True, "profile", epochs))
             continue
         epochs = {}
@@ -536,11 +883,13 @@ def predict_all(configs: list[Knobs], passes: list[dict[str, Any]], *, items: in
             if use_learned and learned is not None:
                 lt, lp = learned.correction(_features(knobs, pass_name, simple,
                                                       tmpfs.get(knobs.storage, False)))
-                t *= math.exp(lt)
+                # The correction is learned on the steady minibatch: start-up is measured.
+                t = simple["start_s"] + (t - simple["start_s"]) * math.exp(lt)
                 power = power * math.exp(lp) if power is not None else None
             energy = power * t if power is not None else None
             low, high = _band(t, err)
-            e_low, e_high = _band(energy, err)
+            e_low, e_high = _band(energy, math.hypot(err, comps.energy["log_error"])
+                                  if comps.energy is not None else err)
             epochs[EPOCH_OF[pass_name]] = {"predicted_s": t, "low_s": low, "high_s": high,
                                            "predicted_energy_j": energy, "energy_low_j": e_low,
                                            "energy_high_j": e_high}
@@ -548,9 +897,43 @@ def predict_all(configs: list[Knobs], passes: list[dict[str, Any]], *, items: in
     return predictions, info
 
 
+def _served_step(data: dict[str, Any], fig: dict[str, float], kappa: float) -> float:
+    """A pass's steady minibatch, at its loader's rate where it was served from the queue."""
+    k = data["knobs"]
+    w = k["workers"]
+    if w == 0 or fig["steady_steps"] >= 2 * w * k["prefetch_factor"]:
+        return fig["T"]
+    return max(fig["T"], kappa * k["batch"] * (fig["load_cpu"] + fig["read"]) / w)
+
+
+def _queue_correction(epochs: dict[str, dict[str, float | None]], own: list[dict[str, Any]],
+                      comps: Components, items: int) -> None:
+    """A profile too short to reach its loader's steady rate: the loader's rate instead.
+
+    The workers' queue holds `w × prefetch` batches made during the ramp; a profile whose
+    steady part is shorter than two such rounds is served from it, faster than the loader
+    makes batches. Where the loader's rate (κ·B·(ℓ + ρ)/w, the pass's own ℓ and ρ) is slower
+    than the minibatches measured, the epoch's steady minibatches take the loader's rate.
+    """
+    for data in own:
+        fig = steady(data)
+        if fig is None:
+            continue
+        k = data["knobs"]
+        w = k["workers"]
+        loader = _served_step(data, fig, comps.kappa)
+        if loader <= fig["T"]:
+            continue
+        epoch = epochs[EPOCH_OF[data["pass"]]]
+        extra = _body(items, k["batch"], warmup_steps(w)) * (loader - fig["T"])
+        for key in ("predicted_s", "low_s", "high_s"):
+            if epoch[key] is not None:
+                epoch[key] = (epoch[key] or 0.0) + extra
+
+
 def _recalibrate(model: LearnedModel, xs: np.ndarray, yt: np.ndarray, yp: np.ndarray | None
                  ) -> LearnedModel:
-    """Fit new = a + b·reference on the new network's rows (b = 1 with fewer than 4 rows)."""
+    """Fit new = a + b·reference on the new network's rows, b in [0, 1] (1 with < 4 rows)."""
     if len(yt) == 0:
         model.recalibration = {"time": (0.0, 1.0)}
         return model
@@ -559,10 +942,12 @@ def _recalibrate(model: LearnedModel, xs: np.ndarray, yt: np.ndarray, yp: np.nda
     def fit(ref: np.ndarray, y: np.ndarray) -> tuple[float, float]:
         if len(y) < 4 or np.ptp(ref) < 1e-9:
             return float(np.mean(y - ref)), 1.0
-        b, a = np.polyfit(ref, y, 1)
-        return float(a), float(b)
+        b = float(np.clip(np.polyfit(ref, y, 1)[0], 0.0, 1.0))  # shrink, never amplify
+        return float(np.mean(y - b * ref)), b
 
     model.recalibration = {"time": fit(ref_t, yt)}
+    a, b = model.recalibration["time"]
+    model.recalibration["error"] = float(np.mean(np.abs(a + b * ref_t - yt)))
     if yp is not None and model.power_model is not None:
         model.recalibration["power"] = fit(model.power_model.predict(xs), yp)
     return model

@@ -3,10 +3,12 @@
 For each configuration of the grid, in a fresh copy of the model (same initial weights), on its
 core set, with its loader:
 - **profile** (default): a random subset of the data set, `steps` minibatches long, is trained
-  over twice: a **cold** pass with the subset's files dropped from the page cache first (what an
-  epoch that reads from the medium sees) and a **warm** pass over the same, now cached, files
-  (what later epochs see when the data set fits in memory). Both passes together stay within
-  `profile_share` of an epoch (and at least 3 minibatches each).
+  over twice: a **cold** half with the data set's files dropped from the page cache first (what
+  an epoch that reads from the medium sees) and a **warm** half over the same, now cached, files
+  (what later epochs see when the data set fits in memory). Without persistent workers the two
+  halves are one loader over the subset and (part of) the subset again (one start-up, cut in
+  two after the subset). Both halves together stay within `profile_share` of an epoch's
+  minibatches (the cold one holds the loader's ramp; each at least 3 steady minibatches).
 - **epoch**: the same two passes over the whole data set: the first and a later epoch, measured
   in full (what `train-predict --validate` compares predictions with).
 
@@ -26,14 +28,14 @@ import random
 import shutil
 import time
 import warnings
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from infermux.errors import DeviceOutOfMemoryError, InfermuxError, RunError, UsageError
 from infermux.models import LoadedModel, ModelSpec, load_model
-from infermux.store import Store
+from infermux.store import Recording, Store, recording
 from infermux.train import records
 from infermux.train.data import (
     DataSpec,
@@ -57,6 +59,7 @@ __all__ = [
     "measure_configs",
     "prepare",
     "profile_steps",
+    "recorded",
     "run_train_profile",
 ]
 
@@ -65,6 +68,9 @@ ProgressFn = Callable[[str, float], None]
 #: assumption (a server core under load, e.g. a 64-core 225 W package: ~3.5 W per core), not a
 #: measurement; every figure it produces is labelled `modelled`.
 DEFAULT_WATTS_PER_CORE = 3.5
+#: The share of a profile's budget (`TrainConfig.profile_share` of an epoch) spent on its
+#: minibatches; the rest is for its loader's start-up, the first minibatch's wait and the tail.
+MINIBATCH_SHARE = 0.6
 #: Mean cores used by other processes above which a pass is flagged as measured on a shared machine.
 SHARED_CORES_FLAG = 0.25
 
@@ -79,8 +85,8 @@ class TrainConfig:
     unit: str = "cpu"
     optimizer: str = "sgd"
     lr: float | None = None
-    #: Most minibatches profiled per configuration (cold + warm passes together).
-    profile_steps: int = 40
+    #: Most minibatches profiled per configuration (cold + warm halves together).
+    profile_steps: int = 80
     #: Most share of an epoch profiled per configuration (both passes together).
     profile_share: float = 0.1
     budget_s: float | None = None
@@ -181,6 +187,8 @@ class TrainSetup:
     run_id: int | None = None
     notes: list[str] = field(default_factory=list)
     cleanup: list[Path] = field(default_factory=list)
+    #: (precision, batch) pairs already warmed up (`warm_up`)
+    warmed: set[tuple[str, int]] = field(default_factory=set)
 
     @property
     def device(self) -> str:
@@ -239,11 +247,27 @@ def prepare(config: TrainConfig, *, progress: ProgressFn | None = None,
                       min(sizes), power, notes=notes, cleanup=cleanup)
 
 
-def profile_steps(config: TrainConfig, knobs: Knobs, items: int) -> int:
-    """Minibatches per profile pass: within `profile_share` and `profile_steps`, at least 3."""
+def profile_steps(config: TrainConfig, knobs: Knobs, items: int) -> tuple[int, int]:
+    """Minibatches of the cold and the warm half of a profile.
+
+    Both halves together stay within `MINIBATCH_SHARE` (60%) of `profile_share` of an epoch's
+    minibatches (the profile's start-up, its loader's ramp and tail come on top; on a GPU host
+    they took the other 40%) and within `profile_steps`. The cold half holds the
+    ramp (`predict.warmup_steps`: the loader's first round of batches) and as many steady
+    minibatches as the warm half, which continues the same loader and has no ramp; each half has
+    at least 3 steady minibatches, so a tiny epoch may be profiled beyond its share
+    (`train-predict` reports the share profiled). The steady part aimed at is
+    `predict.MIN_STEADY_STEPS` minibatches per half; a shorter one is flagged.
+    """
+    from infermux.train.predict import warmup_steps
+
     per_epoch = math.ceil(items / knobs.batch)
-    share = math.floor(config.profile_share * per_epoch / 2)
-    return max(1, min(per_epoch, max(3, min(config.profile_steps // 2, share))))
+    total = min(config.profile_steps, math.floor(MINIBATCH_SHARE * config.profile_share
+                                                     * per_epoch))
+    ramp = warmup_steps(knobs.workers)
+    steady = max(3, (total - ramp) // 2)
+    cold = min(per_epoch, ramp + steady)
+    return cold, min(cold, steady)
 
 
 def _energy(setup: TrainSetup, result: PassResult, rec: PassRecord) -> None:
@@ -285,15 +309,34 @@ def _subset(items: int, count: int, seed: int) -> list[int]:
 
 
 def _measure_one(setup: TrainSetup, index: int, knobs: Knobs, kind: str) -> list[PassRecord]:
+    """Two passes of one configuration: cold (first) and warm (later).
+
+    A profile of a configuration without persistent workers is one loader over a random subset
+    and then the same subset again, reshuffled, cut in two after the subset: the loader starts
+    once (its start-up is in the cold half, its tail in the warm one), so the share of the epoch
+    spent profiling buys steady minibatches rather than a second start. With persistent
+    workers, and for full epochs, the two passes are separate (the later one reuses the
+    workers, as a later epoch does).
+    """
     import torch
+
+    from infermux.train.predict import MIN_STEADY_STEPS, warmup_steps
 
     config = setup.config
     path, dataset = setup.datasets[knobs.storage]
     items = setup.dataset_items
     indices = None
+    split = 0
     if kind == "profile":
-        steps = profile_steps(config, knobs, items)
-        indices = _subset(items, min(items, steps * knobs.batch), config.seed + index)
+        steps, warm_steps = profile_steps(config, knobs, items)
+        per = min(steps, items // knobs.batch)
+        if not knobs.persistent_workers and per >= 1:
+            subset = _subset(items, per * knobs.batch, config.seed + index)
+            again = list(subset)
+            random.Random(config.seed + index + 1).shuffle(again)
+            indices, split = subset + again[:min(per, warm_steps) * knobs.batch], per
+        else:
+            indices = _subset(items, min(items, steps * knobs.batch), config.seed + index)
     recs = [PassRecord(index, knobs, kind, name, dataset_items=items) for name in ("cold", "warm")]
     module = copy.deepcopy(setup.model.module)
     module.load_state_dict(setup.pristine)
@@ -307,25 +350,88 @@ def _measure_one(setup: TrainSetup, index: int, knobs: Knobs, kind: str) -> list
         trainer = Trainer(module, device=setup.device, precision=knobs.precision,
                           optimizer=config.optimizer, lr=config.lr)
         loader = make_loader(dataset, knobs, indices=indices, seed=config.seed + index,
-                             device=setup.device)
-        for rec in recs:
-            if rec.pass_name == "cold":
-                rec.extra["eviction"] = evict(path)
+                             device=setup.device, shuffle=not split)
+        if split:
+            recs[0].extra["eviction"] = evict(path)
+            if not recs[0].extra["eviction"]["evicted"] and \
+                    recs[0].extra["eviction"]["fs"] in ("tmpfs", "ramfs"):
+                recs[0].extra["in_memory"] = True
+            cut: dict[str, float] = {}
+
+            def at_cut(step: Any) -> None:
+                if step.seq == split - 1:
+                    cut["cpu"] = cpu.snapshot()
+
+            cpu0 = cpu.snapshot()
             try:
-                rec.result = run_pass(trainer, loader, cpu=cpu)
+                whole = run_pass(trainer, loader, cpu=cpu, on_step=at_cut)
+                halves = whole.split(split, cut.get("cpu", cpu0) - cpu0)
+                for rec, half in zip(recs, halves, strict=True):
+                    rec.result = half
+                    rec.extra["split"] = True
+                    _energy(setup, half, rec)
             except DeviceOutOfMemoryError as exc:
-                rec.status, rec.error = "oom", str(exc)
+                recs[0].status, recs[0].error = "oom", str(exc)
             except InfermuxError as exc:
-                rec.status, rec.error = "failed", str(exc)
+                recs[0].status, recs[0].error = "failed", str(exc)
+        else:
+            for rec in recs:
+                if rec.pass_name == "cold":
+                    rec.extra["eviction"] = evict(path)
+                try:
+                    rec.result = run_pass(trainer, loader, cpu=cpu)
+                except DeviceOutOfMemoryError as exc:
+                    rec.status, rec.error = "oom", str(exc)
+                except InfermuxError as exc:
+                    rec.status, rec.error = "failed", str(exc)
+                if rec.result is not None:
+                    _energy(setup, rec.result, rec)
+                if rec.status != "ok":
+                    break
+    if kind == "profile":
+        for rec in recs:
             if rec.result is not None:
-                _energy(setup, rec.result, rec)
-            if rec.status != "ok":
-                break
+                ramp = 0 if (split and rec.pass_name == "warm") else warmup_steps(knobs.workers)
+                steady_steps = len(rec.result.steps) - ramp
+                if steady_steps < MIN_STEADY_STEPS:
+                    rec.flags.append(
+                        f"short profile: {steady_steps} steady minibatches (aimed at "
+                        f"{MIN_STEADY_STEPS}): the profile share of an epoch is too small for "
+                        "this batch; use more data or a larger --profile-share")
     for rec in recs:
         if rec.result is None and rec.status == "ok":
             rec.status, rec.error = "skipped", "an earlier pass of this configuration failed"
     del loader
     return recs
+
+
+def warm_up(setup: TrainSetup, knobs: Knobs, steps: int = 3) -> None:
+    """A few unrecorded minibatches on a throwaway copy of the model, once per run.
+
+    The first minibatches a process trains pay for one-off set-up (the device's context and
+    libraries, the allocator's pools, the thread pool, and each precision and batch size's
+    kernels): without this, the first configuration measured of each would carry it and its
+    profile would mislead every prediction drawn from it. Once per (precision, batch).
+    """
+    import torch
+
+    _, dataset = setup.datasets[knobs.storage]
+    t0 = time.perf_counter()
+    module = copy.deepcopy(setup.model.module)
+    with pinned(knobs.cores, knobs.threads):
+        trainer = Trainer(module, device=setup.device, precision=knobs.precision,
+                          optimizer=setup.config.optimizer, lr=setup.config.lr)
+        loader = make_loader(dataset, replace(knobs, workers=0, prefetch_factor=2,
+                                              persistent_workers=False, pin_memory=False),
+                             indices=list(range(min(len(dataset), steps * knobs.batch))))
+        with contextlib.suppress(InfermuxError):
+            run_pass(trainer, loader, max_steps=steps)
+    del module, trainer
+    if setup.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    setup.warmed.add((knobs.precision, knobs.batch))
+    setup.notes.append(f"warm-up: {steps} unrecorded minibatches of {knobs.precision} batch "
+                       f"{knobs.batch} first ({time.perf_counter() - t0:.1f} s)")
 
 
 def measure_configs(setup: TrainSetup, configs: list[Knobs], *, kind: str = "profile",
@@ -342,6 +448,11 @@ def measure_configs(setup: TrainSetup, configs: list[Knobs], *, kind: str = "pro
     done: list[float] = []
     passes: list[PassRecord] = []
     skipped: list[Knobs] = []
+    for knobs in configs:
+        # Each precision and batch size's first minibatches choose their kernels (autocast,
+        # cuDNN's heuristics per shape): paid once, before any is measured.
+        if (knobs.precision, knobs.batch) not in setup.warmed:
+            warm_up(setup, knobs)
     for i, knobs in enumerate(configs):
         elapsed = time.perf_counter() - started
         if budget_s is not None and done and elapsed + sum(done) / len(done) > budget_s:
@@ -396,18 +507,34 @@ class TrainReport:
         }
 
 
-def begin(setup: TrainSetup, store: Store | None, command: str, extra: dict[str, Any]) -> None:
-    """Record the run as started (kind `train`)."""
+@contextlib.contextmanager
+def recorded(setup: TrainSetup, store: Store | None, command: str, extra: dict[str, Any]
+             ) -> Iterator[Recording]:
+    """The run in the store (kind `train`), begun and finished however the block ends.
+
+    Without a store the `Recording` stores nothing; its status is still kept (`failed` or
+    `interrupted` when the block raises).
+    """
     from infermux.env import capture_environment
 
-    if store is None:
-        return
-    records.ensure_tables(store)
-    env = capture_environment() | {"power_mode": setup.power.to_dict()}
     cfg = setup.config.to_dict() | {"model_description": setup.model.describe(),
                                     "dataset_items": setup.dataset_items} | extra
-    setup.store = store
-    setup.run_id = store.begin_run("train", cfg, env, command)
+    if store is not None:
+        records.ensure_tables(store)
+    env = capture_environment() | {"power_mode": setup.power.to_dict()}
+    rec = Recording(None)
+    try:
+        with recording(store, "train", cfg, command, env) as rec:
+            if rec.run_id is not None:
+                setup.store, setup.run_id = store, rec.run_id
+            yield rec
+    except KeyboardInterrupt:
+        rec.status = "interrupted"
+        raise
+    except BaseException:
+        if rec.status in ("complete", "running"):
+            rec.status = "failed"
+        raise
 
 
 def start_sampler(setup: TrainSetup) -> None:
@@ -461,33 +588,30 @@ def run_train_profile(config: TrainConfig, *, store: Store | None = None,
     setup = prepare(config, progress=progress)
     report = TrainReport(None, setup.model.describe(), configs, [], [], setup.power,
                          setup.dataset_items, setup.notes)
-    status = "failed"
+    rec = Recording(None)
     try:
-        begin(setup, store, command, {"configs": [k.label for k in configs]})
-        report.run_id = setup.run_id
-        start_sampler(setup)
-        remaining = None if config.budget_s is None else (
-            config.budget_s - (time.perf_counter() - started))
-        report.passes, report.skipped = measure_configs(setup, configs, progress=progress,
-                                                        budget_s=remaining)
-        report.best = best_settings(report.passes)
-        status = "complete" if any(p.status == "ok" for p in report.passes) else "failed"
-        if report.skipped:
-            report.notes.append(f"{len(report.skipped)} configuration(s) did not fit in the "
-                                f"budget: {', '.join(k.label for k in report.skipped)}")
-        return report
-    except KeyboardInterrupt:
-        status = "interrupted"
-        raise
-    finally:
-        report.status = status
-        report.elapsed_s = time.perf_counter() - started
-        setup.close()
-        if store is not None and setup.run_id is not None:
-            store.finish_run(setup.run_id, status, {
+        with recorded(setup, store, command, {"configs": [k.label for k in configs]}) as rec:
+            report.run_id = rec.run_id
+            start_sampler(setup)
+            remaining = None if config.budget_s is None else (
+                config.budget_s - (time.perf_counter() - started))
+            report.passes, report.skipped = measure_configs(setup, configs, progress=progress,
+                                                            budget_s=remaining)
+            report.best = best_settings(report.passes)
+            if not any(p.status == "ok" for p in report.passes):
+                rec.status = "failed"
+            if report.skipped:
+                report.notes.append(f"{len(report.skipped)} configuration(s) did not fit in the "
+                                    f"budget: {', '.join(k.label for k in report.skipped)}")
+            rec.summary = {
                 "configs": len(configs), "measured": len({p.config for p in report.passes}),
                 "skipped": len(report.skipped), "best": report.best,
-                "elapsed_s": report.elapsed_s})
+                "elapsed_s": time.perf_counter() - started}
+        return report
+    finally:
+        report.status = rec.status
+        report.elapsed_s = time.perf_counter() - started
+        setup.close()
 
 
 def check_device(unit: str) -> None:

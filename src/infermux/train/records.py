@@ -99,7 +99,7 @@ def _result_record(rec: PassRecord, model_name: str, unit: str) -> dict[str, Any
         "instances": 1, "data": k.storage, "status": rec.status, "valid": rec.status == "ok",
         "validity_note": "; ".join(rec.flags), "items": summary.get("items", 0),
         "window_s": summary.get("wall_s", 0.0),
-        "throughput_items_per_s": summary.get("items_per_s"), "error": rec.error,
+        "items_per_s": summary.get("items_per_s"), "error": rec.error,
         "train": rec.to_dict(),
     }
 

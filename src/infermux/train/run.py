@@ -20,22 +20,31 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from infermux.errors import UsageError
-from infermux.store import Store
+from infermux.store import Recording, Store
 from infermux.train import records
 from infermux.train.data import fs_type
 from infermux.train.knobs import Knobs
-from infermux.train.predict import Prediction, choose_profiled, mape, predict_all
+from infermux.train.predict import (
+    MIN_STEADY_STEPS,
+    Prediction,
+    choose_profiled,
+    mape,
+    predict_all,
+    warmup_steps,
+)
 from infermux.train.profile import (
+    MINIBATCH_SHARE,
     PassRecord,
     ProgressFn,
     TrainConfig,
-    begin,
+    TrainSetup,
     measure_configs,
     prepare,
+    recorded,
     start_sampler,
 )
 
-__all__ = ["PredictReport", "run_train_predict"]
+__all__ = ["PredictReport", "repredict", "run_train_predict"]
 
 
 @dataclass
@@ -56,6 +65,8 @@ class PredictReport:
     elapsed_s: float = 0.0
     profile_s: float = 0.0
     validate_s: float = 0.0
+    #: The profile share of an epoch the run was given (the budget rule's limit).
+    share: float = 0.1
 
     def scores(self) -> dict[str, Any]:
         """MAPE of the held-out (not profiled) configurations that were measured, %."""
@@ -74,6 +85,40 @@ class PredictReport:
             out[f"{epoch}_within_bounds"] = f"{len(inside)}/{len(held)}"
         return out
 
+    def budget(self, share: float = 0.1) -> dict[str, Any]:
+        """What the profile cost against the rule: ≤ `share` of an epoch, ≤ a third of the grid.
+
+        A configuration's profile time is the wall time of its profile passes (start-up, every
+        minibatch, tail; not the page-cache eviction before them), against its own shorter
+        predicted epoch (first or later).
+        """
+        rows: list[dict[str, Any]] = []
+        for i in self.profiled:
+            recs = [p for p in self.passes if p.config == i and p.result is not None]
+            pred = self.predictions[i] if i < len(self.predictions) else None
+            if not recs or pred is None:
+                continue
+            spent = sum(p.result.wall_ns for p in recs if p.result) / 1e9
+            epoch = min(e["predicted_s"] or math.inf for e in pred.epochs.values())
+            knobs = self.configs[i]
+            rows.append({
+                "label": knobs.label, "profile_s": spent,
+                "profile_minibatches": sum(len(p.result.steps) for p in recs if p.result),
+                "epoch_minibatches": math.ceil(self.dataset_items / knobs.batch),
+                "epoch_s": epoch, "share": spent / epoch if epoch else None,
+                "flags": sorted({f for p in recs for f in p.flags if f.startswith("short")})})
+        shares = [r["share"] for r in rows if r["share"] is not None]
+        allowed = math.ceil(len(self.configs) / 3)
+        return {
+            "rule": f"profile ≤ {share:.0%} of an epoch for ≤ 1/3 of the configurations",
+            "configurations": len(self.configs), "profiled": len(self.profiled),
+            "profiled_allowed": allowed, "max_share": max(shares) if shares else None,
+            "mean_share": sum(shares) / len(shares) if shares else None,
+            "profile_s": sum(r["profile_s"] for r in rows),
+            "ok": bool(shares) and len(self.profiled) <= allowed and max(shares) <= share,
+            "per_config": rows,
+        }
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready."""
         profiled_steps = sum(len(p.result.steps) for p in self.passes if p.result)
@@ -82,13 +127,91 @@ class PredictReport:
             "dataset_items": self.dataset_items,
             "profiled": [self.configs[i].label for i in self.profiled],
             "profiled_minibatches": profiled_steps,
-            "model_info": self.info, "scores": self.scores(),
+            "model_info": self.info, "scores": self.scores(), "budget": self.budget(
+                self.share),
             "predictions": [r for p in self.predictions for r in p.rows()],
             "profile_passes": [p.to_dict() for p in self.passes],
             "validation_passes": [p.to_dict() for p in self.validation],
             "notes": self.notes, "elapsed_s": self.elapsed_s, "profile_s": self.profile_s,
             "validate_s": self.validate_s,
         }
+
+
+def profile_fits(knobs: Knobs, items: int, share: float) -> bool:
+    """Whether a profile of `knobs` fits in `share` of its epoch's minibatches.
+
+    The profile (`profile.profile_steps`) has `profile.MINIBATCH_SHARE` of the share for its
+    minibatches (the rest for its start-up and tail): its ramp (one minibatch per worker) and
+    `MIN_STEADY_STEPS` steady minibatches in each half must fit there.
+    """
+    per_epoch = math.ceil(items / knobs.batch)
+    return (warmup_steps(knobs.workers) + 2 * MIN_STEADY_STEPS
+            <= MINIBATCH_SHARE * share * per_epoch)
+
+
+def estimated_share(knobs: Knobs, passes: list[dict[str, Any]], config: TrainConfig,
+                    items: int) -> float | None:
+    """A profile's share of its epoch, estimated from the profiles measured so far.
+
+    The simple model (`predict.fit_components`) predicts the profile as a short epoch (one
+    loader over `profile.profile_steps` minibatches: start-up, ramp, steady minibatches, tail)
+    and the configuration's shorter epoch; None without passes to fit on.
+    """
+    from infermux.train.predict import fit_components
+    from infermux.train.profile import profile_steps
+
+    if not passes:
+        return None
+    try:
+        comps = fit_components(passes, len(os.sched_getaffinity(0)))
+    except UsageError:
+        return None
+    cold, warm = profile_steps(config, knobs, items)
+    profile = comps.predict(knobs, "cold", (cold + warm) * knobs.batch)["epoch_s"]
+    epoch = min(comps.predict(knobs, p, items)["epoch_s"] for p in ("cold", "warm"))
+    return profile / epoch if epoch > 0 else None
+
+
+def _profile_within_share(setup: TrainSetup, configs: list[Knobs], pool: list[int], count: int,
+                          *, progress: ProgressFn | None, notes: list[str]
+                          ) -> tuple[list[PassRecord], list[int]]:
+    """Profile `count` configurations of `pool` whose profiles fit in the profile share.
+
+    Candidates come in the order a covering design adds them; before each (after the first),
+    its profile's share of its epoch is estimated from the profiles measured so far
+    (`estimated_share`), and one estimated over the share is passed over for the next. The
+    budget (`TrainConfig.budget_s`) holds for all of them together.
+    """
+    config = setup.config
+    started = time.perf_counter()
+    records_: list[PassRecord] = []
+    chosen: list[int] = []
+    passed_over: list[str] = []
+    for i in _coverage_order(configs, pool):
+        if len(chosen) >= count:
+            break
+        data = [p.as_data() for p in records_ if p.status == "ok"]
+        est = estimated_share(configs[i], data, config, setup.dataset_items)
+        if est is not None and est > config.profile_share:
+            passed_over.append(f"{configs[i].label} (~{est:.0%})")
+            continue
+        spent = time.perf_counter() - started
+        if config.budget_s is not None and chosen and spent * (1 + 1 / len(chosen)) > \
+                config.budget_s:  # the next one, at the mean so far, would not fit
+            notes.append(f"{count - len(chosen)} profile(s) did not fit in the budget")
+            break
+
+        def on_progress(label: str, _: float, done: int = len(chosen)) -> None:
+            if progress is not None:
+                progress(label, 0.5 * done / count)
+
+        recs, _ = measure_configs(setup, [configs[i]], progress=on_progress, indices=[i])
+        records_ += recs
+        chosen.append(i)
+    if passed_over:
+        notes.append(f"not profiled, their profile estimated over {config.profile_share:.0%} "
+                     f"of their epoch: {', '.join(passed_over)}")
+    return records_, sorted(chosen)
 
 
 def _stored_passes(store: Store, run_id: int, configs: list[Knobs]) -> list[dict[str, Any]]:
@@ -116,23 +239,57 @@ def _reference(store: Store | None, run_id: int) -> list[dict[str, Any]]:
     return passes
 
 
-def _pick_validation(configs: list[Knobs], profiled: list[int], validate: int | None
-                     ) -> list[int]:
+def _pick_validation(configs: list[Knobs], profiled: list[int], validate: int | None,
+                     predictions: list[Prediction] | None = None,
+                     budget_s: float | None = None) -> list[int]:
+    """Held-out configurations to measure, covering the knob levels.
+
+    `validate` of them (None: all), and with `budget_s` only as many as their predicted two
+    epochs fit in it.
+    """
     held = [i for i in range(len(configs)) if i not in profiled]
-    if validate is None or validate >= len(held):
-        return held
-    chosen = choose_profiled([configs[i] for i in held], validate)
+    count = len(held) if validate is None else min(validate, len(held))
+    if budget_s is None or predictions is None:
+        return held if count >= len(held) else _covering(configs, held, count)
+    picked: list[int] = []
+    spent = 0.0
+    for i in _coverage_order(configs, held):
+        if len(picked) >= count:
+            break
+        cost = sum(e["predicted_s"] or 0.0 for e in predictions[i].epochs.values()) * 1.15
+        if picked and spent + cost > budget_s:
+            continue
+        picked.append(i)
+        spent += cost
+    return sorted(picked)
+
+
+def _covering(configs: list[Knobs], held: list[int], count: int) -> list[int]:
+    """`count` of the `held` configurations covering the knob levels."""
+    chosen = choose_profiled([configs[i] for i in held], count)
     return [held[i] for i in chosen]
+
+
+def _coverage_order(configs: list[Knobs], held: list[int]) -> list[int]:
+    """The held-out configurations in the order a covering design adds them."""
+    order: list[int] = []
+    for count in range(1, len(held) + 1):
+        for i in _covering(configs, held, count):
+            if i not in order:
+                order.append(i)
+    return order
 
 
 def run_train_predict(config: TrainConfig, *, store: Store | None = None,
                       progress: ProgressFn | None = None, command: str = "",
                       profile_configs: int | None = None, from_run: int | None = None,
                       reference_run: int | None = None, method: str = "auto",
-                      validate: int | None = 0) -> PredictReport:
+                      validate: int | None = 0,
+                      validate_budget_s: float | None = None) -> PredictReport:
     """Profile a subset, predict all, validate held-out configurations (module docstring).
 
-    `validate`: 0 = no validation, None = every held-out configuration, N = that many.
+    `validate`: 0 = no validation, None = every held-out configuration, N = that many;
+    `validate_budget_s`: only as many as their predicted epochs fit in this many seconds.
     """
     if method not in ("auto", "simple", "learned"):
         raise UsageError(f"--method {method!r} is not auto, simple or learned")
@@ -147,69 +304,150 @@ def run_train_predict(config: TrainConfig, *, store: Store | None = None,
     reference = _reference(store, reference_run) if reference_run is not None else None
     setup = prepare(config, progress=progress)
     report = PredictReport(None, setup.model.describe(), configs, [], [], {}, [], [],
-                           setup.dataset_items, setup.notes)
-    status = "failed"
+                           setup.dataset_items, setup.notes, share=config.profile_share)
+    rec = Recording(None)
     try:
-        begin(setup, store, command, {"configs": [k.label for k in configs], "method": method,
-                                      "from_run": from_run, "reference_run": reference_run})
-        report.run_id = setup.run_id
-        start_sampler(setup)
-        t0 = time.perf_counter()
-        if from_run is not None:
-            if store is None:
-                raise UsageError("--from needs the results database: drop --no-store")
-            passes = _stored_passes(store, from_run, configs)
-            if not passes:
-                raise UsageError(f"--from {from_run}: none of its configurations is in this grid; "
-                                 "give the same --batch/--workers/... as that run")
-            report.profiled = sorted({p["config"] for p in passes})
-        else:
-            report.profiled = choose_profiled(configs, share)
-            budget = config.budget_s
-            report.passes, skipped = measure_configs(
-                setup, [configs[i] for i in report.profiled], progress=progress,
-                budget_s=budget, indices=report.profiled)
-            if skipped:
-                report.notes.append(f"{len(skipped)} profile(s) did not fit in the budget")
-            passes = [p.as_data() for p in report.passes if p.status == "ok"]
-        report.profile_s = time.perf_counter() - t0
-        tmpfs = {s: fs_type(path) == "tmpfs" for s, (path, _) in setup.datasets.items()}
-        if progress is not None:
-            progress("fitting the predictor", 0.5)
-        report.predictions, report.info = predict_all(
-            configs, passes, items=setup.dataset_items, all_cores=len(os.sched_getaffinity(0)),
-            tmpfs=tmpfs, method=method, reference=reference)
-        t1 = time.perf_counter()
-        if validate != 0:
-            chosen = _pick_validation(configs, report.profiled, validate)
-
-            def on_progress(label: str, fraction: float) -> None:
-                if progress is not None:
-                    progress(label, 0.5 + 0.5 * fraction)
-
-            report.validation, _ = measure_configs(setup, [configs[i] for i in chosen],
-                                                   kind="epoch", progress=on_progress,
-                                                   indices=chosen)
-            for rec in report.validation:
-                if rec.status == "ok" and rec.result is not None:
-                    report.predictions[rec.config].measured[
-                        "first" if rec.pass_name == "cold" else "later"] = {
-                        "s": rec.result.wall_ns / 1e9, "energy_j": rec.energy_j}
-        report.validate_s = time.perf_counter() - t1
-        if store is not None and setup.run_id is not None:
-            records.add_predictions(store, setup.run_id,
-                                    [r for p in report.predictions for r in p.rows()])
-        status = "complete"
+        with recorded(setup, store, command, {
+                "configs": [k.label for k in configs], "method": method, "from_run": from_run,
+                "reference_run": reference_run}) as rec:
+            report.run_id = rec.run_id
+            _predict_body(setup, report, rec, store=store, progress=progress, share=share,
+                          from_run=from_run, reference=reference, method=method,
+                          validate=validate, validate_budget_s=validate_budget_s,
+                          started=started)
         return report
-    except KeyboardInterrupt:
-        status = "interrupted"
-        raise
     finally:
-        report.status = status
+        report.status = rec.status
         report.elapsed_s = time.perf_counter() - started
         setup.close()
-        if store is not None and setup.run_id is not None:
-            store.finish_run(setup.run_id, status, {
-                "configs": len(configs), "profiled": len(report.profiled),
-                "model": report.info.get("chosen"), "scores": report.scores(),
-                "elapsed_s": report.elapsed_s})
+
+
+def _predict_body(setup: TrainSetup, report: PredictReport, rec: Recording, *,
+                  store: Store | None, progress: ProgressFn | None, share: int,
+                  from_run: int | None, reference: list[dict[str, Any]] | None, method: str,
+                  validate: int | None, validate_budget_s: float | None, started: float
+                  ) -> None:
+    """Profile (or read stored profiles), predict, validate, store: `run_train_predict`'s work."""
+    config, configs = setup.config, report.configs
+    start_sampler(setup)
+    t0 = time.perf_counter()
+    if from_run is not None:
+        if store is None:
+            raise UsageError("--from needs the results database: drop --no-store")
+        passes = _stored_passes(store, from_run, configs)
+        if not passes:
+            raise UsageError(f"--from {from_run}: none of its configurations is in this grid; "
+                             "give the same --batch/--workers/... as that run")
+        report.profiled = sorted({p["config"] for p in passes})
+    else:
+        fits = [i for i, k in enumerate(configs)
+                if profile_fits(k, setup.dataset_items, config.profile_share)]
+        if len(fits) < len(configs):
+            report.notes.append(
+                f"{len(configs) - len(fits)} configuration(s) have too few minibatches per epoch "
+                f"to profile within {config.profile_share:.0%} of it with "
+                f"{MIN_STEADY_STEPS} steady minibatches per half (their loader's ramp is "
+                "longer): they are predicted, not profiled")
+        pool = fits if len(fits) >= share else list(range(len(configs)))
+        report.passes, report.profiled = _profile_within_share(
+            setup, configs, pool, share, progress=progress, notes=report.notes)
+        passes = [p.as_data() for p in report.passes if p.status == "ok"]
+    report.profile_s = time.perf_counter() - t0
+    tmpfs = {s: fs_type(path) == "tmpfs" for s, (path, _) in setup.datasets.items()}
+    if progress is not None:
+        progress("fitting the predictor", 0.5)
+    report.predictions, report.info = predict_all(
+        configs, passes, items=setup.dataset_items, all_cores=len(os.sched_getaffinity(0)),
+        tmpfs=tmpfs, method=method, reference=reference)
+    t1 = time.perf_counter()
+    if validate != 0:
+        chosen = _pick_validation(configs, report.profiled, validate, report.predictions,
+                                  validate_budget_s)
+        if len(chosen) < len([i for i in range(len(configs)) if i not in report.profiled]):
+            report.notes.append(f"validated {len(chosen)} held-out configuration(s)"
+                                + (f" within the {validate_budget_s:.0f} s validation budget"
+                                   if validate_budget_s is not None else ""))
+
+        def on_progress(label: str, fraction: float) -> None:
+            if progress is not None:
+                progress(label, 0.5 + 0.5 * fraction)
+
+        report.validation, _ = measure_configs(setup, [configs[i] for i in chosen],
+                                               kind="epoch", progress=on_progress,
+                                               indices=chosen)
+        for done in report.validation:
+            if done.status == "ok" and done.result is not None:
+                report.predictions[done.config].measured[
+                    "first" if done.pass_name == "cold" else "later"] = {
+                    "s": done.result.wall_ns / 1e9, "energy_j": done.energy_j}
+    report.validate_s = time.perf_counter() - t1
+    if store is not None and setup.run_id is not None:
+        records.add_predictions(store, setup.run_id,
+                                [r for p in report.predictions for r in p.rows()])
+    rec.summary = {
+        "configs": len(configs), "profiled": len(report.profiled),
+        "model": report.info.get("chosen"), "scores": report.scores(),
+        "budget": {k: v for k, v in report.budget(config.profile_share).items()
+                   if k != "per_config"}, "elapsed_s": time.perf_counter() - started}
+
+
+def _grid_configs(grid: dict[str, Any]) -> list[Knobs]:
+    """A stored grid's configurations in the order `Grid.configs` made them.
+
+    Not validated: the core sets may be another machine's.
+    """
+    import itertools
+
+    seen: dict[Knobs, None] = {}
+    cores = [tuple(c) if c is not None else None for c in grid["cores"]]
+    for b, w, pf, pin, per, st, co, pr in itertools.product(
+            grid["batch"], grid["workers"], grid["prefetch_factor"], grid["pin_memory"],
+            grid["persistent_workers"], grid["storage"], cores, grid["precision"]):
+        knobs = Knobs(b, w, pf, pin, per, st, co, pr)
+        if w == 0:
+            knobs = Knobs(b, 0, 2, pin, False, st, co, pr)
+        seen.setdefault(knobs, None)
+    return list(seen)
+
+
+def repredict(store: Store, run_id: int, *, reference_run: int | None = None,
+              method: str = "auto") -> dict[str, Any]:
+    """Predict a stored `train-predict` run again from its stored profiles, offline.
+
+    The run's profile passes feed `predict_all` (with a reference run's for transfer) and its
+    stored validation epochs are the measurements: the model can be changed and scored again on
+    a run measured elsewhere, without a device. Returns the predictions, the model's
+    information and the scores (as `PredictReport.scores`).
+    """
+    run = store.run(run_id)
+    config = run["config"]
+    if "grid" not in config:
+        raise UsageError(f"run {run_id} is not a training run (kind {run.get('kind')!r})")
+    configs = _grid_configs(config["grid"])
+    index = {k.label: i for i, k in enumerate(configs)}
+    passes = records.load_passes(store, run_id)
+    profile = [p for p in passes if p["kind"] == "profile" and p.get("status", "ok") == "ok"]
+    epochs = [p for p in passes if p["kind"] == "epoch" and p.get("status", "ok") == "ok"]
+    for p in profile + epochs:
+        p["config"] = index[p["label"]]
+    reference = _reference(store, reference_run) if reference_run is not None else None
+    cpu = (run.get("environment") or {}).get("cpu") or {}
+    all_cores = int(cpu.get("usable_cores") or cpu.get("logical_cores") or os.cpu_count() or 1)
+    tmpfs = {s: s == "tmpfs" for s in config["grid"]["storage"]}
+    predictions, info = predict_all(configs, profile, items=config["dataset_items"],
+                                    all_cores=all_cores, tmpfs=tmpfs, method=method,
+                                    reference=reference)
+    for p in epochs:
+        predictions[p["config"]].measured["first" if p["pass"] == "cold" else "later"] = {
+            "s": p["wall_ns"] / 1e9, "energy_j": p.get("energy_j")}
+    report = PredictReport(run_id, config.get("model", {}), configs,
+                           sorted({p["config"] for p in profile}), predictions, info, [], [],
+                           config["dataset_items"])
+    shares = {}
+    for i in report.profiled:
+        spent = sum(p["wall_ns"] for p in profile if p["config"] == i) / 1e9
+        epoch = min(e["predicted_s"] or math.inf for e in predictions[i].epochs.values())
+        shares[configs[i].label] = spent / epoch
+    return {"run_id": run_id, "configs": [k.label for k in configs], "profile_shares": shares,
+            "profiled": [configs[i].label for i in report.profiled], "model_info": info,
+            "scores": report.scores(), "predictions": [r for p in predictions for r in p.rows()]}

@@ -30,6 +30,7 @@ from typing import Any, Protocol
 
 from infermux.errors import DeviceOutOfMemoryError, InfermuxError, UsageError
 from infermux.models import LoadedModel, ModelSpec, load_model
+from infermux.progress import ProgressFn
 from infermux.store import Store
 from infermux.tune.space import Candidate, Config
 from infermux.units import Unit
@@ -43,29 +44,6 @@ __all__ = [
     "TrialSettings",
     "model_name",
 ]
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS tune_trials (
-    id INTEGER PRIMARY KEY,
-    run_id INTEGER REFERENCES runs(id) ON DELETE CASCADE,
-    fingerprint TEXT NOT NULL,     -- machine, model sources, trial settings
-    key TEXT NOT NULL,             -- the candidate (canonical)
-    label TEXT NOT NULL,
-    method TEXT NOT NULL,          -- engine | runtime
-    status TEXT NOT NULL,          -- ok | oom | error | invalid
-    items_per_s REAL,
-    p99_ms REAL,
-    energy_per_item_j REAL,
-    power_w REAL,
-    memory_bytes INTEGER,
-    cost_s REAL NOT NULL,
-    reused INTEGER NOT NULL,
-    record_json TEXT NOT NULL,
-    created TEXT NOT NULL
-);
-CREATE INDEX IF NOT EXISTS tune_trials_by_key ON tune_trials(fingerprint, key);
-"""
-
 
 def model_name(ref: str) -> str:
     """A plan-safe model name from a model reference (`path/net.py:make` → `net.make`)."""
@@ -83,6 +61,15 @@ class TrialSettings:
     warmup_s: float = 0.3
     data: str = "host"
 
+    def __post_init__(self) -> None:
+        if self.data not in ("host", "device"):
+            raise UsageError(f"--data {self.data!r} unknown: use host or device")
+        if self.min_duration_s <= 0:
+            raise UsageError(f"--trial-duration {self.min_duration_s:g}s must be positive, "
+                             "e.g. --trial-duration 2s")
+        if self.min_queries < 1:
+            raise UsageError(f"--trial-queries {self.min_queries} must be at least 1")
+
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready copy."""
         return {"min_duration_s": self.min_duration_s, "min_queries": self.min_queries,
@@ -96,6 +83,16 @@ class Constraints:
     p99_bound_ms: float | None = None
     max_memory_bytes: int | None = None
     max_power_w: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.p99_bound_ms is not None and self.p99_bound_ms <= 0:
+            raise UsageError(f"--p99 {self.p99_bound_ms:g} ms must be positive, e.g. --p99 15ms")
+        if self.max_memory_bytes is not None and self.max_memory_bytes <= 0:
+            raise UsageError(f"--max-memory {self.max_memory_bytes} bytes must be positive, "
+                             "e.g. --max-memory 8GiB")
+        if self.max_power_w is not None and self.max_power_w <= 0:
+            raise UsageError(f"--max-power {self.max_power_w:g} must be positive watts, "
+                             "e.g. --max-power 300")
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready copy."""
@@ -223,7 +220,7 @@ class LiveEvaluator:
         run_id: int | None = None,
         fresh: bool = False,
         telemetry: bool = True,
-        progress: Callable[[str, float], None] | None = None,
+        progress: ProgressFn | None = None,
         loaded: dict[str, LoadedModel] | None = None,
     ) -> None:
         self.specs = models
@@ -239,8 +236,6 @@ class LiveEvaluator:
         self.power_devices: list[str] = []
         if telemetry:
             self._start_sampler(units)
-        if store is not None:
-            store.connection.executescript(_SCHEMA)
         self.fingerprint = self._fingerprint()
 
     # -- setup ---------------------------------------------------------------------------------
@@ -327,34 +322,24 @@ class LiveEvaluator:
     def _stored(self, key: str) -> Trial | None:
         if self.store is None:
             return None
-        row = self.store.connection.execute(
-            "SELECT record_json, cost_s FROM tune_trials WHERE fingerprint = ? AND key = ? "
-            "AND reused = 0 AND status IN ('ok', 'oom') ORDER BY id DESC LIMIT 1",
-            (self.fingerprint, key)).fetchone()
-        if row is None:
+        found = self.store.tune_trial(self.fingerprint, key)
+        if found is None:
             return None
-        data = json.loads(row[0])
+        data, cost_s = found
         trial = Trial(Candidate(()), data["method"], data["status"], data["items_per_s"],
                       data["p99_ms"], data["energy_per_item_j"], data["power_w"],
                       data["memory_bytes"], data["per_unit"], 0.0, True, data["error"],
                       data.get("record", {}), data.get("build_s"))
-        self._keep(key, trial, original_cost_s=row[1])
+        self._keep(key, trial, original_cost_s=cost_s)
         return trial
 
     def _keep(self, key: str, trial: Trial, original_cost_s: float | None = None) -> None:
         if self.store is None:
             return
-        data = trial.to_dict() | {"record": trial.record}
-        with self.store.connection as db:
-            db.execute(
-                "INSERT INTO tune_trials (run_id, fingerprint, key, label, method, status, "
-                "items_per_s, p99_ms, energy_per_item_j, power_w, memory_bytes, cost_s, reused, "
-                "record_json, created) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,datetime('now'))",
-                (self.run_id, self.fingerprint, key, trial.candidate.label(), trial.method,
-                 trial.status, trial.items_per_s, trial.p99_ms, trial.energy_per_item_j,
-                 trial.power_w, trial.memory_bytes,
-                 original_cost_s if original_cost_s is not None else trial.cost_s,
-                 int(trial.reused), json.dumps(data, default=str)))
+        self.store.add_tune_trial(
+            self.run_id, self.fingerprint, key, trial.candidate.label(),
+            trial.to_dict() | {"record": trial.record},
+            original_cost_s if original_cost_s is not None else trial.cost_s)
 
     def _engine(self, candidate: Candidate) -> Trial:
         from infermux import agreement
@@ -442,34 +427,28 @@ class LiveEvaluator:
             status = "oom" if isinstance(exc, DeviceOutOfMemoryError) else "error"
             return Trial(candidate, "runtime", status, error=str(exc))
         t1 = time.perf_counter_ns()
-        rec = report.final or {}
-        workers = list(rec.get("workers", {}).values())
-        failed = [w for w in workers if w.get("status") != "ok"]
-        status = "ok" if rec.get("valid") and not failed else "invalid"
+        summary = report.summary
+        workers = list(summary.workers.values())
+        failed = summary.failed_workers
+        status = "ok" if summary.valid and not failed else "invalid"
         if failed:
-            status = "oom" if any(w.get("status") == "oom" for w in failed) else "error"
+            status = "oom" if any(w.status == "oom" for w in failed) else "error"
         per_unit: dict[str, float] = {}
         if status == "ok":
             for w in workers:
-                unit = self._candidate_unit(str(w["unit"]), candidate)
-                per_unit[unit] = per_unit.get(unit, 0.0) + (w.get("items_per_s") or 0.0)
+                unit = self._candidate_unit(w.unit, candidate)
+                per_unit[unit] = per_unit.get(unit, 0.0) + (w.items_per_s or 0.0)
         # A batch's latency, as the engine trials measure it: from its launch to its outputs.
         # (The runtime's compute phase starts at the take, which for a worker that gathers the
         # next batch while one runs includes the batch ahead of it.)
-        batch_p99 = [(w.get("batch_latency") or {}).get("p99_ms") for w in workers]
-        # One line per distinct failure, naming the workers it took out (four workers that ran
-        # out of memory the same way are one message, not four).
-        errors: dict[str, list[str]] = {}
-        for name, w in rec.get("workers", {}).items():
-            if w.get("status") != "ok":
-                errors.setdefault(str(w.get("error") or w.get("status")), []).append(str(name))
-        error = "; ".join(f"{text} ({', '.join(names)})" if len(names) > 1 else text
-                          for text, names in errors.items())
+        batch_p99 = [w.batch_p99_ms for w in workers]
+        error = summary.failures()
+        rec = summary.record
         trial = Trial(candidate, "runtime", status,
-                      rec.get("throughput_samples_per_s") if status == "ok" else None,
+                      summary.items_per_s if status == "ok" else None,
                       max((c for c in batch_p99 if c is not None), default=None),
                       per_unit=per_unit,
-                      error=error or ("; ".join(rec.get("validity_notes", [])) or None),
+                      error=error or ("; ".join(summary.validity_notes) or None),
                       record={k: rec.get(k) for k in ("duration_s", "completed_samples",
                                                        "latency", "valid", "validity_notes")},
                       build_s=report.build.get("build_s"))

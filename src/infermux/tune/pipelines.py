@@ -15,12 +15,12 @@ as well as a throughput knob, and the partitioner's profile is taken at one batc
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from infermux.errors import DeviceOutOfMemoryError, InfermuxError, UsageError
 from infermux.models import LoadedModel, ModelSpec
+from infermux.progress import ProgressFn
 from infermux.tune.evaluate import Constraints, TrialSettings
 from infermux.units import Unit
 
@@ -72,7 +72,7 @@ def pipeline_units(units: list[Unit]) -> list[Unit]:
 
 
 def _runtime_trial(plan: Any, name: str, spec: ModelSpec, settings: TrialSettings,
-                   progress: Callable[[str, float], None] | None) -> PipelineTrial:
+                   progress: ProgressFn | None) -> PipelineTrial:
     from infermux.runtime import run_plan
     from infermux.runtime.plan import parse_plan
 
@@ -97,16 +97,17 @@ def _runtime_trial(plan: Any, name: str, spec: ModelSpec, settings: TrialSetting
             raise
         trial.status, trial.error = "error", str(exc)
     else:
-        rec = report.final or {}
-        worker: dict[str, Any] = next(iter(rec.get("workers", {}).values()), {})
-        if worker.get("status") != "ok":
-            trial.status, trial.error = "error", worker.get("error") or "the pipeline failed"
-        elif not rec.get("valid"):
+        summary = report.summary
+        worker = next(iter(summary.workers.values()), None)
+        if worker is None or not worker.ok:
+            trial.status = "error"
+            trial.error = (worker.error if worker else None) or "the pipeline failed"
+        elif not summary.valid:
             trial.status = "invalid"
-            trial.error = "; ".join(rec.get("validity_notes", [])) or None
-        trial.items_per_s = rec.get("throughput_samples_per_s") if trial.status == "ok" else None
-        trial.p99_ms = (worker.get("batch_latency") or {}).get("p99_ms")
-        trial.stages = (rec.get("pipelines") or {}).get(name, [])
+            trial.error = "; ".join(summary.validity_notes) or None
+        trial.items_per_s = summary.items_per_s if trial.status == "ok" else None
+        trial.p99_ms = worker.batch_p99_ms if worker else None
+        trial.stages = summary.pipelines.get(name, [])
     trial.cost_s = time.monotonic() - started
     return trial
 
@@ -122,7 +123,7 @@ def tune_pipelines(
     settings: TrialSettings,
     budget_s: float,
     top_k: int = 2,
-    progress: Callable[[str, float], None] | None = None,
+    progress: ProgressFn | None = None,
 ) -> tuple[list[PipelineTrial], str | None]:
     """Predict the best pipelines over `units` × `engines` and measure them through the runtime.
 

@@ -12,7 +12,8 @@ import yaml
 
 from infermux.errors import UsageError
 from infermux.models import LoadedModel, ModelSpec
-from infermux.store import Store
+from infermux.progress import ProgressFn
+from infermux.store import Store, recording
 from infermux.tune.evaluate import Constraints, LiveEvaluator, Trial, TrialSettings, model_name
 from infermux.tune.pipelines import PipelineTrial, pipeline_units, tune_pipelines
 from infermux.tune.search import OBJECTIVES, Tuner, TuneResult, TuneSettings
@@ -195,86 +196,78 @@ def run_tune(
     store: Store | None = None,
     out_path: str | Path | None = None,
     progress: Callable[[str, dict[str, Any]], None] | None = None,
-    measure_progress: Callable[[str, float], None] | None = None,
+    measure_progress: ProgressFn | None = None,
     command: str = "",
 ) -> TuneReport:
     """Search, verify and write the best plan; every trial goes to the store as it ends."""
-    from infermux.env import capture_environment
-
     started = time.monotonic()
     units, loaded, space = prepare(request)
     specs = {model_name(m.ref): m for m in request.models}
-    run_id = None
-    if store is not None:
-        run_id = store.begin_run("tune", request.to_dict() | {"space": space.describe()},
-                                 capture_environment(), command)
-    evaluator = LiveEvaluator(specs, units, request.trial, store=store, run_id=run_id,
-                              fresh=request.fresh, progress=measure_progress, loaded=loaded)
-    if request.constraints.max_power_w is not None and not evaluator.power_devices:
-        evaluator.close()
-        if store is not None and run_id is not None:
-            store.finish_run(run_id, "failed", {"error": "no power telemetry"})
-        raise UsageError(f"--max-power {request.constraints.max_power_w:g} W cannot be checked: "
-                         "no power reading here (NVML, RAPL or Jetson rails); drop --max-power")
-    if request.objective == "energy" and not evaluator.power_devices:
-        evaluator.close()
-        if store is not None and run_id is not None:
-            store.finish_run(run_id, "failed", {"error": "no power telemetry"})
-        raise UsageError("--objective energy needs power readings (NVML, RAPL or Jetson rails) "
-                         "and this machine has none: use --objective throughput or latency")
-    setup_s = time.monotonic() - started
-    piped = _pipelines_wanted(request, units, loaded)
-    # Pipelines get a quarter of the budget: profiling pieces on every (unit, engine), then a
-    # runtime trial per predicted plan.
-    share = PIPELINE_BUDGET_SHARE if piped is None else 0.0
-    if request.scenario == "server":
-        # Server plans are chosen by their measured peak, each a find-peak through the runtime.
-        share += SERVER_BUDGET_SHARE
-    settings = TuneSettings(objective=request.objective,
-                            budget_s=max(1.0, (request.budget_s - setup_s) * (1 - share)),
-                            seed=request.seed, fine_tune=request.fine_tune)
-    status = "complete"
-    report = TuneReport(run_id, request, TuneResult(None, [], [], {}, [], None, {}, 0.0, False),
-                        None, None)
-    try:
-        tuner = Tuner(space, evaluator, request.constraints, settings, progress=progress)
-        result = tuner.run()
-        result.elapsed_s += setup_s
-        report.result = result
-        if result.best is not None:
-            report.plan = _final_plan(evaluator, result, request)
-            if piped is None:
-                evaluator.release()
-                _search_pipelines(report, request, units, loaded, space, evaluator,
-                                  deadline=started + request.budget_s,
-                                  progress=measure_progress)
-            else:
-                report.pipelines_note = piped
-            if request.scenario == "server":
-                _choose_by_server_peak(report, evaluator, request,
-                                       deadline=started + request.budget_s,
-                                       progress=measure_progress)
-            if out_path is not None:
-                text = _plan_header(result, request, report.pipelines_note,
-                                    report.server_peaks) + yaml.safe_dump(
-                    report.plan, sort_keys=False, width=100)
-                try:
-                    Path(out_path).write_text(text)
-                except OSError as exc:
-                    raise UsageError(f"cannot write the plan to {str(out_path)!r}: "
-                                     f"{exc.strerror}") from exc
-                report.plan_path = str(out_path)
-    except KeyboardInterrupt:
-        status = "interrupted"
-    finally:
-        evaluator.close()
-        if store is not None and run_id is not None:
+    with recording(store, "tune", request.to_dict() | {"space": space.describe()},
+                   command) as rec:
+        run_id = rec.run_id
+        evaluator = LiveEvaluator(specs, units, request.trial, store=store, run_id=run_id,
+                                  fresh=request.fresh, progress=measure_progress, loaded=loaded)
+        if request.constraints.max_power_w is not None and not evaluator.power_devices:
+            evaluator.close()
+            raise UsageError(f"--max-power {request.constraints.max_power_w:g} W cannot be checked: "
+                             "no power reading here (NVML, RAPL or Jetson rails); drop --max-power")
+        if request.objective == "energy" and not evaluator.power_devices:
+            evaluator.close()
+            raise UsageError("--objective energy needs power readings (NVML, RAPL or Jetson rails) "
+                             "and this machine has none: use --objective throughput or latency")
+        setup_s = time.monotonic() - started
+        piped = _pipelines_wanted(request, units, loaded)
+        # Pipelines get a quarter of the budget: profiling pieces on every (unit, engine), then a
+        # runtime trial per predicted plan.
+        share = PIPELINE_BUDGET_SHARE if piped is None else 0.0
+        if request.scenario == "server":
+            # Server plans are chosen by their measured peak, each a find-peak through the runtime.
+            share += SERVER_BUDGET_SHARE
+        settings = TuneSettings(objective=request.objective,
+                                budget_s=max(1.0, (request.budget_s - setup_s) * (1 - share)),
+                                seed=request.seed, fine_tune=request.fine_tune)
+        status = "complete"
+        report = TuneReport(run_id, request, TuneResult(None, [], [], {}, [], None, {}, 0.0, False),
+                            None, None)
+        try:
+            tuner = Tuner(space, evaluator, request.constraints, settings, progress=progress)
+            result = tuner.run()
+            result.elapsed_s += setup_s
+            report.result = result
+            if result.best is not None:
+                report.plan = _final_plan(evaluator, result, request)
+                if piped is None:
+                    evaluator.release()
+                    _search_pipelines(report, request, units, loaded, space, evaluator,
+                                      deadline=started + request.budget_s,
+                                      progress=measure_progress)
+                else:
+                    report.pipelines_note = piped
+                if request.scenario == "server":
+                    _choose_by_server_peak(report, evaluator, request,
+                                           deadline=started + request.budget_s,
+                                           progress=measure_progress)
+                if out_path is not None:
+                    text = _plan_header(result, request, report.pipelines_note,
+                                        report.server_peaks) + yaml.safe_dump(
+                        report.plan, sort_keys=False, width=100)
+                    try:
+                        Path(out_path).write_text(text)
+                    except OSError as exc:
+                        raise UsageError(f"cannot write the plan to {str(out_path)!r}: "
+                                         f"{exc.strerror}") from exc
+                    report.plan_path = str(out_path)
+        except KeyboardInterrupt:
+            status = "interrupted"
+        finally:
+            evaluator.close()
             best = report.result.best
-            store.finish_run(run_id, status, {
+            rec.status, rec.summary = status, {
                 "measured": report.result.measured,
                 "best": best.candidate.label() if best else None,
                 "best_items_per_s": best.items_per_s if best else None,
-                "plan_path": report.plan_path})
+                "plan_path": report.plan_path}
     if status == "interrupted":
         raise KeyboardInterrupt
     return report
@@ -305,7 +298,7 @@ def _pipelines_wanted(request: TuneRequest, units: list[Unit],
 def _search_pipelines(report: TuneReport, request: TuneRequest, units: list[Unit],
                       loaded: dict[str, LoadedModel], space: Space, evaluator: LiveEvaluator,
                       *, deadline: float,
-                      progress: Callable[[str, float], None] | None) -> None:
+                      progress: ProgressFn | None) -> None:
     """Measure the partitioner's best pipelines; take one if it beats the replica plan."""
     result = report.result
     assert result.best is not None and report.plan is not None
@@ -376,7 +369,7 @@ def _plan_for(evaluator: LiveEvaluator, trial: Trial, request: TuneRequest) -> d
 
 def _choose_by_server_peak(report: TuneReport, evaluator: LiveEvaluator, request: TuneRequest,
                            *, deadline: float,
-                           progress: Callable[[str, float], None] | None) -> None:
+                           progress: ProgressFn | None) -> None:
     """Measure the peak of the chosen plan and of the next best candidates; keep the highest.
 
     The search ranks server candidates by offline throughput with each batch within half the
@@ -426,7 +419,7 @@ def _choose_by_server_peak(report: TuneReport, evaluator: LiveEvaluator, request
 
 
 def _server_peak(evaluator: LiveEvaluator, plan: dict[str, Any],
-                 progress: Callable[[str, float], None] | None) -> dict[str, Any] | None:
+                 progress: ProgressFn | None) -> dict[str, Any] | None:
     """The chosen plan's highest Poisson rate within the p99 bound, measured (short trials)."""
     from infermux.runtime import run_plan
     from infermux.runtime.plan import parse_plan

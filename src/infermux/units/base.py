@@ -7,7 +7,7 @@ from typing import Any
 
 from infermux.errors import UsageError
 
-__all__ = ["CUDA_MODES", "DLA_MODES", "Discovery", "Unit", "parse_core_set"]
+__all__ = ["CPU_MODES", "CUDA_MODES", "DLA_MODES", "Discovery", "Unit", "parse_core_set"]
 
 #: Numeric modes of a CUDA GPU unit and the compute capability each needs on the hardware.
 CUDA_MODES: dict[str, tuple[int, int]] = {
@@ -17,6 +17,9 @@ CUDA_MODES: dict[str, tuple[int, int]] = {
     "bf16": (8, 0),  # Tensor Cores, Ampere and newer
 }
 DLA_MODES = ("fp16", "int8")
+#: Numeric modes of a CPU unit: fp32 (the default, no suffix) and int8 (`cpu:0-1/int8`), which runs
+#: a Q/DQ model on the ONNX Runtime and OpenVINO engines (infermux.quantize).
+CPU_MODES = ("fp32", "int8")
 
 
 @dataclass(frozen=True)
@@ -90,7 +93,11 @@ class Discovery:
 
 
 def parse_core_set(text: str) -> tuple[int, ...]:
-    """`"0-3"` → (0, 1, 2, 3); `"0-1+4-5"` and `"2"` also work (`+` joins ranges)."""
+    """`"0-3"` → (0, 1, 2, 3); `"0-1+4-5"` and `"2"` also work (`+` joins ranges).
+
+    A unit's mode suffix (`"0-1/int8"`) is not part of the core set and is ignored.
+    """
+    text = text.partition("/")[0]
     cores: list[int] = []
     for part in text.split("+"):
         lo, sep, hi = part.partition("-")

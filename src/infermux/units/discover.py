@@ -2,28 +2,32 @@
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 from pathlib import Path
 
 from infermux.errors import UsageError
-from infermux.units.base import DLA_MODES, Discovery, Unit, parse_core_set
+from infermux.units.base import CPU_MODES, DLA_MODES, Discovery, Unit, parse_core_set
 from infermux.units.cpu import read_cpu_info
 from infermux.units.cuda import cuda_units
+from infermux.units.edgetpu import edgetpu_units
 from infermux.units.jetson import read_jetson
 from infermux.units.runtimes import probe_runtimes
 
 __all__ = ["discover", "select_units"]
 
 
-def _cpu_unit(cpu: dict, cores: tuple[int, ...] | None = None) -> Unit:
+def _cpu_unit(cpu: dict, cores: tuple[int, ...] | None = None, mode: str = "fp32") -> Unit:
     usable = tuple(cpu["usable_cores"])
     chosen = cores if cores is not None else usable
     unit_id = "cpu" if cores is None else f"cpu:{_format_cores(chosen)}"
+    if mode != "fp32":
+        unit_id += f"/{mode}"
     return Unit(
         id=unit_id,
         kind="cpu",
         device="cpu",
-        mode="fp32",
+        mode=mode,
         name=cpu["model"],
         contention_domain="cpu:host",
         cores=chosen,
@@ -89,6 +93,7 @@ def discover(sysfs_root: Path = Path("/"), *, with_runtimes: bool = True) -> Dis
                 contention_domain="cpu:host" if device.startswith("CPU") else f"openvino:{device}",
             )
         )
+    units.extend(edgetpu_units(notes, sysfs_root))
     for name, info in runtimes.items():
         if not info.get("available"):
             notes.append(f"{name}: {info.get('reason', 'not available')}")
@@ -115,8 +120,18 @@ def select_units(spec: str | list[str], found: Discovery) -> list[Unit]:
     chosen: list[Unit] = []
     known = ", ".join(u.id for u in found.units if u.available)
     for part in parts:
-        if part.startswith("cpu:"):
-            cores = parse_core_set(part[4:])
+        if part == "cpu" or part.startswith(("cpu:", "cpu/")):
+            where, _, mode = part.partition("/")
+            mode = mode or "fp32"
+            if mode not in CPU_MODES:
+                raise UsageError(f"unit {part!r}: a CPU unit computes in {' or '.join(CPU_MODES)}"
+                                 f", not {mode!r}: write e.g. cpu:0-1/int8 or cpu:0-1")
+            if where == "cpu":  # the discovered unit (its contention domain), in that mode
+                whole = found.get("cpu") or _cpu_unit(found.cpu)
+                chosen.append(whole if mode == "fp32" else dataclasses.replace(
+                    whole, id=f"cpu/{mode}", mode=mode))
+                continue
+            cores = parse_core_set(where[4:])
             usable = set(found.cpu["usable_cores"])
             missing = [c for c in cores if c not in usable]
             if missing:
@@ -124,12 +139,12 @@ def select_units(spec: str | list[str], found: Discovery) -> list[Unit]:
                     f"unit {part!r} names cores {missing} that this process cannot use "
                     f"(usable: {_format_cores(tuple(sorted(usable)))}): pick cores from that set"
                 )
-            chosen.append(_cpu_unit(found.cpu, cores))
+            chosen.append(_cpu_unit(found.cpu, cores, mode))
             continue
         matches = [u for u in found.units if fnmatch.fnmatchcase(u.id, part)]
         if not matches:
             hint = ""
-            if part.startswith(("cuda", "dla")):
+            if part.startswith(("cuda", "dla", "edgetpu")):
                 hint = " (" + "; ".join(n for n in found.notes if n.startswith(part[:3])) + ")"
             raise UsageError(f"unit {part!r} is not on this machine{hint}; units here: {known}")
         usable_matches = [u for u in matches if u.available]

@@ -1,8 +1,9 @@
-"""Optional inference runtimes: TensorRT, ONNX Runtime, OpenVINO. Probed lazily, never required."""
+"""Optional inference runtimes: TensorRT, ONNX Runtime, OpenVINO, LiteRT. Probed lazily, never required."""
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import Any
 
 __all__ = ["probe_runtimes"]
@@ -36,6 +37,22 @@ def probe_runtimes() -> dict[str, dict[str, Any]]:
         found["openvino"] = {"available": False, "reason": f"not installed ({exc})"}
     except Exception as exc:  # noqa: BLE001 - a broken plugin must not stop discovery
         found["openvino"] = {"available": False, "reason": f"installed but failed: {exc}"}
+    if importlib.util.find_spec("ai_edge_litert") is not None:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            litert_version = version("ai-edge-litert")
+        except PackageNotFoundError:  # a source build: importable, no distribution record
+            litert_version = "unknown"
+        from infermux.units.edgetpu import edgetpu_runtime
+
+        ok, why = edgetpu_runtime()
+        found["litert"] = {"available": True, "version": litert_version,
+                           "devices": ["CPU (XNNPACK)"] + (["Edge TPU (libedgetpu)"] if ok else []),
+                           "edgetpu_runtime": "libedgetpu.so.1" if ok else why}
+    else:
+        found["litert"] = {"available": False,
+                           "reason": "not installed: pip install 'infermux[litert]'"}
     try:
         trt = importlib.import_module("tensorrt")
         info: dict[str, Any] = {"available": True, "version": _version(trt)}

@@ -63,7 +63,7 @@ def bench_curves(runs: Sequence[tuple[str, Sequence[dict[str, Any]]]], *, what: 
         for key, points in _series(rows).items():
             name = f"{prefix}{key}"
             batches.update(r["batch"] for r in points if r.get("batch"))
-            ok = [r for r in points if r.get("status") == "ok" and r.get("throughput_items_per_s")]
+            ok = [r for r in points if r.get("status") == "ok" and r.get("items_per_s")]
             for r in points:
                 if r.get("status") != "ok":
                     failed_x.append(r.get("batch"))
@@ -75,7 +75,7 @@ def bench_curves(runs: Sequence[tuple[str, Sequence[dict[str, Any]]]], *, what: 
             texts = [_hover(r) for r in ok]
             c = colour(n)
             n += 1
-            thr.append(line(xs, [r["throughput_items_per_s"] for r in ok], name, text=texts,
+            thr.append(line(xs, [r["items_per_s"] for r in ok], name, text=texts,
                             group=name, color=c))
             lat.append(line(xs, [r.get("p50_ms") for r in ok], f"{name} p50", text=texts,
                             group=name, color=c))
@@ -87,9 +87,9 @@ def bench_curves(runs: Sequence[tuple[str, Sequence[dict[str, Any]]]], *, what: 
     invalid_x, invalid_y, invalid_text = [], [], []
     for prefix, rows in runs:
         for r in rows:
-            if r.get("status") == "ok" and not r.get("valid") and r.get("throughput_items_per_s"):
+            if r.get("status") == "ok" and not r.get("valid") and r.get("items_per_s"):
                 invalid_x.append(r["batch"])
-                invalid_y.append(r["throughput_items_per_s"])
+                invalid_y.append(r["items_per_s"])
                 invalid_text.append(f"{prefix}{_hover(r)}")
     if invalid_x:
         thr.append(scatter(invalid_x, invalid_y, "invalid point", text=invalid_text,
@@ -158,11 +158,11 @@ def _phase_bars(rows: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
 
 
 def _headline(run: RunData) -> Headline | None:
-    valid = [r for r in run.results if r.get("valid") and r.get("throughput_items_per_s")]
+    valid = [r for r in run.results if r.get("valid") and r.get("items_per_s")]
     if not valid:
         return None
-    best = max(valid, key=lambda r: r["throughput_items_per_s"])
-    return (f"best valid point ({point_label(best)})", best["throughput_items_per_s"], "items/s")
+    best = max(valid, key=lambda r: r["items_per_s"])
+    return (f"best valid point ({point_label(best)})", best["items_per_s"], "items/s")
 
 
 @register_kind("bench", headline=_headline)
@@ -184,7 +184,7 @@ def render_bench(run: RunData, section: Section) -> None:
     section.table(cols, ([str(r.get("unit")), str(r.get("engine")), fmt(r.get("batch")),
                           fmt(r.get("instances")),
                           status_cell(str(r.get("status")), bool(r.get("valid"))),
-                          fmt(r.get("throughput_items_per_s")), fmt(r.get("p50_ms"), 2),
+                          fmt(r.get("items_per_s")), fmt(r.get("p50_ms"), 2),
                           fmt(r.get("p90_ms"), 2), fmt(r.get("p99_ms"), 2), fmt(r.get("max_ms"), 2),
                           _phases(r), fmt(r.get("energy_per_item_j"), 4),
                           fmt(r.get("mean_power_w")), _agree(r),

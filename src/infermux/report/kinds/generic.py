@@ -41,7 +41,7 @@ def results_table(run: RunData, section: Section, title: str = "Points") -> None
             "note"]
     section.table(cols, ([point_label(r), str(r.get("model")),
                           status_cell(str(r.get("status")), bool(r.get("valid"))),
-                          fmt(r.get("throughput_items_per_s")), fmt(r.get("p50_ms"), 2),
+                          fmt(r.get("items_per_s")), fmt(r.get("p50_ms"), 2),
                           fmt(r.get("p99_ms"), 2), fmt(r.get("items")), fmt(r.get("window_s"), 2),
                           (r.get("error") or r.get("validity_note") or "")[:200]]
                          for r in run.results),

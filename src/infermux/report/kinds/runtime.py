@@ -39,10 +39,10 @@ def final_trial(run: RunData, trials: Sequence[dict[str, Any]] | None = None
 
 
 def _headline(run: RunData) -> Headline | None:
-    value = run.summary.get("throughput_samples_per_s")
+    value = run.summary.get("items_per_s")
     if value is None:
         final = final_trial(run)
-        value = final and final.get("throughput_samples_per_s")
+        value = final and final.get("items_per_s")
     if not value:
         return None
     scenario = run.summary.get("scenario") or ""
@@ -61,7 +61,7 @@ def _peak_figure(run: RunData, trials: Sequence[dict[str, Any]]) -> dict[str, An
         pts = [t for t in server if bool(t.get("valid")) == valid]
         if pts:
             traces.append(scatter(
-                [t.get("throughput_samples_per_s") for t in pts], [t["p99_ms"] for t in pts],
+                [t.get("items_per_s") for t in pts], [t["p99_ms"] for t in pts],
                 "valid trial" if valid else "invalid trial",
                 text=[f"{fmt(t.get('rate_qps'))} qps" for t in pts],
                 hover=[f"trial {t['trial']}: {fmt(t.get('rate_qps'))} qps offered"
@@ -69,8 +69,8 @@ def _peak_figure(run: RunData, trials: Sequence[dict[str, Any]]) -> dict[str, An
                       for t in pts],
                 symbol="circle" if valid else "x", size=11,
                 color="#1a7f37" if valid else "#cf222e", labels=True))
-    ordered = sorted(server, key=lambda t: t.get("throughput_samples_per_s") or 0)
-    traces.insert(0, line([t.get("throughput_samples_per_s") for t in ordered],
+    ordered = sorted(server, key=lambda t: t.get("items_per_s") or 0)
+    traces.insert(0, line([t.get("items_per_s") for t in ordered],
                           [t["p99_ms"] for t in ordered], "server trials", markers=False,
                           color="#8c959f", width=1))
     shapes, notes = [], []
@@ -78,8 +78,8 @@ def _peak_figure(run: RunData, trials: Sequence[dict[str, Any]]) -> dict[str, An
         s, n = hline(float(bound), f"p99 bound {float(bound):g} ms")
         shapes.append(s)
         notes.append(n)
-    offline = peak.get("offline_samples_per_s") or next(
-        (t.get("throughput_samples_per_s") for t in trials if t.get("scenario") == "offline"),
+    offline = peak.get("offline_items_per_s") or next(
+        (t.get("items_per_s") for t in trials if t.get("scenario") == "offline"),
         None)
     if offline:
         s, n = vline(float(offline), f"offline {fmt(float(offline))}/s")
@@ -210,7 +210,7 @@ def render_run(run: RunData, section: Section) -> None:
                    "failed", "p50 ms", "p90 ms", "p99 ms", "s", "notes"],
                   ([str(t["trial"]), str(t["scenario"]), fmt(t.get("rate_qps")),
                     status_cell("ok", bool(t.get("valid"))) if t.get("valid") else
-                    ("invalid", "warn"), fmt(t.get("throughput_samples_per_s")),
+                    ("invalid", "warn"), fmt(t.get("items_per_s")),
                     fmt(t.get("completed")), fmt(t.get("failed")), fmt(t.get("p50_ms"), 2),
                     fmt(t.get("p90_ms"), 2), fmt(t.get("p99_ms"), 2), fmt(t.get("duration_s"), 2),
                     t.get("validity_note") or ""] for t in trials),
@@ -227,7 +227,7 @@ def render_run(run: RunData, section: Section) -> None:
         section.table(["model", "completed", "failed", "samples/s", "p50 ms", "p99 ms",
                        "queue p99", "batch-wait p99", "compute p99", "batch sizes"],
                       ([name, fmt(m.get("completed")), fmt(m.get("failed")),
-                        fmt(m.get("throughput_samples_per_s")),
+                        fmt(m.get("items_per_s")),
                         fmt((m.get("latency") or {}).get("p50_ms"), 2),
                         fmt((m.get("latency") or {}).get("p99_ms"), 2),
                         *(fmt(((m.get("phases") or {}).get(p) or {}).get("p99_ms"), 2)

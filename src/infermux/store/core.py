@@ -1,7 +1,9 @@
-"""The results store: an embedded SQLite database of runs, their results and raw samples.
+"""The store's core: runs and their lifecycle, benchmark results, raw samples, telemetry.
 
 Every point is committed as soon as it is measured, so an interrupted run keeps what it measured.
-Statistics shown later are derived again from the raw samples, not trusted from a cache.
+Statistics shown later are derived again from the raw samples, not trusted from a cache. Each
+area's own tables live in a module of this package as a class over `StoreCore`; `Store`
+(the package's) is all of them, and creates every table when it opens a file.
 """
 
 from __future__ import annotations
@@ -12,20 +14,20 @@ import json
 import sqlite3
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-from infermux.errors import RunError, UsageError
+from infermux.errors import UsageError, first_line
 from infermux.stats import latency_summary_ms
 
-__all__ = ["DEFAULT_DB", "Store"]
+__all__ = ["DEFAULT_DB", "RESULT_COLUMNS", "Recording", "Sample", "StoreCore"]
 
 DEFAULT_DB = "infermux.db"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
-_SCHEMA = """
+_CORE_SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS runs (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -52,7 +54,7 @@ CREATE TABLE IF NOT EXISTS results (
     validity_note TEXT,
     items INTEGER NOT NULL,
     window_s REAL NOT NULL,
-    throughput_items_per_s REAL,
+    items_per_s REAL,
     record_json TEXT NOT NULL,
     error TEXT
 );
@@ -83,89 +85,47 @@ CREATE TABLE IF NOT EXISTS telemetry (
 );
 CREATE INDEX IF NOT EXISTS telemetry_by_result ON telemetry(result_id);
 CREATE INDEX IF NOT EXISTS telemetry_by_run ON telemetry(run_id);
--- The runtime (`infermux run`, runs of kind 'run'): one row per trial (a plain run has one; a
--- peak search has the offline trial 0 and its server trials), per model and per worker, plus
--- the raw batches and queries every figure is derived from.
-CREATE TABLE IF NOT EXISTS run_trials (
-    run_id INTEGER NOT NULL REFERENCES runs(id) ON DELETE CASCADE,
-    trial INTEGER NOT NULL,
-    scenario TEXT NOT NULL,
-    rate_qps REAL,
-    valid INTEGER NOT NULL,
-    validity_note TEXT,
-    duration_s REAL NOT NULL,
-    completed INTEGER NOT NULL,
-    failed INTEGER NOT NULL,
-    throughput_samples_per_s REAL,
-    p50_ms REAL,
-    p90_ms REAL,
-    p99_ms REAL,
-    record_json TEXT NOT NULL
-);
-CREATE TABLE IF NOT EXISTS run_models (
-    run_id INTEGER NOT NULL REFERENCES runs(id) ON DELETE CASCADE,
-    trial INTEGER NOT NULL,
-    model TEXT NOT NULL,
-    completed INTEGER NOT NULL,
-    failed INTEGER NOT NULL,
-    throughput_samples_per_s REAL,
-    p50_ms REAL,
-    p99_ms REAL,
-    queueing_p99_ms REAL,
-    batching_wait_p99_ms REAL,
-    compute_p99_ms REAL,
-    batch_histogram_json TEXT NOT NULL,
-    record_json TEXT NOT NULL
-);
-CREATE TABLE IF NOT EXISTS run_workers (
-    run_id INTEGER NOT NULL REFERENCES runs(id) ON DELETE CASCADE,
-    trial INTEGER NOT NULL,
-    worker TEXT NOT NULL,
-    unit TEXT NOT NULL,
-    model TEXT NOT NULL,
-    status TEXT NOT NULL,
-    error TEXT,
-    batches INTEGER NOT NULL,
-    items INTEGER NOT NULL,
-    share REAL NOT NULL,
-    busy_s REAL NOT NULL,
-    batch_histogram_json TEXT NOT NULL,
-    record_json TEXT NOT NULL
-);
-CREATE TABLE IF NOT EXISTS run_batches (
-    run_id INTEGER NOT NULL REFERENCES runs(id) ON DELETE CASCADE,
-    trial INTEGER NOT NULL,
-    worker TEXT NOT NULL,
-    model TEXT NOT NULL,
-    size INTEGER NOT NULL,
-    bucket INTEGER NOT NULL,
-    taken_ns INTEGER NOT NULL,
-    start_ns INTEGER NOT NULL,
-    end_ns INTEGER NOT NULL
-);
-CREATE TABLE IF NOT EXISTS run_queries (
-    run_id INTEGER NOT NULL REFERENCES runs(id) ON DELETE CASCADE,
-    trial INTEGER NOT NULL,
-    query INTEGER NOT NULL,
-    model TEXT NOT NULL,
-    samples INTEGER NOT NULL,
-    issued_ns INTEGER NOT NULL,
-    latency_ns INTEGER,
-    ok INTEGER NOT NULL
-);
-CREATE INDEX IF NOT EXISTS run_trials_by_run ON run_trials(run_id);
-CREATE INDEX IF NOT EXISTS run_models_by_run ON run_models(run_id);
-CREATE INDEX IF NOT EXISTS run_workers_by_run ON run_workers(run_id);
-CREATE INDEX IF NOT EXISTS run_batches_by_run ON run_batches(run_id);
-CREATE INDEX IF NOT EXISTS run_queries_by_run ON run_queries(run_id);
 """
 
 #: Result columns shown in lists, comparisons and CSV, in order.
 RESULT_COLUMNS = (
     "id", "model", "unit", "engine", "batch", "instances", "data", "status", "valid",
-    "throughput_items_per_s", "p50_ms", "p90_ms", "p95_ms", "p99_ms", "max_ms",
+    "items_per_s", "p50_ms", "p90_ms", "p95_ms", "p99_ms", "max_ms",
     "h2d_ms", "compute_ms", "d2h_ms", "items", "window_s", "validity_note", "error",
 )
+
+
+#: Names of throughput before version 2 made it one (`items_per_s`), in columns and records.
+_RENAMED_V2 = {"throughput_items_per_s": "items_per_s", "throughput_samples_per_s": "items_per_s",
+               "offline_samples_per_s": "offline_items_per_s"}
+
+
+def _renamed(value: Any, names: dict[str, str]) -> Any:
+    if isinstance(value, dict):
+        return {names.get(k, k): _renamed(v, names) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_renamed(v, names) for v in value]
+    return value
+
+
+def _migrate(db: sqlite3.Connection, version: int) -> None:
+    """Bring a database written by an older infermux up to `SCHEMA_VERSION`, in place."""
+    if version < 2:
+        tables = [r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
+        with db:
+            for table in tables:
+                columns = [r[1] for r in db.execute(f"PRAGMA table_info({table})")]
+                for old, new in _RENAMED_V2.items():
+                    if old in columns and new not in columns:
+                        db.execute(f"ALTER TABLE {table} RENAME COLUMN {old} TO {new}")
+                for column in (c for c in columns if c.endswith("_json")):
+                    rows = db.execute(
+                        f"SELECT rowid, {column} FROM {table} WHERE {column} LIKE '%_per_s%'"
+                    ).fetchall()
+                    db.executemany(
+                        f"UPDATE {table} SET {column} = ? WHERE rowid = ?",
+                        [(json.dumps(_renamed(json.loads(text), _RENAMED_V2)), rowid)
+                         for rowid, text in rows if text])
 
 
 def _now() -> str:
@@ -183,8 +143,25 @@ class Sample:
     d2h_ns: int
 
 
-class Store:
+@dataclass
+class Recording:
+    """A run being recorded: its id, and the status and summary it will finish with.
+
+    The code inside `Store.recording` sets `status` (default `complete`) and fills `summary`;
+    an interrupt finishes the run `interrupted`, any other exception `failed` with its first
+    line. Without a store (`run_id` None) it records nothing.
+    """
+
+    run_id: int | None
+    status: str = "complete"
+    summary: dict[str, Any] = field(default_factory=dict)
+
+
+class StoreCore:
     """A SQLite file (default `./infermux.db`); opened per use, safe to reopen after a crash."""
+
+    #: The tables of the area a class over `StoreCore` owns (CREATE ... IF NOT EXISTS).
+    SCHEMA: ClassVar[str] = _CORE_SCHEMA
 
     def __init__(self, path: str | Path = DEFAULT_DB) -> None:
         self.path = Path(path)
@@ -197,9 +174,17 @@ class Store:
             self._db.row_factory = sqlite3.Row
             self._db.execute("PRAGMA foreign_keys = ON")
             self._db.execute("PRAGMA journal_mode = WAL")
-            self._db.executescript(_SCHEMA)
+            self._db.execute("CREATE TABLE IF NOT EXISTS meta "
+                             "(key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+            row = self._db.execute(
+                "SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+            if row is not None and int(row[0]) < SCHEMA_VERSION:
+                _migrate(self._db, int(row[0]))
+            for cls in reversed(type(self).__mro__):
+                if "SCHEMA" in vars(cls):
+                    self._db.executescript(vars(cls)["SCHEMA"])
             self._db.execute(
-                "INSERT OR IGNORE INTO meta(key, value) VALUES ('schema_version', ?)",
+                "INSERT OR REPLACE INTO meta(key, value) VALUES ('schema_version', ?)",
                 (str(SCHEMA_VERSION),),
             )
             self._db.commit()
@@ -211,14 +196,14 @@ class Store:
 
     @property
     def connection(self) -> sqlite3.Connection:
-        """The open connection, for areas that keep tables of their own (CREATE TABLE IF NOT EXISTS)."""
+        """The open connection, for reading (the report's queries); writes go through methods."""
         return self._db
 
     def close(self) -> None:
         """Close the connection."""
         self._db.close()
 
-    def __enter__(self) -> Store:
+    def __enter__(self) -> StoreCore:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -250,18 +235,44 @@ class Store:
                 (status, _now(), json.dumps(summary or {}), run_id),
             )
 
+    @contextmanager
+    def recording(self, kind: str, config: dict[str, Any], command: str = "",
+                  env: dict[str, Any] | None = None) -> Iterator[Recording]:
+        """Record one run: begins it (with the environment), finishes it however the block ends.
+
+        `with store.recording("bench", cfg, command) as rec:` … `rec.summary = {...}`.
+        """
+        if env is None:
+            from infermux.env import capture_environment
+
+            env = capture_environment()
+        rec = Recording(self.begin_run(kind, config, env, command))
+        try:
+            yield rec
+        except KeyboardInterrupt:
+            rec.status = "interrupted"
+            raise
+        except BaseException as exc:
+            if rec.status in ("complete", "running"):
+                rec.status = "failed"
+            rec.summary.setdefault("error", first_line(exc))
+            raise
+        finally:
+            assert rec.run_id is not None
+            self.finish_run(rec.run_id, rec.status, rec.summary)
+
     def add_result(self, run_id: int, record: dict[str, Any], samples: Sequence[Sample]) -> int:
         """Store one measured point and its raw samples in one transaction."""
         with self._tx() as db:
             cur = db.execute(
                 "INSERT INTO results(run_id, model, unit, engine, batch, instances, data, status, "
-                "valid, validity_note, items, window_s, throughput_items_per_s, record_json, error)"
+                "valid, validity_note, items, window_s, items_per_s, record_json, error)"
                 " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (
                     run_id, record["model"], record["unit"], record["engine"], record["batch"],
                     record["instances"], record["data"], record["status"], int(record["valid"]),
                     record.get("validity_note", ""), record["items"], record["window_s"],
-                    record.get("throughput_items_per_s"), json.dumps(record),
+                    record.get("items_per_s"), json.dumps(record),
                     record.get("error"),
                 ),
             )
@@ -295,69 +306,6 @@ class Store:
                 ],
             )
         return len(rows)
-    def add_runtime_trial(self, run_id: int, trial: int, record: dict[str, Any], result: Any,
-                          batches: Sequence[Any]) -> None:
-        """Store one runtime trial: headline, per model, per worker, raw batches and queries.
-
-        `result` is a `load.ScenarioResult`, `batches` the runtime's `BatchRecord`s.
-        """
-        lat = record.get("latency") or {}
-        start = result.start_ns
-        with self._tx() as db:
-            db.execute(
-                "INSERT INTO run_trials(run_id, trial, scenario, rate_qps, valid, validity_note, "
-                "duration_s, completed, failed, throughput_samples_per_s, p50_ms, p90_ms, p99_ms, "
-                "record_json) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
-                (run_id, trial, record["scenario"], record.get("rate_qps"), int(record["valid"]),
-                 "; ".join(record.get("validity_notes", [])), record["duration_s"],
-                 record["completed"], record["failed"], record.get("throughput_samples_per_s"),
-                 lat.get("p50_ms"), lat.get("p90_ms"), lat.get("p99_ms"), json.dumps(record)),
-            )
-            for name, m in record.get("models", {}).items():
-                ph = m.get("phases", {})
-                db.execute(
-                    "INSERT INTO run_models(run_id, trial, model, completed, failed, "
-                    "throughput_samples_per_s, p50_ms, p99_ms, queueing_p99_ms, "
-                    "batching_wait_p99_ms, compute_p99_ms, batch_histogram_json, record_json) "
-                    "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
-                    (run_id, trial, name, m["completed"], m["failed"],
-                     m.get("throughput_samples_per_s"), m["latency"].get("p50_ms"),
-                     m["latency"].get("p99_ms"), ph.get("queueing", {}).get("p99_ms"),
-                     ph.get("batching_wait", {}).get("p99_ms"), ph.get("compute", {}).get("p99_ms"),
-                     json.dumps(m.get("batch_histogram", {})), json.dumps(m)),
-                )
-            for name, w in record.get("workers", {}).items():
-                db.execute(
-                    "INSERT INTO run_workers(run_id, trial, worker, unit, model, status, error, "
-                    "batches, items, share, busy_s, batch_histogram_json, record_json) "
-                    "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
-                    (run_id, trial, name, w["unit"], w["model"], w["status"], w.get("error"),
-                     w["batches"], w["items"], w["share"], w["busy_s"],
-                     json.dumps(w.get("batch_histogram", {})), json.dumps(w)),
-                )
-            db.executemany(
-                "INSERT INTO run_batches(run_id, trial, worker, model, size, bucket, taken_ns, "
-                "start_ns, end_ns) VALUES (?,?,?,?,?,?,?,?,?)",
-                [(run_id, trial, b.worker, b.model, b.size, b.bucket, b.taken_ns - start,
-                  b.start_ns - start, b.end_ns - start) for b in batches],
-            )
-            db.executemany(
-                "INSERT INTO run_queries(run_id, trial, query, model, samples, issued_ns, "
-                "latency_ns, ok) VALUES (?,?,?,?,?,?,?,?)",
-                # Latency from when the query was due (its scheduled arrival), as the record's.
-                [(run_id, trial, q, m, n, i - start, (c - d) if c else None, int(ok and bool(c)))
-                 for q, (m, n, i, d, c, ok) in enumerate(zip(
-                     result.query_model, result.query_samples, result.issued_ns, result.due_ns,
-                     result.completed_ns, result.ok, strict=True))],
-            )
-
-    def runtime_trials(self, run_id: int) -> list[dict[str, Any]]:
-        """The stored trials of a runtime run, each its full record (models, workers, ...)."""
-        rows = self._db.execute(
-            "SELECT record_json FROM run_trials WHERE run_id = ? ORDER BY trial", (run_id,)
-        ).fetchall()
-        return [json.loads(r["record_json"]) for r in rows]
-
     # -- reading ----------------------------------------------------------------------------
 
     def telemetry(self, *, result_id: int | None = None, run_id: int | None = None
@@ -435,6 +383,18 @@ class Store:
 
     # -- export -----------------------------------------------------------------------------
 
+    def export_json(self, run_ids: Sequence[int]) -> list[dict[str, Any]]:
+        """The given runs with every point and, per point, its raw samples."""
+        from dataclasses import asdict
+
+        runs = []
+        for run_id in run_ids:
+            run = self.run(run_id)
+            for result in run["results"]:
+                result["raw_samples"] = [asdict(s) for s in self.samples(result["id"])]
+            runs.append(run)
+        return runs
+
     def export_csv(self, run_ids: Sequence[int]) -> str:
         """Results of the given runs as CSV, one row per measured point."""
         out = io.StringIO()
@@ -445,10 +405,3 @@ class Store:
                 writer.writerow((run_id, *(result.get(c, "") for c in RESULT_COLUMNS)))
         return out.getvalue()
 
-
-def open_store(path: str | Path | None) -> Store:
-    """Open the store at `path` (default `./infermux.db`), translating failures to one line."""
-    try:
-        return Store(path or DEFAULT_DB)
-    except sqlite3.Error as exc:  # pragma: no cover - disk full, permissions
-        raise RunError(f"cannot open results database {str(path)!r}: {exc}") from exc

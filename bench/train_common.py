@@ -1,0 +1,95 @@
+"""What the training figures share: the table of predicted vs measured, the budget check, JSON.
+
+Used by `bench/train_cpu.py` and `bench/train_gpu.py`; not a figure of its own.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+from infermux.train.run import PredictReport
+
+
+def machine() -> dict[str, Any]:
+    """The machine a figure was measured on, and how busy it was."""
+    model = platform.processor() or "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": model, "cores": os.cpu_count(),
+            "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+            else os.cpu_count(), "loadavg": _loadavg(), "python": platform.python_version()}
+
+
+def _loadavg() -> list[float] | None:
+    try:
+        return [float(v) for v in Path("/proc/loadavg").read_text().split()[:3]]
+    except OSError:
+        return None
+
+
+def rows(report: PredictReport) -> list[dict[str, Any]]:
+    """Every configuration's epochs: predicted (with bounds) vs measured, and the error."""
+    out = []
+    for row in report.to_dict()["predictions"]:
+        measured, predicted = row["measured_s"], row["predicted_s"]
+        energy_m, energy_p = row["measured_energy_j"], row["predicted_energy_j"]
+        out.append({
+            "label": row["label"], "epoch": row["epoch"], "method": row["method"],
+            "profiled": row["profiled"], "predicted_s": predicted, "low_s": row["low_s"],
+            "high_s": row["high_s"], "measured_s": measured,
+            "error_pct": 100 * (predicted - measured) / measured if measured else None,
+            "predicted_energy_j": energy_p, "measured_energy_j": energy_m,
+            "energy_error_pct": (100 * (energy_p - energy_m) / energy_m
+                                 if energy_m and energy_p is not None else None),
+        })
+    return out
+
+
+def summary(report: PredictReport, started: float, args: dict[str, Any]) -> dict[str, Any]:
+    """The figure as JSON: scores, the budget check, every row, the raw report."""
+    data = report.to_dict()
+    return {
+        "args": args, "machine": machine(), "elapsed_s": time.time() - started,
+        "scores": data["scores"], "budget": data["budget"], "model_info": data["model_info"],
+        "profiled": data["profiled"], "profile_s": data["profile_s"],
+        "validate_s": data["validate_s"], "notes": data["notes"], "rows": rows(report),
+        "report": data,
+    }
+
+
+def print_figure(name: str, fig: dict[str, Any]) -> None:
+    """The rows, the MAPE and the budget verdict, for a terminal."""
+    print(f"\n{name}: {'configuration':<34} {'epoch':<6} {'method':<8} {'predicted':>10} "
+          f"{'measured':>9} {'error':>7}")
+    for r in fig["rows"]:
+        measured = f"{r['measured_s']:8.2f}s" if r["measured_s"] else "        -"
+        error = f"{r['error_pct']:+6.1f}%" if r["error_pct"] is not None else "      -"
+        print(f"{'':<{len(name) + 1}} {r['label']:<34} {r['epoch']:<6} {r['method']:<8} "
+              f"{r['predicted_s']:9.2f}s {measured} {error}")
+    s, b = fig["scores"], fig["budget"]
+
+    def pct(v: float | None) -> str:
+        return f"{v:.1f}%" if v is not None else "-"
+
+    print(f"{name}: MAPE time first/later {pct(s['first_time_mape_pct'])} / "
+          f"{pct(s['later_time_mape_pct'])}, energy first/later "
+          f"{pct(s['first_energy_mape_pct'])} / {pct(s['later_energy_mape_pct'])} over "
+          f"{s['configurations']} held-out configurations; within bounds "
+          f"{s['first_within_bounds']} / {s['later_within_bounds']}")
+    share = b["max_share"]
+    print(f"{name}: budget ({b['rule']}): {b['profiled']} of {b['configurations']} profiled "
+          f"(allowed {b['profiled_allowed']}), largest share of an epoch "
+          f"{pct(100 * share if share is not None else None)}, profiles {b['profile_s']:.1f} s "
+          f"in all: {'OK' if b['ok'] else 'EXCEEDED'}")
+    for row in b["per_config"]:
+        if row["flags"]:
+            print(f"{name}:   {row['label']}: {row['flags'][0]}")

@@ -1,0 +1,718 @@
+"""The driver: one runtime per Ray node, queries routed by measured capacity, faults absorbed.
+
+`run_cluster(plan, handle)` places a `NodeRuntime` actor on every node the plan names (pinned
+with Ray's node affinity, holding the node's CPUs and GPUs its local plan uses), builds each
+node's runtime, then drives the plan's LoadGen scenario through `ClusterSUT`:
+
+- **Routing.** A query (or, for a query of many samples, each piece of one node batch) goes to
+  the node that would finish it first: what the node holds over its measured rate for the model
+  (a moving average of completions while busy, seeded by the node's own latency estimates after
+  its build). Inside a node, the runtime's dispatcher pulls as on one machine.
+- **Polling.** One driver thread keeps a poll outstanding on every node (`ray.wait`); a poll
+  returns as soon as the node has completions. Completion times are the driver's own clock at
+  receipt, so latency includes the way back, as a client would see it.
+- **Faults.** A node whose poll fails (its actor or node died) or stays silent past
+  `route.node_timeout_s` is taken out: every sample it held goes to another live node, at most
+  `route.max_retries` times, else it is reported failed. Nothing is left unfinished or hanging;
+  the node's row shows when it was lost and the per-node timeline shows the gap.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from infermux.cluster.connect import ClusterHandle
+from infermux.cluster.node import NodeRuntime
+from infermux.cluster.plan import ClusterPlan, NodeEntry
+from infermux.errors import InfermuxError, RunError, UsageError, first_line
+from infermux.load.base import CompletionFn, Query
+from infermux.load.scenarios import LoadGenerator, ScenarioResult
+from infermux.runtime.dispatcher import WorkerState
+from infermux.runtime.metrics import BatchRecord, summarise
+from infermux.runtime.placement import LatencyEstimate
+from infermux.runtime.plan import Plan, parse_plan
+from infermux.store import Store
+
+__all__ = ["ClusterReport", "ClusterSUT", "NodeLink", "resolve_nodes", "run_cluster"]
+
+ProgressFn = Callable[[str, float], None]
+
+
+
+@dataclass
+class NodeLink:
+    """The driver's view of one node: its actor, plan, measured rate and what it holds."""
+
+    name: str
+    entry: str
+    node_id: str
+    address: str
+    actor: Any
+    plan: Plan | None
+    models: set[str]
+    #: items/s per model: seeded from the node's estimates, then a moving average of completions.
+    rate: dict[str, float] = field(default_factory=dict)
+    hold: dict[str, int] = field(default_factory=dict)
+    alive: bool = True
+    #: query id -> [model, samples still out, sample indices]
+    out: dict[int, list[Any]] = field(default_factory=dict)
+    held: int = 0
+    lost_at_ns: int = 0
+    lost_reason: str | None = None
+    completed: int = 0
+    failed: int = 0
+    rerouted: int = 0
+    #: node clock minus driver clock, from the poll with the shortest round trip.
+    offset_ns: int = 0
+    best_rtt_ns: int = 1 << 62
+    build: dict[str, Any] = field(default_factory=dict)
+    facts: dict[str, Any] = field(default_factory=dict)
+    # the moving average's current window, per model: (items, busy ns)
+    window: dict[str, list[int]] = field(default_factory=lambda: defaultdict(lambda: [0, 0]))
+    start_rate: dict[str, float] = field(default_factory=dict)
+
+
+def ray_errors(ray: Any) -> tuple[type[BaseException], ...]:
+    """What a call on a node can raise when the node or its actor is gone or silent."""
+    return (ray.exceptions.RayError, ConnectionError, TimeoutError)
+
+
+class ClusterSUT:
+    """The whole cluster as one LoadGen system under test."""
+
+    def __init__(self, links: list[NodeLink], ray: Any, plan: ClusterPlan) -> None:
+        self.links = links
+        self.ray = ray
+        self.route = plan.route
+        self.lock = threading.Lock()
+        self._on_complete: CompletionFn | None = None
+        self._attempts: dict[int, int] = defaultdict(int)
+        self._rr = 0
+        self._stop = threading.Event()
+        self._poller: threading.Thread | None = None
+        self._ended = False
+        #: (driver ns, node, samples) of every completion received: the per-node timeline.
+        self.log: list[tuple[int, str, int]] = []
+        self.events: list[dict[str, Any]] = []
+        self.route_ns = 0
+        self.routed_pieces = 0
+        #: Submit calls made to nodes (one per node per issue, whatever its pieces).
+        self.node_calls = 0
+        #: Submits in flight (ref, node, sent ns) and, once they answer, how long each took to
+        #: be queued at its node (on the driver's clock): the way out, as `return_ns` is back.
+        self._sent: list[tuple[Any, NodeLink, int]] = []
+        self.to_node_ns: list[int] = []
+        #: The driver's time handling poll answers, how many, and their round trips.
+        self.answer_ns = 0
+        self.answers = 0
+        self.rtt_ns: list[int] = []
+        #: From a node's first completion in an answer to the driver's receipt of the answer.
+        self.return_ns: list[int] = []
+
+    # -- the load generator's side ------------------------------------------------------------
+
+    def start(self, on_complete: CompletionFn) -> None:
+        """Begin polling every node; completions go to `on_complete`."""
+        self._on_complete = on_complete
+        self._stop.clear()
+        self._poller = threading.Thread(target=self._poll_loop, name="infermux-cluster-poll",
+                                        daemon=True)
+        self._poller.start()
+
+    def capacity_items(self, model: str) -> int:
+        """Items the live nodes can hold at once for `model`."""
+        with self.lock:
+            return sum(ln.hold.get(model, 0) for ln in self.links if ln.alive)
+
+    def issue(self, queries: Sequence[Query]) -> None:
+        """Route every query's samples to nodes and send each node its parts in one call."""
+        started = time.perf_counter_ns()
+        failed: list[tuple[int, int]] = []
+        with self.lock:
+            parts = self._route(queries, failed)
+        self._send(parts)
+        self.route_ns += time.perf_counter_ns() - started
+        if failed:
+            self._report(failed, ok=False)
+
+    def end(self) -> None:
+        """No more queries: nodes flush partial batches."""
+        self._ended = True
+        for ln in self._live():
+            with contextlib.suppress(Exception):
+                ln.actor.end.remote()
+
+    # -- routing ----------------------------------------------------------------------------
+
+    def _live(self) -> list[NodeLink]:
+        return [ln for ln in self.links if ln.alive]
+
+    def _route(self, queries: Sequence[Query], failed: list[tuple[int, int]]
+               ) -> dict[int, list[tuple[int, str, list[int]]]]:
+        """Assign samples to nodes (call under the lock); node index -> parts to send."""
+        parts: dict[int, list[tuple[int, str, list[int]]]] = defaultdict(list)
+        for q in queries:
+            idx = [i for i, ln in enumerate(self.links) if ln.alive and q.model in ln.models]
+            if not idx:
+                failed.append((q.id, len(q.samples)))
+                continue
+            samples = list(q.samples)
+            piece = max(1, min(self.links[i].hold.get(q.model, 1) for i in idx) // 2)
+            while samples:
+                take, samples = samples[:piece], samples[piece:]
+                i = self._pick(idx, q.model, len(take))
+                ln = self.links[i]
+                entry = ln.out.get(q.id)
+                if entry is None:
+                    ln.out[q.id] = [q.model, len(take), list(take)]
+                else:
+                    entry[1] += len(take)
+                    entry[2].extend(take)
+                ln.held += len(take)
+                parts[i].append((q.id, q.model, take))
+                self.routed_pieces += 1
+        return parts
+
+    def _pick(self, idx: list[int], model: str, n: int) -> int:
+        if self.route.policy == "round_robin":
+            self._rr += 1
+            return idx[self._rr % len(idx)]
+        best, when = idx[0], float("inf")
+        for i in idx:
+            ln = self.links[i]
+            rate = ln.rate.get(model) or 1.0
+            finish = (ln.held + n) / rate
+            if finish < when:
+                best, when = i, finish
+        return best
+
+    def _send(self, parts: dict[int, list[tuple[int, str, list[int]]]]) -> None:
+        self.node_calls += len(parts)
+        for i, items in parts.items():
+            ln = self.links[i]
+            try:
+                ref = ln.actor.submit.remote(items)
+                with self.lock:
+                    self._sent.append((ref, ln, time.perf_counter_ns()))
+            except ray_errors(self.ray) as exc:  # the poll sees the node's death; noted only
+                self.events.append({"event": "submit_failed", "node": ln.name, "error": str(exc)})
+
+    def _report(self, done: list[tuple[int, int]], *, ok: bool) -> None:
+        if self._on_complete is not None and done:
+            self._on_complete(done, ok, time.perf_counter_ns())
+
+    # -- completions and faults ----------------------------------------------------------------
+
+    def _poll_loop(self) -> None:
+        ray = self.ray
+        wait_s = self.route.poll_wait_s
+        pending: dict[Any, tuple[NodeLink, int]] = {}
+        while not self._stop.is_set():
+            for ln in self._live():
+                if not any(p[0] is ln for p in pending.values()):
+                    try:
+                        pending[ln.actor.poll.remote(wait_s)] = (ln, time.perf_counter_ns())
+                    except ray_errors(ray) as exc:
+                        self._lose(ln, f"poll could not be sent: {exc}")
+            if not pending:
+                time.sleep(0.01)
+                continue
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=0.1)
+            now = time.perf_counter_ns()
+            self._sent_delays()
+            for ref in ready:
+                ln, sent = pending.pop(ref)
+                try:
+                    answer = ray.get(ref)
+                except ray_errors(ray) as exc:  # RayActorError and kin: the node is gone
+                    self._lose(ln, first_line(exc, limit=200))
+                    continue
+                self._take(ln, answer, sent, time.perf_counter_ns())
+            timeout_ns = int(self.route.node_timeout_s * 1e9)
+            for ref, (ln, sent) in list(pending.items()):
+                if not ln.alive:
+                    del pending[ref]
+                elif now - sent > timeout_ns:
+                    del pending[ref]
+                    self._lose(ln, f"no answer for {self.route.node_timeout_s:g} s")
+
+    def _sent_delays(self) -> None:
+        """Collect the queueing times of answered submits (their errors are the poll's business)."""
+        with self.lock:
+            sent, self._sent = self._sent, []
+        if not sent:
+            return
+        ready, _ = self.ray.wait([r for r, _, _ in sent], num_returns=len(sent), timeout=0)
+        done = set(ready)
+        keep = []
+        for ref, ln, at in sent:
+            if ref not in done:
+                if ln.alive:
+                    keep.append((ref, ln, at))
+                continue
+            with contextlib.suppress(*ray_errors(self.ray)):
+                self.to_node_ns.append(self.ray.get(ref) - ln.offset_ns - at)
+        with self.lock:
+            self._sent = keep + self._sent
+
+    def _take(self, ln: NodeLink, answer: dict[str, Any], sent_ns: int, got_ns: int) -> None:
+        rtt = got_ns - sent_ns
+        if answer["done"]:
+            self.answers += 1
+            self.rtt_ns.append(rtt)
+        self._take_answer(ln, answer, sent_ns, got_ns)
+        self.answer_ns += time.perf_counter_ns() - got_ns
+
+    def _take_answer(self, ln: NodeLink, answer: dict[str, Any], sent_ns: int,
+                     got_ns: int) -> None:
+        rtt = got_ns - sent_ns
+        if rtt < ln.best_rtt_ns:
+            ln.best_rtt_ns = rtt
+            ln.offset_ns = answer["clock_ns"] - (sent_ns + got_ns) // 2
+        if answer.get("first_done_ns"):
+            self.return_ns.append(got_ns - (answer["first_done_ns"] - ln.offset_ns))
+        ok_done: list[tuple[int, int]] = []
+        retry: list[Query] = []
+        gave_up: list[tuple[int, int]] = []
+        with self.lock:
+            if not ln.alive:
+                return  # reports of a node already given up are not credited twice
+            busy = ln.held > 0
+            for qid, n, ok in answer["done"]:
+                entry = ln.out.get(qid)
+                if entry is None:
+                    continue
+                model = entry[0]
+                n = min(n, entry[1])
+                entry[1] -= n
+                taken, entry[2] = entry[2][:n], entry[2][n:]
+                if entry[1] <= 0:
+                    del ln.out[qid]
+                ln.held -= n
+                if ok:
+                    ln.completed += n
+                    ln.window[model][0] += n
+                    ok_done.append((qid, n))
+                else:
+                    ln.failed += n
+                    self._retry_or_fail(qid, model, taken, retry, gave_up)
+            if busy:
+                self._update_rate(ln, rtt)
+            parts = self._route(retry, gave_up)
+        if ok_done:
+            self.log.append((got_ns, ln.name, sum(n for _, n in ok_done)))
+            self._report(ok_done, ok=True)
+        self._send(parts)
+        self._report(gave_up, ok=False)
+
+    def _update_rate(self, ln: NodeLink, window_ns: int) -> None:
+        alpha = self.route.rate_alpha
+        for model in ln.models:
+            w = ln.window[model]
+            w[1] += window_ns
+            if w[1] >= 250_000_000 and w[0] > 0:
+                rate = w[0] / (w[1] / 1e9)
+                old = ln.rate.get(model)
+                ln.rate[model] = rate if not old else (1 - alpha) * old + alpha * rate
+                w[0] = w[1] = 0
+
+    def _retry_or_fail(self, qid: int, model: str, samples: list[int], retry: list[Query],
+                       gave_up: list[tuple[int, int]]) -> None:
+        self._attempts[qid] += 1
+        if self._attempts[qid] <= self.route.max_retries:
+            retry.append(Query(qid, model, tuple(samples)))
+        else:
+            gave_up.append((qid, len(samples)))
+
+    def _lose(self, ln: NodeLink, reason: str) -> None:
+        """Take a node out: what it held goes to other nodes, or is reported failed."""
+        retry: list[Query] = []
+        gave_up: list[tuple[int, int]] = []
+        with self.lock:
+            if not ln.alive:
+                return
+            ln.alive = False
+            ln.lost_at_ns = time.perf_counter_ns()
+            ln.lost_reason = reason
+            held = ln.held
+            for qid, (model, n, samples) in ln.out.items():
+                self._retry_or_fail(qid, model, samples[:n], retry, gave_up)
+            ln.out.clear()
+            ln.held = 0
+            ln.rerouted = sum(len(q.samples) for q in retry)
+            parts = self._route(retry, gave_up)
+        self.events.append({"t_ns": ln.lost_at_ns, "event": "node_lost", "node": ln.name,
+                            "reason": reason, "held_samples": held,
+                            "rerouted_samples": ln.rerouted,
+                            "failed_samples": sum(n for _, n in gave_up)})
+        self._send(parts)
+        if self._ended:
+            for i in parts:
+                with contextlib.suppress(Exception):
+                    self.links[i].actor.end.remote()
+        self._report(gave_up, ok=False)
+
+    def stop(self) -> None:
+        """Stop polling."""
+        self._stop.set()
+        if self._poller is not None:
+            self._poller.join(10)
+
+
+@dataclass
+class ClusterReport:
+    """What `run_cluster` returns: the stored run id, status, the trial's record, per node."""
+
+    run_id: int | None
+    plan: ClusterPlan
+    status: str
+    record: dict[str, Any] | None = None
+    nodes: list[dict[str, Any]] = field(default_factory=list)
+    error: str | None = None
+    start_s: float = 0.0
+    #: Every node's batch records of the trial, on the driver's clock (`node/worker` names).
+    batches: list[BatchRecord] = field(default_factory=list, repr=False)
+    #: Measured delays in ns (the simulation's input): `to_node` (a submit until queued at its
+    #: node), `return` (a completion until the driver has it), `issue_lag` (due until issued).
+    delays_ns: dict[str, list[int]] = field(default_factory=dict, repr=False)
+
+    @property
+    def final(self) -> dict[str, Any] | None:
+        """The trial's record (the same shape as a runtime trial's, plus `nodes`)."""
+        return self.record
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready."""
+        return {"run_id": self.run_id, "status": self.status, "error": self.error,
+                "plan": self.plan.to_dict(), "start_s": self.start_s, "nodes": self.nodes,
+                "result": self.record}
+
+
+def resolve_nodes(plan: ClusterPlan, nodes: list[dict[str, Any]]
+                  ) -> list[tuple[NodeEntry, str, dict[str, Any]]]:
+    """(entry, node name, ray node row) for every node a plan entry claims; errors name the entry.
+
+    Entries claim nodes in order; a node serves one entry. `count: all` takes every match left.
+    """
+    taken: set[str] = set()
+    out = []
+    for i, entry in enumerate(plan.nodes):
+        free = [n for n in nodes if n["NodeID"] not in taken and entry.node.matches(n)]
+        want = len(free) if entry.count == "all" else int(entry.count)
+        if not free or len(free) < want:
+            seen = ", ".join(f"{n['NodeID'][:8]} ({n.get('NodeManagerAddress')})" for n in nodes)
+            raise UsageError(
+                f"cluster plan field nodes[{i}] ({entry.name}): {want if want else 'a'} node(s) "
+                f"matching {entry.node.describe()} wanted, {len(free)} free; the cluster has "
+                f"{len(nodes)} alive: {seen}")
+        for k, node in enumerate(free[:want]):
+            taken.add(node["NodeID"])
+            name = entry.name if want == 1 and entry.count == 1 else f"{entry.name}-{k}"
+            out.append((entry, name, node))
+    return out
+
+
+def _resources(plan: Plan, node: dict[str, Any]) -> dict[str, Any]:
+    """The CPUs and GPUs a node's plan uses, within what the node offers (Ray pins them).
+
+    Ray chooses which of the node's GPUs an actor gets and shows it only those
+    (`CUDA_VISIBLE_DEVICES`), so a node plan's `cuda:N` is the N-th GPU it was given.
+    """
+    res = node.get("Resources") or {}
+    cores: set[int] = set()
+    whole_cpu = False
+    gpus: set[str] = set()
+    for m in plan.models:
+        units = [r.unit for r in m.replicas] + [u for s in m.stages or [] for u in s.units]
+        for u in units:
+            if u == "cpu":
+                whole_cpu = True
+            elif u.startswith("cpu:"):
+                from infermux.units import parse_core_set
+
+                cores.update(parse_core_set(u[4:]))
+            elif u.startswith("cuda:"):
+                gpus.add(u.split("/")[0])
+    have_cpu = float(res.get("CPU", 0))
+    cpus = have_cpu if whole_cpu else min(have_cpu, float(len(cores)))
+    return {"num_cpus": cpus, "num_gpus": min(float(res.get("GPU", 0)), float(len(gpus)))}
+
+
+def _check_units(name: str, node: dict[str, Any], plan: Plan, facts: dict[str, Any]) -> None:
+    """One clear line when the plan names a unit the node lacks (before anything is built)."""
+    from infermux.units import parse_core_set
+
+    have = set(facts.get("units", []))
+    cores = set(facts.get("cores", []))
+    where = f"node {name} ({node.get('NodeManagerAddress')}, id {node['NodeID'][:8]})"
+    for mi, m in enumerate(plan.models):
+        for ri, r in enumerate(m.replicas):
+            field_ = f"models[{mi}].replicas[{ri}].unit"
+            if r.unit.startswith("cpu:"):
+                missing = sorted(set(parse_core_set(r.unit[4:])) - cores)
+                if missing:
+                    raise UsageError(
+                        f"{where}: plan field {field_} {r.unit!r} names cores {missing} it lacks; "
+                        f"its cores are {sorted(cores)}: give that node a plan for its own units")
+            # Other kinds (openvino:, dla:) need the node's runtimes probed: its runtime's own
+            # layout names them, with the node, when it starts.
+            elif r.unit.startswith("cuda:") and r.unit not in have:
+                raise UsageError(
+                    f"{where}: plan field {field_} {r.unit!r} is not a unit of that node; it has "
+                    f"{', '.join(sorted(have)) or 'none'}: give that node a plan for its own units")
+
+
+def _start_nodes(plan: ClusterPlan, handle: ClusterHandle, base: Path | None,
+                 progress: ProgressFn | None) -> list[NodeLink]:
+    ray = handle.ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    claims = resolve_nodes(plan, handle.nodes())
+    remote = ray.remote(max_concurrency=8)(NodeRuntime)
+    links: list[NodeLink] = []
+    try:
+        actors = []
+        for entry, name, node in claims:
+            local = plan.local_plan(entry, base)
+            res = _resources(local, node) if local is not None else {"num_cpus": 0}
+            actor = remote.options(
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False),
+                name=None, **res).remote(name)
+            actors.append((entry, name, node, local, actor))
+            links.append(NodeLink(name, entry.name, node["NodeID"],
+                                  str(node.get("NodeManagerAddress")), actor, local, set()))
+        facts = ray.get([a[4].facts.remote() for a in actors], timeout=300)
+        for (entry, name, node, local, actor), fact, ln in zip(actors, facts, links, strict=True):
+            ln.facts = fact
+            if local is None:
+                if progress:
+                    progress(f"{name}: tuning", 0.0)
+                spec = entry.tune_spec()
+                got = ray.get(actor.tune.remote([m.model_dump(mode="json") for m in plan.models],
+                                                spec.model_dump(mode="json") if spec else {},
+                                                plan.load.model_dump(mode="json")))
+                if "error" in got:
+                    cls = UsageError if got.get("usage") else RunError
+                    raise cls(f"node {name}: {got['error']}")
+                local = parse_plan(got["plan"], source=f"node {name}'s tuned plan")
+            ln.plan = local
+            ln.models = {m.name for m in local.models}
+            _check_units(name, node, local, fact)
+        if progress:
+            progress("building the nodes' runtimes", 0.0)
+        built = ray.get([ln.actor.start.remote(ln.plan.to_dict() if ln.plan else {})
+                         for ln in links], timeout=900)
+        for ln, got in zip(links, built, strict=True):
+            if "error" in got:
+                cls = UsageError if got.get("usage") else RunError
+                raise cls(f"node {ln.name} ({ln.address}, id {ln.node_id[:8]}): {got['error']}")
+            ln.build = got["build"]
+            ln.rate = dict(got["capacity"])
+            ln.start_rate = dict(got["capacity"])
+            ln.hold = ray.get(ln.actor.hold_items.remote())
+        return links
+    except BaseException:
+        _stop_nodes(ray, links)
+        raise
+
+
+def _stop_nodes(ray: Any, links: list[NodeLink]) -> None:
+    refs = []
+    for ln in links:
+        with contextlib.suppress(Exception):
+            refs.append(ln.actor.shutdown.remote())
+    with contextlib.suppress(Exception):
+        ray.wait(refs, num_returns=len(refs), timeout=30)
+    for ln in links:
+        with contextlib.suppress(Exception):
+            ray.kill(ln.actor)
+
+
+def _records(ln: NodeLink, got: dict[str, Any]) -> tuple[list[BatchRecord], list[WorkerState]]:
+    """A node's batch records on the driver's clock, its workers named `node/worker`."""
+    off = ln.offset_ns
+    recs = []
+    for b in got["batches"]:
+        recs.append(BatchRecord(
+            f"{ln.name}/{b['worker']}", b["unit"], b["model"], b["size"], b["bucket"],
+            b["taken_ns"] - off, b["start_ns"] - off, b["end_ns"] - off,
+            [t - off for t in b["enqueued_ns"]], [t - off for t in b["ready_ns"]],
+            b.get("device_compute_ns", 0)))
+    states = []
+    for i, w in enumerate(got["workers"]):
+        st = WorkerState(i, f"{ln.name}/{w['name']}", w["unit"], w["model"], w["buckets"],
+                         {w["model"]}, LatencyEstimate(0.2))
+        st.alive, st.error, st.failure = w["alive"], w["error"], w["failure"]
+        states.append(st)
+    return recs, states
+
+
+def _node_timeline(sut: ClusterSUT, start_ns: int, duration_s: float, bins: int = 20
+                   ) -> dict[str, Any]:
+    """Samples each node completed per time bin, as the driver received them."""
+    if duration_s <= 0:
+        return {"bin_s": 0.0, "rows": []}
+    bin_s = duration_s / bins
+    table: dict[tuple[int, str], int] = defaultdict(int)
+    for t, node, n in sut.log:
+        table[(min(bins - 1, max(0, int((t - start_ns) / 1e9 / bin_s))), node)] += n
+    rows = [{"t_s": round(i * bin_s, 4), "node": node, "items": table.get((i, node), 0)}
+            for i in range(bins) for node in sorted({ln.name for ln in sut.links})]
+    return {"bin_s": bin_s, "rows": rows}
+
+
+def run_cluster(
+    plan: ClusterPlan,
+    handle: ClusterHandle,
+    *,
+    store: Store | None = None,
+    progress: ProgressFn | None = None,
+    command: str = "",
+    base: Path | None = None,
+    during: Callable[[ClusterSUT], None] | None = None,
+) -> ClusterReport:
+    """Run `plan` on the connected cluster under its load; the trial is stored, tagged by node.
+
+    `during(sut)` is called on a thread of its own once the load begins (a test or a benchmark
+    stops a node from there). Ctrl-C ends the run with what was measured.
+    """
+    from infermux.store import recording
+
+    report = ClusterReport(None, plan, "complete")
+    if plan.load.scenario == "server" and plan.load.rate_qps is None:
+        raise UsageError("cluster plan field load.rate_qps is required by the server scenario")
+    if plan.load.find_peak:
+        raise UsageError("--find-peak is not yet supported on a cluster: give a rate with --qps")
+    config = {"cluster_plan": plan.to_dict(), "model": plan.name,
+              "models": sorted({m.name for m in plan.models}), "cluster": handle.address}
+    with recording(store, "cluster", config, command) as rec:
+        report.run_id = rec.run_id
+        try:
+            _run(report, plan, handle, store, progress, base, during)
+        except Exception as exc:
+            report.status = "failed"
+            report.error = (str(exc) if isinstance(exc, InfermuxError)
+                            else f"{type(exc).__name__}: {exc}")
+            raise
+        finally:
+            record = report.record or {}
+            report.nodes = record.get("nodes", [])
+            rec.status = report.status
+            rec.summary = {k: record.get(k) for k in (
+                "scenario", "valid", "validity_notes", "duration_s", "items_per_s",
+                "completed", "failed", "unfinished", "latency")}
+            rec.summary["nodes"] = [{k: n.get(k) for k in ("node", "status", "completed_samples",
+                                                           "lost_at_s")} for n in report.nodes]
+            if report.error:
+                rec.summary["error"] = report.error
+    return report
+
+
+def _run(report: ClusterReport, plan: ClusterPlan, handle: ClusterHandle, store: Store | None,
+         progress: ProgressFn | None, base: Path | None,
+         during: Callable[[ClusterSUT], None] | None) -> None:
+    started = time.perf_counter()
+    links: list[NodeLink] = []
+    sut: ClusterSUT | None = None
+    try:
+        links = _start_nodes(plan, handle, base, progress)
+        report.start_s = time.perf_counter() - started
+        ray = handle.ray
+        ray.get([ln.actor.begin_trial.remote() for ln in links])
+        sut = ClusterSUT(links, ray, plan)
+        load = plan.load
+        models = sorted({m for ln in links for m in ln.models})
+        shares = dict.fromkeys(models, 1.0)
+        for ln in links:
+            for m in ln.plan.models if ln.plan else []:
+                shares[m.name] = m.share
+        gen = LoadGenerator(load.model_dump(mode="json"), shares,
+                            mix=[p.model_dump() for p in load.mix] if load.mix else None,
+                            progress=progress)
+        if during is not None:
+            threading.Thread(target=during, args=(sut,), name="infermux-cluster-during",
+                             daemon=True).start()
+        result = gen.run(sut, dict.fromkeys(models, load.sample_pool))
+        sut.stop()
+        report.record, batches = _summarise(sut, result, ray)
+        report.batches = batches
+        report.delays_ns = {"to_node": list(sut.to_node_ns), "return": list(sut.return_ns),
+                            "issue_lag": result.issue_lag_ns()}
+        if result.interrupted:
+            report.status = "interrupted"
+        if store is not None and report.run_id is not None:
+            _store(store, report.run_id, report.record, result, batches)
+    except KeyboardInterrupt:
+        report.status = "interrupted"
+    finally:
+        if sut is not None:
+            sut.stop()
+        _stop_nodes(handle.ray, links)
+
+
+def _summarise(sut: ClusterSUT, result: ScenarioResult, ray: Any
+               ) -> tuple[dict[str, Any], list[BatchRecord]]:
+    records: list[BatchRecord] = []
+    states: list[WorkerState] = []
+    extra: dict[str, dict[str, Any]] = {}
+    for ln in sut.links:
+        if not ln.alive:
+            continue
+        try:
+            got = ray.get(ln.actor.trial_records.remote(), timeout=60)
+        except ray_errors(ray) as exc:
+            sut._lose(ln, f"{type(exc).__name__} while collecting its records")
+            continue
+        recs, sts = _records(ln, got)
+        records.extend(recs)
+        states.extend(sts)
+        extra[ln.name] = {"retried_in_node": got["retried_items"],
+                          "failed_in_node": got["failed_items"]}
+    record = summarise(result, records, states, {})
+    dur = result.duration_s
+    total = sum(ln.completed for ln in sut.links) or 1
+    nodes = []
+    for ln in sut.links:
+        nodes.append({
+            "node": ln.name, "entry": ln.entry, "node_id": ln.node_id, "address": ln.address,
+            "status": "ok" if ln.alive else "lost", "lost_reason": ln.lost_reason,
+            "lost_at_s": (ln.lost_at_ns - result.start_ns) / 1e9 if ln.lost_at_ns else None,
+            "completed_samples": ln.completed, "share": ln.completed / total,
+            "items_per_s": ln.completed / dur if dur else None,
+            "rate_estimate": ln.rate, "rate_at_start": ln.start_rate,
+            "rerouted_samples": ln.rerouted, "failed_samples": ln.failed,
+            "clock_offset_ns": ln.offset_ns, "build_s": ln.build.get("build_s"),
+            "plan": ln.plan.name if ln.plan else None, "models": sorted(ln.models), **ln.facts,
+            **extra.get(ln.name, {})})
+    record["nodes"] = nodes
+    record["node_timeline"] = _node_timeline(sut, result.start_ns, dur)
+    record["cluster_events"] = [{**e, "t_s": (e["t_ns"] - result.start_ns) / 1e9}
+                                for e in sut.events if "t_ns" in e]
+    record["routing"] = {"pieces": sut.routed_pieces, "route_s": sut.route_ns / 1e9,
+                         "per_piece_us": sut.route_ns / 1e3 / max(1, sut.routed_pieces),
+                         "node_calls": sut.node_calls,
+                         "per_call_us": sut.route_ns / 1e3 / max(1, sut.node_calls),
+                         "answers": sut.answers,
+                         "per_answer_us": sut.answer_ns / 1e3 / max(1, sut.answers),
+                         "poll_rtt_p50_ms": (float(np.median(sut.rtt_ns)) / 1e6
+                                             if sut.rtt_ns else None),
+                         "return_p50_ms": (float(np.median(sut.return_ns)) / 1e6
+                                           if sut.return_ns else None),
+                         "to_node_p50_ms": (float(np.median(sut.to_node_ns)) / 1e6
+                                            if sut.to_node_ns else None)}
+    return record, records
+
+
+def _store(store: Store, run_id: int, record: dict[str, Any], result: ScenarioResult,
+           batches: list[BatchRecord]) -> None:
+    store.add_runtime_trial(run_id, 0, record, result, batches)
+    store.add_cluster_nodes(run_id, 0, record["nodes"])

@@ -1,0 +1,179 @@
+"""Restarting failed workers of a running runtime, a bounded number of times each.
+
+A worker fails when a batch raises (its engine failed) or when its process dies (killed by a
+signal, crashed). The dispatcher takes it out of service and tells the supervisor
+(`Dispatcher.on_worker_failed`); a child process that dies between batches is noticed here by
+polling (`ProcessHost.exited`). The supervisor then restarts the worker on its own thread, after
+a short backoff that doubles with each restart, at most `max_restarts` times per worker; past
+that the worker stays out of service (`WorkerState.error` says why) and, if nothing else serves
+its model, the model is not ready.
+
+While a worker whose *process died* is being restarted, the items it held and its model's queue
+wait for it (`Dispatcher.will_restart`): nothing in them was wrong. An item is still tried at
+most `max_retries + 1` times, so an input that kills the process every time is given up on. A
+batch that *raised* is not held: its items are retried on other workers or answered with the
+error, as without a supervisor, and the worker is restarted for the requests that follow.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from infermux.runtime.dispatcher import WorkerState
+from infermux.runtime.worker import WorkerDiedError
+
+__all__ = ["Supervisor"]
+
+
+class Supervisor:
+    """Watches a runtime (`start_runtime`'s) and restarts its failed replica workers."""
+
+    def __init__(self, runtime: Any, *, max_restarts: int = 3, backoff_s: float = 0.5,
+                 poll_s: float = 0.25, restart_timeout_s: float = 300.0,
+                 on_event: Callable[[dict[str, Any]], None] | None = None) -> None:
+        self.runtime = runtime
+        self.dispatcher = runtime.dispatcher
+        self.max_restarts = max_restarts
+        self.backoff_s = backoff_s
+        self.poll_s = poll_s
+        self.restart_timeout_s = restart_timeout_s
+        self.on_event = on_event
+        #: Every restart tried: {"worker", "attempt", "ok", "error", "took_s"}.
+        self.history: list[dict[str, Any]] = []
+        self._failed: queue.Queue[int] = queue.Queue()
+        self._attempts: dict[int, int] = {}
+        #: Workers whose restart has begun (their attempt is already counted).
+        self._begun: set[int] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._main, name="infermux-supervisor",
+                                        daemon=True)
+        self._previous: Callable[[WorkerState], None] | None = None
+
+    def start(self) -> Supervisor:
+        """Begin watching (chains any `on_worker_failed` hook already set)."""
+        d = self.dispatcher
+        self._previous = d.on_worker_failed
+        d.on_worker_failed = self._on_failed
+        d.will_restart = self._will_restart
+        self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop restarting; workers still waiting for a restart give their items up."""
+        self._stop.set()
+        self._failed.put(-1)
+        self._thread.join(timeout_s)
+        d = self.dispatcher
+        d.will_restart = None
+        for w in list(d.workers.values()):
+            if w.restarting:
+                d.give_up(w, f"{w.error or 'failed'}; the server stopped before its restart")
+
+    def restartable(self, w: WorkerState) -> bool:
+        """Whether `w` may still be restarted (a replica worker with restarts left)."""
+        return (w.id in self.runtime.worker_plans
+                and self._attempts.get(w.id, 0) < self.max_restarts and not self._stop.is_set())
+
+    def describe(self, w: WorkerState) -> str:
+        """A failed worker's state in words, for a not-ready answer."""
+        if w.restarting or (not w.alive and self.restartable(w)):
+            attempt = self._attempts.get(w.id, 0) + (0 if w.id in self._begun else 1)
+            return (f"worker {w.name} is restarting (restart {attempt} of {self.max_restarts}) "
+                    f"after: {w.error}")
+        if not w.alive and self.max_restarts and w.id in self.runtime.worker_plans:
+            return (f"worker {w.name} failed and was restarted {self.max_restarts} times, the "
+                    f"most allowed: {w.error}")
+        return f"last error: {w.error}"
+
+    # -- the dispatcher's hooks (any thread) -----------------------------------------------
+
+    def _will_restart(self, w: WorkerState, exc: BaseException) -> bool:
+        return isinstance(exc, WorkerDiedError) and self.restartable(w)
+
+    def _on_failed(self, w: WorkerState) -> None:
+        if self._previous is not None:
+            self._previous(w)
+        self._failed.put(w.id)
+
+    # -- the supervisor's thread -------------------------------------------------------------
+
+    def _main(self) -> None:
+        while not self._stop.is_set():
+            try:
+                wid = self._failed.get(timeout=self.poll_s)
+            except queue.Empty:
+                self._watch_processes()
+                continue
+            if wid < 0 or self._stop.is_set():
+                return
+            self._restart(self.dispatcher.workers[wid])
+
+    def _watch_processes(self) -> None:
+        """Fail a worker whose child process died while it held no batch."""
+        rt, d = self.runtime, self.dispatcher
+        for wid, host in list(rt.host_by_id.items()):
+            w = d.workers.get(wid)
+            if w is None or not w.alive or host.exited() is None:
+                continue
+            d.fail_idle(w, WorkerDiedError(f"worker {w.name}: {host.death()}"))
+
+    def _restart(self, w: WorkerState) -> None:
+        d = self.dispatcher
+        if not self.restartable(w):
+            if w.restarting or not w.alive:
+                d.give_up(w, w.error or "failed")
+            return
+        attempt = self._attempts.get(w.id, 0) + 1
+        self._attempts[w.id] = attempt
+        self._begun.add(w.id)
+        try:
+            self._attempt(w, attempt)
+        finally:
+            self._begun.discard(w.id)
+
+    def _attempt(self, w: WorkerState, attempt: int) -> None:
+        d = self.dispatcher
+        with d.cond:
+            w.restarting = w.restarting or not w.alive
+        self._event({"event": "worker_restarting", "worker": w.name, "attempt": attempt,
+                     "error": w.error})
+        if self._stop.wait(self.backoff_s * 2 ** (attempt - 1)):
+            return
+        started = time.perf_counter()
+        try:
+            self.runtime.restart_worker(w.id, self.restart_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - a failed restart is one attempt used
+            error = f"restart {attempt} failed: {exc}"
+            self.history.append({"worker": w.name, "attempt": attempt, "ok": False,
+                                 "error": error, "took_s": time.perf_counter() - started})
+            with d.cond:
+                w.error = error
+            self._event({"event": "worker_restart_failed", "worker": w.name, "error": error})
+            if self.restartable(w):
+                self._failed.put(w.id)  # try again, later
+            else:
+                d.give_up(w, error)
+            return
+        self.history.append({"worker": w.name, "attempt": attempt, "ok": True, "error": None,
+                             "took_s": time.perf_counter() - started})
+        self._event({"event": "worker_restarted", "worker": w.name, "attempt": attempt})
+
+    def _event(self, event: dict[str, Any]) -> None:
+        if self.on_event is not None:
+            with contextlib.suppress(Exception):
+                self.on_event(event)
+
+    def summary(self) -> dict[str, Any]:
+        """Restarts per worker, for the stored run."""
+        out: dict[str, Any] = {}
+        for h in self.history:
+            row = out.setdefault(h["worker"], {"restarts": 0, "failed_restarts": 0, "errors": []})
+            row["restarts" if h["ok"] else "failed_restarts"] += 1
+            if h["error"]:
+                row["errors"].append(h["error"])
+        return out
