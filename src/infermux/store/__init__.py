@@ -2,7 +2,7 @@
 
 `Store` owns every table and the run's lifecycle: the core (runs, benchmark results, raw
 samples, telemetry), and one class per area (runtime, tuner, partitioner, characterization,
-studies, cluster), each with its schema and the methods that write and read it. A run is
+studies, cluster, training), each with its schema and the methods that write and read it. A run is
 recorded with `Store.recording(kind, config, command)`, or `recording(store_or_none, ...)`
 where storing is optional.
 """
@@ -22,6 +22,7 @@ from infermux.store.core import DEFAULT_DB, RESULT_COLUMNS, Recording, Sample, S
 from infermux.store.partition import PartitionTables
 from infermux.store.runtime import RuntimeTables
 from infermux.store.study import StudyTables
+from infermux.store.train import TrainTables
 from infermux.store.tune import TuneTables
 
 __all__ = ["DEFAULT_DB", "RESULT_COLUMNS", "Recording", "Sample", "Store", "open_store",
@@ -29,7 +30,7 @@ __all__ = ["DEFAULT_DB", "RESULT_COLUMNS", "Recording", "Sample", "Store", "open
 
 
 class Store(RuntimeTables, TuneTables, PartitionTables, CharacterizeTables, StudyTables,
-            ClusterTables, StoreCore):
+            ClusterTables, TrainTables, StoreCore):
     """A SQLite file (default `./infermux.db`) with every area's tables; safe to reopen."""
 
     def __enter__(self) -> Store:

@@ -519,8 +519,6 @@ def recorded(setup: TrainSetup, store: Store | None, command: str, extra: dict[s
 
     cfg = setup.config.to_dict() | {"model_description": setup.model.describe(),
                                     "dataset_items": setup.dataset_items} | extra
-    if store is not None:
-        records.ensure_tables(store)
     env = capture_environment() | {"power_mode": setup.power.to_dict()}
     rec = Recording(None)
     try:
