@@ -127,10 +127,18 @@ def test_safetensors_weights_without_the_package_say_what_to_do(tmp_path, tiny_f
 
 
 def test_cache_files_are_replaced_atomically(tmp_path):
-    from infermux.engines.tensorrt import _write_atomic
+    import pytest
+
+    from infermux.export import atomic_file, write_atomic
 
     target = tmp_path / "timing.cache"
-    _write_atomic(target, b"first")
-    _write_atomic(target, b"second")
+    write_atomic(target, b"first")
+    write_atomic(target, b"second")
     assert target.read_bytes() == b"second"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["timing.cache"]  # no temporary left
+    # A write that fails half-way leaves the old file whole and no temporary behind.
+    with pytest.raises(RuntimeError), atomic_file(target) as tmp:
+        tmp.write_bytes(b"half")
+        raise RuntimeError("the writer failed")
+    assert target.read_bytes() == b"second"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["timing.cache"]
