@@ -42,7 +42,7 @@ browser:
 		|| echo "chromium could not be installed: the report's browser tests will skip"
 
 unit-tests: install browser
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q --durations=25
 
 test: lint typecheck unit-tests
 

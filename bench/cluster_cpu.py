@@ -86,7 +86,14 @@ def pairs(args: argparse.Namespace, cores: list[int], out: dict[str, Any]) -> No
             rep = run_cluster(cluster_plan(args.model, args.batch, cores, load(args.duration)),
                               handle)
             two = rep.record["items_per_s"]
-            rows.append({"pair": i, "single": one, "cluster": two, "ratio": two / one})
+            routing = rep.record["routing"]
+            batches = max(1, len(rep.batches))
+            rows.append({"pair": i, "single": one, "cluster": two, "ratio": two / one,
+                         # What the driver spent per batch run, and how full the batches were.
+                         "calls_per_batch": routing["node_calls"] / batches,
+                         "answers_per_batch": routing["answers"] / batches,
+                         "full_batches": sum(b.size == args.batch for b in rep.batches)
+                         / batches})
             print(json.dumps(rows[-1]), flush=True)
     out["pairs"] = rows
     out["median_ratio"] = float(np.median([r["ratio"] for r in rows]))

@@ -12,6 +12,7 @@ worker timed it, admission to answer) and what remains (the gRPC front and clien
     .venv/bin/python bench/serve_latency.py --out /tmp/slat
     .venv/bin/python bench/serve_latency.py --rounds 3 --concurrency 1,8 --duration 8
     .venv/bin/python bench/serve_latency.py --variants "wait (before),idle take (after)"
+    .venv/bin/python bench/serve_latency.py --variants "one batch in the child,idle take (after)"
 
 Each level is bench/serve_load.py (closed loop, gRPC); throughput at concurrency 8 shows
 what the rule costs under load (there workers are busy and batches fill as before).
@@ -40,7 +41,12 @@ VARIANTS: dict[str, tuple[list[str], dict[str, Any]]] = {
     "idle take (after)": ([], {}),
     # The worker as a pinned thread of the server process: no hop to a child process.
     "idle take + thread worker": ([], {"cpu_workers": "thread"}),
+    # The child process gets each batch only after its previous answer was read (the relay
+    # idles its core every batch), against the default: the next batch waits in its pipe.
+    "one batch in the child": ([], {"cpu_in_flight": 1}),
 }
+#: What runs without --variants.
+DEFAULT_VARIANTS = ("wait (before)", "idle take (after)", "idle take + thread worker")
 
 
 def start(plan: Path, out: Path, extra: list[str]) -> tuple[subprocess.Popen[str], dict[str, Any]]:
@@ -87,7 +93,7 @@ def main() -> None:
     p.add_argument("--concurrency", default="1,8")
     p.add_argument("--duration", type=float, default=8.0)
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--variants", default=",".join(VARIANTS),
+    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                    help=f"comma list of: {', '.join(VARIANTS)}")
     args = p.parse_args()
     chosen = {v: VARIANTS[v] for v in args.variants.split(",")}

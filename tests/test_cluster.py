@@ -69,6 +69,12 @@ def test_run_across_two_nodes_stored_by_node(cluster, tmp_path) -> None:
     assert sum(r["completed_samples"] for r in rows.values()) == rec["completed_samples"]
     assert rows["a"]["node_id"] != rows["b"]["node_id"]
     assert rows["a"]["cores"] != [] and rows["a"]["pid"] != rows["b"]["pid"]
+    # Nodes get whole batches (pieces of half a batch made half batches), and the driver
+    # makes fewer calls and takes fewer answers than the nodes run batches.
+    sizes = [b.size for b in report.batches]
+    assert sum(s == 4 for s in sizes) >= 0.9 * len(sizes), sorted(set(sizes))
+    routing = rec["routing"]
+    assert routing["node_calls"] < len(sizes) and routing["answers"] < len(sizes), routing
     # Workers are tagged by node, in the record and in the store.
     assert {w.split("/")[0] for w in rec["workers"]} == {"a", "b"}
     run = store.run(report.run_id)

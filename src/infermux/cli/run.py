@@ -147,24 +147,14 @@ def _run_cluster(plan_file: str, address: str, overrides: dict[str, object], db:
     """`infermux run PLAN --cluster ADDRESS`: a runtime per Ray node, one load on them all."""
     from pathlib import Path
 
-    import yaml
-
-    from infermux.cluster import is_cluster_plan, open_cluster, parse_address, parse_cluster_plan
+    from infermux.cluster import open_cluster, parse_address
     from infermux.cluster.driver import run_cluster
-    from infermux.runtime import load_plan
+    from infermux.cluster.plan import cluster_plan_from_file
     from infermux.store import open_store
 
     parse_address(address)  # a bad address fails before anything starts
     path = Path(plan_file)
-    if is_cluster_plan(yaml.safe_load(path.read_text()) if path.is_file() else None):
-        data = yaml.safe_load(path.read_text())
-    else:  # a local plan: run it on every node of the cluster
-        local = load_plan(plan_file).to_dict()
-        data = {"name": local["name"], "load": local.pop("load"),
-                "nodes": [{"name": "node", "count": "all", "plan": local}]}
-    data["load"] = {**(data.get("load") or {}),
-                    **{k: v for k, v in overrides.items() if v is not None}}
-    plan = parse_cluster_plan(data, source=plan_file, base=path.parent)
+    plan = cluster_plan_from_file(plan_file, overrides)
     store = None if db is None else open_store(db)
     command = "infermux " + shlex.join(sys.argv[1:])
     with _progress() as progress:

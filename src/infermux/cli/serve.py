@@ -39,6 +39,7 @@ def serve_command(
     api_key: Annotated[str | None, typer.Option("--api-key", help="Require `Authorization: Bearer KEY` (or env INFERMUX_API_KEY); health probes stay open.")] = None,
     drain_timeout: Annotated[str, typer.Option("--drain-timeout", help="On SIGTERM/Ctrl-C, how long admitted requests may take to finish.")] = "30s",
     telemetry: Annotated[str, typer.Option("--telemetry", help="Sampler period for the hardware metrics (e.g. 1s) or off.")] = "1s",
+    cluster: Annotated[str | None, typer.Option("--cluster", help="Serve from a Ray cluster: ray://HOST:PORT, HOST:PORT, auto, or local:N. PLAN is a cluster plan, or a local plan run on every node; requests are routed to the nodes.")] = None,
     db: DbOpt = "infermux.db",
     no_store: Annotated[bool, typer.Option("--no-store", help="Do not write the results database.")] = False,
     as_json: JsonOpt = False,
@@ -51,7 +52,18 @@ def serve_command(
     from infermux.runtime import load_plan
     from infermux.store import open_store
 
-    plan = load_plan(plan_file)
+    cluster_plan = None
+    if cluster is not None:
+        from infermux.cluster import parse_address
+        from infermux.cluster.plan import cluster_plan_from_file
+        from infermux.cluster.serve import SERVE_SAMPLE_POOL
+
+        parse_address(cluster)  # a bad address fails before anything starts
+        cluster_plan = cluster_plan_from_file(plan_file, {"sample_pool": SERVE_SAMPLE_POOL})
+        plan_name = cluster_plan.name
+    else:
+        plan = load_plan(plan_file)
+        plan_name = plan.name
     why = _missing_extra()
     if why is not None:
         raise UsageError(why)
@@ -74,7 +86,7 @@ def serve_command(
             sys.stdout.flush()
             return
         h = info["host"]
-        out.print(f"[bold]serving[/] {plan.name}: http://{h}:{info['http_port']}/v2 (REST), "
+        out.print(f"[bold]serving[/] {plan_name}: http://{h}:{info['http_port']}/v2 (REST), "
                   f"{h}:{info['grpc_port']} (gRPC), http://{h}:{info['metrics_port']}/metrics")
         for m in info["models"]:
             shape = m["inputs"][0]["shape"]
@@ -87,8 +99,12 @@ def serve_command(
         if not as_json:
             err.print(f"[dim]{label}[/]")
 
-    summary = serve_plan(plan, settings, store=store, command=command, on_ready=on_ready,
-                         progress=on_progress)
+    if cluster_plan is None or cluster is None:
+        summary = serve_plan(plan, settings, store=store, command=command, on_ready=on_ready,
+                             progress=on_progress)
+    else:
+        summary = _serve_cluster(cluster_plan, cluster, plan_file, settings, store, command,
+                                 on_ready, on_progress)
     if as_json:
         _print_json({"event": "stopped", **summary})
     else:
@@ -100,6 +116,30 @@ def serve_command(
             out.print(f"[dim]stored as run {summary['run_id']} in {db}[/]")
     if summary.get("status") != "complete":
         raise typer.Exit(1)
+
+
+def _serve_cluster(cluster_plan: Any, address: str, plan_file: str, settings: Any, store: Any,
+                   command: str, on_ready: Any, on_progress: Any) -> dict[str, Any]:
+    """Connect to the cluster (here, on the main thread, as Ray wants), serve, disconnect."""
+    from pathlib import Path
+
+    from infermux.cluster import open_cluster
+    from infermux.cluster.serve import start_cluster_runtime
+    from infermux.serve import serve_plan
+
+    with open_cluster(address) as handle:
+        on_progress(f"cluster {address}: {len(handle.nodes())} node(s) alive", 0.0)
+
+        def backend(progress: Any) -> Any:
+            return start_cluster_runtime(cluster_plan, handle, base=Path(plan_file).parent,
+                                         progress=progress,
+                                         max_restarts=settings.max_restarts,
+                                         wait_when_idle=settings.wait_when_idle)
+
+        return serve_plan(None, settings, store=store, command=command, on_ready=on_ready,
+                          progress=on_progress, backend=backend,
+                          config={"cluster_plan": cluster_plan.to_dict(), "cluster": address,
+                                  "model": cluster_plan.name})
 
 
 def _one_line(data: dict[str, Any]) -> str:

@@ -4,7 +4,9 @@ A `ClusterPlan` names per node the local plan to run there (or `tune: auto`); `o
 connects to Ray (`ray://HOST:PORT`, `auto`) or starts `local:N` nodes on this machine;
 `run_cluster` places a runtime in a Ray actor on each node, routes the plan's LoadGen load by
 each node's measured capacity and queue, survives lost nodes and stores the trial tagged by
-node. `sim` predicts the same policy on 10–1,000 nodes from measured service times.
+node. `serve.start_cluster_runtime` puts `infermux serve`'s v2 front in front of the same driver
+(`infermux serve PLAN --cluster ...`). `sim` predicts the policy on 10–1,000 nodes from measured
+service times.
 Ray is optional (`pip install 'infermux[cluster]'`) and imported only when a cluster is opened.
 """
 

@@ -4,13 +4,21 @@
 with Ray's node affinity, holding the node's CPUs and GPUs its local plan uses), builds each
 node's runtime, then drives the plan's LoadGen scenario through `ClusterSUT`:
 
-- **Routing.** A query (or, for a query of many samples, each piece of one node batch) goes to
-  the node that would finish it first: what the node holds over its measured rate for the model
-  (a moving average of completions while busy, seeded by the node's own latency estimates after
-  its build). Inside a node, the runtime's dispatcher pulls as on one machine.
+- **Routing.** A query (or, for a query of many samples, each piece of one batch of the chosen
+  node) goes to the node that would finish it first: what the node holds over its measured
+  rate for the model (a moving average of completions while busy, seeded by the node's own
+  latency estimates after its build). Pieces for one node go in one `submit` call (a per-node
+  outbox, sent by whoever routed unless a send is under way). Offline, the generator keeps a
+  node's holding plus a batch on the way per node (`capacity_items`), twice over, so a node's
+  queue never runs dry while completions and refills travel. Inside a node, the runtime's
+  dispatcher pulls as on one machine.
 - **Polling.** One driver thread keeps a poll outstanding on every node (`ray.wait`); a poll
-  returns as soon as the node has completions. Completion times are the driver's own clock at
-  receipt, so latency includes the way back, as a client would see it.
+  returns as soon as the node has completions (offline, once more than a batch beyond what its
+  workers run is no longer queued there: one answer for about two batches). Completion times
+  are the driver's own clock at receipt, so latency includes the way back, as a client would
+  see it.
+- **Serving** (`cluster/serve.py`). Queries that carry input rows take them along in their
+  pieces; outputs come back in the poll answers with the sample indices they answer.
 - **Faults.** A node whose poll fails (its actor or node died) or stays silent past
   `route.node_timeout_s` is taken out: every sample it held goes to another live node, at most
   `route.max_retries` times, else it is reported failed. Nothing is left unfinished or hanging;
@@ -36,7 +44,7 @@ from infermux.cluster.plan import ClusterPlan, NodeEntry
 from infermux.errors import InfermuxError, RunError, UsageError, first_line
 from infermux.load.base import CompletionFn, Query
 from infermux.load.scenarios import LoadGenerator, ScenarioResult
-from infermux.runtime.dispatcher import WorkerState
+from infermux.runtime.dispatcher import Batch, Item, WorkerState
 from infermux.runtime.metrics import BatchRecord, summarise
 from infermux.runtime.placement import LatencyEstimate
 from infermux.runtime.plan import Plan, parse_plan
@@ -45,7 +53,6 @@ from infermux.store import Store
 __all__ = ["ClusterReport", "ClusterSUT", "NodeLink", "resolve_nodes", "run_cluster"]
 
 ProgressFn = Callable[[str, float], None]
-
 
 
 @dataclass
@@ -61,7 +68,9 @@ class NodeLink:
     models: set[str]
     #: items/s per model: seeded from the node's estimates, then a moving average of completions.
     rate: dict[str, float] = field(default_factory=dict)
+    #: Items per model its live workers hold at once, and their largest batch (a piece).
     hold: dict[str, int] = field(default_factory=dict)
+    batch: dict[str, int] = field(default_factory=dict)
     alive: bool = True
     #: query id -> [model, samples still out, sample indices]
     out: dict[int, list[Any]] = field(default_factory=dict)
@@ -79,6 +88,8 @@ class NodeLink:
     # the moving average's current window, per model: (items, busy ns)
     window: dict[str, list[int]] = field(default_factory=lambda: defaultdict(lambda: [0, 0]))
     start_rate: dict[str, float] = field(default_factory=dict)
+    #: What its runtime's start answered (input shapes per model, its workers).
+    started: dict[str, Any] = field(default_factory=dict)
 
 
 def ray_errors(ray: Any) -> tuple[type[BaseException], ...]:
@@ -87,25 +98,58 @@ def ray_errors(ray: Any) -> tuple[type[BaseException], ...]:
 
 
 class ClusterSUT:
-    """The whole cluster as one LoadGen system under test."""
+    """The whole cluster as one LoadGen system under test (or, serving, a server's runtime).
 
-    def __init__(self, links: list[NodeLink], ray: Any, plan: ClusterPlan) -> None:
+    Queries are cut into pieces of a node's batch for its model, each to the node that would
+    finish it first. The pieces for one node wait in an outbox and go in one `submit` call:
+    whoever routes sends the outbox unless a send is already under way, in which case that
+    sender takes them on its next turn (so parts routed meanwhile coalesce, at no added delay).
+    Served queries (`Query.inputs`) carry their rows: each piece takes its own rows along, the
+    outputs come back with the sample indices they answer and go to `on_outputs` as a `Batch`
+    of those samples; a node lost or failing sends the piece's rows again to another node.
+    """
+
+    def __init__(self, links: list[NodeLink], ray: Any, plan: ClusterPlan, *,
+                 serving: bool = False) -> None:
         self.links = links
         self.ray = ray
         self.route = plan.route
+        #: Per node, the unfinished items below which it answers a poll at once (offline with
+        #: `route.coalesce_answers`; 0: at every completion). It keeps a batch queued beyond
+        #: what its workers hold while the answer travels and the refill comes back.
+        self.low_water: dict[str, int] = {
+            ln.name: sum(ln.hold.get(m, 0) + 2 * ln.batch.get(m, 0) for m in ln.models)
+            if (not serving and plan.load.scenario == "offline" and plan.route.coalesce_answers)
+            else 0 for ln in links}
         self.lock = threading.Lock()
+        self.serving = serving
+        #: Keep the per-completion log and delay samples (a run's); a server does not, as it
+        #: runs for days.
+        self.keep_log = not serving
         self._on_complete: CompletionFn | None = None
         self._attempts: dict[int, int] = defaultdict(int)
         self._rr = 0
         self._stop = threading.Event()
         self._poller: threading.Thread | None = None
         self._ended = False
+        #: Parts routed and not yet sent, per node index; `_send_lock` is held while sending.
+        self._outbox: dict[int, list[tuple[Any, ...]]] = defaultdict(list)
+        self._send_lock = threading.Lock()
+        #: Served queries: their input rows (row s is sample s) and samples not yet answered.
+        self._rows: dict[int, Any] = {}
+        self._left: dict[int, int] = {}
+        #: Served outputs: (Batch of the samples answered, output arrays, a row per item).
+        self.on_outputs: Callable[[Batch, list[np.ndarray]], None] | None = None
+        #: Called with every node's poll answer once it is taken (a server's statistics).
+        self.on_answer: Callable[[NodeLink, dict[str, Any]], None] | None = None
+        #: Called with a node just taken out of service.
+        self.on_node_lost: Callable[[NodeLink], None] | None = None
         #: (driver ns, node, samples) of every completion received: the per-node timeline.
         self.log: list[tuple[int, str, int]] = []
         self.events: list[dict[str, Any]] = []
         self.route_ns = 0
         self.routed_pieces = 0
-        #: Submit calls made to nodes (one per node per issue, whatever its pieces).
+        #: Submit calls made to nodes (one per node per send, whatever its pieces).
         self.node_calls = 0
         #: Submits in flight (ref, node, sent ns) and, once they answer, how long each took to
         #: be queued at its node (on the driver's clock): the way out, as `return_ns` is back.
@@ -117,6 +161,8 @@ class ClusterSUT:
         self.rtt_ns: list[int] = []
         #: From a node's first completion in an answer to the driver's receipt of the answer.
         self.return_ns: list[int] = []
+        #: Samples sent again to another node after theirs was lost or failed them.
+        self.retried = 0
 
     # -- the load generator's side ------------------------------------------------------------
 
@@ -129,17 +175,23 @@ class ClusterSUT:
         self._poller.start()
 
     def capacity_items(self, model: str) -> int:
-        """Items the live nodes can hold at once for `model`."""
+        """Items the live nodes hold at once for `model`, plus a batch each on the way.
+
+        The offline generator keeps twice this outstanding, so every node's queue holds at
+        least a batch beyond what its workers run even while completions travel back to the
+        driver and the refill travels out: its workers never wait on the driver.
+        """
         with self.lock:
-            return sum(ln.hold.get(model, 0) for ln in self.links if ln.alive)
+            return sum(ln.hold.get(model, 0) + ln.batch.get(model, 0)
+                       for ln in self.links if ln.alive)
 
     def issue(self, queries: Sequence[Query]) -> None:
         """Route every query's samples to nodes and send each node its parts in one call."""
         started = time.perf_counter_ns()
         failed: list[tuple[int, int]] = []
         with self.lock:
-            parts = self._route(queries, failed)
-        self._send(parts)
+            self._route(queries, failed)
+        self._flush()
         self.route_ns += time.perf_counter_ns() - started
         if failed:
             self._report(failed, ok=False)
@@ -147,6 +199,7 @@ class ClusterSUT:
     def end(self) -> None:
         """No more queries: nodes flush partial batches."""
         self._ended = True
+        self._flush()
         for ln in self._live():
             with contextlib.suppress(Exception):
                 ln.actor.end.remote()
@@ -156,21 +209,27 @@ class ClusterSUT:
     def _live(self) -> list[NodeLink]:
         return [ln for ln in self.links if ln.alive]
 
-    def _route(self, queries: Sequence[Query], failed: list[tuple[int, int]]
-               ) -> dict[int, list[tuple[int, str, list[int]]]]:
-        """Assign samples to nodes (call under the lock); node index -> parts to send."""
-        parts: dict[int, list[tuple[int, str, list[int]]]] = defaultdict(list)
+    def _route(self, queries: Sequence[Query], failed: list[tuple[int, int]]) -> None:
+        """Assign samples to nodes, into the outbox (call under the lock).
+
+        Pieces are whole batches of the chosen node (a node given half batches runs half
+        batches whenever the other half went elsewhere).
+        """
         for q in queries:
             idx = [i for i, ln in enumerate(self.links) if ln.alive and q.model in ln.models]
             if not idx:
                 failed.append((q.id, len(q.samples)))
                 continue
+            rows = self._rows.get(q.id)
+            if rows is None and q.inputs is not None:
+                rows = self._rows[q.id] = q.inputs
+                self._left[q.id] = len(q.samples)
             samples = list(q.samples)
-            piece = max(1, min(self.links[i].hold.get(q.model, 1) for i in idx) // 2)
             while samples:
-                take, samples = samples[:piece], samples[piece:]
-                i = self._pick(idx, q.model, len(take))
+                i = self._pick(idx, q.model, len(samples))
                 ln = self.links[i]
+                k = max(1, ln.batch.get(q.model, 1))
+                take, samples = samples[:k], samples[k:]
                 entry = ln.out.get(q.id)
                 if entry is None:
                     ln.out[q.id] = [q.model, len(take), list(take)]
@@ -178,9 +237,12 @@ class ClusterSUT:
                     entry[1] += len(take)
                     entry[2].extend(take)
                 ln.held += len(take)
-                parts[i].append((q.id, q.model, take))
+                if rows is None:
+                    self._outbox[i].append((q.id, q.model, take))
+                else:
+                    whole = len(take) == len(rows) and take == list(range(len(rows)))
+                    self._outbox[i].append((q.id, q.model, take, rows if whole else rows[take]))
                 self.routed_pieces += 1
-        return parts
 
     def _pick(self, idx: list[int], model: str, n: int) -> int:
         if self.route.policy == "round_robin":
@@ -190,24 +252,54 @@ class ClusterSUT:
         for i in idx:
             ln = self.links[i]
             rate = ln.rate.get(model) or 1.0
-            finish = (ln.held + n) / rate
+            finish = (ln.held + min(n, max(1, ln.batch.get(model, 1)))) / rate
             if finish < when:
                 best, when = i, finish
         return best
 
-    def _send(self, parts: dict[int, list[tuple[int, str, list[int]]]]) -> None:
-        self.node_calls += len(parts)
-        for i, items in parts.items():
-            ln = self.links[i]
+    def _flush(self) -> None:
+        """Send every node its routed parts, one call per node (see the class docstring)."""
+        while True:
+            if not self._send_lock.acquire(blocking=False):
+                return  # the sender now at work takes what was just routed on its next turn
             try:
-                ref = ln.actor.submit.remote(items)
                 with self.lock:
-                    self._sent.append((ref, ln, time.perf_counter_ns()))
-            except ray_errors(self.ray) as exc:  # the poll sees the node's death; noted only
-                self.events.append({"event": "submit_failed", "node": ln.name, "error": str(exc)})
+                    box, self._outbox = self._outbox, defaultdict(list)
+                for i, items in box.items():
+                    ln = self.links[i]
+                    if not ln.alive:
+                        continue  # taking it out moved what it held to other nodes
+                    self.node_calls += 1
+                    try:
+                        ref = ln.actor.submit.remote(items)
+                        if self.keep_log:
+                            with self.lock:
+                                self._sent.append((ref, ln, time.perf_counter_ns()))
+                    except ray_errors(self.ray) as exc:  # the poll sees the node's death
+                        self.events.append({"event": "submit_failed", "node": ln.name,
+                                            "error": str(exc)})
+            finally:
+                self._send_lock.release()
+            with self.lock:
+                if not self._outbox:
+                    return
 
     def _report(self, done: list[tuple[int, int]], *, ok: bool) -> None:
-        if self._on_complete is not None and done:
+        if not done:
+            return
+        if self._left:
+            with self.lock:
+                for qid, n in done:
+                    left = self._left.get(qid)
+                    if left is None:
+                        continue
+                    if left - n <= 0:
+                        del self._left[qid]
+                        self._rows.pop(qid, None)
+                        self._attempts.pop(qid, None)
+                    else:
+                        self._left[qid] = left - n
+        if self._on_complete is not None:
             self._on_complete(done, ok, time.perf_counter_ns())
 
     # -- completions and faults ----------------------------------------------------------------
@@ -220,7 +312,8 @@ class ClusterSUT:
             for ln in self._live():
                 if not any(p[0] is ln for p in pending.values()):
                     try:
-                        pending[ln.actor.poll.remote(wait_s)] = (ln, time.perf_counter_ns())
+                        pending[ln.actor.poll.remote(wait_s, self.low_water.get(ln.name, 0))
+                                ] = (ln, time.perf_counter_ns())
                     except ray_errors(ray) as exc:
                         self._lose(ln, f"poll could not be sent: {exc}")
             if not pending:
@@ -228,7 +321,8 @@ class ClusterSUT:
                 continue
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=0.1)
             now = time.perf_counter_ns()
-            self._sent_delays()
+            if self.keep_log:
+                self._sent_delays()
             for ref in ready:
                 ln, sent = pending.pop(ref)
                 try:
@@ -266,37 +360,57 @@ class ClusterSUT:
 
     def _take(self, ln: NodeLink, answer: dict[str, Any], sent_ns: int, got_ns: int) -> None:
         rtt = got_ns - sent_ns
-        if answer["done"]:
+        if answer["done"] or answer.get("outputs"):
             self.answers += 1
-            self.rtt_ns.append(rtt)
+            if self.keep_log:
+                self.rtt_ns.append(rtt)
         self._take_answer(ln, answer, sent_ns, got_ns)
         self.answer_ns += time.perf_counter_ns() - got_ns
 
     def _take_answer(self, ln: NodeLink, answer: dict[str, Any], sent_ns: int,
                      got_ns: int) -> None:
         rtt = got_ns - sent_ns
-        if rtt < ln.best_rtt_ns:
-            ln.best_rtt_ns = rtt
-            ln.offset_ns = answer["clock_ns"] - (sent_ns + got_ns) // 2
-        if answer.get("first_done_ns"):
-            self.return_ns.append(got_ns - (answer["first_done_ns"] - ln.offset_ns))
+        # The way there and back, without the time the node waited for a completion: the
+        # node's clock read `clock_ns` about half of it before the answer arrived.
+        transit = max(0, rtt - int(answer.get("waited_ns", 0)))
+        if transit < ln.best_rtt_ns:
+            ln.best_rtt_ns = transit
+            ln.offset_ns = answer["clock_ns"] - (got_ns - transit // 2)
+        if answer.get("first_done_ns") and self.keep_log:
+            # The way back, without the time the node held the answer back on purpose.
+            self.return_ns.append(got_ns - (answer["first_done_ns"] - ln.offset_ns)
+                                  - int(answer.get("held_back_ns", 0)))
         ok_done: list[tuple[int, int]] = []
+        delivered: list[tuple[Batch, list[np.ndarray]]] = []
         retry: list[Query] = []
         gave_up: list[tuple[int, int]] = []
         with self.lock:
             if not ln.alive:
                 return  # reports of a node already given up are not credited twice
             busy = ln.held > 0
+            for qid, samples, outs in answer.get("outputs", ()):
+                got = self._answered(ln, qid, samples, outs, got_ns)
+                if got is not None:
+                    delivered.append(got)
+                    ok_done.append((qid, len(got[0].items)))
             for qid, n, ok in answer["done"]:
                 entry = ln.out.get(qid)
                 if entry is None:
                     continue
                 model = entry[0]
-                n = min(n, entry[1])
-                entry[1] -= n
-                taken, entry[2] = entry[2][:n], entry[2][n:]
-                if entry[1] <= 0:
+                if qid in self._rows:
+                    if ok:
+                        continue  # a served sample is answered by its outputs, above
+                    # Which samples failed is not told: all it still holds of the query go
+                    # again (outputs of them arriving later from this node are dropped).
+                    n, taken = entry[1], entry[2]
                     del ln.out[qid]
+                else:
+                    n = min(n, entry[1])
+                    entry[1] -= n
+                    taken, entry[2] = entry[2][:n], entry[2][n:]
+                    if entry[1] <= 0:
+                        del ln.out[qid]
                 ln.held -= n
                 if ok:
                     ln.completed += n
@@ -307,12 +421,53 @@ class ClusterSUT:
                     self._retry_or_fail(qid, model, taken, retry, gave_up)
             if busy:
                 self._update_rate(ln, rtt)
-            parts = self._route(retry, gave_up)
+            self._route(retry, gave_up)
+        if self.on_answer is not None:  # first: a failure reported below names the node's error
+            self.on_answer(ln, answer)
+        if self.on_outputs is not None:
+            for batch, outs in delivered:
+                self.on_outputs(batch, outs)
         if ok_done:
-            self.log.append((got_ns, ln.name, sum(n for _, n in ok_done)))
+            if self.keep_log:
+                self.log.append((got_ns, ln.name, sum(n for _, n in ok_done)))
             self._report(ok_done, ok=True)
-        self._send(parts)
+        self._flush()
         self._report(gave_up, ok=False)
+
+    def _answered(self, ln: NodeLink, qid: int, samples: list[int], outs: list[np.ndarray],
+                  got_ns: int) -> tuple[Batch, list[np.ndarray]] | None:
+        """Served outputs of `samples` from node `ln` (under the lock): those it still holds.
+
+        A sample the node no longer holds (given up after a failure and sent elsewhere) is
+        dropped, so every sample is answered once.
+        """
+        entry = ln.out.get(qid)
+        if entry is None:
+            return None
+        held = entry[2]
+        if held[:len(samples)] == samples:
+            keep = list(range(len(samples)))
+            entry[2] = held[len(samples):]
+        else:
+            have = set(held)
+            keep = [j for j, s in enumerate(samples) if s in have]
+            if not keep:
+                return None
+            gone = {samples[j] for j in keep}
+            entry[2] = [s for s in held if s not in gone]
+        n = len(keep)
+        entry[1] -= n
+        if entry[1] <= 0:
+            del ln.out[qid]
+        ln.held -= n
+        ln.completed += n
+        model = entry[0]
+        ln.window[model][0] += n
+        if n != len(samples):
+            samples = [samples[j] for j in keep]
+            outs = [y[keep] for y in outs]
+        items = [Item(qid, model, s, got_ns) for s in samples]
+        return Batch(model, items, n, got_ns, [got_ns] * n), outs
 
     def _update_rate(self, ln: NodeLink, window_ns: int) -> None:
         alpha = self.route.rate_alpha
@@ -330,6 +485,7 @@ class ClusterSUT:
         self._attempts[qid] += 1
         if self._attempts[qid] <= self.route.max_retries:
             retry.append(Query(qid, model, tuple(samples)))
+            self.retried += len(samples)
         else:
             gave_up.append((qid, len(samples)))
 
@@ -349,14 +505,17 @@ class ClusterSUT:
             ln.out.clear()
             ln.held = 0
             ln.rerouted = sum(len(q.samples) for q in retry)
-            parts = self._route(retry, gave_up)
+            self._route(retry, gave_up)
+            targets = set(self._outbox)
         self.events.append({"t_ns": ln.lost_at_ns, "event": "node_lost", "node": ln.name,
                             "reason": reason, "held_samples": held,
                             "rerouted_samples": ln.rerouted,
                             "failed_samples": sum(n for _, n in gave_up)})
-        self._send(parts)
+        if self.on_node_lost is not None:
+            self.on_node_lost(ln)
+        self._flush()
         if self._ended:
-            for i in parts:
+            for i in targets:
                 with contextlib.suppress(Exception):
                     self.links[i].actor.end.remote()
         self._report(gave_up, ok=False)
@@ -472,7 +631,9 @@ def _check_units(name: str, node: dict[str, Any], plan: Plan, facts: dict[str, A
 
 
 def _start_nodes(plan: ClusterPlan, handle: ClusterHandle, base: Path | None,
-                 progress: ProgressFn | None) -> list[NodeLink]:
+                 progress: ProgressFn | None, *, serving: bool = False,
+                 max_restarts: int = 0, take_when_idle: bool = True) -> list[NodeLink]:
+    """Place, tune where asked, and build every node's runtime; their links (or the error)."""
     ray = handle.ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -509,7 +670,8 @@ def _start_nodes(plan: ClusterPlan, handle: ClusterHandle, base: Path | None,
             _check_units(name, node, local, fact)
         if progress:
             progress("building the nodes' runtimes", 0.0)
-        built = ray.get([ln.actor.start.remote(ln.plan.to_dict() if ln.plan else {})
+        built = ray.get([ln.actor.start.remote(ln.plan.to_dict() if ln.plan else {},
+                                               serving, max_restarts, take_when_idle)
                          for ln in links], timeout=900)
         for ln, got in zip(links, built, strict=True):
             if "error" in got:
@@ -518,7 +680,9 @@ def _start_nodes(plan: ClusterPlan, handle: ClusterHandle, base: Path | None,
             ln.build = got["build"]
             ln.rate = dict(got["capacity"])
             ln.start_rate = dict(got["capacity"])
-            ln.hold = ray.get(ln.actor.hold_items.remote())
+            ln.hold = dict(got["hold"])
+            ln.batch = dict(got["batch"])
+            ln.started = got
         return links
     except BaseException:
         _stop_nodes(ray, links)

@@ -1,13 +1,17 @@
 """One node's side: an infermux runtime inside a Ray actor, fed and polled by the driver.
 
 `NodeRuntime` is a plain class; the driver wraps it with `ray.remote` (a threaded actor, so a
-poll that waits for completions never blocks a submit) and pins it to its node. Only query
-ids, sample indices and counts cross between driver and node; each node builds its own seeded
-sample library, as a CPU worker's child process does.
+poll that waits for completions never blocks a submit) and pins it to its node. Under a load
+generator only query ids, sample indices and counts cross between driver and node; each node
+builds its own seeded sample library, as a CPU worker's child process does. A node started for
+serving (`start(..., serving=True)`) takes parts that carry their requests' input rows (Ray
+passes large arrays through its object store) and sends each batch's output rows back with
+the sample indices they answer, in the next poll's answer.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
@@ -15,6 +19,8 @@ import time
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
+
+import numpy as np
 
 from infermux.errors import InfermuxError
 
@@ -35,6 +41,13 @@ class NodeRuntime:
         self._submitted_samples = 0
         #: The earliest completion not yet polled (how long answers wait to reach the driver).
         self._first_done_ns = 0
+        #: Serving: output rows not yet polled, as (query id, sample indices, arrays), and the
+        #: executed batches as (worker index, items, queue ns, compute ns) for the statistics.
+        self.serving = False
+        self._outputs: list[tuple[int, list[int], list[np.ndarray]]] = []
+        self._batches: list[tuple[int, int, int, int]] = []
+        self._worker_index: dict[int, int] = {}
+        self._supervisor: Any = None
 
     # -- set-up --------------------------------------------------------------------------
 
@@ -71,11 +84,15 @@ class NodeRuntime:
         plan["load"] = load
         return {"plan": plan}
 
-    def start(self, plan: dict[str, Any]) -> dict[str, Any]:
+    def start(self, plan: dict[str, Any], serving: bool = False, max_restarts: int = 0,
+              take_when_idle: bool = True) -> dict[str, Any]:
         """Build and start the plan's workers; their capacity per model, or the error.
 
         Errors come back as data (`error`, `usage`) rather than raised, so the driver can name
-        the node in one line without Ray's traceback around it.
+        the node in one line without Ray's traceback around it. `serving`: queries carry their
+        own input rows and their outputs go back in the poll answers; a failed worker is then
+        restarted up to `max_restarts` times, and an idle worker takes a partial batch at once
+        unless `take_when_idle` is off, as `infermux serve` does on one machine.
         """
         from infermux.runtime.plan import parse_plan
         from infermux.runtime.session import start_runtime
@@ -86,8 +103,24 @@ class NodeRuntime:
             return {"error": str(exc), "usage": exc.exit_code == 2}
         self.rt = rt
         rt.dispatcher.set_completion(self._on_complete)
+        if serving:
+            self.serving = True
+            self._worker_index = {s.id: i for i, s in enumerate(rt.states)}
+            d = rt.dispatcher
+            d.on_outputs = self._on_outputs
+            # The batch records of a server that runs for days are not kept: the statistics
+            # go to the driver in the poll answers instead.
+            d.on_batch_done = self._on_batch
+            d.take_when_idle = take_when_idle
+            if max_restarts:
+                from infermux.runtime.supervisor import Supervisor
+
+                self._supervisor = Supervisor(rt, max_restarts=max_restarts).start()
         return {"build": rt.build_info, "capacity": self.capacity(), "facts": self.facts(),
-                "buckets": {s.name: s.buckets for s in rt.states}}
+                "buckets": {s.name: s.buckets for s in rt.states},
+                "hold": self.hold_items(), "batch": self.batches(),
+                "input_shapes": {m: list(v.input_shape) for m, v in rt.models.items()},
+                "workers": self.workers()}
 
     def capacity(self) -> dict[str, float]:
         """Items/s per model its live workers can do, from their latency estimates."""
@@ -108,6 +141,21 @@ class NodeRuntime:
                 out[s.model] += s.batch * s.depth
         return dict(out)
 
+    def batches(self) -> dict[str, int]:
+        """The largest batch per model of its live workers (the driver routes whole batches)."""
+        out: dict[str, int] = {}
+        for s in self.rt.states if self.rt is not None else []:
+            if s.alive:
+                out[s.model] = max(out.get(s.model, 0), s.batch)
+        return out
+
+    def workers(self) -> list[dict[str, Any]]:
+        """Each worker's name, unit, model, batch sizes, depth, liveness and error."""
+        return [{"name": s.name, "unit": s.unit, "model": s.model, "buckets": s.buckets,
+                 "serves": sorted(s.serves), "depth": s.depth, "alive": s.alive,
+                 "restarting": s.restarting, "error": s.error, "restarts": s.restarts}
+                for s in (self.rt.states if self.rt is not None else [])]
+
     # -- a trial ---------------------------------------------------------------------------
 
     def begin_trial(self) -> int:
@@ -119,22 +167,51 @@ class NodeRuntime:
             self._completed_samples = self._failed_samples = self._submitted_samples = 0
         return int(dropped)
 
-    def submit(self, queries: Sequence[tuple[int, str, Sequence[int]]]) -> int:
-        """Queue `(query id, model, sample indices)` parts; the clock when they were queued."""
+    def submit(self, queries: Sequence[tuple[Any, ...]]) -> int:
+        """Queue parts; the clock when they were queued.
+
+        A part is `(query id, model, sample indices)`, or with a fourth element, the input rows
+        of those samples in order (a served request's): their outputs come back in `poll`.
+        """
         from infermux.load.base import Query
 
-        self.rt.dispatcher.submit([Query(q, m, tuple(s)) for q, m, s in queries])
+        self.rt.dispatcher.submit([Query(p[0], p[1], tuple(p[2]), p[3] if len(p) > 3 else None)
+                                   for p in queries])
         with self._cond:
-            self._submitted_samples += sum(len(s) for _, _, s in queries)
+            self._submitted_samples += sum(len(p[2]) for p in queries)
         return time.perf_counter_ns()
 
     def end(self) -> None:
         """No more queries this trial: partial batches go at once."""
         self.rt.dispatcher.end()
 
-    def _on_complete(self, done: Sequence[tuple[int, int]], ok: bool, when_ns: int) -> None:
+    def _on_outputs(self, batch: Any, outputs: list[np.ndarray]) -> None:
+        """A served batch's output rows, split by query (copies: the runner reuses its buffers)."""
+        per: dict[int, tuple[list[int], list[int]]] = {}
+        for i, it in enumerate(batch.items):
+            pos, samples = per.setdefault(it.query, ([], []))
+            pos.append(i)
+            samples.append(it.sample)
+        got = [(qid, samples, [np.ascontiguousarray(y[pos]) for y in outputs])
+               for qid, (pos, samples) in per.items()]
         with self._cond:
-            if not self._done:
+            if not self._outputs and not self._done:
+                self._first_done_ns = time.perf_counter_ns()
+            self._outputs.extend(got)
+            self._completed_samples += len(batch.items)
+            self._cond.notify_all()
+
+    def _on_batch(self, w: Any, batch: Any, start_ns: int, end_ns: int, timing: Any) -> None:
+        queue_ns = sum(batch.taken_ns - it.enqueued_ns for it in batch.items)
+        with self._cond:
+            self._batches.append((self._worker_index.get(w.id, -1), len(batch.items), queue_ns,
+                                  end_ns - start_ns))
+
+    def _on_complete(self, done: Sequence[tuple[int, int]], ok: bool, when_ns: int) -> None:
+        if ok and self.serving:
+            return  # served samples are answered by their outputs (`_on_outputs`)
+        with self._cond:
+            if not self._done and not self._outputs:
                 self._first_done_ns = when_ns
             for qid, n in done:
                 self._done[(qid, ok)] += n
@@ -144,26 +221,56 @@ class NodeRuntime:
                     self._failed_samples += n
             self._cond.notify_all()
 
-    def poll(self, wait_s: float) -> dict[str, Any]:
+    def poll(self, wait_s: float, low_water: int = 0) -> dict[str, Any]:
         """Completions since the last poll, waiting up to `wait_s` for the first.
 
-        `done`: (query id, samples, ok) triples; `queued`: items waiting per model; `clock_ns`:
-        this node's clock when it answered (the driver estimates the offset from it).
+        With `low_water`, completions are held back (within `wait_s`) until fewer than that
+        many submitted items are unfinished here, or a failure is to be told.
+
+        `done`: (query id, samples, ok) triples; `outputs` (serving): (query id, sample
+        indices, output arrays) of every batch finished since; `queued`: items waiting per
+        model; `clock_ns`: this node's clock when it answered, `waited_ns` how long it waited
+        for completions (the driver estimates the clocks' offset from them) and `held_back_ns`
+        how much of that was holding back completions it had (`low_water`).
         """
+        called = time.perf_counter_ns()
         with self._cond:
-            if not self._done:
+            if not self._done and not self._outputs:
                 self._cond.wait(wait_s)
+            # Offline, the answer may wait for more completions while the node still holds
+            # `low_water` items unfinished: its workers have work, and one answer (then one
+            # refill) serves several batches instead of each.
+            deadline = called + int(wait_s * 1e9)
+            held_from = time.perf_counter_ns()
+            while (low_water and self._done and not self._outputs
+                   and all(ok for _, ok in self._done)
+                   and self._submitted_samples - self._completed_samples
+                   - self._failed_samples >= low_water):
+                left = deadline - time.perf_counter_ns()
+                if left <= 0:
+                    break
+                self._cond.wait(left / 1e9)
+            waited = time.perf_counter_ns() - called
+            held_back = time.perf_counter_ns() - held_from if low_water else 0
             done = [(q, n, ok) for (q, ok), n in self._done.items()]
-            first = self._first_done_ns if done else 0
+            outputs, self._outputs = self._outputs, []
+            batches, self._batches = self._batches, []
+            first = self._first_done_ns if done or outputs else 0
             self._done.clear()
             totals = {"completed": self._completed_samples, "failed": self._failed_samples,
                       "submitted": self._submitted_samples}
         d = self.rt.dispatcher
         with d.cond:
             queued = {m: d.queued(m) for m in d.models}
-            alive = sum(1 for s in self.rt.states if s.alive)
-        return {"done": done, "queued": queued, "alive_workers": alive, "totals": totals,
-                "first_done_ns": first, "clock_ns": time.perf_counter_ns()}
+            alive = [s.alive for s in self.rt.states]
+            restarting = [s.restarting for s in self.rt.states]
+        answer = {"done": done, "queued": queued, "alive_workers": sum(alive), "totals": totals,
+                  "first_done_ns": first, "waited_ns": waited, "held_back_ns": held_back,
+                  "clock_ns": time.perf_counter_ns()}
+        if self.serving:
+            answer.update(outputs=outputs, batches=batches, alive=alive, restarting=restarting,
+                          errors=[s.error for s in self.rt.states])
+        return answer
 
     def trial_records(self) -> dict[str, Any]:
         """The trial's batch records and worker states, for the driver's summary and store."""
@@ -183,6 +290,10 @@ class NodeRuntime:
 
     def shutdown(self) -> None:
         """Stop the workers (what is queued stays unfinished)."""
+        if self._supervisor is not None:
+            with contextlib.suppress(Exception):
+                self._supervisor.stop()
+            self._supervisor = None
         if self.rt is not None:
             self.rt.shutdown(now=True)
             self.rt = None

@@ -26,6 +26,7 @@ __all__ = [
     "NodeSelector",
     "RouteSettings",
     "TuneSpec",
+    "cluster_plan_from_file",
     "is_cluster_plan",
     "load_cluster_plan",
     "parse_cluster_plan",
@@ -134,6 +135,10 @@ class RouteSettings(_Strict):
     #: The longest one poll waits on a node for completions (it returns at the first one, so
     #: this costs no latency; shorter only spends the nodes' and the driver's CPU on empty polls).
     poll_wait_s: float = Field(0.5, gt=0, le=5)
+    #: Offline only: a node holds its poll answer back while it still has more than a batch
+    #: queued beyond what its workers run, so one answer (and one refill) covers several
+    #: batches; off, it answers at every completion. Other scenarios always answer at once.
+    coalesce_answers: bool = True
 
 
 class ClusterPlan(_Strict):
@@ -238,6 +243,31 @@ def load_cluster_plan(path: str | Path) -> ClusterPlan:
 def is_cluster_plan(data: Any) -> bool:
     """Whether a parsed YAML document is a cluster plan (it has `nodes:`) or a local plan."""
     return isinstance(data, dict) and "nodes" in data
+
+
+def cluster_plan_from_file(plan_file: str, load: dict[str, Any] | None = None) -> ClusterPlan:
+    """A cluster plan file, or a local plan file run on every node (`count: all`).
+
+    `load` overrides fields of the plan's load (None values are ignored): what `--cluster`
+    takes from `infermux run`'s options, or the server's small sample pool.
+    """
+    import yaml
+
+    path = Path(plan_file)
+    data = None
+    if path.is_file():
+        try:
+            data = yaml.safe_load(path.read_text())
+        except yaml.YAMLError:
+            data = None  # load_plan names the error below
+    if not is_cluster_plan(data):
+        local = load_plan(plan_file).to_dict()
+        data = {"name": local["name"], "load": local.pop("load"),
+                "nodes": [{"name": "node", "count": "all", "plan": local}]}
+    assert isinstance(data, dict)
+    data["load"] = {**(data.get("load") or {}),
+                    **{k: v for k, v in (load or {}).items() if v is not None}}
+    return parse_cluster_plan(data, source=plan_file, base=path.parent)
 
 
 EXAMPLE_CLUSTER_PLAN = """\

@@ -2,8 +2,8 @@
 
 A discrete-event simulation of what `run_cluster` does, for 10–1,000 nodes of mixed kinds:
 the load generator (offline backlog topped up on completion, or Poisson server arrivals), the
-driver routing pieces of at most half a node's holding to the node that would finish them
-first (what it holds over its rate), the driver's own cost per routed piece and per completion
+driver routing pieces of a node's batch to the node that would finish them first (what it
+holds over its rate), the driver's own cost per routed piece and per completion
 answer (a single server: at scale it is the driver that saturates), the way back to the driver,
 and inside each node the runtime's pull dispatcher with dynamic batching. Batch service times
 are drawn from measured distributions (`NodeKind.from_records`, from a real run's batch
@@ -192,8 +192,8 @@ def simulate(kinds: Sequence[NodeKind], counts: Sequence[int], *, scenario: str 
         seq[0] += 1
         heapq.heappush(events, (t, seq[0], kind, data))
 
-    hold = {n.idx: n.kind.workers * n.kind.batch for n in nodes}
-    piece = max(1, min(hold.values()) // 2)
+    # What `ClusterSUT.capacity_items` says: each node's holding plus a batch on the way.
+    hold = {n.idx: n.kind.workers * n.kind.batch + n.kind.batch for n in nodes}
     backlog = max(16, 2 * sum(hold.values()))
     chunk = max(1, backlog // 4)
     remaining: dict[int, int] = {}
@@ -226,11 +226,11 @@ def simulate(kinds: Sequence[NodeKind], counts: Sequence[int], *, scenario: str 
         left = n
         calls: dict[int, int] = {}
         while left > 0:
-            k = min(piece, left)
-            left -= k
             while ready[0][1] != version[ready[0][2]]:
                 heapq.heappop(ready)
             best = nodes[ready[0][2]]
+            k = min(best.kind.batch, left)
+            left -= k
             best.held += k
             rekey(best)
             calls[best.idx] = calls.get(best.idx, 0) + k

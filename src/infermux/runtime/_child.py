@@ -2,6 +2,12 @@
 
 It pins itself to its cores, builds its runners and its copy of the sample library, then runs
 batches of sample indices sent by the parent's worker thread until told to close.
+
+Batches are run in the order they arrive; the parent may send the next one before it has read
+the previous answer (`ProcessHost.depth`), so the child finds it waiting in its pipe. Each
+answer says whether its batch was already waiting when the compute of the one before ended
+(looked at before that one was answered), and otherwise how long the child idled for it after
+that answer: what the relay through the parent cost this core.
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ import contextlib
 import os
 import signal
 import sys
+import time
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -61,6 +68,8 @@ def child_main(conn_in: Any, conn_out: Any) -> None:
         conn_out.send(("error", is_out_of_memory(exc), f"{type(exc).__name__}: {exc}"))
         return
     shared: dict[str, Any] = {}  # shared memory blocks of served rows, by name
+    answered_ns = time.perf_counter_ns()
+    waiting = False  # was the next batch in the pipe when the last one's compute ended?
     while True:
         try:
             msg = conn_in.recv()
@@ -68,6 +77,7 @@ def child_main(conn_in: Any, conn_out: Any) -> None:
             break
         if msg[0] == "close":
             break
+        early, idle_ns = waiting, 0 if waiting else time.perf_counter_ns() - answered_ns
         kind, model_name, bucket, indices = msg
         try:
             runner = runners[(model_name, bucket)]
@@ -79,14 +89,19 @@ def child_main(conn_in: Any, conn_out: Any) -> None:
             else:
                 runner.gather_input(pools[model_name], indices)
             timing = runner.run()
+            # Looked at before this batch is answered: a parent that sends only after reading
+            # the answer can never have sent the next one by now.
+            waiting = conn_in.poll(0)
             times = (timing.latency_ns, timing.h2d_ns, timing.compute_ns, timing.d2h_ns)
+            outputs = None
             if kind == "shm":
                 n = shape[0]
-                conn_out.send(("ok", times, [np.array(y[:n]) for y in runner.outputs()]))
-            else:
-                conn_out.send(("ok", times))
+                outputs = [np.array(y[:n]) for y in runner.outputs()]
+            conn_out.send(("ok", times, outputs, (early, idle_ns)))
         except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises it
+            waiting = False
             conn_out.send(("error", is_out_of_memory(exc), f"{type(exc).__name__}: {exc}"))
+        answered_ns = time.perf_counter_ns()
     for block in shared.values():
         with contextlib.suppress(Exception):
             block.close()

@@ -15,6 +15,9 @@
 - **Dynamic placement.** A worker whose own model's queue is empty serves another model it
   holds a runner for, when that model's queue has a full batch waiting or its oldest item has
   waited out the queue delay (its own workers are behind). `move()` reassigns a worker for good.
+- **Taking ahead.** A worker that queues its next batch while one runs (`take_ahead`: a CPU
+  worker's process holds it in its pipe) leaves the items to an idle worker of the model that
+  would finish them sooner, since that one can start now and it only when its batch ends.
 - **Tail.** Once no more items will come, a worker takes a batch only if it would finish no
   later than the other workers would clear the rest without it (`placement.tail_take`): a slow
   unit does not stretch the end of an offline run.
@@ -409,6 +412,24 @@ class Dispatcher:
                 if not block:
                     return None
                 self.cond.wait(None if got == WAIT_FOREVER else got)
+
+    def take_ahead(self, w: WorkerState) -> Batch | None:
+        """A batch for `w` to queue behind the one it runs, else None (at once, never waits).
+
+        `next_batch(w, block=False)`, except that while `w` holds a batch the items are left
+        to an idle live worker of its model that would finish them sooner (`finish_ns`: it
+        starts now, `w` when its own batch ends), so queueing ahead never takes work from a
+        worker waiting for it.
+        """
+        with self.cond:
+            if w.in_flight:
+                now = self.clock_ns()
+                n = max(1, min(self.queued(w.model), w.batch))
+                mine = w.view().finish_ns(n, now)
+                if any(o.view().finish_ns(n, now) < mine for o in self._live(w.model)
+                       if o.id != w.id and not o.in_flight):
+                    return None
+            return self.next_batch(w, block=False)
 
     @property
     def closed(self) -> bool:

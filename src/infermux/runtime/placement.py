@@ -94,14 +94,15 @@ def slo_take(
     """How many of the `available` oldest items `me` should take under a latency bound.
 
     The oldest item must complete by `deadline_ns`. `me` takes the largest batch it can finish
-    in time. If it cannot finish even one item in time but another live worker of the model can
-    (once it frees up), `me` declines (0) and leaves the items to it. If no worker can meet the
+    in time, counting from when it frees up (a worker may take its next batch while one runs).
+    If it cannot finish even one item in time but another live worker of the model can (once
+    it frees up), `me` declines (0) and leaves the items to it. If no worker can meet the
     bound, `me` takes the items anyway: late is better than never.
     """
     n = min(available, me.buckets[-1])
     sizes = [n] + [b for b in reversed(me.buckets) if b < n]
     for size in sizes:
-        if now_ns + me.expected_ns(me.bucket_for(size)) <= deadline_ns:
+        if me.finish_ns(size, now_ns) <= deadline_ns:
             return size
     for other in others:
         if other.alive and other.id != me.id and other.finish_ns(1, now_ns) <= deadline_ns:

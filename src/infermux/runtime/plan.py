@@ -216,6 +216,9 @@ class DispatcherSettings(_Strict):
     estimate_alpha: float = Field(0.2, gt=0, le=1)
     #: How CPU-unit workers are hosted: `process` (one pinned process each) or `thread`.
     cpu_workers: Literal["process", "thread"] = "process"
+    #: Batches a CPU worker's process holds at once: 2 sends the next while one runs, so the
+    #: process never idles for the relay through this one; 1 sends each after the last answer.
+    cpu_in_flight: int = Field(2, ge=1, le=2)
     #: A failed batch is retried on another worker this many times before its queries fail.
     max_retries: int = Field(2, ge=0, le=10)
     #: When a GPU worker takes its next batch while one runs: `early`, as soon as items wait;
@@ -450,6 +453,7 @@ dispatcher:
   max_queue_delay_ms: 2.0          # wait at most this long for a fuller batch
   estimate_alpha: 0.2              # moving average of batch latency (SLO-aware placement)
   cpu_workers: process             # CPU workers as pinned processes (measured) or threads
+  cpu_in_flight: 2                 # batches in a CPU worker's process: the next waits there
   max_retries: 2                   # a failed batch is retried elsewhere, then reported failed
   gpu_take: just_in_time           # GPU workers take their next batch as the running one ends
 placement: static                  # dynamic: idle workers move to the model whose queue grows

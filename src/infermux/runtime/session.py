@@ -255,7 +255,8 @@ class _Runtime:
         for wp in layout:
             if wp.hosting != "process":
                 continue
-            host = ProcessHost(wp.name, wp.cores, self._specs(wp))
+            host = ProcessHost(wp.name, wp.cores, self._specs(wp),
+                               depth=plan.dispatcher.cpu_in_flight)
             host.start()
             self.hosts.append(host)
             self.host_by_id[wp.id] = host
@@ -362,7 +363,8 @@ class _Runtime:
             previous = self.host_by_id.get(worker_id)
             if previous is not None:
                 previous.close(timeout_s=2.0)
-            host = ProcessHost(wp.name, wp.cores, self._specs(wp))
+            host = ProcessHost(wp.name, wp.cores, self._specs(wp),
+                               depth=self.plan.dispatcher.cpu_in_flight)
             host.start()
             if previous is not None and previous in self.hosts:
                 self.hosts[self.hosts.index(previous)] = host

@@ -11,8 +11,9 @@ Hosting, decided by measurement (docs/benchmarks.md, bench/runtime_cpu_modes.py)
   (`ProcessHost`): threads stall on the GIL when per-batch Python work is large next to the
   kernels (2 pinned threads gave 1.08× one at batch 1, 2 processes 1.82×). The worker thread
   in this process only relays sample indices and timings through a pipe; the child holds its
-  own runners and its own copy of the (seeded) sample library. `cpu_workers: thread` keeps
-  them as pinned threads instead.
+  own runners and its own copy of the (seeded) sample library. The thread sends the next batch
+  while the child runs one (`dispatcher.cpu_in_flight: 2`), so the child never idles for the
+  relay (`Worker._loop_relayed`). `cpu_workers: thread` keeps them as pinned threads instead.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -31,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from infermux.engines.base import BatchTiming, Runner, is_out_of_memory
-from infermux.errors import DeviceOutOfMemoryError, RunError
+from infermux.errors import DeviceOutOfMemoryError, RunError, UsageError
 from infermux.runtime.dispatcher import Batch, Dispatcher, WorkerState
 
 __all__ = ["ProcessHost", "RunnerSpec", "Worker", "WorkerDiedError"]
@@ -72,6 +74,9 @@ class Worker:
         # Sample pools by (model, dtype and device): shared by the workers given the same dict
         # (every instance on one GPU reads one copy; pools are only read once made).
         self._pools: dict[tuple[str, tuple[str, ...]], Any] = pools if pools is not None else {}
+        #: A process-hosted worker's relay: the moving average of a batch's round trip to its
+        #: child beyond the child's own time for it (`_loop_relayed`), ns.
+        self.relay_ns = 0.0
         self.thread = threading.Thread(target=self._main, name=f"infermux-{state.name}",
                                        daemon=True)
 
@@ -127,8 +132,11 @@ class Worker:
             import torch
 
             torch.set_num_threads(self.threads)
+        host = _host_of(self.runners)
         asynchronous = any(r.asynchronous for rs in self.runners.values() for r in rs.values())
-        if asynchronous:
+        if host is not None and host.depth > 1:
+            self._loop_relayed(host)
+        elif asynchronous:
             self._loop_pipelined()
         else:
             self._loop()
@@ -249,6 +257,86 @@ class Worker:
         finally:
             if helper is not None:
                 helper.close()
+
+    def _loop_relayed(self, host: ProcessHost) -> None:
+        """A process-hosted worker: keep the next batch in the child's pipe while it runs one.
+
+        Sending a batch only after the previous answer was read left the child's cores idle for
+        the whole relay, every batch: the answer crossing the pipe, this thread waking (it
+        shares the GIL with the server's fronts and the load generator), taking the next batch
+        and sending it. Here batch k+1 is sent while k runs, at most `host.depth` in flight, and
+        the child runs its pipe in order. k+1 is taken as `_wait_to_take` takes a GPU worker's:
+        at once when a full batch waits, else when k is expected to end within two relays
+        (`busy_until_ns`, the dispatcher's estimate), through `Dispatcher.take_ahead`, which
+        leaves it to an idle worker that would finish it sooner. Meanwhile this thread waits on
+        the pipe, so k's answer is reported the moment it comes.
+
+        Answers are reported in order. A batch's start is when it was sent or, if it waited in
+        the pipe, when the answer before it came: batches never overlap in the records, and
+        the latency estimate is the child's time per batch, what `busy_until_ns` adds up. A
+        failure (the child died, hung or raised) hands every batch in flight back to the
+        dispatcher (`failed`), as the pipelined loop does with the two batches it holds.
+        """
+        d, w = self.dispatcher, self.state
+        # (batch, sent at, sent to a child that held nothing: its round trip is all relay)
+        pending: deque[tuple[Batch, int, bool]] = deque()
+        last_end = 0
+        while True:
+            batch: Batch | None = None
+            if not pending:
+                batch = d.next_batch(w)
+                if batch is None:
+                    return
+            elif len(pending) < host.depth and self._send_ahead(host):
+                batch = d.take_ahead(w)
+            if batch is not None:
+                sent = self.clock_ns()
+                try:
+                    rows = batch.rows()
+                    if rows is None:
+                        host.send(batch.model, batch.bucket, batch.samples)
+                    else:
+                        host.send_rows(batch.model, batch.bucket, rows)
+                except Exception as exc:  # noqa: BLE001 - every failure takes the worker out
+                    d.failed(w, [p[0] for p in pending] + [batch], _translate(exc, w))
+                    return
+                pending.append((batch, sent, not pending))
+                continue
+            try:
+                timing, outputs = host.receive()
+            except Exception as exc:  # noqa: BLE001 - every failure takes the worker out
+                d.failed(w, [p[0] for p in pending], _translate(exc, w))
+                return
+            end = self.clock_ns()
+            done, sent, alone = pending.popleft()
+            if alone:
+                self.relay_ns = _average(self.relay_ns, max(0, end - sent - timing.latency_ns))
+            start, last_end = max(sent, last_end), end
+            d.finished(w, done, start, end, timing, outputs)
+
+    def _send_ahead(self, host: ProcessHost) -> bool:
+        """Wait until the next batch should be taken (True) or the oldest answer came (False).
+
+        A full batch waiting is taken at once; otherwise the time to take it is two relays and
+        a little slack before the running batch is expected to end, as `_wait_to_take` does
+        for GPU workers (the items stay in the queue for whichever worker frees first, and the
+        batch fills). The wait is on the child's pipe, not on new items.
+        """
+        d, w = self.dispatcher, self.state
+        with d.cond:
+            if d.queued(w.model) >= w.batch:
+                return True
+            take_at = w.busy_until_ns - 2 * self.relay_ns - _TAKE_SLACK_NS
+        left = take_at - self.clock_ns()
+        return left <= 0 or not host.answer_ready(left / 1e9)
+
+
+def _host_of(runners: dict[str, dict[int, Runner]]) -> ProcessHost | None:
+    """The process that hosts every one of `runners` (proxies of one `ProcessHost`), else None."""
+    hosts = {id(r._host): r._host for rs in runners.values() for r in rs.values()
+             if isinstance(r, _ProxyRunner)}
+    every = all(isinstance(r, _ProxyRunner) for rs in runners.values() for r in rs.values())
+    return next(iter(hosts.values())) if every and len(hosts) == 1 else None
 
 
 #: Slack before a running batch's expected end at which a just-in-time worker takes the next.
@@ -373,6 +461,9 @@ class _ProxyRunner(Runner):
         self._indices: list[int] = []
         self._rows: np.ndarray | None = None
         self._outputs: list[np.ndarray] = []
+        #: `launch()` returns once the batch is in the child's pipe, and the worker loop keeps
+        #: a second one there while the first runs (`Worker._loop_relayed`).
+        self.asynchronous = host.depth > 1
 
     def pool_layout(self) -> tuple[str, ...]:
         return ("in-child",)
@@ -390,11 +481,20 @@ class _ProxyRunner(Runner):
     def set_input(self, batch: np.ndarray) -> None:
         raise RunError("a process-hosted runner takes sample indices (gather_input), not arrays")
 
-    def run(self) -> BatchTiming:
+    def launch(self) -> None:
         if self._rows is not None:
-            timing, self._outputs = self._host.call_rows(self._model, self.batch, self._rows)
-            return timing
-        return self._host.call(self._model, self.batch, self._indices)
+            self._host.send_rows(self._model, self.batch, self._rows)
+        else:
+            self._host.send(self._model, self.batch, self._indices)
+
+    def collect(self) -> BatchTiming:
+        timing, outputs = self._host.receive()
+        self._outputs = outputs or []
+        return timing
+
+    def run(self) -> BatchTiming:
+        self.launch()
+        return self.collect()
 
     def outputs(self) -> list[np.ndarray]:
         return self._outputs
@@ -406,21 +506,36 @@ class ProcessHost:
     The child is a fresh interpreter (`python -m infermux.runtime._child`) talking over two
     pipes, not a multiprocessing child: spawning through multiprocessing re-imports the
     caller's main script, which breaks scripts and notebooks without a main guard.
+
+    Batches go in with `send`/`send_rows` and their answers come back, in the order sent, from
+    `receive`; up to `depth` may be in the child at once. With 2 the worker sends the next batch
+    while the child runs one, so the child finds it in its pipe instead of idling for the
+    relay (the answer crossing the pipe, the worker thread waking and taking the next batch).
     """
 
     def __init__(self, name: str, cores: Sequence[int], specs: Sequence[RunnerSpec], *,
-                 call_timeout_s: float = 600.0) -> None:
+                 call_timeout_s: float = 600.0, depth: int = 2) -> None:
+        if depth not in (1, 2):
+            raise UsageError(f"worker {name}: {depth} batches in flight per process; use 1 or 2")
         self.name = name
         self.cores = tuple(cores)
         self.specs = list(specs)
         #: The longest one batch may take in the child before it is taken for hung and stopped.
         self.call_timeout_s = call_timeout_s
+        #: Batches the child may hold at once (the one it runs and the next, waiting).
+        self.depth = depth
         self.info: dict[str, dict[int, dict[str, Any]]] = {}
         self._proc: subprocess.Popen[bytes] | None = None
         self._conn_in: Connection | None = None
         self._conn_out: Connection | None = None
-        #: Per model, the shared memory a served batch's rows go through (`call_rows`).
-        self._shm: dict[str, Any] = {}
+        #: Per model and slot, the shared memory a served batch's rows go through (`send_rows`):
+        #: one slot per batch in flight, so rows of the next never overwrite those in use.
+        self._shm: dict[tuple[str, int], Any] = {}
+        self._sent = 0
+        self._in_flight = 0
+        #: The child's account of its batches: answered, found waiting in the pipe when the
+        #: previous one ended, and its idle time waiting for the others (the relay's cost).
+        self.relay_stats: dict[str, int] = {"batches": 0, "waiting": 0, "idle_ns": 0}
 
     def start(self) -> None:
         """Start the child; it loads the models and builds runners while others do the same."""
@@ -442,7 +557,8 @@ class ProcessHost:
         self._conn_out.send((self.cores, self.specs))
 
     def _recv(self, timeout_s: float | None = None) -> Any:
-        assert self._conn_in is not None
+        if self._conn_in is None:
+            raise RunError(f"worker {self.name}: its process was stopped")
         if timeout_s is not None and not self._conn_in.poll(timeout_s):
             raise TimeoutError
         return self._conn_in.recv()
@@ -467,40 +583,96 @@ class ProcessHost:
         return {m: {b: _ProxyRunner(self, m, b, info) for b, info in per.items()}
                 for m, per in self.info.items()}
 
+    @property
+    def in_flight(self) -> int:
+        """Batches sent whose answers have not been received yet."""
+        return self._in_flight
+
     def call(self, model: str, bucket: int, indices: list[int]) -> BatchTiming:
         """Run one batch in the child; its failures come back as RunError/DeviceOutOfMemoryError.
 
         A child that fails a batch, or answers none within `call_timeout_s`, is stopped: the
         worker is out of service either way.
         """
-        msg = self._exchange(("run", model, bucket, indices))
-        return BatchTiming(*msg[1])
+        self._idle("call")
+        self.send(model, bucket, indices)
+        return self.receive()[0]
 
     def call_rows(self, model: str, bucket: int,
                   rows: np.ndarray) -> tuple[BatchTiming, list[np.ndarray]]:
-        """Run one batch of given input rows in the child; its timing and outputs (a row each).
+        """Run one batch of given input rows in the child; its timing and outputs (a row each)."""
+        self._idle("call_rows")
+        self.send_rows(model, bucket, rows)
+        timing, outputs = self.receive()
+        return timing, outputs or []
+
+    def _idle(self, what: str) -> None:
+        if self._in_flight:
+            raise RunError(f"worker {self.name}: {what}() while {self._in_flight} batches are in "
+                           "its process; receive() their answers first")
+
+    def send(self, model: str, bucket: int, indices: Sequence[int]) -> None:
+        """Queue one batch of sample indices in the child; its answer comes from `receive()`."""
+        self._send(("run", model, bucket, list(indices)))
+
+    def send_rows(self, model: str, bucket: int, rows: np.ndarray | Sequence[np.ndarray]) -> None:
+        """Queue one batch of given input rows in the child (outputs come with its answer).
 
         The rows go through shared memory, only its name and the shape through the pipe: a
         ResNet-sized batch of 4 (2.4 MB) took 6.3 ms to cross the pipe and back on the 2-core
-        dev machine, about half of the batch's compute.
+        dev machine, about half of the batch's compute. Each batch in flight has its own block.
         """
         from multiprocessing.shared_memory import SharedMemory
 
-        rows = np.ascontiguousarray(rows, dtype=np.float32)
-        shm = self._shm.get(model)
-        if shm is None or shm.size < rows.nbytes:
+        first = np.asarray(rows[0])
+        shape = (len(rows), *first.shape)
+        nbytes = int(np.prod(shape)) * 4
+        key = (model, self._sent % self.depth)
+        shm = self._shm.get(key)
+        if shm is None or shm.size < nbytes:
             if shm is not None:
                 _release(shm)
-            shm = self._shm[model] = SharedMemory(create=True, size=max(1, rows.nbytes))
-        np.ndarray(rows.shape, rows.dtype, buffer=shm.buf)[...] = rows
-        msg = self._exchange(("shm", model, bucket, (shm.name, rows.shape)))
-        return BatchTiming(*msg[1]), msg[2]
+            shm = self._shm[key] = SharedMemory(create=True, size=max(1, nbytes))
+        block = np.ndarray(shape, np.float32, buffer=shm.buf)
+        if isinstance(rows, np.ndarray):
+            block[...] = rows
+        else:
+            for i, row in enumerate(rows):  # straight into the block: no stacked copy first
+                block[i] = row
+        del block
+        self._send(("shm", model, bucket, (shm.name, shape)))
 
-    def _exchange(self, request: tuple[Any, ...]) -> tuple[Any, ...]:
+    def _send(self, request: tuple[Any, ...]) -> None:
         if self._conn_out is None:
             raise RunError(f"worker {self.name}: its process was stopped")
+        if self._in_flight >= self.depth:
+            raise RunError(f"worker {self.name}: {self._in_flight} batches are in its process "
+                           f"already, the most it holds")
         try:
             self._conn_out.send(request)
+        except OSError:
+            raise WorkerDiedError(f"worker {self.name}: {self.death()}") from None
+        self._sent += 1
+        self._in_flight += 1
+
+    def answer_ready(self, timeout_s: float = 0.0) -> bool:
+        """Whether the oldest batch's answer (or the child's end) arrives within `timeout_s`."""
+        if self._conn_in is None or not self._in_flight:
+            return False
+        try:
+            return self._conn_in.poll(timeout_s)
+        except (EOFError, OSError):
+            return True  # receive() reports it
+
+    def receive(self) -> tuple[BatchTiming, list[np.ndarray] | None]:
+        """The oldest batch's timing and outputs (rows sent with `send_rows`), in send order.
+
+        A child that fails a batch, or answers none within `call_timeout_s`, is stopped: the
+        worker is out of service either way. A child that died raises WorkerDiedError.
+        """
+        if not self._in_flight:
+            raise RunError(f"worker {self.name}: no batch is in its process to answer")
+        try:
             msg = self._recv(self.call_timeout_s)
         except TimeoutError:
             self.close(timeout_s=1.0)
@@ -510,10 +682,17 @@ class ProcessHost:
             ) from None
         except (EOFError, OSError):
             raise WorkerDiedError(f"worker {self.name}: {self.death()}") from None
+        self._in_flight -= 1
         if msg[0] == "error":
-            self.close()
+            # A batch still in the child would run first: its worker is out of service anyway.
+            self.close(timeout_s=1.0 if self._in_flight else 10.0)
             _raise_child_error(self.name, msg)
-        return tuple(msg)
+        _, times, outputs, (waiting, idle_ns) = msg
+        stats = self.relay_stats
+        stats["batches"] += 1
+        stats["waiting"] += int(waiting)
+        stats["idle_ns"] += int(idle_ns)
+        return BatchTiming(*times), outputs
 
     @property
     def pid(self) -> int | None:
@@ -538,7 +717,7 @@ class ProcessHost:
         return f"its process died (exit code {code})"
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Ask the child to exit; kill it if it does not."""
+        """Ask the child to exit (after the batches it holds); kill it if it does not."""
         if self._conn_out is not None:
             with contextlib.suppress(Exception):
                 self._conn_out.send(("close",))
@@ -553,6 +732,7 @@ class ProcessHost:
                 with contextlib.suppress(Exception):
                     conn.close()
         self._conn_in = self._conn_out = None
+        self._in_flight = 0
         for shm in self._shm.values():
             _release(shm)
         self._shm.clear()

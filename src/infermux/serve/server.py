@@ -78,14 +78,26 @@ class ServeSettings:
 
 
 class InferenceServer:
-    """Builds the plan's runtime, serves it until stopped, then drains and stores the run."""
+    """Builds the plan's runtime, serves it until stopped, then drains and stores the run.
 
-    def __init__(self, plan: Plan, settings: ServeSettings | None = None, *,
+    `backend(progress)`, where given, builds the runtime instead (`infermux serve --cluster`:
+    a `cluster.serve.ClusterRuntime`, whose `.plan` describes the models); `plan` may then be
+    None, and `config` is stored with the run beside it.
+    """
+
+    def __init__(self, plan: Plan | None, settings: ServeSettings | None = None, *,
                  store: Store | None = None, command: str = "",
-                 progress: Callable[[str, float], None] | None = None) -> None:
+                 progress: Callable[[str, float], None] | None = None,
+                 backend: Callable[[Callable[[str, float], None] | None], Any] | None = None,
+                 config: dict[str, Any] | None = None) -> None:
         from infermux.runtime.session import with_load
 
-        self.plan = with_load(plan, sample_pool=min(plan.load.sample_pool, _SERVE_SAMPLE_POOL))
+        if plan is None and backend is None:
+            raise UsageError("a server needs a plan or a backend that runs one")
+        self.plan = None if plan is None else with_load(
+            plan, sample_pool=min(plan.load.sample_pool, _SERVE_SAMPLE_POOL))
+        self.backend = backend
+        self.config = config or {}
         self.settings = settings or ServeSettings()
         self.store = store
         self.command = command
@@ -122,7 +134,9 @@ class InferenceServer:
                                 category=UserWarning)
         s = self.settings
         http_sock = _bind(s.host, s.http_port, "--http-port")
-        config = {"plan": self.plan.to_dict(), "model": self.plan.name, "serve": s.public()}
+        config = {"plan": self.plan.to_dict() if self.plan is not None else None,
+                  "model": self.plan.name if self.plan is not None else None,
+                  "serve": s.public(), **self.config}
         with recording(self.store, "serve", config, self.command) as rec:
             self.run_id = rec.run_id
             return await self._serve(rec, http_sock, on_ready)
@@ -140,14 +154,21 @@ class InferenceServer:
         runtime = sampler = httpd = grpc_server = supervisor = None
         started = time.perf_counter()
         try:
-            runtime = await asyncio.to_thread(start_runtime, self.plan, progress=self.progress)
-            _keep_off_worker_cores(runtime.build_info.get("host_cores") or [])
+            if self.backend is not None:
+                runtime = await asyncio.to_thread(self.backend, self.progress)
+            else:
+                assert self.plan is not None
+                runtime = local = await asyncio.to_thread(start_runtime, self.plan,
+                                                          progress=self.progress)
+                _keep_off_worker_cores(local.build_info.get("host_cores") or [])
+            assert runtime is not None
             sampler = _sampler(s.telemetry_interval_s)
             metrics = ServeMetrics(runtime, sampler)
             runtime.dispatcher.take_when_idle = not s.wait_when_idle
-            if s.max_restarts:
+            if s.max_restarts and self.backend is None:  # a backend restarts its own workers
                 supervisor = self.supervisor = Supervisor(runtime, max_restarts=s.max_restarts)
-            self.core = core = InferenceCore(runtime, self.plan, max_queue_items=s.max_queue_items,
+            self.core = core = InferenceCore(runtime, runtime.plan,
+                                             max_queue_items=s.max_queue_items,
                                              metrics=metrics, supervisor=supervisor)
             if supervisor is not None:
                 supervisor.start()
@@ -193,6 +214,8 @@ class InferenceServer:
                        "ports": self.ports, "served_s": time.perf_counter() - started,
                        "error": error, "run_id": self.run_id, "status": status,
                        "restarts": supervisor.summary() if supervisor is not None else {}}
+            if runtime is not None and hasattr(runtime, "nodes"):
+                summary["nodes"] = runtime.nodes()
             rec.status, rec.summary = status, summary
         return summary
 
@@ -209,6 +232,7 @@ class InferenceServer:
                         "workers": [st.name for st in runtime.states if st.model == m.name]}
                        for m in self.core.models.values()],
             "build_s": runtime.build_info.get("build_s"),
+            **({"nodes": runtime.build_info["nodes"]} if "nodes" in runtime.build_info else {}),
             # Process-hosted workers' process ids (a restarted worker gets a new one).
             "worker_pids": {runtime.dispatcher.workers[wid].name: host.pid
                             for wid, host in runtime.host_by_id.items()},
@@ -324,11 +348,15 @@ def _QuietUvicorn(config: Any) -> Any:  # noqa: N802 - used like a class
     return _quiet_uvicorn()(config)
 
 
-def serve_plan(plan: Plan, settings: ServeSettings | None = None, *, store: Store | None = None,
-               command: str = "", on_ready: Callable[[dict[str, Any]], None] | None = None,
-               progress: Callable[[str, float], None] | None = None) -> dict[str, Any]:
-    """Serve `plan` until SIGTERM or Ctrl-C (a graceful shutdown); the summary."""
-    server = InferenceServer(plan, settings, store=store, command=command, progress=progress)
+def serve_plan(plan: Plan | None, settings: ServeSettings | None = None, *,
+               store: Store | None = None, command: str = "",
+               on_ready: Callable[[dict[str, Any]], None] | None = None,
+               progress: Callable[[str, float], None] | None = None,
+               backend: Callable[[Callable[[str, float], None] | None], Any] | None = None,
+               config: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Serve `plan` (or `backend`'s runtime) until SIGTERM or Ctrl-C; the summary."""
+    server = InferenceServer(plan, settings, store=store, command=command, progress=progress,
+                             backend=backend, config=config)
 
     async def main() -> dict[str, Any]:
         loop = asyncio.get_running_loop()

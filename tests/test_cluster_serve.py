@@ -1,0 +1,234 @@
+"""`infermux serve --cluster`: the v2 server in front of real Ray nodes on localhost.
+
+The CLI serves a local plan on every node of `local:2` and must answer Triton's clients with
+what the network computes (an input the network raises on gets an error after its retries,
+and the nodes serve on); in process, the worker node of a two-node cluster is stopped (its
+raylet and processes killed) while clients send requests, and every request must be answered:
+with the right outputs (retried on the other node), or with an error once no node is left
+(the head node's runtime actor is killed then: the head itself keeps the cluster up).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+pytest.importorskip("ray", reason="the cluster needs Ray: pip install 'infermux[cluster]'")
+pytest.importorskip("tritonclient.grpc")
+pytest.importorskip("uvicorn")
+pytest.importorskip("prometheus_client")
+
+import tritonclient.grpc as tgrpc
+import tritonclient.http as thttp
+from tritonclient.utils import InferenceServerException
+
+from tests.conftest import run_cli
+from tests.test_serve import NET, Server
+
+CORES = sorted(os.sched_getaffinity(0))
+
+
+@pytest.fixture(scope="module")
+def net_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("cluster_serve_net") / "net.py"
+    path.write_text(NET)
+    return path
+
+
+def _reference(net_file: Path, factory: str = "build") -> Any:
+    import torch
+
+    from infermux.models import ModelSpec, load_model
+
+    module = load_model(ModelSpec(f"{net_file}:{factory}")).module
+
+    def run(x: np.ndarray) -> np.ndarray:
+        with torch.inference_mode():
+            return module(torch.from_numpy(x)).numpy()
+
+    return run
+
+
+def _x(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((n, 3, 16, 16), dtype=np.float32)
+
+
+def _infer(client: thttp.InferenceServerClient, x: np.ndarray) -> np.ndarray:
+    inp = thttp.InferInput("input", list(x.shape), "FP32")
+    inp.set_data_from_numpy(x, binary_data=True)
+    return client.infer("net", [inp]).as_numpy("output")
+
+
+def test_a_bad_cluster_address_is_one_line(net_file: Path) -> None:
+    plan = net_file.parent / "bad-address.yaml"
+    plan.write_text(json.dumps({"name": "x", "models": [{"name": "net", "model": f"{net_file}:build",
+                                                        "replicas": [{"unit": "cpu"}]}]}))
+    proc = run_cli("serve", str(plan), "--cluster", "somewhere", "--http-port", "0")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0
+    assert "'somewhere'" in proc.stderr and "local:N" in proc.stderr
+
+
+def test_serve_cluster_answers_as_the_network_does(net_file: Path) -> None:
+    plan = {"name": "tiny", "models": [{"name": "net", "model": f"{net_file}:poisonable",
+                                        "replicas": [{"unit": f"cpu:{CORES[0]}", "batch": 4}]}],
+            "dispatcher": {"cpu_workers": "thread", "max_queue_delay_ms": 1}}
+    srv = Server(net_file.parent, plan, "--cluster", "local:2")
+    reference = _reference(net_file, "poisonable")
+    try:
+        assert [n["node"] for n in srv.ready["nodes"]] == ["node-0", "node-1"]
+        assert len(srv.ready["models"][0]["workers"]) == 2
+        client = thttp.InferenceServerClient(srv.http, concurrency=4)
+        assert client.is_server_ready() and client.is_model_ready("net")
+        sent: list[int] = []
+        bad: list[str] = []
+
+        def one(k: int) -> None:
+            for j in range(6):
+                x = _x(1 + (k + j) % 4, seed=10 * k + j)
+                got = _infer(thttp.InferenceServerClient(srv.http), x)
+                sent.append(len(x))
+                if got.shape != (len(x), 10) or not np.allclose(got, reference(x), atol=1e-5):
+                    bad.append(f"client {k} request {j}")
+
+        threads = [threading.Thread(target=one, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not bad and len(sent) == 24
+        grpc = tgrpc.InferenceServerClient(srv.grpc)
+        x = _x(3, seed=99)
+        inp = tgrpc.InferInput("input", list(x.shape), "FP32")
+        inp.set_data_from_numpy(x)
+        assert np.allclose(grpc.infer("net", [inp]).as_numpy("output"), reference(x), atol=1e-5)
+        stats = client.get_inference_statistics("net")["model_stats"][0]
+        assert stats["inference_count"] >= sum(sent) + 3
+        # The nodes' batches reach the statistics and /metrics, by node worker.
+        metrics = srv.scrape()
+        assert metrics['nv_inference_count_total{model="net",version="1"}'] >= sum(sent) + 3
+        assert sum(v for k, v in metrics.items()
+                   if k.startswith('infermux_worker_alive{') and 'worker="node-' in k) == 2
+        # An input the network raises on fails on every node it is tried on: the request
+        # gets the error; the nodes restart their workers and serve the next requests.
+        with pytest.raises(InferenceServerException) as info:
+            _infer(client, np.full((1, 3, 16, 16), 1e7, dtype=np.float32))
+        assert "failed" in info.value.message() and "poisoned input" in info.value.message()
+        deadline = time.monotonic() + 30
+        while not client.is_model_ready("net") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        x = _x(2, seed=5)
+        assert np.allclose(_infer(client, x), reference(x), atol=1e-5)
+    finally:
+        code, out = srv.stop()
+    assert code == 0, out
+    stopped = json.loads(out[out.index("{\n"):])
+    assert stopped["status"] == "complete" and stopped["models"]["net"]["requests_failed"] == 1
+    nodes = stopped["nodes"]
+    assert all(n["status"] == "ok" for n in nodes)
+    # Every item was answered by one node (the server's probe of the outputs included), and
+    # the poisoned one was tried three times (the first try and `route.max_retries` = 2).
+    assert sum(n["completed_samples"] for n in nodes) == sum(sent) + 3 + 2 + 1
+    assert sum(n["failed_samples"] for n in nodes) == 3
+
+
+def test_a_node_lost_mid_serve_leaves_no_request_unanswered(net_file: Path) -> None:
+    from infermux.cluster import open_cluster, parse_cluster_plan
+    from infermux.cluster.serve import start_cluster_runtime
+    from infermux.serve import InferenceServer, ServeSettings
+
+    def node(name: str, local: int, core: int) -> dict[str, Any]:
+        # The slow network (40 ms a batch) keeps requests in flight on both nodes.
+        return {"name": name, "node": {"resource": f"infermux-local-{local}"},
+                "plan": {"models": [{"name": "net", "model": f"{net_file}:slow",
+                                     "replicas": [{"unit": f"cpu:{core}", "batch": 4}]}],
+                         "dispatcher": {"cpu_workers": "thread", "max_queue_delay_ms": 1}}}
+
+    plan = parse_cluster_plan({"name": "two", "nodes": [node("a", 0, CORES[0]),
+                                                        node("b", 1, CORES[-1])],
+                               "route": {"max_retries": 2},
+                               "load": {"sample_pool": 4}})
+    reference = _reference(net_file, "slow")
+    handle = open_cluster("local:2")
+    server = InferenceServer(None, ServeSettings(http_port=0, grpc_port=0, metrics_port=0,
+                                                 telemetry_interval_s=0, max_restarts=0),
+                             backend=lambda progress: start_cluster_runtime(plan, handle))
+    ready = threading.Event()
+    summary: dict[str, Any] = {}
+
+    def serve() -> None:
+        summary.update(asyncio.run(server.serve(lambda info: ready.set())))
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        assert ready.wait(120), "the server did not start"
+        url = f"127.0.0.1:{server.ports['http']}"
+        runtime = server.core.runtime
+        stop = threading.Event()
+        answers: list[tuple[float, str]] = []  # (answered at, "ok" | "wrong" | error)
+
+        def client(k: int) -> None:
+            c = thttp.InferenceServerClient(url, network_timeout=30.0)
+            j = 0
+            while not stop.is_set():
+                x = _x(2, seed=100 * k + j)
+                j += 1
+                try:
+                    got = _infer(c, x)
+                    ok = np.allclose(got, reference(x), atol=1e-5)
+                    answers.append((time.perf_counter(), "ok" if ok else "wrong"))
+                except InferenceServerException as exc:
+                    answers.append((time.perf_counter(), str(exc)))
+
+        clients = [threading.Thread(target=client, args=(k,)) for k in range(6)]
+        for t in clients:
+            t.start()
+        time.sleep(1.0)
+        b = next(ln for ln in runtime.links if ln.name == "b")
+        a = next(ln for ln in runtime.links if ln.name == "a")
+        assert b.completed > 0 and a.completed > 0  # both served before the loss
+        killed_at = time.perf_counter()
+        handle.kill_node(b.node_id)
+        time.sleep(2.0)
+        stop.set()
+        for t in clients:
+            t.join(40)
+        assert not any(t.is_alive() for t in clients), "a request hung"
+        # Every request was answered with the network's outputs: what node b held was run
+        # again on node a (the retries leave nothing for an error here).
+        assert answers and all(r == "ok" for _, r in answers), [r for _, r in answers if r != "ok"]
+        assert sum(1 for t, _ in answers if t > killed_at + 1.0) > 0  # served after the loss
+        assert not b.alive and a.alive and b.lost_reason
+        lost = [e for e in runtime.sut.events if e["event"] == "node_lost"]
+        assert len(lost) == 1 and lost[0]["node"] == "b"
+        # What it held (six clients keep both nodes busy) went to node a.
+        assert lost[0]["rerouted_samples"] == lost[0]["held_samples"] > 0
+        client_http = thttp.InferenceServerClient(url)
+        assert client_http.is_model_ready("net")
+        # With no node left the model is not ready, and a request is an error at once.
+        handle.ray.kill(a.actor)
+        deadline = time.monotonic() + 30
+        while a.alive and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not a.alive
+        assert not client_http.is_model_ready("net")
+        started = time.perf_counter()
+        with pytest.raises(InferenceServerException, match="not ready"):
+            _infer(client_http, _x(1, seed=7))
+        assert time.perf_counter() - started < 5
+    finally:
+        server.stop()
+        thread.join(60)
+        handle.close()
+    assert summary.get("nodes") and {n["node"]: n["status"] for n in summary["nodes"]} == {
+        "a": "lost", "b": "lost"}
