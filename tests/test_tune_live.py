@@ -38,7 +38,7 @@ def test_tune_writes_a_runnable_plan_and_reuses_its_trials(tmp_path):
         second_s = time.monotonic() - started
         assert second.result.trials and all(t.reused for t in second.result.trials)
         assert second.result.best.candidate == first.result.best.candidate
-        fresh = run_tune(request(fresh=True, budget_s=15.0), store=store)
+        fresh = run_tune(request(fresh=True, budget_s=8.0), store=store)
         assert not any(t.reused for t in fresh.result.trials)
         db = sqlite3.connect(tmp_path / "r.db")
         kinds = dict(db.execute("SELECT id, kind FROM runs").fetchall())
@@ -65,7 +65,7 @@ def test_tune_server_scenario_holds_the_bound_and_finds_a_peak(tmp_path):
     # over a trial's few dozen queries the p99 is about the slowest one, and on a shared
     # 2-core host one scheduler stall of a few hundred ms must not decide it.
     req = request(scenario="server", constraints=Constraints(p99_bound_ms=1000.0),
-                  engines="torch", budget_s=40.0,
+                  engines="torch", budget_s=25.0, batches=[1, 4],
                   trial=TrialSettings(min_duration_s=0.3, min_queries=48, warmup_s=0.1))
     report = run_tune(req, out_path=tmp_path / "s.yaml")
     assert report.result.best is not None
