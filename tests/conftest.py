@@ -68,6 +68,21 @@ def run_cli(*args: str, timeout: float = 300, env: dict | None = None) -> subpro
     )
 TINY = "tests/tiny_models.py"
 
+MS = 1_000_000
+
+
+class Clock:
+    """A fake nanosecond clock for the dispatcher's `clock_ns`: time moves only when told."""
+
+    def __init__(self) -> None:
+        self.ns = 1_000 * MS
+
+    def __call__(self) -> int:
+        return self.ns
+
+    def advance(self, ms: float) -> None:
+        self.ns += int(ms * MS)
+
 
 @pytest.fixture(autouse=True)
 def _repo_root_cwd(monkeypatch):

@@ -9,17 +9,7 @@ from infermux.errors import UsageError
 from infermux.load.base import Query
 from infermux.runtime import Batch, Dispatcher, LatencyEstimate, WorkerState, parse_plan
 
-from .conftest import run_cli
-
-MS = 1_000_000
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.ns = 1_000 * MS
-
-    def __call__(self) -> int:
-        return self.ns
+from .conftest import MS, Clock, run_cli
 
 
 def worker(wid, model="m", buckets=(1, 2, 4), serves=None, est=None):

@@ -4,18 +4,7 @@ from infermux.load.base import Query
 from infermux.runtime import Batch, Dispatcher, LatencyEstimate, WorkerState, batch_ready, slo_take
 from infermux.runtime.placement import ModelLoad, WorkerView, rebalance
 
-MS = 1_000_000
-
-
-class Clock:
-    def __init__(self):
-        self.ns = 1_000 * MS
-
-    def __call__(self):
-        return self.ns
-
-    def advance(self, ms):
-        self.ns += int(ms * MS)
+from .conftest import MS, Clock
 
 
 def worker(wid, model="m", buckets=(1, 2, 4, 8), est_ms=None, serves=None):

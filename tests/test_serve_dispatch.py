@@ -10,18 +10,7 @@ from infermux.load.base import Query
 from infermux.runtime import Batch, Dispatcher, LatencyEstimate, WorkerState
 from infermux.runtime.worker import WorkerDiedError
 
-MS = 1_000_000
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.ns = 1_000 * MS
-
-    def __call__(self) -> int:
-        return self.ns
-
-    def advance(self, ms: float) -> None:
-        self.ns += int(ms * MS)
+from .conftest import MS, Clock
 
 
 def _worker(wid: int, model: str = "m") -> WorkerState:
