@@ -99,7 +99,7 @@ def serve_command(
         if not as_json:
             err.print(f"[dim]{label}[/]")
 
-    if cluster_plan is None or cluster is None:
+    if cluster is None:
         summary = serve_plan(plan, settings, store=store, command=command, on_ready=on_ready,
                              progress=on_progress)
     else:
