@@ -110,6 +110,50 @@ def test_a_plan_naming_a_unit_the_node_lacks_is_one_clear_error(cluster) -> None
             run_cluster(gpu, cluster)
 
 
+def test_a_node_that_joins_mid_run_is_used_once_it_has_measured_itself(cluster) -> None:
+    """`count: all` takes every node, those that join while the plan runs as well."""
+    plan = parse_cluster_plan({
+        "name": "grow", "nodes": [{**node("w", 0, f"cpu:{CORES[0]}"), "count": "all",
+                                   "node": {}}],
+        "route": {"join_check_s": 0.5},
+        "load": {"scenario": "offline", "min_duration_s": 12.0, "min_queries": 64}})
+    got: dict[str, object] = {}
+    running = threading.Event()
+
+    def during(sut) -> None:
+        got["sut"] = sut
+        running.set()
+
+    # Ray starts a node's processes from the main thread only: the run goes on a thread.
+    thread = threading.Thread(target=lambda: got.update(
+        report=run_cluster(plan, cluster, during=during)), daemon=True)
+    thread.start()
+    assert running.wait(120)
+    time.sleep(1.0)
+    before = len(got["sut"].links)  # type: ignore[attr-defined]
+    new_id = cluster.add_node()
+    thread.join(120)
+    assert not thread.is_alive()
+    rec = got["report"].record  # type: ignore[attr-defined]
+    assert before == len(cluster.nodes()) - 1
+    rows = {n["node_id"]: n for n in rec["nodes"]}
+    assert new_id in rows, (rec["cluster_events"], list(rows))
+    joined = rows[new_id]
+    assert joined["joined_at_s"] is not None and joined["status"] == "ok"
+    # It joined only once started and measured (its build's estimate seeds its rate) ...
+    assert joined["rate_at_start"].get("cnn", 0) > 0
+    events = [e for e in rec["cluster_events"] if e["event"] == "node_joined"]
+    assert [e["node_id"] for e in events] == [new_id] and events[0]["start_s"] > 0
+    # ... and then took its share of the load, with nothing lost.
+    assert joined["completed_samples"] > 0, rec["nodes"]
+    assert rec["failed"] == 0 and rec["unfinished"] == 0
+    assert all(n["joined_at_s"] is None for i, n in rows.items() if i != new_id)
+    bin_s = rec["node_timeline"]["bin_s"]
+    early = [r["items"] for r in rec["node_timeline"]["rows"]
+             if r["node"] == joined["node"] and r["t_s"] + bin_s <= joined["joined_at_s"]]
+    assert early and not any(early)  # nothing routed to it before it joined
+
+
 def test_a_node_killed_mid_run_loses_no_query(cluster) -> None:
     plan = parse_cluster_plan(two_nodes(4.0))
     killed: dict[str, float] = {}

@@ -40,6 +40,35 @@ def test_bad_cluster_plans_get_one_line(data: dict, needle: str) -> None:
     assert needle in str(exc.value) and "\n" not in str(exc.value)
 
 
+def _ray_node(i: int, *resources: str) -> dict:
+    return {"NodeID": f"{i:02d}" * 14, "NodeManagerAddress": "10.0.0.1", "Alive": True,
+            "Resources": {"CPU": 1.0, **dict.fromkeys(resources, 1.0)}}
+
+
+def test_nodes_are_claimed_in_order_and_count_all_may_wait_for_nodes_to_join() -> None:
+    from infermux.cluster.driver import resolve_nodes
+
+    nodes = [_ray_node(0, "box-a"), _ray_node(1, "box-b"), _ray_node(2, "box-b")]
+    plan = parse_cluster_plan({"nodes": [
+        {"name": "a", "node": {"resource": "box-a"}, "plan": LOCAL},
+        {"name": "b", "node": {"resource": "box-b"}, "count": "all", "plan": LOCAL},
+        {"name": "gpu", "node": {"resource": "gpu-box"}, "count": "all", "plan": LOCAL}]})
+    claims = resolve_nodes(plan, nodes)
+    # `b` takes every box-b node; `gpu` matches none yet: nodes that join are taken then.
+    assert [(e.name, name, n["NodeID"][:2]) for e, name, n in claims] == [
+        ("a", "a", "00"), ("b", "b-0", "01"), ("b", "b-1", "02")]
+    # A plan whose every entry waits on nodes that are not there is an error, as is a fixed
+    # count that the cluster cannot meet.
+    alone = parse_cluster_plan({"nodes": [{"name": "gpu", "node": {"resource": "gpu-box"},
+                                           "count": "all", "plan": LOCAL}]})
+    with pytest.raises(UsageError, match=r"nodes\[0\] \(gpu\).*0 free"):
+        resolve_nodes(alone, nodes)
+    two = parse_cluster_plan({"nodes": [{"name": "a", "node": {"resource": "box-a"},
+                                         "count": 2, "plan": LOCAL}]})
+    with pytest.raises(UsageError, match=r"2 node\(s\) matching resource=box-a wanted, 1 free"):
+        resolve_nodes(two, nodes)
+
+
 def test_cluster_addresses() -> None:
     assert parse_address("local:3") == ("local", 3)
     assert parse_address("ray://10.0.0.1:10001") == ("ray", 0)

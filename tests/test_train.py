@@ -59,7 +59,7 @@ def test_phases_add_up_to_the_measured_wall_time(images: Path, workers: int) -> 
     trainer = Trainer(_tiny())
     loader = make_loader(dataset, Knobs(batch=16, workers=workers))
     t0 = time.perf_counter_ns()
-    result = run_pass(trainer, loader)
+    result = run_pass(trainer, loader, cpu_marks={0, 1})
     outside_ns = time.perf_counter_ns() - t0
     assert len(result.steps) == 6 and result.items == 96
     totals = result.phase_totals_ns()
@@ -84,6 +84,16 @@ def test_phases_add_up_to_the_measured_wall_time(images: Path, workers: int) -> 
     assert sum(head.phase_totals_ns().values()) == head.wall_ns and head.tail_ns == 0
     assert sum(rest.phase_totals_ns().values()) == rest.wall_ns and rest.startup_ns == 0
     assert [s.seq for s in rest.steps] == [0, 1, 2, 3] and head.items + rest.items == 96
+    # CPU read after the marked minibatches and after the last: the steady part's own CPU,
+    # without start-up, ramp or tail; the cut's parts keep theirs.
+    assert set(result.cpu_at) == {0, 1}
+    assert 0 < result.cpu_at[0] < result.cpu_at[1] < (result.cpu_steps_s or 0) <= result.cpu_s
+    steady = result.steady_cpu_s(1)
+    assert steady is not None and 0 < steady == pytest.approx(result.cpu_steps_s
+                                                               - result.cpu_at[0])
+    head, rest = result.split(2, result.cpu_at[1])
+    assert head.steady_cpu_s(1) == pytest.approx(result.cpu_at[1] - result.cpu_at[0])
+    assert rest.steady_cpu_s(0) == pytest.approx((result.cpu_steps_s or 0) - result.cpu_at[1])
 
 
 class _Slow(ImageFiles):
@@ -190,7 +200,7 @@ def test_a_bad_knob_as_a_user_sees_it(tmp_path: Path) -> None:
 # -- the predictor -------------------------------------------------------------------------------
 
 
-def _relation(knobs: Knobs, pass_name: str) -> dict[str, float]:
+def _relation(knobs: Knobs, pass_name: str, contention: float = 0.0) -> dict[str, float]:
     """A known relation of the kind the simple model assumes (s).
 
     compute C(B) = 2 ms + 0.5 ms·B, one core busy; loader CPU ℓ = 1 ms per item (+ ρ = 2 ms read
@@ -199,14 +209,16 @@ def _relation(knobs: Knobs, pass_name: str) -> dict[str, float]:
     them; the first minibatch waits B·(ℓ + ρ) (+ 15 ms for the workers to start); tail 0.5 ms,
     or 2 ms + 8 ms per worker. Energy (`_energy`): a static 60 W over the wall time plus a
     dynamic 0.02 J + 0.004 J per item for each minibatch (a device waiting on its loader draws
-    only the static power).
+    only the static power). `contention`: beside workers the training takes that much more CPU
+    per minibatch (C·(1 + contention) in the cores term), as on a small machine.
     """
     b, w = knobs.batch, knobs.workers
     compute = 2e-3 + 0.5e-3 * b
+    cpu = compute * (1 + contention) if w else compute
     ell, rho = 1e-3, (2e-3 if pass_name == "cold" and knobs.storage == "disk" else 0.0)
     step = (b * (ell + rho) + compute if w == 0
-            else max(compute, b * (ell + rho) / w, (compute + b * ell) / 2))
-    return {"C": compute, "T": step, "ell": ell, "rho": rho,
+            else max(compute, b * (ell + rho) / w, (cpu + b * ell) / 2))
+    return {"C": compute, "cpu": cpu, "T": step, "ell": ell, "rho": rho,
             "startup": 1e-3 if w == 0 else 5e-3 + 30e-3 * w,
             "first": b * (ell + rho) + (15e-3 if w else 0.0),
             "tail": 0.5e-3 if w == 0 else 2e-3 + 8e-3 * w}
@@ -221,10 +233,12 @@ def _ns(seconds: float) -> int:
 
 
 def _synthetic_pass(config: int, knobs: Knobs, pass_name: str, items: int, steps: int, *,
-                    split: bool = True, epoch: bool = False, slow: float = 1.0) -> dict:
+                    split: bool = True, epoch: bool = False, slow: float = 1.0,
+                    contention: float = 0.0, steady_cpu: bool = True) -> dict:
     """A profile half (`split`: the cold one starts the loader, the warm one continues it and
-    ends it) or a whole epoch (`epoch`) following `_relation`; `slow` scales the steady time."""
-    rel = _relation(knobs, pass_name)
+    ends it) or a whole epoch (`epoch`) following `_relation`; `slow` scales the steady time;
+    `steady_cpu`: the steady minibatches' own CPU time is recorded (as a profile does)."""
+    rel = _relation(knobs, pass_name, contention)
     b = knobs.batch
     starts = epoch or not split or pass_name == "cold"
     ends = epoch or not split or pass_name == "warm"
@@ -245,8 +259,10 @@ def _synthetic_pass(config: int, knobs: Knobs, pass_name: str, items: int, steps
             "kind": "epoch" if epoch else "profile", "pass": pass_name, "status": "ok",
             "dataset_items": items, "steps": rows, "startup_ns": startup, "tail_ns": tail,
             "wall_ns": wall, "split": split and not epoch,
-            "cpu_s": steps * (rel["C"] + b * rel["ell"]), "energy_j": _energy(wall / 1e9, steps, b),
-            "energy_source": "synthetic"}
+            "cpu_s": steps * (rel["cpu"] + b * rel["ell"]),
+            "steady_cpu_s": ((steps - (min(steps - 1, max(1, knobs.workers)) if starts else 0))
+                             * (rel["cpu"] + b * rel["ell"]) if steady_cpu else None),
+            "energy_j": _energy(wall / 1e9, steps, b), "energy_source": "synthetic"}
 
 
 def test_the_predictor_recovers_a_known_relation() -> None:
@@ -278,6 +294,39 @@ def test_the_predictor_recovers_a_known_relation() -> None:
     # The profiled configurations' own estimate: start-up, ramp, steady minibatches, tail.
     first = profile_estimate([p for p in passes if p["config"] == profiled[0]])
     assert first is not None and first["later_energy_j"] > 0
+
+
+def test_the_training_s_cpu_beside_workers_is_fitted_apart() -> None:
+    """On a small machine the training takes more CPU beside its loader workers than alone.
+
+    With a profile per (workers or not) × (smallest, largest batch) and the steady minibatches'
+    own CPU recorded, the predictor fits the training's CPU apart for the two and recovers the
+    relation; from the passes' CPU alone (stored without it) it pools them and misses.
+    """
+    grid = Grid(batch=[8, 32, 128], workers=[0, 1, 4], storage=["tmpfs"])
+    configs = grid.configs()
+    items = 4096
+    profiled = choose_profiled(configs, 4)
+    # Every line the simple model fits in the batch gets both ends of the batch range.
+    assert {(configs[i].workers > 0, configs[i].batch) for i in profiled} == {
+        (False, 8), (False, 128), (True, 8), (True, 128)}
+
+    def errors(steady_cpu: bool) -> list[float]:
+        passes = [_synthetic_pass(i, configs[i], p, items, 12, contention=0.6,
+                                  steady_cpu=steady_cpu) for i in profiled
+                  for p in ("cold", "warm")]
+        predictions, _ = predict_all(configs, passes, items=items, all_cores=2,
+                                     tmpfs={"tmpfs": True}, method="simple")
+        out = []
+        for pred in predictions:
+            k = configs[pred.config]
+            true_s = _synthetic_pass(pred.config, k, "warm", items, math.ceil(items / k.batch),
+                                     epoch=True, contention=0.6)["wall_ns"] / 1e9
+            out.append(abs(pred.epochs["later"]["predicted_s"] - true_s) / true_s)
+        return out
+
+    assert max(errors(True)) < 0.01
+    assert max(errors(False)) > 0.05  # pooled, the contention is averaged away
 
 
 def test_the_start_up_term_is_recovered_where_it_dominates() -> None:

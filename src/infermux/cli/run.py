@@ -178,10 +178,19 @@ def _run_cluster(plan_file: str, address: str, overrides: dict[str, object], db:
             out.print(run_models_table(record))
             out.print(workers_table(record))
             for e in record.get("cluster_events", []):
-                out.print(f"[yellow]node {escape(str(e['node']))} lost[/] at {e['t_s']:.2f} s "
-                          f"({escape(str(e.get('reason')))}): {e['held_samples']} samples held, "
-                          f"{e['rerouted_samples']} retried on other nodes, "
-                          f"{e['failed_samples']} failed", highlight=False)
+                if e["event"] == "node_lost":
+                    out.print(f"[yellow]node {escape(str(e['node']))} lost[/] at {e['t_s']:.2f} "
+                              f"s ({escape(str(e.get('reason')))}): {e['held_samples']} samples "
+                              f"held, {e['rerouted_samples']} retried on other nodes, "
+                              f"{e['failed_samples']} failed", highlight=False)
+                elif e["event"] == "node_joined":
+                    rates = ", ".join(f"{m} {r:.0f}/s" for m, r in e["rate_at_start"].items())
+                    out.print(f"node {escape(str(e['node']))} joined at {e['t_s']:.2f} s, used "
+                              f"after its start ({e['start_s']:.1f} s; measured {rates})",
+                              highlight=False)
+                elif e["event"] == "node_join_failed":
+                    out.print(f"[yellow]node {escape(str(e['node']))} did not join[/] at "
+                              f"{e['t_s']:.2f} s: {escape(str(e['error']))}", highlight=False)
         if report.run_id is not None:
             out.print(f"[dim]stored as run {report.run_id} in {db}[/]")
     if report.status == "interrupted":
@@ -191,11 +200,12 @@ def _run_cluster(plan_file: str, address: str, overrides: dict[str, object], db:
 
 def _nodes_table(record: dict[str, Any]) -> Table:
     table = Table(title="Nodes")
-    for col in ("node", "address", "status", "samples", "share", "items/s", "lost at s",
-                "retried"):
+    for col in ("node", "address", "status", "samples", "share", "items/s", "joined at s",
+                "lost at s", "retried"):
         table.add_column(col)
     for n in record.get("nodes", []):
         table.add_row(escape(str(n["node"])), str(n["address"]), str(n["status"]),
                       str(n["completed_samples"]), f"{n['share']:.0%}", num(n["items_per_s"]),
-                      num(n["lost_at_s"], 2), str(n["rerouted_samples"]))
+                      num(n.get("joined_at_s"), 2), num(n["lost_at_s"], 2),
+                      str(n["rerouted_samples"]))
     return table

@@ -89,6 +89,25 @@ class ClusterHandle:
                 os.kill(pid, signal.SIGKILL)
         del self.local_nodes[node_id]
 
+    def add_node(self, num_cpus: int = 1, resources: dict[str, float] | None = None) -> str:
+        """Start one more node in a local cluster (resource `infermux-local-I`, and `resources`).
+
+        What a machine joining a real cluster is: a plan entry with `count: all` that matches
+        it takes it while the plan runs (`cluster.driver.NodeWatcher`). Its id is returned.
+        Ray starts the node's processes with signal handlers: call it from the main thread.
+        """
+        if self.local is None:
+            raise UsageError("only a local cluster can be given a node from here; join a real "
+                             "cluster with `ray start --address HEAD:PORT` on the new machine")
+        index = len(self.local.list_all_nodes())
+        while any(f"infermux-local-{index}" in (n.get("Resources") or {}) for n in self.nodes()):
+            index += 1
+        node = self.local.add_node(num_cpus=num_cpus,
+                                   resources={f"infermux-local-{index}": 1, **(resources or {})})
+        self.local.wait_for_nodes()
+        self.local_nodes[node.node_id] = node
+        return str(node.node_id)
+
     def close(self) -> None:
         """Disconnect; a local cluster is shut down."""
         self.ray.shutdown()

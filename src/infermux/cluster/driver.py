@@ -90,6 +90,8 @@ class NodeLink:
     start_rate: dict[str, float] = field(default_factory=dict)
     #: What its runtime's start answered (input shapes per model, its workers).
     started: dict[str, Any] = field(default_factory=dict)
+    #: When it joined a running plan (driver clock), 0 for the nodes it started with.
+    joined_at_ns: int = 0
 
 
 def ray_errors(ray: Any) -> tuple[type[BaseException], ...]:
@@ -121,6 +123,8 @@ class ClusterSUT:
             ln.name: sum(ln.hold.get(m, 0) + 2 * ln.batch.get(m, 0) for m in ln.models)
             if (not serving and plan.load.scenario == "offline" and plan.route.coalesce_answers)
             else 0 for ln in links}
+        self._coalesce = (not serving and plan.load.scenario == "offline"
+                          and plan.route.coalesce_answers)
         self.lock = threading.Lock()
         self.serving = serving
         #: Keep the per-completion log and delay samples (a run's); a server does not, as it
@@ -201,6 +205,17 @@ class ClusterSUT:
         self._ended = True
         self._flush()
         for ln in self._live():
+            with contextlib.suppress(Exception):
+                ln.actor.end.remote()
+
+    def add_link(self, ln: NodeLink) -> None:
+        """A node that joined (started and measured): routed to from now on."""
+        low = (sum(ln.hold.get(m, 0) + 2 * ln.batch.get(m, 0) for m in ln.models)
+               if self._coalesce else 0)
+        with self.lock:
+            self.low_water[ln.name] = low
+            self.links = [*self.links, ln]
+        if self._ended:
             with contextlib.suppress(Exception):
                 ln.actor.end.remote()
 
@@ -560,13 +575,18 @@ def resolve_nodes(plan: ClusterPlan, nodes: list[dict[str, Any]]
                   ) -> list[tuple[NodeEntry, str, dict[str, Any]]]:
     """(entry, node name, ray node row) for every node a plan entry claims; errors name the entry.
 
-    Entries claim nodes in order; a node serves one entry. `count: all` takes every match left.
+    Entries claim nodes in order; a node serves one entry. `count: all` takes every match left
+    (none yet is allowed where another entry has a node: matching nodes that join later are
+    taken then, `NodeWatcher`).
     """
     taken: set[str] = set()
     out = []
     for i, entry in enumerate(plan.nodes):
         free = [n for n in nodes if n["NodeID"] not in taken and entry.node.matches(n)]
         want = len(free) if entry.count == "all" else int(entry.count)
+        if entry.count == "all" and not free and any(
+                e.count != "all" or any(e.node.matches(n) for n in nodes) for e in plan.nodes):
+            continue
         if not free or len(free) < want:
             seen = ", ".join(f"{n['NodeID'][:8]} ({n.get('NodeManagerAddress')})" for n in nodes)
             raise UsageError(
@@ -634,10 +654,18 @@ def _start_nodes(plan: ClusterPlan, handle: ClusterHandle, base: Path | None,
                  progress: ProgressFn | None, *, serving: bool = False,
                  max_restarts: int = 0, take_when_idle: bool = True) -> list[NodeLink]:
     """Place, tune where asked, and build every node's runtime; their links (or the error)."""
+    return _start_claims(plan, handle, resolve_nodes(plan, handle.nodes()), base, progress,
+                         serving=serving, max_restarts=max_restarts,
+                         take_when_idle=take_when_idle)
+
+
+def _start_claims(plan: ClusterPlan, handle: ClusterHandle,
+                  claims: list[tuple[NodeEntry, str, dict[str, Any]]], base: Path | None,
+                  progress: ProgressFn | None, *, serving: bool = False,
+                  max_restarts: int = 0, take_when_idle: bool = True) -> list[NodeLink]:
     ray = handle.ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    claims = resolve_nodes(plan, handle.nodes())
     remote = ray.remote(max_concurrency=8)(NodeRuntime)
     links: list[NodeLink] = []
     try:
@@ -687,6 +715,96 @@ def _start_nodes(plan: ClusterPlan, handle: ClusterHandle, base: Path | None,
     except BaseException:
         _stop_nodes(ray, links)
         raise
+
+
+class NodeWatcher:
+    """Nodes that join while a plan runs or serves: started, measured, then routed to.
+
+    Every `route.join_check_s` the cluster's alive nodes are listed; a node the driver does not
+    run yet and that matches an entry with `count: all` gets that entry's runtime like the
+    nodes at the start (placed, tuned where the entry says `tune: auto`, built: its build
+    measures its latency, which seeds its rate) and only then joins the routing, so no query
+    waits on a node still building. A node whose start fails is left out (an event says why)
+    and not tried again.
+    """
+
+    def __init__(self, plan: ClusterPlan, handle: ClusterHandle, sut: ClusterSUT,
+                 base: Path | None, *, serving: bool = False, max_restarts: int = 0,
+                 take_when_idle: bool = True, begin_trial: bool = True,
+                 on_join: Callable[[NodeLink], None] | None = None) -> None:
+        self.plan, self.handle, self.sut, self.base = plan, handle, sut, base
+        self.serving, self.max_restarts, self.take_when_idle = (serving, max_restarts,
+                                                                take_when_idle)
+        self.begin_trial = begin_trial
+        self.on_join = on_join
+        self._tried: set[str] = set()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Begin watching (nothing to watch when no entry takes `count: all` or joining is off)."""
+        if self.plan.route.join_check_s <= 0 or not any(
+                e.count == "all" for e in self.plan.nodes):
+            return
+        self._tried = {ln.node_id for ln in self.sut.links}
+        self._thread = threading.Thread(target=self._loop, name="infermux-cluster-join",
+                                        daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop watching; a node being started finishes (or fails) first."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(60)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.plan.route.join_check_s):
+            try:
+                nodes = self.handle.nodes()
+            except Exception:  # noqa: BLE001  (the cluster's state is read again next time)
+                continue
+            for node in nodes:
+                if self._stop.is_set():
+                    return
+                if node["NodeID"] not in self._tried:
+                    self._tried.add(node["NodeID"])
+                    self.join(node)
+
+    def join(self, node: dict[str, Any]) -> NodeLink | None:
+        """Start `node` under the first `count: all` entry it matches and route to it."""
+        entry = next((e for e in self.plan.nodes if e.count == "all" and e.node.matches(node)),
+                     None)
+        if entry is None:
+            return None
+        taken = {ln.name for ln in self.sut.links}
+        k = sum(ln.entry == entry.name for ln in self.sut.links)
+        while f"{entry.name}-{k}" in taken:
+            k += 1
+        name = f"{entry.name}-{k}"
+        t0 = time.perf_counter_ns()
+        try:
+            ln = _start_claims(self.plan, self.handle, [(entry, name, node)], self.base, None,
+                               serving=self.serving, max_restarts=self.max_restarts,
+                               take_when_idle=self.take_when_idle)[0]
+            if self.begin_trial:
+                self.handle.ray.get(ln.actor.begin_trial.remote(), timeout=60)
+        except Exception as exc:  # noqa: BLE001  (the running nodes go on; the event says why)
+            self.sut.events.append({"t_ns": time.perf_counter_ns(), "event": "node_join_failed",
+                                    "node": name, "node_id": node["NodeID"],
+                                    "error": first_line(exc, limit=300)})
+            return None
+        if self._stop.is_set():  # the run ended while it started: nobody would stop it
+            _stop_nodes(self.handle.ray, [ln])
+            return None
+        ln.joined_at_ns = time.perf_counter_ns()
+        self.sut.add_link(ln)
+        self.sut.events.append({"t_ns": ln.joined_at_ns, "event": "node_joined", "node": name,
+                                "node_id": node["NodeID"], "entry": entry.name,
+                                "start_s": (ln.joined_at_ns - t0) / 1e9,
+                                "rate_at_start": dict(ln.start_rate)})
+        if self.on_join is not None:
+            self.on_join(ln)
+        return ln
 
 
 def _stop_nodes(ray: Any, links: list[NodeLink]) -> None:
@@ -802,10 +920,16 @@ def _run(report: ClusterReport, plan: ClusterPlan, handle: ClusterHandle, store:
         gen = LoadGenerator(load.model_dump(mode="json"), shares,
                             mix=[p.model_dump() for p in load.mix] if load.mix else None,
                             progress=progress)
+        watcher = NodeWatcher(plan, handle, sut, base)
+        watcher.start()
         if during is not None:
             threading.Thread(target=during, args=(sut,), name="infermux-cluster-during",
                              daemon=True).start()
-        result = gen.run(sut, dict.fromkeys(models, load.sample_pool))
+        try:
+            result = gen.run(sut, dict.fromkeys(models, load.sample_pool))
+        finally:
+            watcher.stop()
+            links = sut.links  # with the nodes that joined: every one is stopped below
         sut.stop()
         report.record, batches = _summarise(sut, result, ray)
         report.batches = batches
@@ -850,6 +974,8 @@ def _summarise(sut: ClusterSUT, result: ScenarioResult, ray: Any
             "node": ln.name, "entry": ln.entry, "node_id": ln.node_id, "address": ln.address,
             "status": "ok" if ln.alive else "lost", "lost_reason": ln.lost_reason,
             "lost_at_s": (ln.lost_at_ns - result.start_ns) / 1e9 if ln.lost_at_ns else None,
+            "joined_at_s": ((ln.joined_at_ns - result.start_ns) / 1e9 if ln.joined_at_ns
+                            else None),
             "completed_samples": ln.completed, "share": ln.completed / total,
             "items_per_s": ln.completed / dur if dur else None,
             "rate_estimate": ln.rate, "rate_at_start": ln.start_rate,

@@ -139,6 +139,10 @@ class RouteSettings(_Strict):
     #: queued beyond what its workers run, so one answer (and one refill) covers several
     #: batches; off, it answers at every completion. Other scenarios always answer at once.
     coalesce_answers: bool = True
+    #: A node that joins the cluster while the plan runs or serves, and matches an entry with
+    #: `count: all`, is started (its runtime built and measured, or tuned) and then routed to;
+    #: the cluster's nodes are looked at this often (s). 0 switches joining off.
+    join_check_s: float = Field(2.0, ge=0, le=600)
 
 
 class ClusterPlan(_Strict):

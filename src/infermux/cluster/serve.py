@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from infermux.cluster.connect import ClusterHandle
-from infermux.cluster.driver import ClusterSUT, NodeLink, _start_nodes, _stop_nodes
+from infermux.cluster.driver import ClusterSUT, NodeLink, NodeWatcher, _start_nodes, _stop_nodes
 from infermux.cluster.plan import ClusterPlan
 from infermux.errors import UsageError
 from infermux.load.base import CompletionFn, Query
@@ -85,37 +85,52 @@ class ClusterDispatcher:
 class ClusterRuntime:
     """A cluster of node runtimes that the server's core drives as it drives one runtime."""
 
-    def __init__(self, cluster_plan: ClusterPlan, handle: ClusterHandle, links: list[NodeLink]
-                 ) -> None:
+    def __init__(self, cluster_plan: ClusterPlan, handle: ClusterHandle, links: list[NodeLink],
+                 *, base: Path | None = None, max_restarts: int = 0,
+                 take_when_idle: bool = True) -> None:
         self.cluster_plan = cluster_plan
         self.handle = handle
-        self.links = links
         self.sut = ClusterSUT(links, handle.ray, cluster_plan, serving=True)
         self.dispatcher = ClusterDispatcher(self.sut)
         self.plan = front_plan(cluster_plan, links)
         self.models: dict[str, _Shape] = {}
         self.states: list[WorkerState] = []
         self._states: dict[str, list[WorkerState]] = {}
-        for ln in links:
-            for name, shape in ln.started.get("input_shapes", {}).items():
-                self.models.setdefault(name, _Shape(tuple(shape)))
-            own = []
-            for w in ln.started.get("workers", []):
-                st = WorkerState(len(self.states), f"{ln.name}/{w['name']}", w["unit"],
-                                 w["model"], list(w["buckets"]), set(w["serves"]),
-                                 LatencyEstimate(0.2), depth=int(w["depth"]))
-                st.alive, st.error = bool(w["alive"]), w["error"]
-                own.append(st)
-                self.states.append(st)
-            self._states[ln.name] = own
         self.build_info: dict[str, Any] = {
             "build_s": max((ln.build.get("build_s") or 0.0 for ln in links), default=0.0),
-            "nodes": [{"node": ln.name, "address": ln.address, "node_id": ln.node_id,
-                       "models": sorted(ln.models), **ln.facts} for ln in links]}
+            "nodes": []}
+        for ln in links:
+            self._add_node(ln)
         self.host_by_id: dict[int, Any] = {}
         self.pipelines: list[Any] = []
         self.sut.on_answer = self._on_answer
         self.sut.on_node_lost = self._on_node_lost
+        #: Nodes that join while serving (`count: all` entries) are started and routed to.
+        self.watcher = NodeWatcher(cluster_plan, handle, self.sut, base, serving=True,
+                                   max_restarts=max_restarts, take_when_idle=take_when_idle,
+                                   begin_trial=False, on_join=self._add_node)
+
+    @property
+    def links(self) -> list[NodeLink]:
+        """Every node the server has run on, those that joined included."""
+        return self.sut.links
+
+    def _add_node(self, ln: NodeLink) -> None:
+        """A node's models and workers, as the server's statistics and readiness see them."""
+        for name, shape in ln.started.get("input_shapes", {}).items():
+            self.models.setdefault(name, _Shape(tuple(shape)))
+        own: list[WorkerState] = []
+        for w in ln.started.get("workers", []):
+            st = WorkerState(len(self.states) + len(own), f"{ln.name}/{w['name']}", w["unit"],
+                             w["model"], list(w["buckets"]), set(w["serves"]),
+                             LatencyEstimate(0.2), depth=int(w["depth"]))
+            st.alive, st.error = bool(w["alive"]), w["error"]
+            own.append(st)
+        self._states[ln.name] = own
+        self.states = [*self.states, *own]  # one assignment: readers see the old or the new
+        self.build_info["nodes"] = [*self.build_info["nodes"], {
+            "node": ln.name, "address": ln.address, "node_id": ln.node_id,
+            "models": sorted(ln.models), **ln.facts}]
 
     # -- the driver's callbacks (its poll thread) -------------------------------------------
 
@@ -152,6 +167,7 @@ class ClusterRuntime:
 
     def shutdown(self, *, now: bool) -> None:
         """Stop polling and stop every node's runtime (the server answered what it admitted)."""
+        self.watcher.stop()
         self.sut.stop()
         _stop_nodes(self.handle.ray, self.links)
 
@@ -159,7 +175,8 @@ class ClusterRuntime:
         """Each node's status and counts, for the stored summary."""
         return [{"node": ln.name, "address": ln.address, "status": "ok" if ln.alive else "lost",
                  "lost_reason": ln.lost_reason, "completed_samples": ln.completed,
-                 "failed_samples": ln.failed, "rerouted_samples": ln.rerouted}
+                 "failed_samples": ln.failed, "rerouted_samples": ln.rerouted,
+                 "joined": bool(ln.joined_at_ns)}
                 for ln in self.links]
 
 
@@ -199,7 +216,10 @@ def start_cluster_runtime(cluster_plan: ClusterPlan, handle: ClusterHandle, *,
     links = _start_nodes(cluster_plan, handle, base, progress, serving=True,
                          max_restarts=max_restarts, take_when_idle=not wait_when_idle)
     try:
-        return ClusterRuntime(cluster_plan, handle, links)
+        runtime = ClusterRuntime(cluster_plan, handle, links, base=base,
+                                 max_restarts=max_restarts, take_when_idle=not wait_when_idle)
+        runtime.watcher.start()
+        return runtime
     except BaseException:
         with contextlib.suppress(Exception):
             _stop_nodes(handle.ray, links)

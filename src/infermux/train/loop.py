@@ -25,7 +25,7 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -95,6 +95,10 @@ class PassResult:
     loss_last: float | None = None
     peak_memory_bytes: int | None = None
     notes: list[str] = field(default_factory=list)
+    #: CPU seconds from the pass's start to the end of the minibatches asked for (`cpu_marks`
+    #: of `run_pass`), and to the end of its last minibatch (before the tail)
+    cpu_at: dict[int, float] = field(default_factory=dict)
+    cpu_steps_s: float | None = None
 
     @property
     def wall_ns(self) -> int:
@@ -121,10 +125,24 @@ class PassResult:
         t_cut = self.t0_ns + self.startup_ns + sum(s.wall_ns for s in head)
         rest = [Step(**{**asdict(s), "seq": i}) for i, s in enumerate(rest)]
         first = PassResult(head, self.startup_ns, 0, self.t0_ns, t_cut, cpu_s, self.loss_first,
-                           None, self.peak_memory_bytes, list(self.notes))
+                           None, self.peak_memory_bytes, list(self.notes),
+                           {i: c for i, c in self.cpu_at.items() if i < count},
+                           self.cpu_at.get(count - 1))
+        cut = self.cpu_at.get(count - 1)
         second = PassResult(rest, 0, self.tail_ns, t_cut, self.t1_ns, self.cpu_s - cpu_s, None,
-                            self.loss_last, self.peak_memory_bytes, list(self.notes))
+                            self.loss_last, self.peak_memory_bytes, list(self.notes),
+                            {i - count: c - cut for i, c in self.cpu_at.items()
+                             if i >= count and cut is not None},
+                            self.cpu_steps_s - cut if self.cpu_steps_s is not None
+                            and cut is not None else None)
         return first, second
+
+    def steady_cpu_s(self, ramp: int) -> float | None:
+        """CPU seconds of the minibatches after the first `ramp` (no start-up, ramp or tail)."""
+        if self.cpu_steps_s is None or len(self.steps) <= ramp:
+            return None
+        start = self.cpu_at.get(ramp - 1) if ramp else 0.0
+        return None if start is None else self.cpu_steps_s - start
 
     def phase_totals_ns(self) -> dict[str, int]:
         """Each phase summed over the pass, with startup and tail."""
@@ -332,8 +350,11 @@ def _unpack(batch: Any) -> tuple[Any, Any, Any]:
 
 def run_pass(trainer: Trainer, loader: Any, *, max_steps: int | None = None,
              on_step: Callable[[Step], None] | None = None,
-             cpu: ProcessTreeCpu | None = None) -> PassResult:
+             cpu: ProcessTreeCpu | None = None, cpu_marks: Collection[int] = ()) -> PassResult:
     """Train over `loader` once (or its first `max_steps` minibatches), timing every phase.
+
+    `cpu_marks`: minibatches after which the process tree's CPU time is read (`cpu_at`), so a
+    part of the pass (its steady minibatches) has its own CPU time.
 
     A device running out of memory raises `DeviceOutOfMemoryError`; every other failure of the
     model or the loader is a `RunError` naming the minibatch.
@@ -346,6 +367,8 @@ def run_pass(trainer: Trainer, loader: Any, *, max_steps: int | None = None,
     cpu0 = cpu.snapshot()
     steps: list[Step] = []
     losses: list[Any] = []
+    cpu_at: dict[int, float] = {}
+    cpu_steps: float | None = None
     non_blocking = bool(getattr(loader, "pin_memory", False))
     t0 = time.perf_counter_ns()
     iterator = iter(loader)
@@ -367,9 +390,13 @@ def run_pass(trainer: Trainer, loader: Any, *, max_steps: int | None = None,
                 step.load_ns, step.load_cpu_ns, step.read_ns = (int(v) for v in sums[:3])
             steps.append(step)
             losses.append(loss)
+            if step.seq in cpu_marks:
+                cpu_at[step.seq] = cpu.snapshot() - cpu0
             if on_step is not None:
                 on_step(step)
             t_prev = t_end
+        if cpu_marks:
+            cpu_steps = cpu.snapshot() - cpu0
         del iterator  # stops workers that do not persist: part of the pass's tail
     except torch.OutOfMemoryError as exc:
         raise DeviceOutOfMemoryError(
@@ -381,7 +408,8 @@ def run_pass(trainer: Trainer, loader: Any, *, max_steps: int | None = None,
     t1 = time.perf_counter_ns()
     cpu1 = cpu.snapshot()
     result = PassResult(steps, startup, t1 - t_prev, t0, t1, cpu1 - cpu0,
-                        peak_memory_bytes=trainer.peak_memory())
+                        peak_memory_bytes=trainer.peak_memory(), cpu_at=cpu_at,
+                        cpu_steps_s=cpu_steps)
     if losses:
         result.loss_first, result.loss_last = float(losses[0]), float(losses[-1])
     return result

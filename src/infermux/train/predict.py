@@ -78,6 +78,7 @@ __all__ = [
     "LearnedModel",
     "Prediction",
     "choose_profiled",
+    "covering_order",
     "fit_components",
     "mape",
     "predict_all",
@@ -162,6 +163,10 @@ def steady(data: dict[str, Any]) -> dict[str, float] | None:
         "read": sum(s["read_ns"] for s in body_steps) / body_items / 1e9,
         "wall": data.get("wall_ns", 0) / 1e9,
         "cpu_per_step": (data.get("cpu_s") or 0.0) / len(steps),
+        # The steady minibatches' own CPU time (read at the ramp's end and the last minibatch's):
+        # no worker start-up, ramp or tail in it. None for passes stored without it.
+        "steady_cpu_per_step": (data["steady_cpu_s"] / len(body)
+                                if data.get("steady_cpu_s") is not None and body else None),
         "startup": data.get("startup_ns", 0) / 1e9, "tail": data.get("tail_ns", 0) / 1e9,
         "overhead": (data.get("startup_ns", 0) + data.get("tail_ns", 0)) / 1e9,
         "power": (data["energy_j"] / (data["wall_ns"] / 1e9)
@@ -303,6 +308,12 @@ class Components:
     #: (cores, precision) → compute C(B) = a + b·B of passes without loader workers (no worker
     #: shares the cores), where two or more batch sizes were profiled so.
     compute0: dict[tuple[int, str], tuple[float, float]] = field(default_factory=dict)
+    #: (cores, precision, with workers) → the training's CPU seconds per minibatch a + b·B of
+    #: the passes with (or without) loader workers alone: beside workers on the same cores the
+    #: training's threads take more CPU for the same minibatch (they wait, spin and refill
+    #: caches), so the two are fitted apart where both were profiled.
+    cpu_by_workers: dict[tuple[int, str, bool], tuple[float, float]] = field(
+        default_factory=dict)
 
     def _group(self, table: dict[Any, Any], key: tuple[Any, ...]) -> Any:
         if key in table:
@@ -326,10 +337,10 @@ class Components:
         key = (n, knobs.precision)
         a, b = self._group(self.compute, key)
         compute = a + b * knobs.batch
-        ca, cb = self._group(self.cpu, key)
+        batch, w = knobs.batch, knobs.workers
+        ca, cb = self.cpu_by_workers.get((n, knobs.precision, w > 0)) or self._group(self.cpu, key)
         kappa = max(compute * 0.5, ca + cb * knobs.batch)
         ell, rho, _ = self._loader(knobs.storage, pass_name, knobs.workers)
-        batch, w = knobs.batch, knobs.workers
         # Where the loader's workers share the training's cores (a CPU's core set), the
         # compute of passes with workers holds their contention, which the cores term counts:
         # the compute is that of passes without workers, or on one core its CPU time (one
@@ -424,6 +435,8 @@ def fit_components(passes: list[dict[str, Any]], all_cores: int) -> Components:
     busy: dict[tuple[int, str], list[tuple[float, float]]] = defaultdict(list)
     ipc: list[float] = []
     cpu_rows: dict[tuple[int, str], list[tuple[int, int, int, float]]] = defaultdict(list)
+    steady_cpu: dict[tuple[int, str], list[tuple[float, float]]] = defaultdict(list)
+    steady_cpu_w: dict[tuple[int, str, bool], list[tuple[float, float]]] = defaultdict(list)
     compute0: dict[tuple[int, str], list[tuple[float, float]]] = defaultdict(list)
     for data in passes:
         fig = steady(data)
@@ -440,9 +453,13 @@ def fit_components(passes: list[dict[str, Any]], all_cores: int) -> Components:
         # per loader worker started (starting one costs CPU that no steady minibatch has; the
         # warm half of a split profile continues the cold half's workers).
         starts = not (data.get("split") and data["pass"] == "warm")
-        cpu_rows[(n, k["precision"])].append(
-            (len(data["steps"]), batch, w if starts else 0,
-             (data.get("cpu_s") or 0.0) - fig["items"] * fig["load_cpu"]))
+        row = (len(data["steps"]), batch, w if starts else 0,
+               (data.get("cpu_s") or 0.0) - fig["items"] * fig["load_cpu"])
+        cpu_rows[(n, k["precision"])].append(row)
+        if fig["steady_cpu_per_step"] is not None:
+            steady_cpu[(n, k["precision"])].append(
+                (batch, max(1e-6, fig["steady_cpu_per_step"] - batch * fig["load_cpu"])))
+            steady_cpu_w[(n, k["precision"], w > 0)].append(steady_cpu[(n, k["precision"])][-1])
         if w == 0:
             compute0[(n, k["precision"])].append((batch, max(1e-6, fig["compute"])))
         loader[(k["storage"], data["pass"], w > 0)].append(
@@ -468,10 +485,18 @@ def fit_components(passes: list[dict[str, Any]], all_cores: int) -> Components:
                          "from; check the errors of the profile run")
     comps = Components(
         compute={g: _linfit([x for x, _ in v], [y for _, y in v]) for g, v in compute.items()},
-        cpu={g: _fit_cpu(cpu_rows[g]) or _linfit([x for x, _ in v], [y for _, y in v])
+        # The steady minibatches' own CPU time where every pass of the group has it, else the
+        # passes' CPU time with a start-up cost per worker (`_fit_cpu`).
+        cpu={g: _linfit([x for x, _ in steady_cpu[g]], [y for _, y in steady_cpu[g]])
+             if len(steady_cpu[g]) == len(v)
+             else _fit_cpu(cpu_rows[g]) or _linfit([x for x, _ in v], [y for _, y in v])
              for g, v in cpu.items()},
         compute0={g: _linfit([x for x, _ in v], [y for _, y in v]) for g, v in compute0.items()
                   if len({x for x, _ in v}) >= 2},
+        cpu_by_workers={g: _linfit([x for x, _ in v], [y for _, y in v])
+                        for g, v in steady_cpu_w.items() if len({x for x, _ in v}) >= 2
+                        and len({x for x, _ in steady_cpu_w.get((g[0], g[1], not g[2]), [])})
+                        >= 2},
         loader={g: (statistics.median(a for a, _, _ in v), statistics.median(b for _, b, _ in v),
                     statistics.median(c for _, _, c in v)) for g, v in loader.items()},
         ipc=0.0,
@@ -537,7 +562,8 @@ def _fit_kappa(passes: list[dict[str, Any]], all_cores: int) -> float | None:
         if fig is None or w == 0 or fig["T"] <= 0:
             continue
         per_item = fig["load_cpu"] + fig["read"]
-        cores_busy = fig["cpu_per_step"] / _ncores(data["knobs"], all_cores)
+        cores_busy = (fig["steady_cpu_per_step"] or fig["cpu_per_step"]) / _ncores(
+            data["knobs"], all_cores)
         if (fig["fetch"] >= 0.25 * fig["T"] and fig["steady_steps"] >= 2 * w and per_item > 0
                 and cores_busy < 0.8 * fig["T"]):
             ratios.append(fig["T"] * w / (data["knobs"]["batch"] * per_item))
@@ -686,9 +712,29 @@ def choose_profiled(configs: list[Knobs], count: int) -> list[int]:
 
     Greedy pairwise coverage (a covering array, the usual design for few runs over many
     factors), ties broken by the distance to the configurations chosen so far, then grid order.
+    Where `count` allows, every cell the simple model fits a line in the batch over (cores,
+    precision, with or without loader workers) gets its smallest and its largest batch first:
+    a line from a single batch size is a guess, and pairwise coverage alone leaves such cells.
     """
     count = max(1, min(count, len(configs)))
+    return sorted(covering_order(configs, count)[:count])
+
+
+def _cells(configs: list[Knobs]) -> list[Any]:
+    ends = (min(k.batch for k in configs), max(k.batch for k in configs))
+    return [(k.cores, k.precision, k.workers > 0, k.batch) if k.batch in ends else None
+            for k in configs]
+
+
+def covering_order(configs: list[Knobs], count: int) -> list[int]:
+    """Every configuration, in the order the covering design of `choose_profiled` adds them.
+
+    The model's cells come first where there are no more of them than `count` (the number of
+    configurations that will be taken from the front of the order).
+    """
     levels = [_levels(k) for k in configs]
+    cell = _cells(configs)
+    by_cell = len({c for c in cell if c is not None}) <= count
     factors = range(len(levels[0]))
     ordinal = [sorted({lv[f] for lv in levels}, key=str) for f in factors]
 
@@ -701,19 +747,22 @@ def choose_profiled(configs: list[Knobs], count: int) -> list[int]:
 
     chosen: list[int] = []
     covered: set[tuple[int, Any, int, Any]] = set()
-    while len(chosen) < count:
-        best, best_score = None, (-1.0, -1.0)
+    cells_covered: set[Any] = set()
+    while len(chosen) < len(configs):
+        best, best_score = None, (-1.0, -1.0, -1.0)
         for i, lv in enumerate(levels):
             if i in chosen:
                 continue
+            new_cell = float(by_cell and cell[i] is not None and cell[i] not in cells_covered)
             gain = len(pairs(lv) - covered)
             spread = min((distance(lv, levels[j]) for j in chosen), default=0.0)
-            if (gain, spread) > best_score:
-                best, best_score = i, (gain, spread)
+            if (new_cell, gain, spread) > best_score:
+                best, best_score = i, (new_cell, gain, spread)
         assert best is not None
         chosen.append(best)
         covered |= pairs(levels[best])
-    return sorted(chosen)
+        cells_covered.add(cell[best])
+    return chosen
 
 
 # -- predicting every configuration -------------------------------------------------------------

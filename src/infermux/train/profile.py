@@ -356,16 +356,10 @@ def _measure_one(setup: TrainSetup, index: int, knobs: Knobs, kind: str) -> list
             if not recs[0].extra["eviction"]["evicted"] and \
                     recs[0].extra["eviction"]["fs"] in ("tmpfs", "ramfs"):
                 recs[0].extra["in_memory"] = True
-            cut: dict[str, float] = {}
-
-            def at_cut(step: Any) -> None:
-                if step.seq == split - 1:
-                    cut["cpu"] = cpu.snapshot()
-
-            cpu0 = cpu.snapshot()
+            ramp = min(split, warmup_steps(knobs.workers))
             try:
-                whole = run_pass(trainer, loader, cpu=cpu, on_step=at_cut)
-                halves = whole.split(split, cut.get("cpu", cpu0) - cpu0)
+                whole = run_pass(trainer, loader, cpu=cpu, cpu_marks={ramp - 1, split - 1})
+                halves = whole.split(split, whole.cpu_at.get(split - 1, 0.0))
                 for rec, half in zip(recs, halves, strict=True):
                     rec.result = half
                     rec.extra["split"] = True
@@ -379,7 +373,8 @@ def _measure_one(setup: TrainSetup, index: int, knobs: Knobs, kind: str) -> list
                 if rec.pass_name == "cold":
                     rec.extra["eviction"] = evict(path)
                 try:
-                    rec.result = run_pass(trainer, loader, cpu=cpu)
+                    rec.result = run_pass(trainer, loader, cpu=cpu,
+                                          cpu_marks={warmup_steps(knobs.workers) - 1})
                 except DeviceOutOfMemoryError as exc:
                     rec.status, rec.error = "oom", str(exc)
                 except InfermuxError as exc:
@@ -393,6 +388,7 @@ def _measure_one(setup: TrainSetup, index: int, knobs: Knobs, kind: str) -> list
             if rec.result is not None:
                 ramp = 0 if (split and rec.pass_name == "warm") else warmup_steps(knobs.workers)
                 steady_steps = len(rec.result.steps) - ramp
+                rec.extra["steady_cpu_s"] = rec.result.steady_cpu_s(ramp)
                 if steady_steps < MIN_STEADY_STEPS:
                     rec.flags.append(
                         f"short profile: {steady_steps} steady minibatches (aimed at "

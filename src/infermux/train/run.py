@@ -28,6 +28,7 @@ from infermux.train.predict import (
     MIN_STEADY_STEPS,
     Prediction,
     choose_profiled,
+    covering_order,
     mape,
     predict_all,
     warmup_steps,
@@ -187,7 +188,7 @@ def _profile_within_share(setup: TrainSetup, configs: list[Knobs], pool: list[in
     records_: list[PassRecord] = []
     chosen: list[int] = []
     passed_over: list[str] = []
-    for i in _coverage_order(configs, pool):
+    for i in _coverage_order(configs, pool, count):
         if len(chosen) >= count:
             break
         data = [p.as_data() for p in records_ if p.status == "ok"]
@@ -253,7 +254,7 @@ def _pick_validation(configs: list[Knobs], profiled: list[int], validate: int | 
         return held if count >= len(held) else _covering(configs, held, count)
     picked: list[int] = []
     spent = 0.0
-    for i in _coverage_order(configs, held):
+    for i in _coverage_order(configs, held, count):
         if len(picked) >= count:
             break
         cost = sum(e["predicted_s"] or 0.0 for e in predictions[i].epochs.values()) * 1.15
@@ -270,14 +271,9 @@ def _covering(configs: list[Knobs], held: list[int], count: int) -> list[int]:
     return [held[i] for i in chosen]
 
 
-def _coverage_order(configs: list[Knobs], held: list[int]) -> list[int]:
-    """The held-out configurations in the order a covering design adds them."""
-    order: list[int] = []
-    for count in range(1, len(held) + 1):
-        for i in _covering(configs, held, count):
-            if i not in order:
-                order.append(i)
-    return order
+def _coverage_order(configs: list[Knobs], held: list[int], count: int) -> list[int]:
+    """The held-out configurations in the order a covering design of `count` adds them."""
+    return [held[i] for i in covering_order([configs[i] for i in held], count)]
 
 
 def run_train_predict(config: TrainConfig, *, store: Store | None = None,
