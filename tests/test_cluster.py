@@ -110,6 +110,33 @@ def test_a_plan_naming_a_unit_the_node_lacks_is_one_clear_error(cluster) -> None
             run_cluster(gpu, cluster)
 
 
+def test_find_peak_searches_the_cluster_s_highest_rate_within_the_bound(cluster,
+                                                                      tmp_path) -> None:
+    plan = parse_cluster_plan({**two_nodes(1.0), "load": {
+        "scenario": "server", "find_peak": True, "p99_bound_ms": 250, "min_duration_s": 1.0,
+        "min_queries": 32}})
+    store = Store(tmp_path / "peak.db")
+    report = run_cluster(plan, cluster, store=store, command="test")
+    peak = report.peak
+    assert peak is not None and peak["peak_qps"] is not None, peak
+    # An offline trial gives the upper bound, then the server trials of the bisection.
+    assert [t["scenario"] for t in report.trials] == ["offline"] + ["server"] * len(peak["trials"])
+    assert 0 < peak["peak_qps"] < peak["offline_items_per_s"] == report.trials[0]["items_per_s"]
+    best = max((t for t in report.trials[1:] if t["valid"]), key=lambda t: t["rate_qps"])
+    assert report.record is best and best["rate_qps"] == peak["peak_qps"]
+    assert best["latency"]["p99_ms"] <= 250
+    # Each trial starts from empty nodes: its per-node counts are its own.
+    for t in report.trials[1:]:  # server queries are of one sample
+        assert sum(n["completed_samples"] for n in t["nodes"]) == t["completed"]
+    rows = store.connection.execute(
+        "SELECT COUNT(DISTINCT trial) FROM cluster_nodes WHERE run_id = ?",
+        (report.run_id,)).fetchone()[0]
+    assert rows == len(report.trials)
+    summary = store.run(report.run_id)["summary"]
+    assert summary["peak"]["peak_qps"] == peak["peak_qps"]
+    store.close()
+
+
 def test_a_node_that_joins_mid_run_is_used_once_it_has_measured_itself(cluster) -> None:
     """`count: all` takes every node, those that join while the plan runs as well."""
     plan = parse_cluster_plan({

@@ -85,16 +85,7 @@ def run_command(
     else:
         record = report.final
         if report.peak is not None:
-            peak = report.peak
-            frac = peak.get("peak_fraction_of_offline")
-            out.print(f"[bold]peak[/] {num(peak.get('peak_qps'))} qps within p99 ≤ "
-                      f"{peak['p99_bound_ms']:g} ms; offline {num(peak.get('offline_items_per_s'))}"
-                      f" samples/s" + (f" ({frac:.0%} of offline)" if frac else ""))
-            for t in peak["trials"]:
-                out.print(f"  {t['rate_qps']:.1f} qps: p99 {num(t['p99_ms'], 2)} ms "
-                          f"{'valid' if t['valid'] else 'invalid'}")
-            if peak.get("reason"):
-                out.print(f"[yellow]no peak[/]: {escape(peak['reason'])}", highlight=False)
+            _print_peak(report.peak)
         if record is not None:
             out.print(run_headline(record))
             out.print(run_models_table(record))
@@ -142,6 +133,18 @@ def plan_command(
               f"scenario {plan.load.scenario}, placement {plan.placement}")
 
 
+def _print_peak(peak: dict[str, Any]) -> None:
+    frac = peak.get("peak_fraction_of_offline")
+    out.print(f"[bold]peak[/] {num(peak.get('peak_qps'))} qps within p99 ≤ "
+              f"{peak['p99_bound_ms']:g} ms; offline {num(peak.get('offline_items_per_s'))}"
+              f" samples/s" + (f" ({frac:.0%} of offline)" if frac else ""))
+    for t in peak["trials"]:
+        out.print(f"  {t['rate_qps']:.1f} qps: p99 {num(t['p99_ms'], 2)} ms "
+                  f"{'valid' if t['valid'] else 'invalid'}")
+    if peak.get("reason"):
+        out.print(f"[yellow]no peak[/]: {escape(peak['reason'])}", highlight=False)
+
+
 def _run_cluster(plan_file: str, address: str, overrides: dict[str, object], db: str | None,
                  as_json: bool) -> None:
     """`infermux run PLAN --cluster ADDRESS`: a runtime per Ray node, one load on them all."""
@@ -172,6 +175,8 @@ def _run_cluster(plan_file: str, address: str, overrides: dict[str, object], db:
         _print_json(report.to_dict())
     else:
         record = report.record
+        if report.peak is not None:
+            _print_peak(report.peak)
         if record is not None:
             out.print(run_headline(record))
             out.print(_nodes_table(record))

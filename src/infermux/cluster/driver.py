@@ -43,7 +43,7 @@ from infermux.cluster.node import NodeRuntime
 from infermux.cluster.plan import ClusterPlan, NodeEntry
 from infermux.errors import InfermuxError, RunError, UsageError, first_line
 from infermux.load.base import CompletionFn, Query
-from infermux.load.scenarios import LoadGenerator, ScenarioResult
+from infermux.load.scenarios import LoadGenerator, ScenarioResult, find_peak
 from infermux.runtime.dispatcher import Batch, Item, WorkerState
 from infermux.runtime.metrics import BatchRecord, summarise
 from infermux.runtime.placement import LatencyEstimate
@@ -135,6 +135,8 @@ class ClusterSUT:
         self._rr = 0
         self._stop = threading.Event()
         self._poller: threading.Thread | None = None
+        #: Polls out at the nodes: ref -> (node, sent ns)
+        self._pending: dict[Any, tuple[NodeLink, int]] = {}
         self._ended = False
         #: Parts routed and not yet sent, per node index; `_send_lock` is held while sending.
         self._outbox: dict[int, list[tuple[Any, ...]]] = defaultdict(list)
@@ -322,7 +324,7 @@ class ClusterSUT:
     def _poll_loop(self) -> None:
         ray = self.ray
         wait_s = self.route.poll_wait_s
-        pending: dict[Any, tuple[NodeLink, int]] = {}
+        pending = self._pending
         while not self._stop.is_set():
             for ln in self._live():
                 if not any(p[0] is ln for p in pending.values()):
@@ -536,10 +538,19 @@ class ClusterSUT:
         self._report(gave_up, ok=False)
 
     def stop(self) -> None:
-        """Stop polling."""
+        """Stop polling, once the polls still out at the nodes have returned.
+
+        A poll left waiting at a node would take the completions of the node's next trial
+        (`_Trials`) and lose them.
+        """
         self._stop.set()
         if self._poller is not None:
             self._poller.join(10)
+        refs = list(self._pending)
+        if refs:
+            with contextlib.suppress(Exception):
+                self.ray.wait(refs, num_returns=len(refs), timeout=self.route.poll_wait_s + 5)
+        self._pending.clear()
 
 
 @dataclass
@@ -558,6 +569,10 @@ class ClusterReport:
     #: Measured delays in ns (the simulation's input): `to_node` (a submit until queued at its
     #: node), `return` (a completion until the driver has it), `issue_lag` (due until issued).
     delays_ns: dict[str, list[int]] = field(default_factory=dict, repr=False)
+    #: Every trial's record in order (one, or with `load.find_peak` the offline trial and the
+    #: server trials of the search), and the search's result.
+    trials: list[dict[str, Any]] = field(default_factory=list, repr=False)
+    peak: dict[str, Any] | None = None
 
     @property
     def final(self) -> dict[str, Any] | None:
@@ -566,9 +581,13 @@ class ClusterReport:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready."""
-        return {"run_id": self.run_id, "status": self.status, "error": self.error,
-                "plan": self.plan.to_dict(), "start_s": self.start_s, "nodes": self.nodes,
-                "result": self.record}
+        out = {"run_id": self.run_id, "status": self.status, "error": self.error,
+               "plan": self.plan.to_dict(), "start_s": self.start_s, "nodes": self.nodes,
+               "result": self.record}
+        if self.peak is not None:
+            out["peak"] = self.peak
+            out["trials"] = self.trials
+        return out
 
 
 def resolve_nodes(plan: ClusterPlan, nodes: list[dict[str, Any]]
@@ -870,10 +889,13 @@ def run_cluster(
     from infermux.store import recording
 
     report = ClusterReport(None, plan, "complete")
-    if plan.load.scenario == "server" and plan.load.rate_qps is None:
-        raise UsageError("cluster plan field load.rate_qps is required by the server scenario")
-    if plan.load.find_peak:
-        raise UsageError("--find-peak is not yet supported on a cluster: give a rate with --qps")
+    load = plan.load
+    if load.find_peak and load.p99_bound_ms is None:
+        raise UsageError("--find-peak needs a latency bound: set the cluster plan's "
+                         "load.p99_bound_ms or pass --p99")
+    if load.scenario == "server" and load.rate_qps is None and not load.find_peak:
+        raise UsageError("cluster plan field load.rate_qps is required by the server scenario: "
+                         "set it or pass --qps, or use --find-peak")
     config = {"cluster_plan": plan.to_dict(), "model": plan.name,
               "models": sorted({m.name for m in plan.models}), "cluster": handle.address}
     with recording(store, "cluster", config, command) as rec:
@@ -894,6 +916,8 @@ def run_cluster(
                 "completed", "failed", "unfinished", "latency")}
             rec.summary["nodes"] = [{k: n.get(k) for k in ("node", "status", "completed_samples",
                                                            "lost_at_s")} for n in report.nodes]
+            if report.peak is not None:
+                rec.summary["peak"] = {k: v for k, v in report.peak.items() if k != "trials"}
             if report.error:
                 rec.summary["error"] = report.error
     return report
@@ -904,47 +928,101 @@ def _run(report: ClusterReport, plan: ClusterPlan, handle: ClusterHandle, store:
          during: Callable[[ClusterSUT], None] | None) -> None:
     started = time.perf_counter()
     links: list[NodeLink] = []
-    sut: ClusterSUT | None = None
+    trial: _Trials | None = None
     try:
         links = _start_nodes(plan, handle, base, progress)
         report.start_s = time.perf_counter() - started
-        ray = handle.ray
-        ray.get([ln.actor.begin_trial.remote() for ln in links])
-        sut = ClusterSUT(links, ray, plan)
         load = plan.load
-        models = sorted({m for ln in links for m in ln.models})
+        trial = _Trials(report, plan, handle, store, progress, base, links, during)
+        if load.scenario == "server" and load.find_peak:
+            offline = trial.run(load.model_copy(update={"scenario": "offline",
+                                                        "find_peak": False}))
+            if offline is None or offline.interrupted:
+                return
+            upper = float(trial.last.get("items_per_s") or 0.0)
+
+            def server(rate: float) -> ScenarioResult:
+                got = trial.run(load.model_copy(update={"scenario": "server", "rate_qps": rate,
+                                                        "find_peak": False}))
+                assert got is not None
+                return got
+
+            bound = float(load.p99_bound_ms or 0.0)
+            peak = find_peak(server, upper_qps=upper, bound_ms=bound)
+            report.peak = peak.record()
+            valid = [t for t in report.trials if t.get("scenario") == "server" and t.get("valid")]
+            if peak.peak_qps is not None and valid:
+                best = max(valid, key=lambda t: t.get("rate_qps") or 0.0)
+                report.record = best
+                report.batches, report.delays_ns = trial.kept[best["trial"]]
+        else:
+            trial.run(load)
+    except KeyboardInterrupt:
+        report.status = "interrupted"
+    finally:
+        _stop_nodes(handle.ray, trial.links if trial is not None else links)
+
+
+class _Trials:
+    """One LoadGen trial after another on the same started nodes, each stored as it ends.
+
+    Every trial empties the nodes' queues and counters (`begin_trial`) and drives a fresh
+    `ClusterSUT` over the nodes alive (with those that joined during an earlier trial); the
+    report's `record` is the last trial's (the search's best valid one once it ends).
+    """
+
+    def __init__(self, report: ClusterReport, plan: ClusterPlan, handle: ClusterHandle,
+                 store: Store | None, progress: ProgressFn | None, base: Path | None,
+                 links: list[NodeLink], during: Callable[[ClusterSUT], None] | None) -> None:
+        self.report, self.plan, self.handle, self.store = report, plan, handle, store
+        self.progress, self.base, self.links, self.during = progress, base, links, during
+        self.last: dict[str, Any] = {}
+        #: trial index → its batch records and delays (the search's best is reported)
+        self.kept: dict[int, tuple[list[BatchRecord], dict[str, list[int]]]] = {}
+
+    def run(self, load: Any) -> ScenarioResult | None:
+        ray = self.handle.ray
+        index = len(self.report.trials)
+        live = [ln for ln in self.links if ln.alive]
+        ray.get([ln.actor.begin_trial.remote() for ln in live])
+        for ln in self.links:
+            ln.out.clear()
+            ln.held = ln.completed = ln.failed = ln.rerouted = 0
+            ln.window.clear()
+        plan = self.plan.model_copy(update={"load": load})
+        sut = ClusterSUT(list(self.links), ray, plan)
+        models = sorted({m for ln in live for m in ln.models})
         shares = dict.fromkeys(models, 1.0)
-        for ln in links:
+        for ln in live:
             for m in ln.plan.models if ln.plan else []:
                 shares[m.name] = m.share
         gen = LoadGenerator(load.model_dump(mode="json"), shares,
                             mix=[p.model_dump() for p in load.mix] if load.mix else None,
-                            progress=progress)
-        watcher = NodeWatcher(plan, handle, sut, base)
+                            progress=self.progress)
+        watcher = NodeWatcher(plan, self.handle, sut, self.base)
         watcher.start()
-        if during is not None:
-            threading.Thread(target=during, args=(sut,), name="infermux-cluster-during",
+        if self.during is not None and index == 0:
+            threading.Thread(target=self.during, args=(sut,), name="infermux-cluster-during",
                              daemon=True).start()
         try:
             result = gen.run(sut, dict.fromkeys(models, load.sample_pool))
         finally:
             watcher.stop()
-            links = sut.links  # with the nodes that joined: every one is stopped below
-        sut.stop()
-        report.record, batches = _summarise(sut, result, ray)
-        report.batches = batches
-        report.delays_ns = {"to_node": list(sut.to_node_ns), "return": list(sut.return_ns),
-                            "issue_lag": result.issue_lag_ns()}
-        if result.interrupted:
-            report.status = "interrupted"
-        if store is not None and report.run_id is not None:
-            _store(store, report.run_id, report.record, result, batches)
-    except KeyboardInterrupt:
-        report.status = "interrupted"
-    finally:
-        if sut is not None:
             sut.stop()
-        _stop_nodes(handle.ray, links)
+            self.links = sut.links  # with the nodes that joined: every one is stopped at the end
+        record, batches = _summarise(sut, result, ray)
+        record["trial"] = index
+        delays = {"to_node": list(sut.to_node_ns), "return": list(sut.return_ns),
+                  "issue_lag": result.issue_lag_ns()}
+        self.report.record, self.report.batches, self.report.delays_ns = record, batches, delays
+        self.report.trials.append(record)
+        self.kept[index] = (batches, delays)
+        self.last = record
+        if result.interrupted:
+            self.report.status = "interrupted"
+        if self.store is not None and self.report.run_id is not None:
+            _store(self.store, self.report.run_id, record, result, batches, index)
+        return result
 
 
 def _summarise(sut: ClusterSUT, result: ScenarioResult, ray: Any
@@ -1003,6 +1081,6 @@ def _summarise(sut: ClusterSUT, result: ScenarioResult, ray: Any
 
 
 def _store(store: Store, run_id: int, record: dict[str, Any], result: ScenarioResult,
-           batches: list[BatchRecord]) -> None:
-    store.add_runtime_trial(run_id, 0, record, result, batches)
-    store.add_cluster_nodes(run_id, 0, record["nodes"])
+           batches: list[BatchRecord], trial: int = 0) -> None:
+    store.add_runtime_trial(run_id, trial, record, result, batches)
+    store.add_cluster_nodes(run_id, trial, record["nodes"])
