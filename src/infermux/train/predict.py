@@ -717,7 +717,7 @@ def choose_profiled(configs: list[Knobs], count: int) -> list[int]:
     a line from a single batch size is a guess, and pairwise coverage alone leaves such cells.
     """
     count = max(1, min(count, len(configs)))
-    return sorted(covering_order(configs, count)[:count])
+    return sorted(covering_order(configs, count, limit=count))
 
 
 def _cells(configs: list[Knobs]) -> list[Any]:
@@ -726,11 +726,11 @@ def _cells(configs: list[Knobs]) -> list[Any]:
             for k in configs]
 
 
-def covering_order(configs: list[Knobs], count: int) -> list[int]:
-    """Every configuration, in the order the covering design of `choose_profiled` adds them.
+def covering_order(configs: list[Knobs], count: int, limit: int | None = None) -> list[int]:
+    """The configurations in the order the covering design of `choose_profiled` adds them.
 
     The model's cells come first where there are no more of them than `count` (the number of
-    configurations that will be taken from the front of the order).
+    configurations that will be taken from the front of the order); `limit`: only that many.
     """
     levels = [_levels(k) for k in configs]
     cell = _cells(configs)
@@ -748,7 +748,7 @@ def covering_order(configs: list[Knobs], count: int) -> list[int]:
     chosen: list[int] = []
     covered: set[tuple[int, Any, int, Any]] = set()
     cells_covered: set[Any] = set()
-    while len(chosen) < len(configs):
+    while len(chosen) < min(len(configs), len(configs) if limit is None else limit):
         best, best_score = None, (-1.0, -1.0, -1.0)
         for i, lv in enumerate(levels):
             if i in chosen:
