@@ -27,6 +27,7 @@ from infermux.train.power import (
 from infermux.train.predict import (
     MIN_STEADY_STEPS,
     choose_profiled,
+    covering_order,
     predict_all,
     profile_estimate,
     warmup_steps,
@@ -327,6 +328,22 @@ def test_the_training_s_cpu_beside_workers_is_fitted_apart() -> None:
 
     assert max(errors(True)) < 0.01
     assert max(errors(False)) > 0.05  # pooled, the contention is averaged away
+
+
+def test_a_cell_whose_candidate_is_passed_over_gets_another_of_its_configurations() -> None:
+    from infermux.train.run import cell_first
+
+    grid = Grid(batch=[16, 64], workers=[0, 2], storage=["tmpfs", "disk"],
+                cores=[(0,), (0, 1)])
+    configs = grid.configs()
+    order = covering_order(configs, 8)
+    cell = lambda i: (configs[i].cores, configs[i].workers > 0, configs[i].batch)  # noqa: E731
+    passed, rest = order[0], order[1:]
+    twin = next(j for j in rest if cell(j) == cell(passed))
+    again = cell_first(configs, rest, passed)
+    # The passed-over configuration's cell-mate goes next; the others keep their order.
+    assert again[0] == twin and sorted(again) == sorted(rest)
+    assert [j for j in again if j != twin] == [j for j in rest if j != twin]
 
 
 def test_the_start_up_term_is_recovered_where_it_dominates() -> None:

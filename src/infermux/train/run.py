@@ -180,21 +180,25 @@ def _profile_within_share(setup: TrainSetup, configs: list[Knobs], pool: list[in
 
     Candidates come in the order a covering design adds them; before each (after the first),
     its profile's share of its epoch is estimated from the profiles measured so far
-    (`estimated_share`), and one estimated over the share is passed over for the next. The
-    budget (`TrainConfig.budget_s`) holds for all of them together.
+    (`estimated_share`), and one estimated over the share is passed over for the next: another
+    configuration of its model cell where one is left (`cell_first`), so the cell still gets a
+    profile at that batch. The budget (`TrainConfig.budget_s`) holds for all of them together.
     """
     config = setup.config
     started = time.perf_counter()
     records_: list[PassRecord] = []
     chosen: list[int] = []
     passed_over: list[str] = []
-    for i in _coverage_order(configs, pool, count):
+    order = _coverage_order(configs, pool, count)
+    while order:
+        i = order.pop(0)
         if len(chosen) >= count:
             break
         data = [p.as_data() for p in records_ if p.status == "ok"]
         est = estimated_share(configs[i], data, config, setup.dataset_items)
         if est is not None and est > config.profile_share:
             passed_over.append(f"{configs[i].label} (~{est:.0%})")
+            order = cell_first(configs, order, i)
             continue
         spent = time.perf_counter() - started
         if config.budget_s is not None and chosen and spent * (1 + 1 / len(chosen)) > \
@@ -263,6 +267,19 @@ def _pick_validation(configs: list[Knobs], profiled: list[int], validate: int | 
         picked.append(i)
         spent += cost
     return sorted(picked)
+
+
+def cell_first(configs: list[Knobs], order: list[int], passed: int) -> list[int]:
+    """`order` with the configurations of `passed`'s model cell moved to its front.
+
+    The cell is (cores, precision, with or without workers, batch); the configurations moved
+    keep their places among themselves, the others theirs.
+    """
+    k = configs[passed]
+    cell = (k.cores, k.precision, k.workers > 0, k.batch)
+    same = [j for j in order if (configs[j].cores, configs[j].precision,
+                                 configs[j].workers > 0, configs[j].batch) == cell]
+    return same + [j for j in order if j not in same]
 
 
 def _covering(configs: list[Knobs], held: list[int], count: int) -> list[int]:
