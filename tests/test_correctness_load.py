@@ -10,18 +10,11 @@ from __future__ import annotations
 import pytest
 
 from infermux.load import LoadGenerator, ScenarioResult, find_peak
+from tests.conftest import MS, Clock
 
-MS = 1_000_000
 
-
-class ManualClock:
+class ManualClock(Clock):
     """Time that moves only when someone sleeps or works: the generator's lag is exact."""
-
-    def __init__(self) -> None:
-        self.ns = 1_000 * MS
-
-    def __call__(self) -> int:
-        return self.ns
 
     def sleep(self, seconds: float) -> None:
         self.ns += max(1, int(seconds * 1e9))
