@@ -143,7 +143,9 @@ def test_a_node_that_joins_mid_run_is_used_once_it_has_measured_itself(cluster) 
         "name": "grow", "nodes": [{**node("w", 0, f"cpu:{CORES[0]}"), "count": "all",
                                    "node": {}}],
         "route": {"join_check_s": 0.5},
-        "load": {"scenario": "offline", "min_duration_s": 12.0, "min_queries": 64}})
+        # A node's start takes 5-8 s here (its worker, imports, build and measurement), longer
+        # while the three nodes load both cores: the run outlasts it.
+        "load": {"scenario": "offline", "min_duration_s": 24.0, "min_queries": 64}})
     got: dict[str, object] = {}
     running = threading.Event()
 
@@ -156,7 +158,7 @@ def test_a_node_that_joins_mid_run_is_used_once_it_has_measured_itself(cluster) 
         report=run_cluster(plan, cluster, during=during)), daemon=True)
     thread.start()
     assert running.wait(120)
-    time.sleep(1.0)
+    time.sleep(0.2)
     before = len(got["sut"].links)  # type: ignore[attr-defined]
     new_id = cluster.add_node()
     thread.join(120)

@@ -193,6 +193,10 @@ def _run_cluster(plan_file: str, address: str, overrides: dict[str, object], db:
                     out.print(f"node {escape(str(e['node']))} joined at {e['t_s']:.2f} s, used "
                               f"after its start ({e['start_s']:.1f} s; measured {rates})",
                               highlight=False)
+                elif e["event"] == "node_join_late":
+                    out.print(f"[yellow]node {escape(str(e['node']))} did not join[/]: the run "
+                              f"ended while it started ({e['start_s']:.1f} s in)",
+                              highlight=False)
                 elif e["event"] == "node_join_failed":
                     out.print(f"[yellow]node {escape(str(e['node']))} did not join[/] at "
                               f"{e['t_s']:.2f} s: {escape(str(e['error']))}", highlight=False)

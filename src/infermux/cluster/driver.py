@@ -814,6 +814,9 @@ class NodeWatcher:
             return None
         if self._stop.is_set():  # the run ended while it started: nobody would stop it
             _stop_nodes(self.handle.ray, [ln])
+            self.sut.events.append({"t_ns": time.perf_counter_ns(), "event": "node_join_late",
+                                    "node": name, "node_id": node["NodeID"],
+                                    "start_s": (time.perf_counter_ns() - t0) / 1e9})
             return None
         ln.joined_at_ns = time.perf_counter_ns()
         self.sut.add_link(ln)
