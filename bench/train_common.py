@@ -61,7 +61,8 @@ def summary(report: PredictReport, started: float, args: dict[str, Any]) -> dict
         "args": args, "machine": machine(), "elapsed_s": time.time() - started,
         "scores": data["scores"], "budget": data["budget"], "model_info": data["model_info"],
         "profiled": data["profiled"], "profile_s": data["profile_s"],
-        "validate_s": data["validate_s"], "notes": data["notes"], "rows": rows(report),
+        "validate_s": data["validate_s"], "drift": data["drift"], "notes": data["notes"],
+        "rows": rows(report),
         "report": data,
     }
 
@@ -90,6 +91,10 @@ def print_figure(name: str, fig: dict[str, Any]) -> None:
           f"(allowed {b['profiled_allowed']}), largest share of an epoch "
           f"{pct(100 * share if share is not None else None)}, profiles {b['profile_s']:.1f} s "
           f"in all: {'OK' if b['ok'] else 'EXCEEDED'}")
+    d = fig.get("drift")
+    if d and d.get("ratio"):
+        print(f"{name}: drift: {d['label']} profiled again after validation: "
+              f"{d['before_ms']:.1f} -> {d['after_ms']:.1f} ms per minibatch ({d['ratio']:.2f}x)")
     for row in b["per_config"]:
         if row["flags"]:
             print(f"{name}:   {row['label']}: {row['flags'][0]}")

@@ -468,6 +468,17 @@ def test_train_profile_and_predict_from_the_cli(tmp_path: Path,
         stored = {(r[0], r[1]): r[2] for r in store.connection.execute(
             "SELECT label, epoch, predicted_s FROM train_predictions WHERE run_id = 2")}
     assert again["scores"]["configurations"] == 2
+    # After validation the first profiled configuration was profiled again (kind `probe`, not
+    # fitted on: the predictions above match): the machine's drift over the run, measured.
+    with sqlite3.connect(db) as con:
+        probes = con.execute("SELECT label, pass FROM train_passes WHERE run_id = 2 AND "
+                             "kind = 'probe'").fetchall()
+        first = con.execute("SELECT label FROM train_passes WHERE run_id = 2 AND "
+                            "kind = 'profile' ORDER BY rowid LIMIT 1").fetchone()[0]
+    assert sorted(p for _, p in probes) == ["cold", "warm"]
+    assert again["drift"]["label"] == probes[0][0] == first
+    assert again["drift"]["before_ms"] > 0 and again["drift"]["ratio"] == pytest.approx(
+        again["drift"]["after_ms"] / again["drift"]["before_ms"])
     for row in again["predictions"]:
         assert row["predicted_s"] == pytest.approx(stored[(row["label"], row["epoch"])],
                                                    rel=1e-9)

@@ -68,6 +68,8 @@ class PredictReport:
     validate_s: float = 0.0
     #: The profile share of an epoch the run was given (the budget rule's limit).
     share: float = 0.1
+    #: The first profiled configuration measured again after validation (`_drift_check`).
+    drift: dict[str, Any] | None = None
 
     def scores(self) -> dict[str, Any]:
         """MAPE of the held-out (not profiled) configurations that were measured, %."""
@@ -134,7 +136,7 @@ class PredictReport:
             "profile_passes": [p.to_dict() for p in self.passes],
             "validation_passes": [p.to_dict() for p in self.validation],
             "notes": self.notes, "elapsed_s": self.elapsed_s, "profile_s": self.profile_s,
-            "validate_s": self.validate_s,
+            "validate_s": self.validate_s, "drift": self.drift,
         }
 
 
@@ -224,7 +226,7 @@ def _stored_passes(store: Store, run_id: int, configs: list[Knobs]) -> list[dict
     index = {k.label: i for i, k in enumerate(configs)}
     passes = []
     for data in records.load_passes(store, run_id):
-        if data["label"] in index:
+        if data["label"] in index and data["kind"] != "probe":
             data["config"] = index[data["label"]]
             passes.append(data)
     return passes
@@ -234,7 +236,7 @@ def _reference(store: Store | None, run_id: int) -> list[dict[str, Any]]:
     if store is None:
         raise UsageError("--reference needs the results database: drop --no-store")
     store.run(run_id)  # one line if the run is not there
-    passes = records.load_passes(store, run_id)
+    passes = [p for p in records.load_passes(store, run_id) if p["kind"] != "probe"]
     if not passes:
         raise UsageError(f"--reference {run_id} holds no training passes: give the id of a "
                          "train-profile or train-predict run (see `infermux results list`)")
@@ -394,6 +396,8 @@ def _predict_body(setup: TrainSetup, report: PredictReport, rec: Recording, *,
                     "first" if done.pass_name == "cold" else "later"] = {
                     "s": done.result.wall_ns / 1e9, "energy_j": done.energy_j}
     report.validate_s = time.perf_counter() - t1
+    if report.validation and from_run is None:
+        report.drift = _drift_check(setup, report)
     if store is not None and setup.run_id is not None:
         records.add_predictions(store, setup.run_id,
                                 [r for p in report.predictions for r in p.rows()])
@@ -401,7 +405,58 @@ def _predict_body(setup: TrainSetup, report: PredictReport, rec: Recording, *,
         "configs": len(configs), "profiled": len(report.profiled),
         "model": report.info.get("chosen"), "scores": report.scores(),
         "budget": {k: v for k, v in report.budget(config.profile_share).items()
-                   if k != "per_config"}, "elapsed_s": time.perf_counter() - started}
+                   if k != "per_config"}, "drift": report.drift,
+        "elapsed_s": time.perf_counter() - started}
+
+
+#: A reference profile that moved by more than this between profiling and the end of validation
+#: is reported: the machine itself changed speed, and the measured epochs carry that.
+DRIFT_NOTE = 0.1
+
+
+def _drift_check(setup: TrainSetup, report: PredictReport) -> dict[str, Any] | None:
+    """Profile the first profiled configuration again after validation: did the machine drift.
+
+    The same knobs, minibatches and files as its profile (stored as kind `probe`, never fitted
+    on). The ratio of the steady per-minibatch times, after over before, says how much faster
+    or slower the machine ran the same work once the validation epochs were measured; a
+    prediction error of that size is the machine's, not the predictor's.
+    """
+    for i in report.profiled:
+        before = [p for p in report.passes if p.config == i and p.status == "ok" and p.result]
+        if len(before) == 2:
+            break
+    else:
+        return None
+    probe, _ = measure_configs(setup, [report.configs[i]], kind="probe", indices=[i])
+    after = [p for p in probe if p.status == "ok" and p.result]
+    if len(after) != 2:
+        return {"label": report.configs[i].label, "error": next(
+            (p.error for p in probe if p.error), "the probe did not complete")}
+    out = drift_of(report.configs[i].label, [p.as_data() for p in before],
+                   [p.as_data() for p in after])
+    if out and out["ratio"] is not None and abs(out["ratio"] - 1) > DRIFT_NOTE:
+        report.notes.append(
+            f"the machine drifted: {out['label']} profiled again after validation ran "
+            f"{out['ratio']:.2f}× as long per minibatch ({out['before_ms']:.1f} → "
+            f"{out['after_ms']:.1f} ms); the measured epochs carry that, so part of the error "
+            "is the machine's")
+    return out
+
+
+def drift_of(label: str, before: list[dict[str, Any]], after: list[dict[str, Any]]
+             ) -> dict[str, Any] | None:
+    """Steady per-minibatch time of a profile (its passes' data) and of its probe, and the ratio."""
+    from infermux.train.predict import steady
+
+    t_before = [f for f in (steady(p) for p in before) if f]
+    t_after = [f for f in (steady(p) for p in after) if f]
+    if not t_before or len(t_before) != len(t_after):
+        return None
+    b = sum(f["T"] for f in t_before) / len(t_before)
+    a = sum(f["T"] for f in t_after) / len(t_after)
+    return {"label": label, "before_ms": b * 1e3, "after_ms": a * 1e3,
+            "ratio": a / b if b else None}
 
 
 def _grid_configs(grid: dict[str, Any]) -> list[Knobs]:
@@ -461,6 +516,10 @@ def repredict(store: Store, run_id: int, *, reference_run: int | None = None,
         spent = sum(p["wall_ns"] for p in profile if p["config"] == i) / 1e9
         epoch = min(e["predicted_s"] or math.inf for e in predictions[i].epochs.values())
         shares[configs[i].label] = spent / epoch
+    probes = [p for p in passes if p["kind"] == "probe" and p.get("status", "ok") == "ok"]
+    drift = drift_of(probes[0]["label"], [p for p in profile if p["label"] == probes[0]["label"]],
+                     probes) if probes else None
     return {"run_id": run_id, "configs": [k.label for k in configs], "profile_shares": shares,
             "profiled": [configs[i].label for i in report.profiled], "model_info": info,
-            "scores": report.scores(), "predictions": [r for p in predictions for r in p.rows()]}
+            "scores": report.scores(), "drift": drift,
+            "predictions": [r for p in predictions for r in p.rows()]}
