@@ -785,14 +785,19 @@ class NodeWatcher:
             for node in nodes:
                 if self._stop.is_set():
                     return
-                if node["NodeID"] not in self._tried:
+                # A node that matches no entry yet is looked at again next time (its row may
+                # list its resources and labels later than the node itself).
+                if node["NodeID"] not in self._tried and self._entry(node) is not None:
                     self._tried.add(node["NodeID"])
                     self.join(node)
 
+    def _entry(self, node: dict[str, Any]) -> NodeEntry | None:
+        return next((e for e in self.plan.nodes if e.count == "all" and e.node.matches(node)),
+                    None)
+
     def join(self, node: dict[str, Any]) -> NodeLink | None:
         """Start `node` under the first `count: all` entry it matches and route to it."""
-        entry = next((e for e in self.plan.nodes if e.count == "all" and e.node.matches(node)),
-                     None)
+        entry = self._entry(node)
         if entry is None:
             return None
         taken = {ln.name for ln in self.sut.links}
