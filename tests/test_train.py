@@ -28,6 +28,7 @@ from infermux.train.predict import (
     MIN_STEADY_STEPS,
     choose_profiled,
     covering_order,
+    fit_components,
     predict_all,
     profile_estimate,
     warmup_steps,
@@ -328,6 +329,37 @@ def test_the_training_s_cpu_beside_workers_is_fitted_apart() -> None:
 
     assert max(errors(True)) < 0.01
     assert max(errors(False)) > 0.05  # pooled, the contention is averaged away
+
+
+def test_a_precision_profiled_at_one_batch_takes_another_s_growth_with_the_batch() -> None:
+    """A step with a large fixed part: one batch size alone would give a line through 0.
+
+    AMP is profiled at batch 8 and 128 (C = 2 ms + 0.5 ms·B), fp32 at 32 only, 1.5× as long;
+    fp32's line takes AMP's shape at its own level, so batch 8 and 128 come out right where
+    a line through the origin misses by a quarter at batch 8.
+    """
+    profiled = [Knobs(batch=8, precision="amp"), Knobs(batch=128, precision="amp"),
+                Knobs(batch=32, precision="fp32")]
+    passes = []
+    for i, k in enumerate(profiled):
+        for name in ("cold", "warm"):
+            data = _synthetic_pass(i, k, name, 4096, 12)
+            if k.precision == "fp32":
+                for step in data["steps"]:
+                    for phase in ("forward_ns", "backward_ns", "optimizer_ns"):
+                        step[phase] = round(step[phase] * 1.5)
+            passes.append(data)
+    comps = fit_components(passes, all_cores=2)
+    a, b = comps.compute[(2, "fp32")]
+    for batch in (8, 32, 128):
+        assert a + b * batch == pytest.approx(1.5 * (2e-3 + 0.5e-3 * batch), rel=0.02)
+    a, b = comps.compute[(2, "amp")]
+    assert a == pytest.approx(2e-3, rel=0.05) and b == pytest.approx(0.5e-3, rel=0.02)
+    # The energy per minibatch (0.02 J + 0.004 J per item, `_energy`) likewise.
+    assert comps.energy is not None
+    a, b = comps.energy["dynamic"]["fp32"]
+    for batch in (8, 128):
+        assert a + b * batch == pytest.approx(0.02 + 0.004 * batch, rel=0.05)
 
 
 def test_a_cell_whose_candidate_is_passed_over_gets_another_of_its_configurations() -> None:

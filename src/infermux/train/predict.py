@@ -276,6 +276,38 @@ def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return float(a), float(b)
 
 
+def _borrow_shape(lines: dict[tuple[int, str], tuple[float, float]],
+                  points: dict[tuple[int, str], list[tuple[float, float]]]
+                  ) -> dict[tuple[int, str], tuple[float, float]]:
+    """Lines of groups profiled at one batch size take the shape of another precision's.
+
+    One batch size gives a line through the origin (a minibatch's cost in proportion to its
+    size), which over-predicts every larger batch where a step has a large fixed part (a GPU
+    step of a small network is mostly launches and host work: ResNet18's took 11 ms at batch
+    32 and 14-17 ms at 64). Where another precision on the same cores was profiled at two or
+    more batch sizes, its line, scaled to this group's measured value at its batch, is used:
+    precisions share how a step grows with the batch, not its level.
+    """
+    multi = {g for g, v in points.items() if len({x for x, _ in v}) >= 2
+             and g in lines and lines[g][0] > 0}
+    out = dict(lines)
+    for g, v in points.items():
+        xs = {x for x, _ in v}
+        if len(xs) != 1 or g not in lines or lines[g][0] > 0:
+            continue
+        donors = sorted((d for d in multi if d[0] == g[0] and d != g), key=str)
+        if not donors:
+            continue
+        a, b = lines[donors[0]]
+        x = next(iter(xs))
+        at = a + b * x
+        if at <= 0:
+            continue
+        r = lines[g][1] * x / at
+        out[g] = (a * r, b * r)
+    return out
+
+
 @dataclass
 class Components:
     """The simple model's parts, fitted on profiled passes (see the module docstring)."""
@@ -484,13 +516,15 @@ def fit_components(passes: list[dict[str, Any]], all_cores: int) -> Components:
         raise UsageError("no profiled configuration measured any minibatch: nothing to predict "
                          "from; check the errors of the profile run")
     comps = Components(
-        compute={g: _linfit([x for x, _ in v], [y for _, y in v]) for g, v in compute.items()},
+        compute=_borrow_shape({g: _linfit([x for x, _ in v], [y for _, y in v])
+                               for g, v in compute.items()}, compute),
         # The steady minibatches' own CPU time where every pass of the group has it, else the
         # passes' CPU time with a start-up cost per worker (`_fit_cpu`).
-        cpu={g: _linfit([x for x, _ in steady_cpu[g]], [y for _, y in steady_cpu[g]])
-             if len(steady_cpu[g]) == len(v)
-             else _fit_cpu(cpu_rows[g]) or _linfit([x for x, _ in v], [y for _, y in v])
-             for g, v in cpu.items()},
+        cpu=_borrow_shape({
+            g: _linfit([x for x, _ in steady_cpu[g]], [y for _, y in steady_cpu[g]])
+            if len(steady_cpu[g]) == len(v)
+            else _fit_cpu(cpu_rows[g]) or _linfit([x for x, _ in v], [y for _, y in v])
+            for g, v in cpu.items()}, cpu),
         compute0={g: _linfit([x for x, _ in v], [y for _, y in v]) for g, v in compute0.items()
                   if len({x for x, _ in v}) >= 2},
         cpu_by_workers={g: _linfit([x for x, _ in v], [y for _, y in v])
@@ -613,6 +647,16 @@ def _fit_energy(passes: list[dict[str, Any]]) -> dict[str, Any] | None:
         dynamic[p] = (float(coef[1 + i]), b)
     if static < 0 or any(a + b * 8 < 0 for a, b in dynamic.values()):
         return None
+    # A precision profiled at one batch size takes the growth with the batch of one profiled
+    # at two (as the compute lines do, `_borrow_shape`), kept equal at its own batch.
+    donors = [p for p in sorted(two_b) if dynamic[p][0] > 0 and dynamic[p][1] >= 0]
+    for p in precisions:
+        sizes = {r[2] for r in rows if r[3] == p}
+        if p in two_b or not donors or len(sizes) != 1:
+            continue
+        a_d, b_d = dynamic[donors[0]]
+        a = dynamic[p][0] / (1 + b_d / a_d * next(iter(sizes)))
+        dynamic[p] = (a, a * b_d / a_d)
     pred = [static * t + n * (dynamic[p][0] + dynamic[p][1] * b) for t, n, b, p, _ in rows]
     resid = [math.log(pv / r[4]) for pv, r in zip(pred, rows, strict=True) if pv > 0]
     any_line = (statistics.fmean(a for a, _ in dynamic.values()),
