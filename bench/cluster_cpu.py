@@ -95,11 +95,16 @@ def pairs(args: argparse.Namespace, cores: list[int], out: dict[str, Any]) -> No
                          "full_batches": sum(b.size == args.batch for b in rep.batches)
                          / batches})
             print(json.dumps(rows[-1]), flush=True)
+    finish_pairs(out, rows, args.out)
+
+
+def finish_pairs(out: dict[str, Any], rows: list[dict[str, Any]], path: str | None) -> None:
+    """The pairs' median ratio, printed, and every figure written to `path`."""
     out["pairs"] = rows
     out["median_ratio"] = float(np.median([r["ratio"] for r in rows]))
     print(json.dumps({"median_ratio": out["median_ratio"]}), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
+    if path:
+        with open(path, "w") as f:
             json.dump(out, f, indent=1)
 
 

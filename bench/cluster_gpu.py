@@ -22,8 +22,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
 PLANS = Path(__file__).parent / "plans"
 
@@ -92,6 +90,7 @@ def main() -> None:
                            "gpus": [torch.cuda.get_device_name(i)
                                     for i in range(torch.cuda.device_count())],
                            "args": vars(args)}
+    from cluster_cpu import finish_pairs
     from infermux.cluster import open_cluster, run_cluster
 
     t0 = time.perf_counter()
@@ -119,12 +118,7 @@ def main() -> None:
                 print(json.dumps(rows[-1]), flush=True)
     finally:
         stop_cluster()
-    out["pairs"] = rows
-    out["median_ratio"] = float(np.median([r["ratio"] for r in rows]))
-    print(json.dumps({"median_ratio": out["median_ratio"]}), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
+    finish_pairs(out, rows, args.out)
 
 
 if __name__ == "__main__":
