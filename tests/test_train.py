@@ -500,8 +500,8 @@ def test_train_profile_and_predict_from_the_cli(tmp_path: Path,
         stored = {(r[0], r[1]): r[2] for r in store.connection.execute(
             "SELECT label, epoch, predicted_s FROM train_predictions WHERE run_id = 2")}
     assert again["scores"]["configurations"] == 2
-    # After validation the first profiled configuration was profiled again (kind `probe`, not
-    # fitted on: the predictions above match): the machine's drift over the run, measured.
+    # After validation the first profiled configuration was profiled again (kind `probe`, never
+    # fitted on: the re-prediction below matches the stored one): the machine's drift, measured.
     with sqlite3.connect(db) as con:
         probes = con.execute("SELECT label, pass FROM train_passes WHERE run_id = 2 AND "
                              "kind = 'probe'").fetchall()
