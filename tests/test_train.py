@@ -362,6 +362,21 @@ def test_a_precision_profiled_at_one_batch_takes_another_s_growth_with_the_batch
         assert a + b * batch == pytest.approx(0.02 + 0.004 * batch, rel=0.05)
 
 
+def test_a_rare_stall_in_a_short_profile_does_not_move_the_compute_line() -> None:
+    """One steady minibatch of twenty stalls for 20× its compute (a host hiccup): the line
+    fitted from the profiles stays on the relation; the plain mean would about double it."""
+    profiled = [Knobs(batch=8), Knobs(batch=128)]
+    passes = []
+    for i, k in enumerate(profiled):
+        for name in ("cold", "warm"):
+            data = _synthetic_pass(i, k, name, 4096, 20)
+            data["steps"][10]["backward_ns"] += round(20 * (2e-3 + 0.5e-3 * k.batch) * 1e9)
+            passes.append(data)
+    a, b = fit_components(passes, all_cores=2).compute[(2, "fp32")]
+    for batch in (8, 128):
+        assert a + b * batch == pytest.approx(2e-3 + 0.5e-3 * batch, rel=0.02)
+
+
 def test_a_cell_whose_candidate_is_passed_over_gets_another_of_its_configurations() -> None:
     from infermux.train.run import cell_first
 
