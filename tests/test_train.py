@@ -34,7 +34,13 @@ from infermux.train.predict import (
     warmup_steps,
 )
 from infermux.train.profile import MINIBATCH_SHARE, TrainConfig, profile_steps
-from infermux.train.run import profile_fits, repredict
+from infermux.train.run import (
+    SHARE_MARGIN,
+    estimated_share,
+    fitting_config,
+    profile_fits,
+    repredict,
+)
 
 from .conftest import FIXTURES, ROOT, run_cli
 
@@ -160,6 +166,28 @@ def test_a_profile_stays_within_its_share_of_an_epoch(items: int, batch: int, wo
         assert cold + warm <= MINIBATCH_SHARE * 0.1 * math.ceil(items / batch)
         assert cold - warmup_steps(workers) == warm >= MIN_STEADY_STEPS
     assert profile_fits(knobs, items, 0.1) is fits
+
+
+def test_a_profile_estimated_over_the_share_gets_fewer_minibatches_or_none() -> None:
+    """Aimed at 90% of the share (an estimate errs both ways): shortened where a shorter
+    profile fits, passed over (None) where even the shortest does not."""
+    items = 4096
+    profiled = [Knobs(batch=8, storage="tmpfs"), Knobs(batch=128, workers=4, storage="tmpfs")]
+    passes = [_synthetic_pass(i, k, p, items, 12) for i, k in enumerate(profiled)
+              for p in ("cold", "warm")]
+    config = TrainConfig(ModelSpec(FACTORY), Grid(batch=[8]), profile_share=0.1)
+    fits = Knobs(batch=32, storage="tmpfs")
+    got, est = fitting_config(fits, passes, config, items)
+    assert got is config and est is not None and est <= SHARE_MARGIN * 0.1
+    long = Knobs(batch=8, workers=1, storage="tmpfs")  # its worker's start: ~9.6%
+    assert estimated_share(long, passes, config, items) > SHARE_MARGIN * 0.1  # type: ignore[operator]
+    got, est = fitting_config(long, passes, config, items)
+    assert got is not None and got.profile_share < config.profile_share
+    assert est is not None and est <= SHARE_MARGIN * 0.1
+    assert sum(profile_steps(got, long, items)) < sum(profile_steps(config, long, items))
+    got, est = fitting_config(Knobs(batch=128, workers=4, storage="tmpfs"), passes, config,
+                              items)
+    assert got is None and est is not None and est > 0.1
 
 
 def test_grid_merges_what_cannot_differ() -> None:
