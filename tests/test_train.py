@@ -94,11 +94,14 @@ def test_phases_add_up_to_the_measured_wall_time(images: Path, workers: int) -> 
     assert [s.seq for s in rest.steps] == [0, 1, 2, 3] and head.items + rest.items == 96
     # CPU read after the marked minibatches and after the last: the steady part's own CPU,
     # without start-up, ramp or tail; the cut's parts keep theirs.
+    # (The kernel counts CPU time in ticks of 10 ms: two reads a few minibatches apart may be
+    # equal, never decreasing.)
     assert set(result.cpu_at) == {0, 1}
-    assert 0 < result.cpu_at[0] < result.cpu_at[1] < (result.cpu_steps_s or 0) <= result.cpu_s
+    assert 0 <= result.cpu_at[0] <= result.cpu_at[1] <= (result.cpu_steps_s or 0) <= result.cpu_s
+    assert result.cpu_s > 0
     steady = result.steady_cpu_s(1)
-    assert steady is not None and 0 < steady == pytest.approx(result.cpu_steps_s
-                                                               - result.cpu_at[0])
+    assert steady is not None and 0 <= steady == pytest.approx(result.cpu_steps_s
+                                                                - result.cpu_at[0])
     head, rest = result.split(2, result.cpu_at[1])
     assert head.steady_cpu_s(1) == pytest.approx(result.cpu_at[1] - result.cpu_at[0])
     assert rest.steady_cpu_s(0) == pytest.approx((result.cpu_steps_s or 0) - result.cpu_at[1])
