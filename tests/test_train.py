@@ -29,6 +29,7 @@ from infermux.train.predict import (
     choose_profiled,
     covering_order,
     fit_components,
+    model_cell,
     predict_all,
     profile_estimate,
     warmup_steps,
@@ -415,9 +416,8 @@ def test_a_cell_whose_candidate_is_passed_over_gets_another_of_its_configuration
                 cores=[(0,), (0, 1)])
     configs = grid.configs()
     order = covering_order(configs, 8)
-    cell = lambda i: (configs[i].cores, configs[i].workers > 0, configs[i].batch)  # noqa: E731
     passed, rest = order[0], order[1:]
-    twin = next(j for j in rest if cell(j) == cell(passed))
+    twin = next(j for j in rest if model_cell(configs[j]) == model_cell(configs[passed]))
     again = cell_first(configs, rest, passed)
     # The passed-over configuration's cell-mate goes next; the others keep their order.
     assert again[0] == twin and sorted(again) == sorted(rest)

@@ -785,10 +785,14 @@ def choose_profiled(configs: list[Knobs], count: int) -> list[int]:
     return sorted(covering_order(configs, count, limit=count))
 
 
+def model_cell(k: Knobs) -> tuple[Any, ...]:
+    """The simple model's cell of a configuration: (cores, precision, with workers, batch)."""
+    return (k.cores, k.precision, k.workers > 0, k.batch)
+
+
 def _cells(configs: list[Knobs]) -> list[Any]:
     ends = (min(k.batch for k in configs), max(k.batch for k in configs))
-    return [(k.cores, k.precision, k.workers > 0, k.batch) if k.batch in ends else None
-            for k in configs]
+    return [model_cell(k) if k.batch in ends else None for k in configs]
 
 
 def covering_order(configs: list[Knobs], count: int, limit: int | None = None) -> list[int]:
@@ -813,7 +817,8 @@ def covering_order(configs: list[Knobs], count: int, limit: int | None = None) -
     chosen: list[int] = []
     covered: set[tuple[int, Any, int, Any]] = set()
     cells_covered: set[Any] = set()
-    while len(chosen) < min(len(configs), len(configs) if limit is None else limit):
+    stop = len(configs) if limit is None else min(limit, len(configs))
+    while len(chosen) < stop:
         best, best_score = None, (-1.0, -1.0, -1.0)
         for i, lv in enumerate(levels):
             if i in chosen:

@@ -26,11 +26,15 @@ from infermux.train.data import fs_type
 from infermux.train.knobs import Knobs
 from infermux.train.predict import (
     MIN_STEADY_STEPS,
+    Components,
     Prediction,
     choose_profiled,
     covering_order,
+    fit_components,
     mape,
+    model_cell,
     predict_all,
+    steady,
     warmup_steps,
 )
 from infermux.train.profile import (
@@ -153,26 +157,34 @@ def profile_fits(knobs: Knobs, items: int, share: float) -> bool:
 
 
 def estimated_share(knobs: Knobs, passes: list[dict[str, Any]], config: TrainConfig,
-                    items: int) -> float | None:
+                    items: int, comps: Components | None = None) -> float | None:
     """A profile's share of its epoch, estimated from the profiles measured so far.
 
     The simple model (`predict.fit_components`) predicts the profile as a short epoch (one
     loader over `profile.profile_steps` minibatches: start-up, ramp, steady minibatches, tail)
-    and the configuration's shorter epoch; None without passes to fit on.
+    and the configuration's shorter epoch; None without passes to fit on. `comps`: the model
+    already fitted on `passes`.
     """
-    from infermux.train.predict import fit_components
     from infermux.train.profile import profile_steps
 
-    if not passes:
-        return None
-    try:
-        comps = fit_components(passes, len(os.sched_getaffinity(0)))
-    except UsageError:
+    if comps is None:
+        comps = _components(passes)
+    if comps is None:
         return None
     cold, warm = profile_steps(config, knobs, items)
     profile = comps.predict(knobs, "cold", (cold + warm) * knobs.batch)["epoch_s"]
     epoch = min(comps.predict(knobs, p, items)["epoch_s"] for p in ("cold", "warm"))
     return profile / epoch if epoch > 0 else None
+
+
+def _components(passes: list[dict[str, Any]]) -> Components | None:
+    """The simple model fitted on `passes`; None without passes it can be fitted on."""
+    if not passes:
+        return None
+    try:
+        return fit_components(passes, len(os.sched_getaffinity(0)))
+    except UsageError:
+        return None
 
 
 #: A profile is aimed at this much of its share: its estimate, made before it runs, errs both
@@ -190,13 +202,14 @@ def fitting_config(knobs: Knobs, passes: list[dict[str, Any]], config: TrainConf
     is estimated over it. The estimate returned is the profile's as configured.
     """
     aim = SHARE_MARGIN * config.profile_share
-    est = estimated_share(knobs, passes, config, items)
+    comps = _components(passes)
+    est = estimated_share(knobs, passes, config, items, comps)
     if est is None or est <= aim:
         return config, est
     trial = config
     for _ in range(16):
         trial = replace(trial, profile_share=trial.profile_share * 0.85)
-        got = estimated_share(knobs, passes, trial, items)
+        got = estimated_share(knobs, passes, trial, items, comps)
         if got is None:
             break
         if got <= aim:
@@ -316,10 +329,8 @@ def cell_first(configs: list[Knobs], order: list[int], passed: int) -> list[int]
     The cell is (cores, precision, with or without workers, batch); the configurations moved
     keep their places among themselves, the others theirs.
     """
-    k = configs[passed]
-    cell = (k.cores, k.precision, k.workers > 0, k.batch)
-    same = [j for j in order if (configs[j].cores, configs[j].precision,
-                                 configs[j].workers > 0, configs[j].batch) == cell]
+    cell = model_cell(configs[passed])
+    same = [j for j in order if model_cell(configs[j]) == cell]
     return same + [j for j in order if j not in same]
 
 
@@ -486,8 +497,6 @@ def _drift_check(setup: TrainSetup, report: PredictReport) -> dict[str, Any] | N
 def drift_of(label: str, before: list[dict[str, Any]], after: list[dict[str, Any]]
              ) -> dict[str, Any] | None:
     """Steady per-minibatch time of a profile (its passes' data) and of its probe, and the ratio."""
-    from infermux.train.predict import steady
-
     t_before = [f for f in (steady(p) for p in before) if f]
     t_after = [f for f in (steady(p) for p in after) if f]
     if not t_before or len(t_before) != len(t_after):
