@@ -23,6 +23,7 @@ import json
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -86,6 +87,30 @@ def sweep(ports: dict[str, int], levels: list[int], seconds: float,
     return rows
 
 
+def medians(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (protocol, concurrency): the medians of its rounds.
+
+    Throughput and p99 are separate medians (the server's level, not one round's pair).
+    """
+    keys = sorted({(r["protocol"], r["concurrency"]) for r in rows})
+    out = []
+    for protocol, c in keys:
+        mine = [r for r in rows if r["protocol"] == protocol and r["concurrency"] == c]
+        out.append({"protocol": protocol, "concurrency": c, "rounds": len(mine),
+                    "throughput": statistics.median(r["throughput"] for r in mine),
+                    "p99_ms": statistics.median(r["p99_ms"] for r in mine),
+                    "each": [(round(r["throughput"], 1), round(r["p99_ms"], 2)) for r in mine]})
+    return out
+
+
+def stop(proc: subprocess.Popen[str]) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -95,58 +120,113 @@ def main() -> None:
     p.add_argument("--unit", default="cpu:1")
     p.add_argument("--engine", default="onnxruntime")
     p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--queue-delay-ms", type=float, default=2.0)
+    p.add_argument("--queue-delay-ms", default="2",
+                   help="the plan's max_queue_delay_ms; a comma list serves one infermux "
+                        "server per value")
     p.add_argument("--concurrency", default="1,2,4,8")
     p.add_argument("--seconds", type=float, default=8.0)
+    p.add_argument("--protocols", default="http,grpc")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="with more than one, every server is started at once and they take "
+                        "turns level by level, round after round; each level's figure is the "
+                        "median of its rounds (the machine's drift falls on all of them)")
     p.add_argument("--peers", default=",".join(str(i) for i in range(len(PEERS))),
                    help="which peer settings to run, by index: " + "; ".join(
                        f"{i}: {n}" for i, n in enumerate(PEERS)))
     args = p.parse_args()
     peers = {n: v for i, (n, v) in enumerate(PEERS.items())
              if str(i) in args.peers.split(",")}
+    protocols = args.protocols.split(",")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     args.duration = 10.0  # the plan's offline duration (not run here)
-    plan = write_plan(out, args)
+    delays = [float(d) for d in args.queue_delay_ms.split(",")]
+    plans = {}
+    for delay in delays:
+        name = "infermux serve" if len(delays) == 1 else f"infermux serve ({delay:g} ms delay)"
+        args.queue_delay_ms = delay
+        (out / f"delay-{delay:g}").mkdir(exist_ok=True)
+        plans[name] = write_plan(out / f"delay-{delay:g}", args)
     levels = [int(c) for c in args.concurrency.split(",")]
-    report: dict[str, Any] = {"plan": json.loads(plan.read_text()),
-                              "machine": os.uname().nodename, "runs": {}}
-    proc, ready = start_server(plan, out)
-    try:
-        report["runs"]["infermux serve"] = sweep(
-            {"http": ready["http_port"], "grpc": ready["grpc_port"]}, levels, args.seconds,
-            "infermux")
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.communicate(timeout=120)
-    for name, (workers, cores) in peers.items():
-        peer, ports = start_peer(args.peer_python, args, out, workers, cores)
-        try:
-            report["runs"][name] = sweep({"http": ports[0], "grpc": ports[1]}, levels,
-                                         args.seconds, name)
-        finally:
-            peer.send_signal(signal.SIGTERM)
+    report: dict[str, Any] = {"plans": {n: json.loads(pl.read_text()) for n, pl in plans.items()},
+                              "rounds": args.rounds,
+                              "machine": os.uname().nodename,
+                              "load_average_before": os.getloadavg(), "runs": {}}
+    if args.rounds > 1:
+        report["runs"] = interleaved(args, plans, peers, protocols, levels)
+    else:
+        for name, plan in plans.items():
+            proc, ready = start_server(plan, plan.parent)
             try:
-                peer.wait(60)
-            except subprocess.TimeoutExpired:
-                peer.kill()
-    ours = report["runs"]["infermux serve"]
+                report["runs"][name] = sweep({pr: ready[f"{pr}_port"] for pr in protocols},
+                                             levels, args.seconds, name)
+            finally:
+                stop(proc)
+        for name, (workers, cores) in peers.items():
+            peer, ports = start_peer(args.peer_python, args, out, workers, cores)
+            try:
+                report["runs"][name] = sweep({pr: ports[["http", "grpc"].index(pr)]
+                                              for pr in protocols}, levels, args.seconds, name)
+            finally:
+                stop(peer)
     report["versus"] = {}
-    for name in peers:
-        for protocol in ("http", "grpc"):
-            theirs = [r for r in report["runs"][name] if r["protocol"] == protocol]
-            best = max(theirs, key=lambda r: r["throughput"])
-            held = at_bound([r for r in ours if r["protocol"] == protocol], best["p99_ms"])
-            ratio = held["throughput"] / best["throughput"] if held else None
-            report["versus"][f"{name} / {protocol}"] = {"peer_best": best, "infermux": held,
-                                                        "ratio": ratio}
-            print(f"{name} {protocol}: best {best['throughput']:.1f}/s at p99 "
-                  f"{best['p99_ms']:.1f} ms (c{best['concurrency']}); infermux at that p99: "
-                  f"{held['throughput'] if held else 0:.1f}/s"
-                  + (f" ({ratio:.2f}x)" if ratio else ""), flush=True)
+    for ours_name in plans:
+        ours = report["runs"][ours_name]
+        for name in peers:
+            for protocol in protocols:
+                theirs = [r for r in report["runs"][name] if r["protocol"] == protocol]
+                best = max(theirs, key=lambda r: r["throughput"])
+                held = at_bound([r for r in ours if r["protocol"] == protocol], best["p99_ms"])
+                ratio = held["throughput"] / best["throughput"] if held else None
+                report["versus"][f"{ours_name} / {name} / {protocol}"] = {
+                    "peer_best": best, "infermux": held, "ratio": ratio}
+                print(f"{name} {protocol}: best {best['throughput']:.1f}/s at p99 "
+                      f"{best['p99_ms']:.1f} ms (c{best['concurrency']}); {ours_name} at that "
+                      f"p99: {held['throughput'] if held else 0:.1f}/s"
+                      + (f" ({ratio:.2f}x)" if ratio else ""), flush=True)
     report["load_average_after"] = os.getloadavg()
     (out / "report.json").write_text(json.dumps(report, indent=2))
     print(f"report in {out / 'report.json'}")
+
+
+def interleaved(args: argparse.Namespace, plans: dict[str, Path],
+                peers: dict[str, tuple[int, str]], protocols: list[str],
+                levels: list[int]) -> dict[str, list[dict[str, Any]]]:
+    """Every server up at once; each level is measured on each server in turn, every round.
+
+    An idle server costs next to nothing (no request, the sampler's tick), and taking turns
+    spreads the machine's slow minutes over every server instead of over whichever ran then;
+    the order of the turns rotates by one server each round.
+    """
+    out = Path(args.out)
+    servers: dict[str, tuple[subprocess.Popen[str], dict[str, int]]] = {}
+    try:
+        for name, plan in plans.items():
+            proc, ready = start_server(plan, plan.parent)
+            servers[name] = (proc, {pr: ready[f"{pr}_port"] for pr in ("http", "grpc")})
+        for name, (workers, cores) in peers.items():
+            peer, ports = start_peer(args.peer_python, args, out, workers, cores)
+            servers[name] = (peer, {"http": ports[0], "grpc": ports[1]})
+        raw: dict[str, list[dict[str, Any]]] = {name: [] for name in servers}
+        for k in range(args.rounds):
+            for c in levels:
+                for protocol in protocols:
+                    names = list(servers)
+                    shift = k % len(names)
+                    for name in names[shift:] + names[:shift]:
+                        ports = servers[name][1]
+                        row = load_client(f"127.0.0.1:{ports[protocol]}", protocol, c,
+                                          args.seconds)
+                        raw[name].append({"protocol": protocol, "concurrency": c,
+                                          "round": k + 1, **row})
+                        print(f"  round {k + 1} {name} {protocol} c{c}: "
+                              f"{row['throughput']:.1f}/s, p99 {row['p99_ms']:.1f} ms",
+                              flush=True)
+    finally:
+        for proc, _ in servers.values():
+            stop(proc)
+    (out / "rounds.json").write_text(json.dumps(raw, indent=2))
+    return {name: medians(rows) for name, rows in raw.items()}
 
 
 if __name__ == "__main__":

@@ -40,7 +40,8 @@ Three layers, each used where the one before misses:
    configurations with the nearest workers), the rest of the ramp is in steady minibatches.
    Energy, where a counter measured it, is E = P0·t + N·(a_p + b_p·B): a static power over
    the wall time (the device waiting on start-up or its loader still draws it) and a dynamic
-   energy per minibatch per precision, fitted over the profiled passes (`_fit_energy`); else
+   energy per minibatch per precision, or per item (a_p = 0), whichever predicts the profiled
+   passes better left one out (`_fit_energy`); else
    power is a line in the busy share, or the mean power of the profiled passes most like the
    configuration. A profiled configuration whose steady part was served from the loader's
    queue (fewer than two rounds of w × prefetch batches) takes the loader's rate where it is
@@ -356,7 +357,8 @@ class Components:
     kappa: float = 1.0
     #: Measured energy = P0 × wall time + minibatches × (e_a + e_b × B) per precision: a static
     #: power that accrues while the device waits (on start-up, on its loader) and a dynamic
-    #: energy per minibatch of work. None where no counter measured the energy.
+    #: energy per minibatch of work (per item where `line` says so: e_a = 0). None where no
+    #: counter measured the energy.
     energy: dict[str, Any] | None = None
     #: (cores, precision) → compute C(B) = a + b·B of passes without loader workers (no worker
     #: shares the cores), where two or more batch sizes were profiled so.
@@ -631,11 +633,17 @@ ENERGY_MIN_S = 0.3
 
 
 def _fit_energy(passes: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """Static power and dynamic energy per minibatch, by least squares (`Components.energy`).
+    """Static power and dynamic energy, by least squares (`Components.energy`).
 
-    E = P0·t + Σ_p N·(a_p + b_p·B)[precision p]; b_p only where the precision was profiled at
-    two or more batch sizes. Only measured (not modelled) energies; None when fewer rows than
-    parameters + 2, or the fit is not physical (a negative static power or dynamic energy).
+    Two lines, the one that predicts the profiles better left one out is kept:
+    - per minibatch, E = P0·t + Σ_p N·(a_p + b_p·B)[precision p], b_p only where the precision
+      was profiled at two or more batch sizes;
+    - per item, E = P0·t + Σ_p N·B·e_p, one parameter per precision.
+    A profile's energy counter is read over a second or less: on an H100 five parameters from
+    eight such reads wandered (a negative static power, or a per-minibatch energy that did not
+    grow with the batch), where a step's dynamic energy there grows about with its items
+    (docs/benchmarks.md). Only measured (not modelled) energies; None when fewer rows than
+    parameters + 2, or neither line is physical (a negative static power or dynamic energy).
     """
     rows = []
     for data in passes:
@@ -649,31 +657,22 @@ def _fit_energy(passes: list[dict[str, Any]]) -> dict[str, Any] | None:
     # The short passes only where too few long ones are left to fit.
     rows = long_rows if len(long_rows) >= 3 + 2 * len({r[3] for r in rows}) else rows
     precisions = sorted({r[3] for r in rows})
-    two_b = {p for p in precisions if len({r[2] for r in rows if r[3] == p}) >= 2}
-    cols = 1 + len(precisions) + len(two_b)
-    if len(rows) < cols + 2:
+    two_b = sorted({p for p in precisions if len({r[2] for r in rows if r[3] == p}) >= 2})
+    fits = []
+    for per_item in (False, True):
+        fit = _energy_lstsq(rows, precisions, [] if per_item else two_b, per_item=per_item)
+        if fit is not None:
+            fits.append((_energy_loo(rows, precisions, [] if per_item else two_b, per_item),
+                         per_item, fit))
+    if not fits:
         return None
-    x, y = [], []
-    for t, n, b, prec, e in rows:
-        row = [t] + [n * (prec == p) for p in precisions] + [n * b * (prec == p)
-                                                             for p in sorted(two_b)]
-        # Relative least squares: each pass weighs alike, whatever its length.
-        x.append([v / e for v in row])
-        y.append(1.0)
-    coef = np.linalg.lstsq(np.asarray(x, float), np.asarray(y, float), rcond=None)[0]
-    static = float(coef[0])
-    dynamic: dict[str, tuple[float, float]] = {}
-    for i, p in enumerate(precisions):
-        b = float(coef[1 + len(precisions) + sorted(two_b).index(p)]) if p in two_b else 0.0
-        dynamic[p] = (float(coef[1 + i]), b)
-    if static < 0 or any(a + b * 8 < 0 for a, b in dynamic.values()):
-        return None
+    loo, per_item, (static, dynamic) = min(fits, key=lambda f: f[0])
     # A precision profiled at one batch size takes the growth with the batch of one profiled
     # at two (as the compute lines do, `_borrow_shape`), kept equal at its own batch.
-    donors = [p for p in sorted(two_b) if dynamic[p][0] > 0 and dynamic[p][1] >= 0]
+    donors = [p for p in two_b if dynamic[p][0] > 0 and dynamic[p][1] >= 0]
     for p in precisions:
         sizes = {r[2] for r in rows if r[3] == p}
-        if p in two_b or not donors or len(sizes) != 1:
+        if p in two_b or not donors or len(sizes) != 1 or dynamic[p][0] <= 0:
             continue
         a_d, b_d = dynamic[donors[0]]
         a = dynamic[p][0] / (1 + b_d / a_d * next(iter(sizes)))
@@ -683,7 +682,61 @@ def _fit_energy(passes: list[dict[str, Any]]) -> dict[str, Any] | None:
     any_line = (statistics.fmean(a for a, _ in dynamic.values()),
                 statistics.fmean(b for _, b in dynamic.values()))
     return {"static_w": static, "dynamic": dynamic, "dynamic_any": any_line, "rows": len(rows),
+            "line": "per item" if per_item else "per minibatch", "loo_error": loo,
             "log_error": float(np.sqrt(np.mean(np.square(resid)))) if resid else 0.0}
+
+
+def _energy_loo(rows: list[tuple[float, int, int, str, float]], precisions: list[str],
+                two_b: list[str], per_item: bool) -> float:
+    """Mean |relative error| of each row predicted by `_energy_lstsq` fitted without it.
+
+    A row whose fold cannot be fitted (too few rows, or not physical) counts as a miss of 1.
+    """
+    errors = []
+    for i, (t, n, b, p, e) in enumerate(rows):
+        fit = _energy_lstsq(rows[:i] + rows[i + 1:], precisions, two_b, per_item=per_item,
+                            spare=1)
+        if fit is None or p not in fit[1]:
+            errors.append(1.0)
+            continue
+        a, slope = fit[1][p]
+        errors.append(abs(fit[0] * t + n * (a + slope * b) - e) / e)
+    return statistics.fmean(errors)
+
+
+def _energy_lstsq(rows: list[tuple[float, int, int, str, float]], precisions: list[str],
+                  two_b: list[str], *, per_item: bool, spare: int = 2
+                  ) -> tuple[float, dict[str, tuple[float, float]]] | None:
+    """(P0, {precision: (a, b)}) of `_fit_energy`'s line, or None where it is not physical.
+
+    `per_item`: one parameter per precision, the energy per item (a = 0, b = e_p). At least
+    `spare` rows more than parameters (one fewer in a leave-one-out fold).
+    """
+    cols = 1 + len(precisions) + len(two_b)
+    if len(rows) < cols + spare:
+        return None
+    x, y = [], []
+    for t, n, b, prec, e in rows:
+        if per_item:
+            row = [t] + [n * b * (prec == p) for p in precisions]
+        else:
+            row = [t] + [n * (prec == p) for p in precisions] + [n * b * (prec == p)
+                                                                 for p in two_b]
+        # Relative least squares: each pass weighs alike, whatever its length.
+        x.append([v / e for v in row])
+        y.append(1.0)
+    coef = np.linalg.lstsq(np.asarray(x, float), np.asarray(y, float), rcond=None)[0]
+    static = float(coef[0])
+    dynamic: dict[str, tuple[float, float]] = {}
+    for i, p in enumerate(precisions):
+        if per_item:
+            dynamic[p] = (0.0, float(coef[1 + i]))
+            continue
+        slope = float(coef[1 + len(precisions) + two_b.index(p)]) if p in two_b else 0.0
+        dynamic[p] = (float(coef[1 + i]), slope)
+    if static < 0 or any(a + b * 8 < 0 or (per_item and b <= 0) for a, b in dynamic.values()):
+        return None
+    return static, dynamic
 
 
 # -- the learned model ---------------------------------------------------------------------------
