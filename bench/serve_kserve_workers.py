@@ -14,6 +14,14 @@ whose p99 is no higher (same client, same protocol), with the ratio.
         torchvision==0.29.1 onnx onnxruntime typer rich pydantic pyyaml psutil
     .venv/bin/python bench/serve_kserve_workers.py --peer-python /tmp/kserve-venv/bin/python \
         --out /tmp/skw
+
+With `--rounds N` every server runs at once and they take turns, level by level, round after
+round (each level's figure the median of its rounds), so the machine's drift falls on all of
+them; `--queue-delay-ms 0.5,2` serves one infermux plan per queue delay beside the peers:
+
+    .venv/bin/python bench/serve_kserve_workers.py --peer-python /tmp/kserve-venv/bin/python \
+        --out /tmp/skw-r3 --seconds 6 --rounds 3 --concurrency 1,2,4,8,16 --protocols grpc \
+        --queue-delay-ms 0.5,2
 """
 
 from __future__ import annotations
