@@ -199,7 +199,8 @@ def fitting_config(knobs: Knobs, passes: list[dict[str, Any]], config: TrainConf
     `config` itself where its profile is estimated within the margin (or cannot be estimated
     yet); else one with fewer minibatches (a smaller `profile_share` for this profile alone)
     whose estimate is; None where even the shortest profile (`profile.profile_steps`' floor)
-    is estimated over it. The estimate returned is the profile's as configured.
+    is estimated over it. The estimate returned is the returned profile's (with None, the
+    profile's as configured).
     """
     aim = SHARE_MARGIN * config.profile_share
     comps = _components(passes)
