@@ -188,8 +188,10 @@ def _components(passes: list[dict[str, Any]]) -> Components | None:
 
 
 #: A profile is aimed at this much of its share: its estimate, made before it runs, errs both
-#: ways (one came to 10.9% of its epoch against a 10% share when aimed at the share itself).
-SHARE_MARGIN = 0.9
+#: ways. On H100 hosts the share that profiles came to (against their epochs as finally
+#: predicted) was up to 1.37× the estimate: aimed at 90% of a 10% share, a ResNet18 profile
+#: with eight loader workers came to 10.6% and 11.4% of its epoch in two runs of three.
+SHARE_MARGIN = 0.7
 
 
 def fitting_config(knobs: Knobs, passes: list[dict[str, Any]], config: TrainConfig,
