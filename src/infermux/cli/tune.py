@@ -14,6 +14,9 @@ from infermux.cli.render import explain_table, num, pareto_table, pipelines_tabl
 
 __all__ = ["tune_command"]
 
+#: `--queue-delays`' default, as the library's (kept in step by tests/test_tune_live.py).
+_DEFAULT_DELAYS = "0.5,1,4"
+
 
 def _compile_modes(text: str) -> tuple[str, ...]:
     """`--compile`: a comma list of torch.compile modes, or none."""
@@ -34,7 +37,7 @@ def tune_command(
     budget: Annotated[str, typer.Option("--budget", help="Wall-time budget, e.g. 10m.")] = "10m",
     batch: Annotated[str | None, typer.Option("--batch", "-b", help="Batch ladder, e.g. 1,2,4,8 (default powers of 2).")] = None,
     max_instances: Annotated[int, typer.Option("--max-instances", help="Most instances per unit.")] = 4,
-    compile_modes: Annotated[str, typer.Option("--compile", help="torch.compile modes tried on GPUs: a comma list of default, reduce-overhead, max-autotune (minutes per batch size), max-autotune-no-cudagraphs; or none.")] = "default,reduce-overhead",
+    compile_modes: Annotated[str, typer.Option("--compile", help="torch.compile modes tried on GPUs: a comma list of default, reduce-overhead, max-autotune (minutes per batch size), max-autotune-no-cudagraphs; or none.")] = "default",
     trial_duration: Annotated[str, typer.Option("--trial-duration", help="Minimum duration of each trial.")] = "1s",
     trial_queries: Annotated[int, typer.Option("--trial-queries", help="Minimum items of each trial.")] = 64,
     input_shape: Annotated[str | None, typer.Option("--input-shape", help="One item's shape, e.g. 3x224x224.")] = None,
@@ -43,12 +46,20 @@ def tune_command(
     fresh: Annotated[bool, typer.Option("--fresh", help="Measure everything again; ignore stored trials.")] = False,
     no_fine_tune: Annotated[bool, typer.Option("--no-fine-tune", help="Stop after the ladders and combinations.")] = False,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the fine-tuning sampler.")] = 0,
+    queue_delays: Annotated[str, typer.Option("--queue-delays", help="Server: queue delays tried on the plan with the highest peak, beside the search's 2 ms, e.g. 0.5,1,4 (ms), or none; one is kept only if its peak is 5% higher.")] = _DEFAULT_DELAYS,
     pipelines: Annotated[bool, typer.Option("--pipelines/--no-pipelines", help="With 2+ CPU core sets or GPUs: measure the partitioner's best pipelines beside the replica plans.")] = True,
     db: DbOpt = "infermux.db",
     as_json: JsonOpt = False,
 ) -> None:
     """Find the fastest plan across this machine's units under latency, memory and power bounds."""
-    from infermux._parse import parse_batches, parse_bytes, parse_duration_s, parse_latency_ms, parse_shape
+    from infermux._parse import (
+        parse_batches,
+        parse_bytes,
+        parse_delays_ms,
+        parse_duration_s,
+        parse_latency_ms,
+        parse_shape,
+    )
     from infermux.models import ModelSpec
     from infermux.store import open_store
     from infermux.tune import Constraints, TrialSettings, TuneRequest, model_name, run_tune
@@ -66,7 +77,8 @@ def tune_command(
         compile_modes=_compile_modes(compile_modes),
         trial=TrialSettings(min_duration_s=parse_duration_s(trial_duration, name="--trial-duration"),
                             min_queries=trial_queries, data=data),
-        fresh=fresh, seed=seed, fine_tune=not no_fine_tune, pipelines=pipelines)
+        fresh=fresh, seed=seed, fine_tune=not no_fine_tune, pipelines=pipelines,
+        queue_delays_ms=parse_delays_ms(queue_delays))
     path = out_file or f"tuned-{'-'.join(model_name(m) for m in model)}.yaml"
     store = open_store(db)
     command = "infermux " + shlex.join(sys.argv[1:])
@@ -108,8 +120,9 @@ def tune_command(
     if len(report.server_peaks) > 1:
         for row in report.server_peaks:
             mark = "[bold]chosen[/]" if row["chosen"] else "      "
-            out.print(f"  {mark} {escape(row['plan'])}: offline {num(row['offline_items_per_s'])} "
-                      f"items/s, peak {num(row['peak_qps'])} qps"
+            out.print(f"  {mark} {escape(row['plan'])}, queue delay {row['queue_delay_ms']:g} ms: "
+                      f"offline {num(row['offline_items_per_s'])} items/s, "
+                      f"peak {num(row['peak_qps'])} qps"
                       + (f" ({escape(str(row['reason']))})" if row["peak_qps"] is None and row["reason"] else ""))
     failed = data_out["failed"]
     if failed:

@@ -36,6 +36,7 @@ from infermux.tune.space import Candidate, Config
 from infermux.units import Unit
 
 __all__ = [
+    "QUEUE_DELAY_MS",
     "Constraints",
     "Evaluator",
     "LiveEvaluator",
@@ -44,6 +45,11 @@ __all__ = [
     "TrialSettings",
     "model_name",
 ]
+
+#: The dispatcher's queue delay (ms) of every plan a tune measures; a server tune then tries
+#: others on the plan it chose (`TuneRequest.queue_delays_ms`).
+QUEUE_DELAY_MS = 2.0
+
 
 def model_name(ref: str) -> str:
     """A plan-safe model name from a model reference (`path/net.py:make` → `net.make`)."""
@@ -389,7 +395,7 @@ class LiveEvaluator:
                                      buckets)
                    for name in sorted({c.model for c in candidate.configs})]
         return {"name": "tuned", "models": entries,
-                "dispatcher": {"max_queue_delay_ms": 2.0}, "load": load}
+                "dispatcher": {"max_queue_delay_ms": QUEUE_DELAY_MS}, "load": load}
 
     def _model_entry(self, name: str, configs: list[Config], buckets: str) -> dict[str, Any]:
         """One model entry of the plan: its replicas, one per config."""

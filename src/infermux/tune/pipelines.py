@@ -21,7 +21,7 @@ from typing import Any
 from infermux.errors import DeviceOutOfMemoryError, InfermuxError, UsageError
 from infermux.models import LoadedModel, ModelSpec
 from infermux.progress import ProgressFn
-from infermux.tune.evaluate import Constraints, TrialSettings
+from infermux.tune.evaluate import QUEUE_DELAY_MS, Constraints, TrialSettings
 from infermux.units import Unit
 
 __all__ = ["PipelineTrial", "pipeline_units", "tune_pipelines"]
@@ -81,7 +81,7 @@ def _runtime_trial(plan: Any, name: str, spec: ModelSpec, settings: TrialSetting
         entry["weights"] = spec.weights
     runtime_plan = parse_plan({
         "name": f"tuned-{name}-pipeline", "models": [entry],
-        "dispatcher": {"max_queue_delay_ms": 2.0},
+        "dispatcher": {"max_queue_delay_ms": QUEUE_DELAY_MS},
         "load": {"scenario": "offline", "min_duration_s": settings.min_duration_s,
                  "min_queries": settings.min_queries,
                  "max_duration_s": max(10.0, 4 * settings.min_duration_s)}},
