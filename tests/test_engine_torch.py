@@ -99,6 +99,50 @@ def test_cuda_runner_graph_matches_eager(found, tiny, mode):
     assert timing.h2d_ns > 0 and timing.compute_ns > 0
 
 
+def test_self_graphing_compile_modes_run_in_the_runners_own_graph():
+    from infermux.engines.pytorch import TorchOptions
+    from infermux.units import Unit
+
+    gpu = Unit("cuda:0/fp16", "cuda", "cuda:0", "fp16", "H100", "cuda:0")
+    for mode in ("reduce-overhead", "max-autotune"):
+        assert TorchOptions(compile=mode).resolve(gpu, 4).cuda_graph is True
+        with pytest.raises(UsageError, match=f"cuda_graph=false conflicts with compile='{mode}'"):
+            TorchOptions(compile=mode, cuda_graph=False).resolve(gpu, 4)
+    assert TorchOptions(compile="default", cuda_graph=False).resolve(gpu, 4).cuda_graph is False
+
+
+@needs_cuda
+def test_reduce_overhead_runner_runs_from_other_threads(found, tiny):
+    """Runtime workers run runners built elsewhere; torch's own graph trees asserted there."""
+    import threading
+
+    unit = select_units("cuda:0/fp32", found)[0]
+    engine = create_engine("torch")
+    runners = [engine.build(tiny, unit, 4, {"compile": "reduce-overhead"}, instance=i)
+               for i in range(2)]
+    x = np.random.default_rng(2).standard_normal((4, 3, 32, 32)).astype(np.float32)
+    with torch.inference_mode():
+        ref = tiny.module(torch.from_numpy(x)).numpy()
+    outs: dict[int, np.ndarray] = {}
+    errors: list[BaseException] = []
+
+    def work(i: int) -> None:
+        try:
+            for _ in range(3):
+                outs[i] = runners[i].infer(x)[0]
+        except Exception as exc:  # noqa: BLE001 - any failure is reported below, with its type
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, repr(errors)
+    for i in range(2):
+        np.testing.assert_allclose(outs[i], ref, rtol=1e-3, atol=1e-3)
+
+
 @needs_cuda
 def test_cuda_device_data_skips_copy(found, tiny):
     unit = select_units("cuda:0/fp16", found)[0]

@@ -368,7 +368,7 @@ def test_build_space_puts_compile_on_gpus_not_cpus():
     request = TuneRequest(models=[ModelSpec("resnet50")])
     space = build_space(request, [gpu(), cpu()], {"cuda:0/fp16": ["torch"], "cpu": ["torch"]})
     assert space.unit("cuda:0/fp16").options["torch"] == [
-        {}, {"cuda_graph": False}, {"compile": "default"}, {"compile": "reduce-overhead"}]
+        {}, {"cuda_graph": False}, {"compile": "default"}]
     assert space.unit("cpu").options["torch"] == [{}]
     opt_in = TuneRequest(models=[ModelSpec("resnet50")], compile_modes=("max-autotune",))
     assert {"compile": "max-autotune"} in build_space(

@@ -436,9 +436,9 @@ class Tuner:
     def _options_and_instances(self, trial: Trial) -> Trial:
         """Each option variant at the best batch, then more instances, while they gain.
 
-        torch.compile's `reduce-overhead` is tried only where its `default` mode measured
-        faster than what the unit had: both run the same compiled kernels (one under our CUDA
-        graph, one under torch's), so where compiling does not pay, neither does. A compile
+        torch.compile's `reduce-overhead`, when asked for, is tried only where its `default`
+        mode measured faster than what the unit had: both run the same compiled kernels in the
+        runner's CUDA graph, so where compiling does not pay, neither does. A compile
         build that would not fit in the budget is skipped, not the end of the search.
         """
         cfg = trial.candidate.configs[0]

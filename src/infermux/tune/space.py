@@ -30,8 +30,10 @@ __all__ = [
 
 #: torch.compile modes the tuner may try on GPUs.
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-#: Those it tries unless told otherwise: max-autotune takes minutes per batch size.
-DEFAULT_COMPILE_MODES = ("default", "reduce-overhead")
+#: Those it tries unless told otherwise: max-autotune takes minutes per batch size, and the
+#: torch engine runs `reduce-overhead` as `default` inside the runner's own CUDA graph, which
+#: `default` already gets on a GPU (a second trial of the same thing).
+DEFAULT_COMPILE_MODES = ("default",)
 
 
 def _frozen(options: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
@@ -141,7 +143,7 @@ def option_variants(engine: str, unit: Unit, *,
     """Engine options worth trying on `unit`; the first is the engine's own default.
 
     PyTorch on a GPU: CUDA graphs on (default) or off, then each of `compile_modes`
-    (torch.compile's `default` and `reduce-overhead` unless told otherwise; `max-autotune` takes
+    (torch.compile's `default` unless told otherwise; `max-autotune` takes
     minutes per batch size, so only on request). Not on CPUs: a compile there takes minutes on
     few cores for no measured gain. OpenVINO: its throughput hint (default) or latency hint.
     ONNX Runtime: spinning intra-op threads (default) or not. LiteRT on an fp32 CPU unit: fp32
