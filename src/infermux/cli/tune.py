@@ -14,7 +14,7 @@ from infermux.cli.render import explain_table, num, pareto_table, pipelines_tabl
 
 __all__ = ["tune_command"]
 
-#: `--queue-delays`' default, as the library's (kept in step by tests/test_tune_live.py).
+#: `--queue-delays`' default, the library's `SERVER_QUEUE_DELAYS_MS` (a test keeps them in step).
 _DEFAULT_DELAYS = "0.5,1,4"
 
 
