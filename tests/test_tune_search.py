@@ -378,3 +378,67 @@ def test_build_space_puts_compile_on_gpus_not_cpus():
         "cuda:0/fp16").options["torch"] == [{}, {"cuda_graph": False}]
     with pytest.raises(UsageError, match="--compile 'fast' is not a torch.compile mode"):
         TuneRequest(models=[ModelSpec("resnet50")], compile_modes=("fast",))
+
+
+def test_build_space_screens_slow_building_engines_last():
+    space = build_space(TuneRequest(models=[ModelSpec("resnet50")]), [cpu()],
+                        {"cpu": ["litert", "onnxruntime", "openvino", "torch"]})
+    assert space.unit("cpu").engines == ["onnxruntime", "openvino", "torch", "litert"]
+
+
+# A LiteRT trial on two cores: a 15.4 s conversion, then 1.6 s of measuring; the others ~2 s.
+BUILD = {"litert": 15.4, "onnxruntime": 0.5, "openvino": 0.5}
+RATE = {"litert": 1300.0, "onnxruntime": 1450.0, "openvino": 1700.0}
+
+
+def slow_build_landscape(candidate: Candidate) -> Trial:
+    c = candidate.configs[0]
+    rate = RATE[c.engine] * c.batch / (c.batch + 2.0)
+    return Trial(candidate, "engine", "ok", rate, 1e3 * c.batch / rate,
+                 build_s=BUILD[c.engine])
+
+
+def slow_build_cost(candidate: Candidate, method: str) -> float:
+    build = BUILD[candidate.configs[0].engine]
+    return build + (1.6 if method == "engine" else 4.8)
+
+
+def test_a_slow_building_engine_does_not_make_the_others_look_slow():
+    clock = Clock()
+    ev = TableEvaluator(slow_build_landscape, cost_s=slow_build_cost, on_cost=clock.advance)
+    t = Tuner(Space(["m"], [UnitSpace(cpu(), ["onnxruntime", "litert"], [1, 4, 16, 64], [1],
+                                      {})]), ev, None, TuneSettings(budget_s=600.0), clock=clock)
+    ort = Candidate.of(Config.make("m", "cpu", "onnxruntime", 16))
+    lite = Candidate.of(Config.make("m", "cpu", "litert", 16))
+    t.trials.append(Trial(ort, "engine", "ok", 1000.0, cost_s=2.1, build_s=0.5))
+    t.trials.append(Trial(lite, "engine", "ok", 1000.0, cost_s=17.0, build_s=15.4))
+    # Each engine expects what its own trials cost; an engine not measured yet, the mean.
+    assert t._expected_s("engine", engines=ort.engines) == 2.1
+    assert t._expected_s("engine", engines=lite.engines) == 17.0
+    assert t._expected_s("engine", engines=frozenset({"openvino"})) == pytest.approx(9.55)
+    # Through the runtime the build is paid once, the measuring three times over.
+    assert t._expected_s("runtime", engines=lite.engines) == pytest.approx(15.4 + 3 * 1.6)
+    assert t._expected_s("runtime", engines=ort.engines) == pytest.approx(0.5 + 3 * 1.6)
+
+
+def test_a_short_budget_screens_every_engine_and_climbs_the_quick_ones():
+    # The demo's case: 45 s left for the search of its 90 s, three CPU engines, LiteRT's first
+    # build 15 s. Screened first, LiteRT's cost made every later trial look like a build, and
+    # the search stopped after it (each change alone still stops before the ladders).
+    space = build_space(TuneRequest(models=[ModelSpec("m")], batches=[1, 4, 16, 64]), [cpu()],
+                        {"cpu": ["litert", "onnxruntime", "openvino"]})
+    for us in space.units:
+        us.instances = [1]
+        us.options = {}
+    clock = Clock()
+    ev = TableEvaluator(slow_build_landscape, cost_s=slow_build_cost, on_cost=clock.advance)
+    result = Tuner(space, ev, None, TuneSettings(budget_s=45.0, fine_tune=False),
+                   clock=clock).run()
+    screened = [c.configs[0].engine for c, m in ev.calls if m == "engine"][:3]
+    assert screened == ["onnxruntime", "openvino", "litert"]
+    # Then the two quick engines' ladders (b64), and the check of the best through the runtime,
+    # all within the budget and without running out of it.
+    assert len([c for c, m in ev.calls if m == "engine"]) == 5
+    assert not result.stopped_by_budget and clock.t <= 45.0
+    assert result.best is not None and result.best.candidate.label() == "cpu openvino b64"
+    assert result.verified is not None

@@ -27,6 +27,7 @@ from infermux.tune.search import OBJECTIVES, Tuner, TuneResult, TuneSettings
 from infermux.tune.space import (
     COMPILE_MODES,
     DEFAULT_COMPILE_MODES,
+    SLOW_BUILDS,
     Space,
     UnitSpace,
     option_variants,
@@ -160,7 +161,7 @@ def build_space(request: TuneRequest, units: list[Unit], engines: dict[str, list
     """
     spaces = []
     for unit in units:
-        names = engines.get(unit.id, [])
+        names = sorted(engines.get(unit.id, []), key=lambda e: (e in SLOW_BUILDS, e))
         if not names:
             continue
         if request.batches:

@@ -172,35 +172,53 @@ class Tuner:
     def _left_s(self) -> float:
         return self.settings.budget_s - (self.clock() - self._start)
 
-    def _costs(self, method: str | None, compiled: bool) -> list[float]:
-        return [t.cost_s for t in self.trials if not t.reused and t.candidate.compiled == compiled
+    def _past(self, method: str | None, compiled: bool,
+              engines: frozenset[str] | None = None) -> list[Trial]:
+        """Trials measured (not reused) this way; those of the same engines where there are."""
+        past = [t for t in self.trials if not t.reused and t.candidate.compiled == compiled
                 and (method is None or t.method == method)]
+        same = [t for t in past if t.candidate.engines == engines]
+        return same or past
 
-    def _expected_s(self, method: str, compiled: bool = False) -> float:
+    def _costs(self, method: str | None, compiled: bool,
+               engines: frozenset[str] | None = None) -> list[float]:
+        return [t.cost_s for t in self._past(method, compiled, engines)]
+
+    def _expected_s(self, method: str, compiled: bool = False,
+                    engines: frozenset[str] | None = None) -> float:
         """The expected cost of a trial: the mean of past ones measured the same way.
 
         Trials that build with torch.compile are counted apart: their build is most of their
-        cost, and mixing them in would make every other trial look expensive.
+        cost, and mixing them in would make every other trial look expensive. For the same
+        reason a trial of given `engines` expects what trials of those engines cost, once there
+        are any: a LiteRT build (a conversion, 15 s on two cores) is not what an ONNX Runtime
+        trial costs.
         """
-        costs = self._costs(method, compiled)
+        costs = self._costs(method, compiled, engines)
         if costs:
             return sum(costs) / len(costs)
         if compiled:
             # Compiled, but not yet measured this way: the build the other way took, on top of
             # this way's own cost; before any compile, a cold build's.
             other = "engine" if method == "runtime" else "runtime"
-            done = self._costs(other, True)
+            done = self._costs(other, True, engines)
             if done:
-                build = sum(done) / len(done) - self._expected_s(other)
-                return max(0.0, build) + self._expected_s(method)
-            eager = self._costs(None, False)
-            base = sum(eager) / len(eager) if eager else 0.0
+                build = sum(done) / len(done) - self._expected_s(other, engines=engines)
+                return max(0.0, build) + self._expected_s(method, engines=engines)
+            eager_costs = self._costs(None, False, engines)
+            base = sum(eager_costs) / len(eager_costs) if eager_costs else 0.0
             return max(COMPILE_PRIOR_S, 3 * base) + (
-                self._expected_s(method) if method == "runtime" else 0.0)
-        # No trial of this kind yet: the runtime starts workers, so assume it costs more.
-        eager = self._costs(None, False)
-        base = sum(eager) / len(eager) if eager else 0.0
-        return base * 3 if method == "runtime" else base
+                self._expected_s(method, engines=engines) if method == "runtime" else 0.0)
+        # No trial of this kind yet. The runtime starts workers, so its measuring part is
+        # assumed to cost three times the in-process one; the build is paid once either way.
+        eager = self._past(None, False, engines)
+        if not eager:
+            return 0.0
+        base = sum(t.cost_s for t in eager) / len(eager)
+        if method != "runtime":
+            return base
+        build = min(base, sum(t.build_s or 0.0 for t in eager) / len(eager))
+        return build + 3 * (base - build)
 
     def _reserve_s(self) -> float:
         """Room to measure the chosen plan through the runtime, and one runner-up after it.
@@ -210,11 +228,12 @@ class Tuner:
         """
         if not self.settings.verify:
             return 0.0
-        eager = self._expected_s("runtime")
         best = max((t for t in self.trials if self.feasible(t)), key=self.score, default=None)
+        engines = best.candidate.engines if best is not None else None
+        eager = self._expected_s("runtime", engines=engines)
         first = eager
         if best is not None and best.method != "runtime" and best.candidate.compiled:
-            first = self._expected_s("runtime", compiled=True)
+            first = self._expected_s("runtime", compiled=True, engines=engines)
         return first + eager
 
     def _method(self, candidate: Candidate) -> str:
@@ -239,7 +258,8 @@ class Tuner:
             return self._cache[key]
         reserve = 0.0 if self._phase == "verify" else self._reserve_s()
         compiled = candidate.compiled
-        if self.trials and self._expected_s(used, compiled) > self._left_s() - reserve:
+        if (self.trials and self._expected_s(used, compiled, candidate.engines)
+                > self._left_s() - reserve):
             if compiled and self._phase != "verify":
                 self.skipped.append(candidate.label())
                 raise _SkippedError

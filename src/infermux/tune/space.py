@@ -20,6 +20,7 @@ from infermux.units import Unit
 __all__ = [
     "COMPILE_MODES",
     "DEFAULT_COMPILE_MODES",
+    "SLOW_BUILDS",
     "Candidate",
     "Config",
     "Space",
@@ -27,6 +28,12 @@ __all__ = [
     "option_variants",
     "overlapping_units",
 ]
+
+#: Engines whose first build of a model is slow (LiteRT converts it, 15 s for
+#: mobilenet_v3_small on two cores; TensorRT builds an engine, minutes): screened after the
+#: others, so the first trials' cost, which sets what the budget expects of the next, is a
+#: typical one, and a short budget still screens every quick engine.
+SLOW_BUILDS = ("litert", "tensorrt")
 
 #: torch.compile modes the tuner may try on GPUs.
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -119,6 +126,11 @@ class Candidate:
     def compiled(self) -> bool:
         """Any of its configs is built with torch.compile."""
         return any(c.compiled for c in self.configs)
+
+    @property
+    def engines(self) -> frozenset[str]:
+        """The engines its configs run on."""
+        return frozenset(c.engine for c in self.configs)
 
     def key(self) -> str:
         """A canonical text key."""
