@@ -39,8 +39,9 @@ __all__ = ["TuneReport", "TuneRequest", "build_space", "prepare", "run_tune"]
 
 SCENARIOS = ("offline", "server")
 #: Queue delays (ms) a server tune tries on the plan with the highest peak, beside the
-#: `QUEUE_DELAY_MS` every candidate ran with. Behind `infermux serve` on two CPU cores,
-#: mobilenet_v3_small served more at 0.5 ms than at 2 ms (docs/benchmarks.md).
+#: `QUEUE_DELAY_MS` every candidate ran with. Behind `infermux serve` on two CPU cores, one
+#: mobilenet_v3_small plan served more at 0.5 ms than at 2 ms on one machine and less on
+#: another (docs/benchmarks.md): it is measured per plan and machine.
 SERVER_QUEUE_DELAYS_MS = (0.5, 1.0, 4.0)
 #: A delay replaces the plan's only when its peak is this much higher: two find-peak runs of
 #: one plan differ by a few percent, and a tie should not move the plan.
