@@ -29,16 +29,20 @@ def parse_duration_s(text: str | float, *, name: str = "duration") -> float:
     return value
 
 
+def _ms(text: str | float, name: str) -> float:
+    """Milliseconds from a bare number (already ms) or a duration with its unit."""
+    if isinstance(text, (int, float)) or _BARE_NUMBER.match(text):
+        return float(text)
+    return parse_duration_s(text, name=name) * 1e3
+
+
 def parse_latency_ms(text: str | float, *, name: str = "--p99") -> float:
     """A latency bound in ms: `"15ms"`, `"0.015s"`, or a bare number of milliseconds (`15`).
 
     `run`, `tune` and `study` read `--p99` with it, so `--p99 15` and `--p99 15ms` mean the same
     everywhere.
     """
-    if isinstance(text, (int, float)) or _BARE_NUMBER.match(text):
-        value = float(text)
-    else:
-        value = parse_duration_s(text, name=name) * 1e3
+    value = _ms(text, name)
     if not value > 0:
         raise UsageError(f"{name} {text!r} must be above 0: a latency bound, e.g. 15ms")
     return value
@@ -55,8 +59,7 @@ def parse_delays_ms(text: str, *, name: str = "--queue-delays") -> tuple[float, 
     for item in (p.strip() for p in text.split(",")):
         if not item:
             continue
-        value = (float(item) if _BARE_NUMBER.match(item)
-                 else parse_duration_s(item, name=name) * 1e3)
+        value = _ms(item, name)
         if not 0 <= value <= 60_000:
             raise UsageError(f"{name} {item!r} must be between 0 and 60s: a queue delay, "
                              "e.g. 0.5ms")
