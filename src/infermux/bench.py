@@ -149,6 +149,17 @@ class Measurement:
             missing.extend(self.energy.invalid_flags)
         return (not missing), "; ".join(missing)
 
+    @property
+    def failed(self) -> bool:
+        """True when the point measured nothing usable.
+
+        It errored, ran out of memory, or its outputs disagree with the reference; an
+        interrupted point is not a failure.
+        """
+        if self.status in ("error", "oom"):
+            return True
+        return self.agreement is not None and self.agreement.get("status") == "fail"
+
     def record(self) -> dict[str, Any]:
         """The point as stored and printed: setup, derived statistics, phase means."""
         valid, note = self.validity
@@ -288,6 +299,11 @@ class BenchReport:
     status: str  # complete | interrupted
     #: What the telemetry sampler read and what it could not (None when it was off).
     telemetry: dict[str, Any] | None = None
+
+    @property
+    def all_failed(self) -> bool:
+        """True when there were points and every one of them failed (the command exits 1)."""
+        return bool(self.measurements) and all(m.failed for m in self.measurements)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: the run id, the model description and every point's record."""

@@ -71,3 +71,10 @@ def bench(
     if report.status == "interrupted":
         err.print("interrupted: the points measured so far are kept")
         raise typer.Exit(130)
+    if report.all_failed:
+        first = report.measurements[0]
+        why = first.error or (first.agreement or {}).get("message") or first.status
+        err.print(f"every point failed ({len(report.measurements)} of "
+                  f"{len(report.measurements)}); the first: {first.unit} {first.engine} "
+                  f"b{first.batch}: {why}")
+        raise typer.Exit(1)
