@@ -225,6 +225,11 @@ class IOSpec:
         """Each input's item shape at `dims`."""
         return [spec.resolve(dims) for spec in self.inputs]
 
+    def resolved(self, dims: Mapping[str, int]) -> tuple[TensorSpec, ...]:
+        """The inputs with their dynamic dims set to `dims` (what a runner built at them takes)."""
+        return tuple(TensorSpec(t.name, t.dtype, t.resolve(dims), t.values, t.high)
+                     for t in self.inputs)
+
     def generate(self, batch: int, dims: Mapping[str, int], seed: int = 0) -> list[np.ndarray]:
         """One batch of runnable inputs, seeded (see `TensorSpec.generate`)."""
         rng = np.random.default_rng(seed)

@@ -87,7 +87,7 @@ def bench_table(results: Iterable[dict[str, Any]], title: str = "Offline benchma
         extra = [num(r.get("energy_per_item_j"), 4),
                  f"{num(r.get('mean_power_w'))}/{num(r.get('peak_power_w'))}"] if energy else []
         if r["status"] != "ok":
-            table.add_row(r["unit"], r["engine"], str(r["batch"]), str(r["instances"]),
+            table.add_row(r["unit"], r["engine"], _batch_cell(r), str(r["instances"]),
                           r["status"].upper(), "", "", "", "", "", (r.get("error") or "")[:80],
                           *(["", ""] if energy else []))
             continue
@@ -95,13 +95,20 @@ def bench_table(results: Iterable[dict[str, Any]], title: str = "Offline benchma
         if not r.get("h2d_ms") and not r.get("d2h_ms"):
             phases = f"–/{num(r.get('compute_ms'), 2)}/–"  # host units: no copies
         table.add_row(
-            r["unit"], r["engine"], str(r["batch"]), str(r["instances"]),
-            num(r.get("items_per_s")), num(r.get("p50_ms"), 2),
+            r["unit"], r["engine"], _batch_cell(r), str(r["instances"]),
+            num(r.get("items_per_s")) + (f" ({num(r['tokens_per_s'])} tok/s)"
+                                         if r.get("tokens_per_s") else ""),
+            num(r.get("p50_ms"), 2),
             num(r.get("p99_ms"), 2), num(r.get("max_ms"), 2), phases,
             _agreement(r.get("agreement")),
             "yes" if r["valid"] else f"no: {r.get('validity_note', '')}", *extra,
         )
     return table
+
+
+def _batch_cell(r: dict[str, Any]) -> str:
+    """`8`, or `8×128` for a point at a sequence length."""
+    return f"{r['batch']}×{r['seq_len']}" if r.get("seq_len") else str(r["batch"])
 
 
 def _agreement(entry: dict[str, Any] | None) -> str:
