@@ -219,3 +219,40 @@ def test_cli_shows_specs_and_benches_a_tiny_bert(tiny_bert, module_cache_dir, db
     assert result["agreement"]["status"] == "pass"
     bad = run_cli("bench", "-m", tiny_bert, "-u", "cpu", "--seq", "0", "--no-store", env=env)
     assert bad.returncode == 2 and "--seq '0'" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_a_request_is_checked_against_the_spec_input_by_input(two_inputs):
+    io = load_model(two_inputs[0]).spec_io
+    features, ids = np.zeros(16, np.float32), np.arange(6, dtype=np.int64)
+    assert io.check_item({"features": features, "ids": ids}) == {"seq": 6}
+    assert io.check_item([features, ids], lengths=[6, 12]) == {"seq": 6}
+    cases = [
+        ({"features": features}, "input 'ids' is missing: the model takes ids: int64[batch, seq]"),
+        ({"features": features, "ids": ids, "mask": ids}, "input 'mask' is not one the model "
+                                                          "takes"),
+        ({"features": features, "ids": ids.astype(np.float32)},
+         "input 'ids': float32[6] given, the model takes ids: int64[batch, seq] < 50"),
+        ({"features": np.zeros(8, np.float32), "ids": ids},
+         "input 'features': float32[8] given, the model takes features: float32[batch, 16]"),
+    ]
+    for values, message in cases:
+        with pytest.raises(UsageError) as caught:
+            io.check_item(values)
+        assert str(caught.value).startswith(message), str(caught.value)
+        assert "\n" not in str(caught.value)
+    with pytest.raises(UsageError, match="seq 6 is not one of the sequence lengths"):
+        io.check_item([features, ids], lengths=[8, 16])
+
+
+def test_a_plan_of_a_two_input_model_is_refused_in_one_line(two_inputs, tmp_path):
+    import yaml
+
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump({
+        "models": [{"name": "two", "model": two_inputs[0],
+                    "replicas": [{"unit": "cpu", "batch": 2}]}],
+        "load": {"min_duration_s": 0.2, "min_queries": 4}}))
+    run = run_cli("run", str(path), "--no-store")
+    lines = [line for line in run.stderr.splitlines() if line.strip()]
+    assert run.returncode == 2 and len(lines) == 1 and "Traceback" not in run.stderr, run.stderr
+    assert "models[0].model" in lines[0] and "ids: int64[batch, seq]" in lines[0]

@@ -235,6 +235,57 @@ class IOSpec:
         rng = np.random.default_rng(seed)
         return [spec.generate(batch, dims, rng) for spec in self.inputs]
 
+    def check_item(self, values: Mapping[str, Any] | Sequence[Any],
+                   lengths: Sequence[int] | None = None) -> dict[str, int]:
+        """Check one item's inputs (no batch axis) against the spec; return their dims' sizes.
+
+        `values` maps input names to arrays, or lists them in input order. A missing, unknown,
+        mistyped or misshapen input is one UsageError line naming the input, what the model
+        takes and what was given; a dynamic dim must have one size across the inputs, and one
+        of `lengths` (a plan's sequence buckets) when they are given.
+        """
+        if isinstance(values, Mapping):
+            unknown = sorted(set(values) - {t.name for t in self.inputs})
+            if unknown:
+                raise UsageError(f"input {unknown[0]!r} is not one the model takes: it takes "
+                                 f"{', '.join(t.text() for t in self.inputs)}")
+            missing = [t.name for t in self.inputs if t.name not in values]
+            if missing:
+                spec = next(t for t in self.inputs if t.name == missing[0])
+                raise UsageError(f"input {missing[0]!r} is missing: the model takes "
+                                 f"{spec.text()}")
+            arrays = [np.asarray(values[t.name]) for t in self.inputs]
+        else:
+            arrays = [np.asarray(v) for v in values]
+            if len(arrays) != len(self.inputs):
+                raise UsageError(f"{len(arrays)} inputs given, the model takes "
+                                 f"{len(self.inputs)}: {', '.join(t.name for t in self.inputs)}")
+        dims: dict[str, int] = {}
+        for spec, array in zip(self.inputs, arrays, strict=True):
+            given = f"{array.dtype}{list(array.shape)}"
+            floats = np.issubdtype(array.dtype, np.floating)
+            same_kind = (floats if spec.is_float else
+                         array.dtype == np.bool_ if spec.dtype == "bool" else
+                         np.issubdtype(array.dtype, np.integer))
+            if not same_kind:
+                raise UsageError(f"input {spec.name!r}: {given} given, the model takes "
+                                 f"{spec.text()}")
+            if array.ndim != len(spec.shape):
+                raise UsageError(f"input {spec.name!r}: {given} given, the model takes "
+                                 f"{spec.text()} ({len(spec.shape)} dims per item)")
+            for dim, size in zip(spec.shape, array.shape, strict=True):
+                if isinstance(dim, int) and dim != size:
+                    raise UsageError(f"input {spec.name!r}: {given} given, the model takes "
+                                     f"{spec.text()}")
+                if isinstance(dim, str):
+                    if dims.setdefault(dim, int(size)) != size:
+                        raise UsageError(f"input {spec.name!r}: {dim} is {size}, another input "
+                                         f"has {dim} {dims[dim]}: they must agree")
+                    if lengths is not None and size not in lengths:
+                        raise UsageError(f"input {spec.name!r}: {dim} {size} is not one of the "
+                                         f"sequence lengths {list(lengths)}: pad it to one")
+        return dims
+
     def with_outputs(self, outputs: Sequence[TensorSpec]) -> IOSpec:
         """A copy of this spec with its outputs named."""
         return IOSpec(self.inputs, tuple(outputs), dict(self.default_dims))
