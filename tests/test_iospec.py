@@ -256,3 +256,22 @@ def test_a_plan_of_a_two_input_model_is_refused_in_one_line(two_inputs, tmp_path
     lines = [line for line in run.stderr.splitlines() if line.strip()]
     assert run.returncode == 2 and len(lines) == 1 and "Traceback" not in run.stderr, run.stderr
     assert "models[0].model" in lines[0] and "ids: int64[batch, seq]" in lines[0]
+
+
+def test_a_save_pretrained_folder_loads_its_weights(tiny_bert, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig.from_pretrained(tiny_bert.removeprefix("hf:"))
+    torch.manual_seed(1)
+    saved = transformers.BertModel(config).eval()
+    saved.save_pretrained(str(tmp_path / "trained"))
+    model = load_model(f"hf:{tmp_path / 'trained'}")
+    assert model.weights_note == f"weights loaded from {tmp_path / 'trained'}"
+    assert not model.randomly_initialised and model.name == "trained"
+    ids = torch.randint(0, 100, (2, 5))
+    mask = torch.ones(2, 5, dtype=torch.long)
+    with torch.inference_mode():
+        want = saved(input_ids=ids, attention_mask=mask, token_type_ids=0 * mask).last_hidden_state
+        got = model.module(ids, mask, 0 * mask)[0]
+    torch.testing.assert_close(got, want)
+    with pytest.raises(UsageError, match="model 'hf:bert-large' unknown: use one of bert-base"):
+        load_model("hf:bert-large")
