@@ -275,3 +275,6 @@ def test_a_save_pretrained_folder_loads_its_weights(tiny_bert, tmp_path):
     torch.testing.assert_close(got, want)
     with pytest.raises(UsageError, match="model 'hf:bert-large' unknown: use one of bert-base"):
         load_model("hf:bert-large")
+    from infermux.models import list_models
+
+    assert list_models("*bert*")["hf"] == ["hf:bert-base", "hf:distilbert"]
