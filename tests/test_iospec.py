@@ -278,3 +278,16 @@ def test_a_save_pretrained_folder_loads_its_weights(tiny_bert, tmp_path):
     from infermux.models import list_models
 
     assert list_models("*bert*")["hf"] == ["hf:bert-base", "hf:distilbert"]
+
+
+def test_compare_keeps_points_of_two_lengths_apart():
+    from infermux.cli.render import compare_rows
+
+    def point(seq, rate):
+        return {"model": "bert", "unit": "cpu", "engine": "torch", "batch": 8, "instances": 1,
+                "data": "host", "seq_len": seq, "items_per_s": rate, "p99_ms": 1.0}
+
+    a = {"id": 1, "results": [point(64, 100.0), point(128, 50.0)]}
+    b = {"id": 2, "results": [point(64, 200.0), point(128, 50.0)]}
+    rows = compare_rows(a, b)
+    assert [(r["seq_len"], r["ratio"]) for r in rows] == [(64, 2.0), (128, 1.0)]

@@ -137,13 +137,16 @@ def runs_table(runs: Iterable[dict[str, Any]]) -> Table:
 
 
 def compare_table(a: dict[str, Any], b: dict[str, Any]) -> Table:
-    """Points of two runs matched by (model, unit, engine, batch, instances, data), with ratios."""
+    """Points of two runs matched by (model, unit, engine, batch, instances, data, length).
+
+    The length is the sequence length of a model that has one (None otherwise).
+    """
     table = Table(title=f"Run {a['id']} vs run {b['id']}")
     for col in ("model", "unit", "engine", "batch", "inst", f"items/s #{a['id']}",
                 f"items/s #{b['id']}", "ratio", f"p99 ms #{a['id']}", f"p99 ms #{b['id']}"):
         table.add_column(col)
     for row in compare_rows(a, b):
-        table.add_row(row["model"], row["unit"], row["engine"], str(row["batch"]),
+        table.add_row(row["model"], row["unit"], row["engine"], _batch_cell(row),
                       str(row["instances"]), num(row["a_items_per_s"]),
                       num(row["b_items_per_s"]), num(row["ratio"], 3),
                       num(row["a_p99_ms"], 2), num(row["b_p99_ms"], 2))
@@ -153,7 +156,8 @@ def compare_table(a: dict[str, Any], b: dict[str, Any]) -> Table:
 def compare_rows(a: dict[str, Any], b: dict[str, Any]) -> list[dict[str, Any]]:
     """Matched points of two runs; `ratio` is b's throughput over a's."""
     def key(r: dict[str, Any]) -> tuple:
-        return (r["model"], r["unit"], r["engine"], r["batch"], r["instances"], r["data"])
+        return (r["model"], r["unit"], r["engine"], r["batch"], r["instances"], r["data"],
+                r.get("seq_len"))
 
     left = {key(r): r for r in a["results"]}
     right = {key(r): r for r in b["results"]}
@@ -163,7 +167,7 @@ def compare_rows(a: dict[str, Any], b: dict[str, Any]) -> list[dict[str, Any]]:
         ta, tb = ra.get("items_per_s"), rb.get("items_per_s")
         rows.append({
             "model": k[0], "unit": k[1], "engine": k[2], "batch": k[3], "instances": k[4],
-            "data": k[5], "a_items_per_s": ta, "b_items_per_s": tb,
+            "data": k[5], "seq_len": k[6], "a_items_per_s": ta, "b_items_per_s": tb,
             "ratio": (tb / ta) if ta and tb else None,
             "a_p99_ms": ra.get("p99_ms"), "b_p99_ms": rb.get("p99_ms"),
         })
