@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.9.1 torchvision==0.24.1
 else
 TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
 endif
-EXTRAS ?= dev,onnx,openvino,tune,characterize,serve,report,train,cluster,litert
+EXTRAS ?= dev,onnx,openvino,tune,characterize,serve,report,train,cluster,litert,hf
 
 .PHONY: demo test lint typecheck unit-tests install clean perf-analyzer browser
 

@@ -57,6 +57,9 @@ class Reference:
     inputs: np.ndarray  # (AGREEMENT_ITEMS, *input_shape), float32
     outputs: list[np.ndarray]
     source: str  # "torch-fp32-cpu" | "onnxruntime-fp32-cpu"
+    #: Every input, in the model's order, for a model of several or integer inputs (the first
+    #: is `inputs`); empty for one float input.
+    all_inputs: tuple[np.ndarray, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -86,8 +89,15 @@ class Agreement:
         return data
 
 
-def reference_for(model: LoadedModel, items: int = AGREEMENT_ITEMS, seed: int = 0) -> Reference:
-    """Seeded inputs and the fp32 reference outputs for them (computed once per model)."""
+def reference_for(model: LoadedModel, items: int = AGREEMENT_ITEMS, seed: int = 0,
+                  length: int | None = None) -> Reference:
+    """Seeded inputs and the fp32 reference outputs for them (computed once per model).
+
+    A model of several inputs gets runnable ones (`IOSpec.generate`) at sequence `length`.
+    """
+    io = model.spec_io
+    if not io.simple:
+        return _reference_io(model, io.generate(items, io.dims_for(length), seed))
     rng = np.random.default_rng(seed)
     inputs = rng.standard_normal((items, *model.input_shape)).astype(np.float32)
     if model.module is not None:
@@ -112,6 +122,32 @@ def reference_for(model: LoadedModel, items: int = AGREEMENT_ITEMS, seed: int = 
     name = session.get_inputs()[0].name
     outputs = [np.asarray(y, dtype=np.float32) for y in session.run(None, {name: inputs})]
     return Reference(inputs, outputs, "onnxruntime-fp32-cpu")
+
+
+def _reference_io(model: LoadedModel, inputs: list[np.ndarray]) -> Reference:
+    """The fp32 reference of a model of several inputs, one item at a time on the CPU."""
+    items = len(inputs[0])
+    if model.module is not None:
+        import torch
+        from torch.utils._pytree import tree_flatten
+
+        per_item: list[list[np.ndarray]] = []
+        with torch.inference_mode():
+            for i in range(items):
+                xs = [torch.from_numpy(np.ascontiguousarray(a[i : i + 1])) for a in inputs]
+                leaves, _ = tree_flatten(model.module(*xs))
+                per_item.append([t.float().numpy() for t in leaves if isinstance(t, torch.Tensor)])
+        outputs = [np.concatenate(parts) for parts in zip(*per_item, strict=True)]
+        return Reference(inputs[0], outputs, "torch-fp32-cpu", tuple(inputs))
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    session = ort.InferenceSession(str(model.onnx_path), sess_options=so,
+                                   providers=["CPUExecutionProvider"])
+    feed = {meta.name: a for meta, a in zip(session.get_inputs(), inputs, strict=True)}
+    outputs = [np.asarray(y, dtype=np.float32) for y in session.run(None, feed)]
+    return Reference(inputs[0], outputs, "onnxruntime-fp32-cpu", tuple(inputs))
 
 
 @dataclass(frozen=True)
@@ -164,8 +200,12 @@ def check(runner: Runner, reference: Reference) -> Agreement:
     tol = TOLERANCES.get(precision, _DEFAULT_TOLERANCE)
     n_ref = reference.inputs.shape[0]
     reps = -(-runner.batch // n_ref)
-    batch = np.concatenate([reference.inputs] * reps)[: runner.batch]
-    outputs = runner.infer(batch)
+    if reference.all_inputs:
+        outputs = runner.infer_inputs([np.concatenate([a] * reps)[: runner.batch]
+                                       for a in reference.all_inputs])
+    else:
+        batch = np.concatenate([reference.inputs] * reps)[: runner.batch]
+        outputs = runner.infer(batch)
     items = min(runner.batch, n_ref)
     found = _compare(outputs, reference.outputs, items, tol, precision)
     if isinstance(found, str):

@@ -13,7 +13,10 @@ Method (written into the code so no caller can skip it):
   validity flags of `infermux.telemetry.energy` (thermal/hardware slowdown, temperature at the
   slowdown point and other processes on the GPU make a point invalid);
 - before timing, each point's runner is checked against the PyTorch fp32 reference on the same
-  inputs (`infermux.agreement`); wrong results make the point invalid, loudly.
+  inputs (`infermux.agreement`); wrong results make the point invalid, loudly;
+- a model of several inputs (token ids, masks, features) runs inputs generated from its spec
+  (ids within the vocabulary, masks of ones) at each sequence length of `seq_buckets` (its
+  default length without them); its points report tokens/s (items/s × length) beside items/s.
 
 `engine="auto"` measures every engine usable here that supports the unit, side by side.
 """
@@ -64,6 +67,8 @@ class BenchConfig:
     telemetry_interval_s: float | None = DEFAULT_INTERVAL_S
     #: Check each point against the PyTorch fp32 reference (one small batch, before timing).
     check_agreement: bool = True
+    #: Sequence lengths to measure a model with dynamic dims at (None: its default length).
+    seq_buckets: list[int] | None = None
 
     def __post_init__(self) -> None:
         if self.instances < 1:
@@ -74,6 +79,9 @@ class BenchConfig:
             raise UsageError(f"--min-queries {self.min_queries} must be at least 1")
         if any(b <= 0 for b in self.batches):
             raise UsageError(f"batch sizes {self.batches} must all be at least 1")
+        if self.seq_buckets is not None and (not self.seq_buckets
+                                             or any(n <= 0 for n in self.seq_buckets)):
+            raise UsageError(f"sequence lengths {self.seq_buckets} must all be at least 1")
         if self.max_duration_s is not None and self.max_duration_s < self.min_duration_s:
             raise UsageError(
                 f"--max-duration {self.max_duration_s}s is shorter than --min-duration "
@@ -95,6 +103,7 @@ class BenchConfig:
             "min_duration_s": self.min_duration_s, "min_queries": self.min_queries,
             "warmup_s": self.warmup_s, "max_duration_s": self.deadline_s,
             "options": self.options, "telemetry_interval_s": self.telemetry_interval_s,
+            "seq_buckets": self.seq_buckets,
         }
 
 
@@ -122,6 +131,8 @@ class Measurement:
     energy: EnergySummary | None = field(default=None, repr=False)
     #: The numerical agreement check (`infermux.agreement.Agreement.to_dict()`), None if not run.
     agreement: dict[str, Any] | None = None
+    #: The sequence length of every item (a model with dynamic dims), None for fixed shapes.
+    seq_len: int | None = None
 
     @property
     def items(self) -> int:
@@ -132,6 +143,12 @@ class Measurement:
     def throughput(self) -> float | None:
         """Items per second over the measured window."""
         return self.items / self.window_s if self.window_s > 0 and self.samples else None
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """Tokens (items × sequence length) per second, for a model with a sequence length."""
+        rate = self.throughput
+        return rate * self.seq_len if rate is not None and self.seq_len else None
 
     @property
     def validity(self) -> tuple[bool, str]:
@@ -149,6 +166,17 @@ class Measurement:
             missing.extend(self.energy.invalid_flags)
         return (not missing), "; ".join(missing)
 
+    @property
+    def failed(self) -> bool:
+        """True when the point measured nothing usable.
+
+        It errored, ran out of memory, or its outputs disagree with the reference; an
+        interrupted point is not a failure.
+        """
+        if self.status in ("error", "oom"):
+            return True
+        return self.agreement is not None and self.agreement.get("status") == "fail"
+
     def record(self) -> dict[str, Any]:
         """The point as stored and printed: setup, derived statistics, phase means."""
         valid, note = self.validity
@@ -159,6 +187,7 @@ class Measurement:
             "window_s": self.window_s, "items_per_s": self.throughput,
             "build_s": self.build_s, "options": self.options, "error": self.error,
             "weights_note": self.weights_note, "agreement": self.agreement,
+            "seq_len": self.seq_len, "tokens_per_s": self.tokens_per_s,
         }
         data.update(latency_summary_ms([s.latency_ns for s in self.samples]))
         if self.samples:
@@ -289,6 +318,11 @@ class BenchReport:
     #: What the telemetry sampler read and what it could not (None when it was off).
     telemetry: dict[str, Any] | None = None
 
+    @property
+    def all_failed(self) -> bool:
+        """True when there were points and every one of them failed (the command exits 1)."""
+        return bool(self.measurements) and all(m.failed for m in self.measurements)
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: the run id, the model description and every point's record."""
         return {
@@ -317,6 +351,14 @@ def run_bench(
     units = select_units(config.units, found)
     engines_for(config.engine, units)  # usage errors before the model is loaded
     model = load_model(config.model)
+    lengths: list[int | None] = [None]
+    if config.seq_buckets is not None:
+        if not model.spec_io.dynamic_dims:
+            raise UsageError(f"--seq {','.join(map(str, config.seq_buckets))}: {model.name!r} has "
+                             "no dynamic dimension to set; drop --seq")
+        lengths = list(config.seq_buckets)
+    elif not model.spec_io.simple:
+        model.spec_io.dims_for(None)  # a dynamic dim without a default size: one line, now
     plan = engines_for(config.engine, units, model)
     engines = {name: create_engine(name) for name in sorted({n for _, n in plan})}
     cfg = config.to_dict()
@@ -330,12 +372,12 @@ def run_bench(
         if config.telemetry_interval_s is not None:
             sampler = Sampler.for_units(units, interval_s=config.telemetry_interval_s).start()
             report.telemetry = sampler.describe()
-        reference: list[agreement.Reference] = []
+        reference: dict[int | None, agreement.Reference] = {}
         try:
             for unit, name in plan:
-                for batch in config.batches:
+                for length, batch in ((n, b) for n in lengths for b in config.batches):
                     point = measure_point(config, name, engines[name], model, unit, batch,
-                                          progress, reference, sampler)
+                                          progress, reference, sampler, length=length)
                     report.measurements.append(point)
                     if store is not None and run_id is not None:
                         result_id = store.add_result(run_id, point.record(), point.samples)
@@ -357,15 +399,27 @@ def run_bench(
     return report
 
 
+References = dict[int | None, agreement.Reference] | list[agreement.Reference]
+
+
 def _check_agreement(runner: Runner, model: LoadedModel,
-                     reference: list[agreement.Reference]) -> dict[str, Any]:
-    """The point's agreement entry; the reference is computed once per run, on first use."""
+                     reference: References) -> dict[str, Any]:
+    """The point's agreement entry, against a reference computed on first use.
+
+    One per sequence length in a dict; a list holds the one reference of a single length.
+    """
     try:
-        if not reference:
-            reference.append(agreement.reference_for(model))
+        if isinstance(reference, list):
+            if not reference:
+                reference.append(agreement.reference_for(model, length=runner.length))
+            ref = reference[0]
+        else:
+            if runner.length not in reference:
+                reference[runner.length] = agreement.reference_for(model, length=runner.length)
+            ref = reference[runner.length]
     except ImportError as exc:
         return agreement.skipped(runner, f"no reference runtime: {exc}").to_dict()
-    return agreement.check(runner, reference[0]).to_dict()
+    return agreement.check(runner, ref).to_dict()
 
 
 def measure_point(
@@ -376,8 +430,9 @@ def measure_point(
     unit: Unit,
     batch: int,
     progress: ProgressFn | None,
-    reference: list[agreement.Reference],
+    reference: References,
     sampler: Sampler | None = None,
+    length: int | None = None,
 ) -> Measurement:
     """Build `instances` runners of `engine` for (unit, batch) and measure them as one point.
 
@@ -388,16 +443,18 @@ def measure_point(
         instances=config.instances, data=config.data, min_duration_s=config.min_duration_s,
         min_queries=config.min_queries, weights_note=model.weights_note,
     )
-    label = f"{unit.id} {engine_name} b{batch}" + (
+    label = f"{unit.id} {engine_name} b{batch}" + (f" seq{length}" if length else "") + (
         f" ×{config.instances}" if config.instances > 1 else "")
     if progress is not None:
         progress(label, 0.0)
     try:
         options = engine_options(engine_name, config.options)
         runners = [
-            engine.build(model, unit, batch, options, data=config.data, instance=i)
+            engine.build(model, unit, batch, options, data=config.data, instance=i,
+                         **({"length": length} if length is not None else {}))
             for i in range(config.instances)
         ]
+        point.seq_len = runners[0].length
         point.build_s = sum(r.build_s for r in runners)
         point.options = runners[0].options
         window: list[int] = []

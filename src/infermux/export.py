@@ -86,6 +86,8 @@ def _content_hash(model: LoadedModel, opset: int) -> str:
     module = model.module
     h = hashlib.sha256()
     h.update(f"{torch.__version__}|{opset}|{model.input_shape}|{model.dtype}".encode())
+    if not model.spec_io.simple:  # several inputs: their names, dtypes and dims decide the graph
+        h.update(model.spec_io.key().encode())
     # A factory file's path and content: its classes' source is not importable by name, and two
     # factories with one file name must never share an export.
     h.update(model.identity.encode())
@@ -175,12 +177,31 @@ def _torch_export(model: LoadedModel, path: Path, opset: int) -> None:
     import torch
 
     module = model.module
-    example = torch.zeros((1, *model.input_shape), dtype=getattr(torch, model.dtype))
+    io = model.spec_io
+    if io.simple:
+        examples: tuple[Any, ...] = (
+            torch.zeros((1, *model.input_shape), dtype=getattr(torch, model.dtype)),)
+        input_names = [INPUT_NAME]
+    else:
+        # Runnable example inputs (ids within the vocabulary, masks of ones); every dynamic dim
+        # stays dynamic in the file under its own name.
+        dims = io.dims_for(None) if all(d in io.default_dims for d in io.dynamic_dims) else {
+            d: 8 for d in io.dynamic_dims}
+        examples = tuple(torch.from_numpy(a) for a in io.generate(1, dims))
+        input_names = [t.name for t in io.inputs]
     with torch.inference_mode():
-        outputs = module(example)
+        outputs = module(*examples)
     flat = outputs if isinstance(outputs, (list, tuple)) else [outputs]
     output_names = [f"output{i}" if i else "output" for i in range(len(flat))]
-    dynamic: dict[str, Any] = {n: {0: "batch"} for n in (INPUT_NAME, *output_names)}
+    declared = [t.name for t in io.outputs]
+    if len(declared) == len(flat) and not io.simple:
+        output_names = declared
+    dynamic: dict[str, Any] = {n: {0: "batch"} for n in (*input_names, *output_names)}
+    if not io.simple:
+        for spec in (*io.inputs, *io.outputs):
+            if spec.name in dynamic:
+                dynamic[spec.name].update({i + 1: d for i, d in enumerate(spec.shape)
+                                           if isinstance(d, str)})
     # torch ≥ 2.5 has both exporters and (from 2.9) defaults to dynamo; older ones only this one.
     which: dict[str, Any] = (
         {"dynamo": False} if "dynamo" in inspect.signature(torch.onnx.export).parameters else {})
@@ -188,7 +209,7 @@ def _torch_export(model: LoadedModel, path: Path, opset: int) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the exporter's deprecation notice, not ours to fix
             torch.onnx.export(
-                module, (example,), str(path), opset_version=opset, input_names=[INPUT_NAME],
+                module, examples, str(path), opset_version=opset, input_names=input_names,
                 output_names=output_names, dynamic_axes=dynamic, do_constant_folding=True,
                 **which,
             )

@@ -2,7 +2,8 @@
 
 Sources, in the order a bare name is tried: an ONNX file (`*.onnx`), a Python factory
 (`path/to/file.py:build`), a built-in network (`digits-cnn`, trained on first use),
-`torchvision:NAME`, `timm:NAME`, then a bare architecture name looked up in torchvision and then
+`torchvision:NAME`, `timm:NAME`, `hf:NAME` or `hf:FOLDER` (`infermux.hf`: transformers, nothing
+downloaded), then a bare architecture name looked up in torchvision and then
 timm. Without `weights` the network is randomly initialised and `LoadedModel.weights_note` says
 so; every result carries that note.
 
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from infermux.errors import RunError, UsageError
+from infermux.iospec import IOSpec
 
 __all__ = ["LoadedModel", "ModelSpec", "list_models", "load_model"]
 
@@ -58,6 +60,21 @@ class LoadedModel:
     #: What the network is beyond its display name, for a file source: the factory's or ONNX
     #: file's resolved path and content hash (two `m.py:build` in two folders differ here).
     identity: str = ""
+    #: Named inputs and outputs (`infermux.iospec`); None means one float input of
+    #: `input_shape`, filled in on construction. `input_shape` is the first input's item shape
+    #: (0 for a dynamic dim without a default size).
+    io: IOSpec | None = None
+
+    def __post_init__(self) -> None:
+        if self.io is None:
+            self.io = IOSpec.single(self.input_shape, self.dtype)
+
+    @property
+    def spec_io(self) -> IOSpec:
+        """The model's inputs and outputs (never None once constructed)."""
+        if self.io is None:
+            self.io = IOSpec.single(self.input_shape, self.dtype)
+        return self.io
 
     @classmethod
     def from_module(
@@ -91,6 +108,8 @@ class LoadedModel:
             weights = f"id:{id(self.module)}"
         text = (f"{self.source}|{self.name}|{self.identity}|{weights}|{self.input_shape}|"
                 f"{self.dtype}")
+        if not self.spec_io.simple:  # several inputs, integer inputs or dynamic dims
+            text += f"|{self.spec_io.key()}"
         return hashlib.sha1(text.encode()).hexdigest()[:16]
 
     def describe(self) -> dict[str, Any]:
@@ -103,6 +122,8 @@ class LoadedModel:
             "weights_note": self.weights_note,
             "input_shape": list(self.input_shape),
             "dtype": self.dtype,
+            "inputs": [t.to_dict() for t in self.spec_io.inputs],
+            "outputs": [t.to_dict() for t in self.spec_io.outputs],
             **self.info,
         }
 
@@ -130,6 +151,11 @@ def list_models(pattern: str = "*") -> dict[str, list[str]]:
     timm = _timm()
     if timm is not None:
         found["timm"] = list(timm.list_models(pattern))
+    from infermux import hf
+
+    if hf_names := [f"hf:{n}" for n in hf.names() if fnmatch.fnmatch(n, pattern)
+                    or fnmatch.fnmatch(f"hf:{n}", pattern)]:
+        found["hf"] = hf_names
     return found
 
 
@@ -276,7 +302,7 @@ def resolve_source(ref: str) -> tuple[str, str]:
         return "factory", ref
     if ref in _BUILTIN:
         return "builtin", ref
-    for prefix in ("torchvision:", "timm:"):
+    for prefix in ("torchvision:", "timm:", "hf:"):
         if ref.startswith(prefix):
             return prefix[:-1], ref[len(prefix):]
     if ref in _torchvision_names():
@@ -302,15 +328,28 @@ def load_model(spec: ModelSpec | str) -> LoadedModel:
         path = Path(name)
         if not path.is_file():
             raise UsageError(f"ONNX file {name!r} does not exist")
+        from infermux.iospec import from_onnx
+
+        io = from_onnx(path)
+        if io is not None and not io.simple and spec.input_shape is None:
+            return LoadedModel(spec, path.stem, "onnx", _first_shape(io), io.inputs[0].dtype,
+                               "weights from the ONNX file", onnx_path=path,
+                               identity=_file_identity(path), io=io)
         shape, dtype = _onnx_shape(path)
         shape = spec.input_shape or shape
         if shape is None:
             raise UsageError(
                 f"cannot tell the input shape of {name!r}: pass --input-shape, e.g. 3x224x224"
             )
+        if io is not None and len(io.inputs) > 1:
+            raise UsageError(f"--input-shape sets one input; {name!r} has {len(io.inputs)} "
+                             f"({', '.join(t.name for t in io.inputs)}): drop --input-shape")
+        single = (IOSpec.single(shape, dtype, io.inputs[0].name, io.outputs) if io is not None
+                  else None)
         return LoadedModel(spec, path.stem, "onnx", shape, dtype, "weights from the ONNX file",
-                           onnx_path=path, identity=_file_identity(path))
-    builders = {"torchvision": _build_torchvision, "timm": _build_timm, "factory": _build_factory}
+                           onnx_path=path, identity=_file_identity(path), io=single)
+    builders = {"torchvision": _build_torchvision, "timm": _build_timm, "factory": _build_factory,
+                "hf": _build_hf}
     if source == "torchvision" and name not in _torchvision_names():
         close = difflib.get_close_matches(name, _torchvision_names(), n=5)
         raise UsageError(f"torchvision has no model {name!r}; close names: {', '.join(close)}")
@@ -326,9 +365,31 @@ def load_model(spec: ModelSpec | str) -> LoadedModel:
     if not isinstance(module, torch.nn.Module):
         raise UsageError(f"{spec.ref!r} returned {type(module).__name__}, not a torch.nn.Module")
     note = "randomly initialised (no --weights): outputs are meaningless, timings are not"
-    if spec.weights:
-        note = _load_weights(module, spec.weights)
+    hf_weights = getattr(module, "weights_from", None) if source == "hf" else None
+    if hf_weights:
+        note = f"weights loaded from {hf_weights}"
+        spec = replace(spec, weights=spec.weights or hf_weights)
+    elif spec.weights:
+        note = _load_weights(module.model if source == "hf" else module, spec.weights)
     module.eval()
+    from infermux.iospec import from_module
+
+    io = from_module(module)
+    if io is not None and spec.input_shape is not None and not io.simple:
+        raise UsageError(f"--input-shape sets one float input; {spec.ref!r} declares "
+                         f"{', '.join(t.text() for t in io.inputs)}: drop --input-shape")
+    if io is not None and spec.input_shape is None:
+        io_shape = _first_shape(io)
+        spec_dtype = io.inputs[0].dtype if io.simple else spec.dtype
+        display = (Path(name.rpartition(":")[0]).stem + ":" + name.rpartition(":")[2]
+                   if source == "factory" else name)
+        ident = _file_identity(Path(name.rpartition(":")[0]), name.rpartition(":")[2]) if (
+            source == "factory") else ""
+        if source == "hf" and (Path(name) / "config.json").is_file():  # a local folder
+            display, ident = Path(name).resolve().name, _file_identity(Path(name) / "config.json")
+        return LoadedModel(spec, display, source, io_shape, spec_dtype, note, module=module,
+                           info={"parameters": int(sum(p.numel() for p in module.parameters()))},
+                           identity=ident, io=io)
     shape = spec.input_shape or _default_shape(module, source)
     if shape is None:
         raise UsageError(
@@ -344,3 +405,15 @@ def load_model(spec: ModelSpec | str) -> LoadedModel:
         identity = _file_identity(Path(path_text), func)
     return LoadedModel(spec, display, source, shape, spec.dtype, note, module=module,
                        info={"parameters": int(params)}, identity=identity)
+
+
+def _build_hf(name: str) -> Any:
+    from infermux import hf
+
+    return hf.build(name)
+
+
+def _first_shape(io: IOSpec) -> tuple[int, ...]:
+    """The first input's item shape at the default dims (0 where a dim has no default)."""
+    first = io.inputs[0]
+    return tuple(d if isinstance(d, int) else int(io.default_dims.get(d, 0)) for d in first.shape)

@@ -17,6 +17,7 @@ from infermux.cli._app import (
     out,
     parse_options,
 )
+from infermux.errors import UsageError
 
 
 @app.command()
@@ -33,6 +34,7 @@ def bench(
     warmup: Annotated[str, typer.Option("--warmup", help="Warm-up per point, excluded.")] = "1s",
     weights: Annotated[str | None, typer.Option("--weights", help="State dict or checkpoint file.")] = None,
     input_shape: Annotated[str | None, typer.Option("--input-shape", help="One item, e.g. 3x224x224.")] = None,
+    seq: Annotated[str | None, typer.Option("--seq", help="Sequence lengths (the model's dynamic dims), e.g. 32,64,128.")] = None,
     option: Annotated[list[str] | None, typer.Option("--option", "-o", help="Engine option KEY=VALUE or ENGINE.KEY=VALUE (repeatable).")] = None,
     db: DbOpt = "infermux.db",
     no_store: Annotated[bool, typer.Option("--no-store", help="Do not write the results database.")] = False,
@@ -58,6 +60,7 @@ def bench(
         warmup_s=parse_duration_s(warmup, name="--warmup"),
         options=parse_options(option or []),
         telemetry_interval_s=None if telemetry.strip().lower() == "off" else _sampler_period_s(telemetry),
+        seq_buckets=_lengths(seq) if seq else None,
     )
     report = _run_with_progress(run_bench, config, db=db, no_store=no_store)
     if as_json:
@@ -71,3 +74,22 @@ def bench(
     if report.status == "interrupted":
         err.print("interrupted: the points measured so far are kept")
         raise typer.Exit(130)
+    if report.all_failed:
+        first = report.measurements[0]
+        why = first.error or (first.agreement or {}).get("message") or first.status
+        err.print(f"every point failed ({len(report.measurements)} of "
+                  f"{len(report.measurements)}); the first: {first.unit} {first.engine} "
+                  f"b{first.batch}: {why}")
+        raise typer.Exit(1)
+
+
+def _lengths(text: str) -> list[int]:
+    """`"32,64,128"` → `[32, 64, 128]`, or one line naming the bad entry."""
+    lengths = []
+    for item in (p.strip() for p in text.split(",") if p.strip()):
+        if not item.isdigit() or int(item) < 1:
+            raise UsageError(f"--seq {text!r}: {item!r} is not a length ≥ 1; pass e.g. --seq 32,128")
+        lengths.append(int(item))
+    if not lengths:
+        raise UsageError(f"--seq {text!r} names no length; pass e.g. --seq 128")
+    return lengths

@@ -87,7 +87,7 @@ def bench_table(results: Iterable[dict[str, Any]], title: str = "Offline benchma
         extra = [num(r.get("energy_per_item_j"), 4),
                  f"{num(r.get('mean_power_w'))}/{num(r.get('peak_power_w'))}"] if energy else []
         if r["status"] != "ok":
-            table.add_row(r["unit"], r["engine"], str(r["batch"]), str(r["instances"]),
+            table.add_row(r["unit"], r["engine"], _batch_cell(r), str(r["instances"]),
                           r["status"].upper(), "", "", "", "", "", (r.get("error") or "")[:80],
                           *(["", ""] if energy else []))
             continue
@@ -95,13 +95,20 @@ def bench_table(results: Iterable[dict[str, Any]], title: str = "Offline benchma
         if not r.get("h2d_ms") and not r.get("d2h_ms"):
             phases = f"–/{num(r.get('compute_ms'), 2)}/–"  # host units: no copies
         table.add_row(
-            r["unit"], r["engine"], str(r["batch"]), str(r["instances"]),
-            num(r.get("items_per_s")), num(r.get("p50_ms"), 2),
+            r["unit"], r["engine"], _batch_cell(r), str(r["instances"]),
+            num(r.get("items_per_s")) + (f" ({num(r['tokens_per_s'])} tok/s)"
+                                         if r.get("tokens_per_s") else ""),
+            num(r.get("p50_ms"), 2),
             num(r.get("p99_ms"), 2), num(r.get("max_ms"), 2), phases,
             _agreement(r.get("agreement")),
             "yes" if r["valid"] else f"no: {r.get('validity_note', '')}", *extra,
         )
     return table
+
+
+def _batch_cell(r: dict[str, Any]) -> str:
+    """`8`, or `8×128` for a point at a sequence length."""
+    return f"{r['batch']}×{r['seq_len']}" if r.get("seq_len") else str(r["batch"])
 
 
 def _agreement(entry: dict[str, Any] | None) -> str:
@@ -130,13 +137,16 @@ def runs_table(runs: Iterable[dict[str, Any]]) -> Table:
 
 
 def compare_table(a: dict[str, Any], b: dict[str, Any]) -> Table:
-    """Points of two runs matched by (model, unit, engine, batch, instances, data), with ratios."""
+    """Points of two runs matched by (model, unit, engine, batch, instances, data, length).
+
+    The length is the sequence length of a model that has one (None otherwise).
+    """
     table = Table(title=f"Run {a['id']} vs run {b['id']}")
     for col in ("model", "unit", "engine", "batch", "inst", f"items/s #{a['id']}",
                 f"items/s #{b['id']}", "ratio", f"p99 ms #{a['id']}", f"p99 ms #{b['id']}"):
         table.add_column(col)
     for row in compare_rows(a, b):
-        table.add_row(row["model"], row["unit"], row["engine"], str(row["batch"]),
+        table.add_row(row["model"], row["unit"], row["engine"], _batch_cell(row),
                       str(row["instances"]), num(row["a_items_per_s"]),
                       num(row["b_items_per_s"]), num(row["ratio"], 3),
                       num(row["a_p99_ms"], 2), num(row["b_p99_ms"], 2))
@@ -146,7 +156,8 @@ def compare_table(a: dict[str, Any], b: dict[str, Any]) -> Table:
 def compare_rows(a: dict[str, Any], b: dict[str, Any]) -> list[dict[str, Any]]:
     """Matched points of two runs; `ratio` is b's throughput over a's."""
     def key(r: dict[str, Any]) -> tuple:
-        return (r["model"], r["unit"], r["engine"], r["batch"], r["instances"], r["data"])
+        return (r["model"], r["unit"], r["engine"], r["batch"], r["instances"], r["data"],
+                r.get("seq_len"))
 
     left = {key(r): r for r in a["results"]}
     right = {key(r): r for r in b["results"]}
@@ -156,7 +167,7 @@ def compare_rows(a: dict[str, Any], b: dict[str, Any]) -> list[dict[str, Any]]:
         ta, tb = ra.get("items_per_s"), rb.get("items_per_s")
         rows.append({
             "model": k[0], "unit": k[1], "engine": k[2], "batch": k[3], "instances": k[4],
-            "data": k[5], "a_items_per_s": ta, "b_items_per_s": tb,
+            "data": k[5], "seq_len": k[6], "a_items_per_s": ta, "b_items_per_s": tb,
             "ratio": (tb / ta) if ta and tb else None,
             "a_p99_ms": ra.get("p99_ms"), "b_p99_ms": rb.get("p99_ms"),
         })

@@ -48,11 +48,28 @@ def units(
 @app.command()
 def models(
     pattern: Annotated[str, typer.Argument(help="Glob over architecture names.")] = "*",
+    model: Annotated[str | None, typer.Option("--model", "-m", help="Show one model's named inputs and outputs (resnet50, hf:bert-base, file.py:fn, x.onnx).")] = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """List the architecture names infermux can build (torchvision, and timm if installed)."""
+    """List the architecture names infermux can build, or one model's inputs and outputs."""
     from infermux.models import list_models
 
+    if model is not None:
+        from infermux.models import load_model
+
+        loaded = load_model(model)
+        if as_json:
+            _print_json(loaded.describe())
+            return
+        io = loaded.spec_io
+        out.print(f"[bold]{loaded.name}[/] ({loaded.source}): {loaded.weights_note}")
+        for title, specs in (("inputs", io.inputs), ("outputs", io.outputs)):
+            out.print(f"{title}:")
+            for spec in specs:
+                out.print(f"  {spec.text()}", markup=False)
+        if io.default_dims:
+            out.print("default sizes: " + ", ".join(f"{k}={v}" for k, v in io.default_dims.items()))
+        return
     found = list_models(pattern)
     if as_json:
         _print_json(found)

@@ -4,6 +4,11 @@ A Runner owns its buffers: the batch is written into `host_input` (pinned host m
 unit, or device memory when inputs are pre-staged) and `run()` executes one batch synchronously,
 returning where the time went. `infer()` is the convenience path for correctness checks.
 
+A model with several inputs (`LoadedModel.io`: token ids, masks, features) is built at one
+sequence length (`length`, the size of its dynamic dims) by engines with `takes_io`; its runner
+holds one buffer per input, filled at build with runnable values (`IOSpec.generate`), and
+`set_inputs` copies a batch of every input. Engines without `takes_io` run one float input.
+
 `compute(x)` is the path for pipelines, whose stages may run on any engine: torch tensor in,
 torch tensors out, in the memory of the runner's unit (`compute_device`). Every engine has it.
 """
@@ -19,6 +24,7 @@ import numpy as np
 from pydantic import BaseModel, ValidationError
 
 from infermux.errors import DeviceOutOfMemoryError, UsageError
+from infermux.iospec import TensorSpec
 from infermux.models import LoadedModel
 from infermux.units import Unit
 
@@ -65,6 +71,11 @@ class Runner(ABC):
     build_s: float = 0.0
     #: The resolved options actually used (defaults filled in), stored with results.
     options: dict[str, Any]
+    #: The sequence length (the size of the model's dynamic dims) it was built for, if any.
+    length: int | None = None
+    #: Every input with its item shape at `length` (set by runners of several inputs; empty
+    #: means the one float input of `input_shape`).
+    input_specs: tuple[TensorSpec, ...] = ()
 
     @abstractmethod
     def run(self) -> BatchTiming:
@@ -77,6 +88,38 @@ class Runner(ABC):
     @abstractmethod
     def outputs(self) -> list[np.ndarray]:
         """The last batch's outputs, as float32 host arrays (copies)."""
+
+    def set_inputs(self, arrays: Sequence[np.ndarray]) -> None:
+        """Copy one batch of every input, in the model's input order, into the input buffers.
+
+        Runners of one input take a one-element sequence; runners of several override this.
+        """
+        if len(arrays) != 1:
+            raise UsageError(f"{len(arrays)} inputs given, the {self.engine} runner takes one")
+        self.set_input(arrays[0])
+
+    def infer_inputs(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """Run one batch of given inputs (every input, in order) and return its outputs."""
+        self.set_inputs(arrays)
+        self.run()
+        return self.outputs()
+
+    def check_inputs(self, arrays: Sequence[np.ndarray]) -> None:
+        """Raise one UsageError line naming the first input whose count, shape or dtype is off."""
+        specs = self.input_specs
+        if len(arrays) != len(specs):
+            raise UsageError(f"{len(arrays)} inputs given, the model takes {len(specs)}: "
+                             f"{', '.join(t.name for t in specs)}")
+        for spec, array in zip(specs, arrays, strict=True):
+            expected = (self.batch, *spec.resolve({}))
+            if tuple(array.shape) != expected:
+                raise UsageError(f"input {spec.name!r}: shape {tuple(array.shape)} given, the "
+                                 f"runner takes {expected}")
+            floats = np.issubdtype(array.dtype, np.floating)
+            if floats != spec.is_float or (not floats and array.dtype.kind != spec.numpy_dtype.kind
+                                           and spec.dtype != "bool"):
+                raise UsageError(f"input {spec.name!r}: dtype {array.dtype} given, the model "
+                                 f"takes {spec.dtype}")
 
     #: True when `launch()` returns before the batch is done (GPU runners): the caller may
     #: prepare the next batch with `gather_input` while this one runs.
@@ -195,6 +238,9 @@ class Engine(ABC):
     install_hint: ClassVar[str] = ""
     #: The engine's options (a pydantic model), validated by `parse_options`.
     options_model: ClassVar[type[BaseModel] | None] = None
+    #: Whether the engine runs models of several, integer or variable-length inputs (builds
+    #: take `length`); engines without it run one float input of fixed shape.
+    takes_io: ClassVar[bool] = False
 
     @classmethod
     def available(cls) -> tuple[bool, str]:
@@ -245,8 +291,12 @@ class Engine(ABC):
         return self._onnx_exports[key]
 
     def accepts(self, model: LoadedModel) -> bool:
-        """Whether this engine can run `model` (engines that need a torch module say no to ONNX)."""
-        return True
+        """Whether this engine can run `model`.
+
+        Engines that need a torch module say no to ONNX files, engines of one float input
+        (without `takes_io`) to models of several or integer inputs.
+        """
+        return self.takes_io or model.spec_io.simple
 
     def build(
         self,
@@ -256,24 +306,40 @@ class Engine(ABC):
         options: dict[str, Any] | None = None,
         data: str = "host",
         instance: int = 0,
+        length: int | None = None,
     ) -> Runner:
         """Compile `model` for `unit` at a fixed `batch` and return a ready runner.
 
         Runners with different `instance` numbers are distinct (own buffers, streams, graphs)
         but may share the prepared model's weights. A runner built before with the same model,
         unit, options, batch, data placement and instance is returned again while it is open.
+        `length` sizes the dynamic dims of a model that has them (None: their default sizes).
         """
         why = self.unsupported_reason(unit)
         if why:
             raise UsageError(why)
         self.check_build_args(batch, data)
+        simple = model.spec_io.simple
+        if not simple and not self.takes_io:
+            raise UsageError(
+                f"the {self.name} engine runs one float input; {model.name!r} takes "
+                f"{', '.join(t.text() for t in model.spec_io.inputs)}: use --engine torch, "
+                "onnxruntime or openvino")
+        if simple and length is not None:
+            raise UsageError(f"sequence length {length} given, but {model.name!r} has no "
+                             "dynamic dimension: drop the sequence length")
+        if not simple:
+            model.spec_io.dims_for(length)  # a dim without a size: one line, before building
         opts = self.resolve_options(options, unit, model, data)
-        key = (model.key, unit.id, self.options_key(opts), batch, data, instance)
+        key = (model.key, unit.id, self.options_key(opts), batch, data, instance, length)
         runner = self._runners.get(key)
         if runner is not None and not getattr(runner, "closed", False):
             return runner
         try:
-            runner = self._build(model, unit, batch, opts, data, instance)
+            if simple:
+                runner = self._build(model, unit, batch, opts, data, instance)
+            else:
+                runner = self._build_io(model, unit, batch, opts, data, instance, length)
         except DeviceOutOfMemoryError:
             raise
         except Exception as exc:
@@ -306,6 +372,11 @@ class Engine(ABC):
     def _build(self, model: LoadedModel, unit: Unit, batch: int, opts: Any, data: str,
                instance: int) -> Runner:
         """Build a new runner; `opts` is what `resolve_options` returned."""
+
+    def _build_io(self, model: LoadedModel, unit: Unit, batch: int, opts: Any, data: str,
+                  instance: int, length: int | None) -> Runner:
+        """Build a runner of a model with several inputs (engines with `takes_io`)."""
+        raise UsageError(f"the {self.name} engine runs one float input")
 
     def release(self) -> None:
         """Close every runner this engine built and forget them (and what engines cache)."""

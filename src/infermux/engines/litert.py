@@ -505,7 +505,8 @@ class LiteRtEngine(Engine):
         """Torch models, where the converter is installed (ONNX files need a .tflite of their own)."""
         import importlib.util
 
-        return model.module is not None and importlib.util.find_spec("litert_torch") is not None
+        return (model.module is not None and importlib.util.find_spec("litert_torch") is not None
+                and super().accepts(model))
 
     def resolve_options(self, options: dict[str, Any] | None, unit: Unit, model: LoadedModel,
                         data: str) -> LiteRtOptions:

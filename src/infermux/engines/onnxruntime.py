@@ -35,6 +35,7 @@ from infermux.engines.base import (
 )
 from infermux.errors import RunError, UsageError, first_line
 from infermux.export import cache_dir
+from infermux.iospec import TensorSpec
 from infermux.models import LoadedModel
 from infermux.units import Unit
 
@@ -49,7 +50,8 @@ _PROVIDER_NAMES = {
 }
 _OPT_LEVELS = ("disable", "basic", "extended", "all")
 _NP_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16,
-             "tensor(double)": np.float64, "tensor(uint8)": np.uint8, "tensor(int8)": np.int8}
+             "tensor(double)": np.float64, "tensor(uint8)": np.uint8, "tensor(int8)": np.int8,
+             "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(bool)": np.bool_}
 
 
 class OrtOptions(BaseModel):
@@ -217,36 +219,55 @@ class OrtRunner(Runner):
     engine = "onnxruntime"
 
     def __init__(self, session: Any, unit: Unit, batch: int, input_shape: tuple[int, ...],
-                 opts: OrtOptions, data: str, started: float) -> None:
+                 opts: OrtOptions, data: str, started: float,
+                 input_specs: tuple[TensorSpec, ...] = (), length: int | None = None) -> None:
         import onnxruntime as ort
 
         self.unit = unit
         self.batch = batch
         self.input_shape = input_shape
+        self.input_specs = input_specs
+        self.length = length
         self.options = {**opts.model_dump(), "precision": _precision(opts, unit)}
         self._session = session
-        meta = session.get_inputs()[0]
-        self._input_name = meta.name
-        dtype = _NP_TYPES.get(meta.type, np.float32)
-        shape = (batch, *input_shape)
-        self._x = np.random.default_rng(0).standard_normal(shape).astype(dtype)
+        metas = session.get_inputs()
+        if input_specs and [m.name for m in metas] != [t.name for t in input_specs]:
+            raise RunError(f"the ONNX file's inputs {[m.name for m in metas]} are not the "
+                           f"model's {[t.name for t in input_specs]}")
+        self._input_name = metas[0].name
+        rng = np.random.default_rng(0)
+        # One host buffer per input: runnable values (ids within the vocabulary, masks of ones)
+        # for a model of several inputs, normal floats for one.
+        self._xs: list[np.ndarray] = []
+        for i, meta in enumerate(metas if input_specs else metas[:1]):
+            dtype = _NP_TYPES.get(meta.type, np.float32)
+            if input_specs:
+                self._xs.append(input_specs[i].generate(batch, {}, rng).astype(dtype))
+            else:
+                self._xs.append(rng.standard_normal((batch, *input_shape)).astype(dtype))
+        self._x = self._xs[0]
         on_gpu = opts.provider != "cpu"
         device_id = unit.index if unit.kind == "cuda" else 0
+        names = [m.name for m in metas[: len(self._xs)]]
         # Outputs' shapes from one plain run; then everything is bound once.
-        first = session.run(None, {self._input_name: self._x})
+        first = session.run(None, dict(zip(names, self._xs, strict=True)))
         self._binding = session.io_binding()
         self._x_value: Any
         if on_gpu and data == "device":
-            self._x_value = ort.OrtValue.ortvalue_from_numpy(self._x, "cuda", device_id)
+            self._x_values = [ort.OrtValue.ortvalue_from_numpy(x, "cuda", device_id)
+                              for x in self._xs]
             self._y_values = [ort.OrtValue.ortvalue_from_shape_and_type(
                 y.shape, y.dtype, "cuda", device_id) for y in first]
             self._y = [np.empty_like(y) for y in first]
         else:
-            self._x_value = ort.OrtValue.ortvalue_from_numpy(self._x)  # shares the numpy memory
+            # OrtValues that share the numpy buffers' memory.
+            self._x_values = [ort.OrtValue.ortvalue_from_numpy(x) for x in self._xs]
             self._y = [np.empty_like(y) for y in first]
             self._y_values = [ort.OrtValue.ortvalue_from_numpy(y) for y in self._y]
+        self._x_value = self._x_values[0]
         self._on_device = on_gpu and data == "device"
-        self._binding.bind_ortvalue_input(self._input_name, self._x_value)
+        for name, value in zip(names, self._x_values, strict=True):
+            self._binding.bind_ortvalue_input(name, value)
         for meta_out, value in zip(session.get_outputs(), self._y_values, strict=True):
             self._binding.bind_ortvalue_output(meta_out.name, value)
         for _ in range(max(1, opts.warmup_iters)):
@@ -272,6 +293,17 @@ class OrtRunner(Runner):
             self._x_value.update_inplace(self._x)
         else:
             self._x[...] = batch
+
+    def set_inputs(self, arrays: Any) -> None:
+        """Copy one batch of every input (in the model's order) into the bound buffers."""
+        if not self.input_specs:
+            super().set_inputs(arrays)
+            return
+        self.check_inputs(arrays)
+        for x, value, array in zip(self._xs, self._x_values, arrays, strict=True):
+            x[...] = array
+            if self._on_device:
+                value.update_inplace(x)
 
     def compute(self, x: Any) -> list[Any]:
         """`Runner.compute`: one copy into the bound input, outputs returned without a copy.
@@ -320,6 +352,7 @@ class OrtEngine(Engine):
     requires = ("onnxruntime",)
     install_hint = "pip install 'infermux[onnx]' (onnxruntime-gpu for GPUs)"
     options_model = OrtOptions
+    takes_io = True
 
     def unsupported_reason(self, unit: Unit) -> str:
         """Why `unit` cannot run here ("" when it can): GPU units need onnxruntime-gpu."""
@@ -346,7 +379,20 @@ class OrtEngine(Engine):
     def _build(self, model: LoadedModel, unit: Unit, batch: int, opts: OrtOptions, data: str,
                instance: int) -> OrtRunner:
         """A session for `unit` (one per instance: each owns its intra-op pool) at `batch`."""
+        return self._build_io(model, unit, batch, opts, data, instance, None)
+
+    def _build_io(self, model: LoadedModel, unit: Unit, batch: int, opts: OrtOptions,
+                  data: str, instance: int, length: int | None) -> OrtRunner:
+        """A session at (`batch`, `length`): the file's dynamic dims take the bound shapes."""
         import onnxruntime as ort
+
+        io = model.spec_io
+        dims = {} if io.simple else io.dims_for(length)
+        specs = () if io.simple else io.resolved(dims)
+        if specs and model_precision(unit, opts) != "fp32":
+            raise UsageError(f"{model.name!r} takes several or integer inputs; the {unit.id} "
+                             "precision needs a quantised or cast model, which infermux makes "
+                             "for one float input only: use an fp32 unit")
 
         provider = _PROVIDER_NAMES[opts.provider or "cpu"]
         if provider not in ort.get_available_providers():
@@ -395,7 +441,8 @@ class OrtEngine(Engine):
             ) from exc
         check_batch_dim(session.get_inputs()[0].shape, batch, onnx_file.path)
         try:
-            runner = OrtRunner(session, unit, batch, model.input_shape, opts, data, started)
+            runner = OrtRunner(session, unit, batch, model.input_shape, opts, data, started,
+                               input_specs=specs, length=next(iter(dims.values()), None))
         except UsageError:
             raise
         except Exception as exc:

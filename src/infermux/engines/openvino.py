@@ -40,6 +40,7 @@ from infermux.engines.base import (
 )
 from infermux.errors import RunError, UsageError, first_line
 from infermux.export import cache_dir
+from infermux.iospec import TensorSpec
 from infermux.models import LoadedModel
 from infermux.units import Unit
 
@@ -172,20 +173,33 @@ class OvRunner(Runner):
     engine = "openvino"
 
     def __init__(self, compiled: Any, unit: Unit, batch: int, input_shape: tuple[int, ...],
-                 opts: OvOptions, started: float, *, requests: int, parts: int) -> None:
+                 opts: OvOptions, started: float, *, requests: int, parts: int,
+                 input_specs: tuple[TensorSpec, ...] = (), length: int | None = None) -> None:
         import openvino as ov
 
         self.unit = unit
         self.batch = batch
         self.input_shape = input_shape
+        self.input_specs = input_specs
+        self.length = length
         self._compiled = compiled
         self._n = requests
         self._parts = parts
         self._sub = -(-batch // parts)
         rows = self._sub * parts
-        dtype = compiled.inputs[0].get_element_type().to_dtype()
-        self._x = np.random.default_rng(0).standard_normal((rows, *input_shape)).astype(dtype)
-        self._x[batch:] = 0  # padding rows of the last sub-batch
+        rng = np.random.default_rng(0)
+        # One buffer per input; a model of several gets runnable values (ids within the
+        # vocabulary, masks of ones), padding rows included.
+        self._xs: list[np.ndarray] = []
+        for i, port in enumerate(compiled.inputs if input_specs else compiled.inputs[:1]):
+            dtype = port.get_element_type().to_dtype()
+            if input_specs:
+                x = input_specs[i].generate(rows, {}, rng).astype(dtype)
+            else:
+                x = rng.standard_normal((rows, *input_shape)).astype(dtype)
+                x[batch:] = 0  # padding rows of the last sub-batch
+            self._xs.append(x)
+        self._x = self._xs[0]
         self._tracker = _Tracker()
         self._requests: list[Any] = []
         self._y: list[np.ndarray] = []
@@ -221,7 +235,8 @@ class OvRunner(Runner):
         for i in range(self._parts):
             request = self._compiled.create_infer_request()
             rows_i = slice(i * sub, (i + 1) * sub)  # C-contiguous rows: views, not copies
-            request.set_input_tensor(ov.Tensor(self._x[rows_i], shared_memory=True))
+            for k, x in enumerate(self._xs):
+                request.set_input_tensor(k, ov.Tensor(x[rows_i], shared_memory=True))
             for j, y in enumerate(self._y):
                 request.set_output_tensor(j, ov.Tensor(y[rows_i], shared_memory=True))
             request.set_callback(callback, i)
@@ -229,10 +244,11 @@ class OvRunner(Runner):
 
     def _build_pool(self, ov: Any) -> None:
         # Every request reads the same host buffer (requests only read inputs): no per-batch copy.
-        x_tensor = ov.Tensor(self._x, shared_memory=True)
+        x_tensors = [ov.Tensor(x, shared_memory=True) for x in self._xs]
         self._queue = ov.AsyncInferQueue(self._compiled, self._n)
         for i in range(self._n):
-            self._queue[i].set_input_tensor(x_tensor)
+            for k, x_tensor in enumerate(x_tensors):
+                self._queue[i].set_input_tensor(k, x_tensor)
         # The callback closes over these, not over the runner, so a runner nobody holds is
         # collected; the finalizer then (or at exit) waits for its requests before they go.
         self._done: collections.deque[tuple[int, int, int]] = collections.deque()
@@ -319,6 +335,17 @@ class OvRunner(Runner):
             raise UsageError(f"batch of shape {tuple(batch.shape)} given, runner takes {expected}")
         self._drain()
         self._x[: self.batch] = batch
+        self._fresh = True
+
+    def set_inputs(self, arrays: Sequence[np.ndarray]) -> None:
+        """Copy one batch of every input (in the model's order), once no request reads them."""
+        if not self.input_specs:
+            super().set_inputs(arrays)
+            return
+        self.check_inputs(arrays)
+        self._drain()
+        for x, array in zip(self._xs, arrays, strict=True):
+            x[: self.batch] = array
         self._fresh = True
 
     def gather_input(self, pool: Any, indices: Sequence[int]) -> None:
@@ -418,6 +445,7 @@ class OvEngine(Engine):
     requires = ("openvino",)
     install_hint = "pip install 'infermux[openvino]'"
     options_model = OvOptions
+    takes_io = True
 
     def __init__(self) -> None:
         super().__init__()
@@ -440,9 +468,20 @@ class OvEngine(Engine):
     def _build(self, model: LoadedModel, unit: Unit, batch: int, resolved: Any, data: str,
                instance: int) -> OvRunner:
         """Read the ONNX file, fix its batch, compile it for the unit's device with the hints."""
+        return self._build_io(model, unit, batch, resolved, data, instance, None)
+
+    def _build_io(self, model: LoadedModel, unit: Unit, batch: int, resolved: Any, data: str,
+                  instance: int, length: int | None) -> OvRunner:
+        """Compile at (`batch`, `length`): every input reshaped to its static shape."""
         import openvino as ov
 
         device, opts = resolved
+        io = model.spec_io
+        dims = {} if io.simple else io.dims_for(length)
+        specs = () if io.simple else io.resolved(dims)
+        if specs and opts.precision == "u8":
+            raise UsageError(f"{model.name!r} takes several or integer inputs: int8 (u8) is "
+                             "made for one float input only; use an fp32 unit")
         started = time.perf_counter()
         onnx_file = self.onnx_for(model, opts.opset)
         if self._core is None:
@@ -465,9 +504,18 @@ class OvEngine(Engine):
                 "option precision=u8 needs a quantised model (QuantizeLinear/FakeQuantize nodes, "
                 "e.g. from NNCF or onnxruntime.quantization); this one is float: use f32/bf16/f16"
             )
-        name = ov_model.inputs[0].get_any_name()
+        names = [port.get_any_name() for port in ov_model.inputs]
+        shapes = [t.shape for t in specs] if specs else [model.input_shape]
+        if specs and names != [t.name for t in specs]:
+            raise RunError(f"{onnx_file.path.name}'s inputs {names} are not the model's "
+                           f"{[t.name for t in specs]}")
+
+        def reshape(rows: int) -> None:
+            ov_model.reshape({n: ov.PartialShape([rows, *shape])
+                              for n, shape in zip(names, shapes, strict=False)})
+
         try:
-            ov_model.reshape({name: ov.PartialShape([batch, *model.input_shape])})
+            reshape(batch)
         except Exception as exc:  # translated here, with the shapes
             raise UsageError(
                 f"{onnx_file.path.name} cannot take batch {batch} with item shape "
@@ -483,10 +531,11 @@ class OvEngine(Engine):
         parts = split_parts(batch, n) if opts.split_batch else 1
         if parts > 1:
             sub = -(-batch // parts)
-            ov_model.reshape({name: ov.PartialShape([sub, *model.input_shape])})
+            reshape(sub)
             compiled = self._compile(ov_model, device, config, model.name, sub)
         runner = OvRunner(compiled, unit, batch, model.input_shape, opts, started, requests=n,
-                          parts=parts)
+                          parts=parts, input_specs=specs,
+                          length=next(iter(dims.values()), None))
         runner.options["onnx_file"] = str(onnx_file.path)
         runner.options["onnx_sha256"] = onnx_file.digest
         runner.options.update(precision_info)

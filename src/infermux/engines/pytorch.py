@@ -25,6 +25,7 @@ from infermux.engines.base import (
     register_engine,
 )
 from infermux.errors import DeviceOutOfMemoryError, RunError, UsageError, first_line
+from infermux.iospec import TensorSpec
 from infermux.models import LoadedModel
 from infermux.units import Unit
 
@@ -128,10 +129,17 @@ class TorchRunner(Runner):
         input_shape: tuple[int, ...],
         options: TorchOptions,
         data: str,
+        input_specs: tuple[TensorSpec, ...] = (),
+        length: int | None = None,
     ) -> None:
         import torch
 
         started = time.perf_counter()
+        # Several inputs (ids, masks, features): one buffer each, float ones in the compute
+        # dtype, integer ones as they are; a CUDA graph is captured per (batch, length).
+        self.input_specs = input_specs
+        self.length = length
+        specs = input_specs or (TensorSpec("input", "float32", tuple(input_shape)),)
         self.unit = unit
         self.batch = batch
         self.input_shape = input_shape
@@ -147,23 +155,36 @@ class TorchRunner(Runner):
         #: Set by close(): the graph and output buffers are gone, so it must not run again.
         self.closed = False
         self.asynchronous = self._on_gpu
-        shape = (batch, *input_shape)
-        memory_format = (
-            torch.channels_last if options.channels_last and len(shape) == 4
-            else torch.contiguous_format
-        )
-        # The host buffer holds the batch in the compute dtype: the copy moves what the unit reads.
-        self._x_dev = torch.empty(shape, dtype=self._dtype, device=self._device,
-                                  memory_format=memory_format)
-        self._x_host = self._x_dev
         if self._on_gpu:
             self._stream = torch.cuda.Stream(self._device)
             self._events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
-            if data == "host":
-                self._x_host = torch.empty(shape, dtype=self._dtype, pin_memory=True)
-        self._x_host.copy_(torch.randn(shape))
-        if self._x_host is not self._x_dev:
-            self._x_dev.copy_(self._x_host)
+        self._xs_dev: list[Any] = []
+        self._xs_host: list[Any] = []
+        rng = np.random.default_rng(0)
+        for spec in specs:
+            shape = (batch, *spec.resolve({}))
+            memory_format = (
+                torch.channels_last if options.channels_last and len(shape) == 4
+                else torch.contiguous_format
+            )
+            # The host buffer holds the batch in the compute dtype: the copy moves what the
+            # unit reads.
+            dtype = self._dtype if spec.is_float else getattr(torch, spec.dtype)
+            x_dev = torch.empty(shape, dtype=dtype, device=self._device,
+                                memory_format=memory_format)
+            x_host = x_dev
+            if self._on_gpu and data == "host":
+                x_host = torch.empty(shape, dtype=dtype, pin_memory=True)
+            if input_specs:
+                x_host.copy_(torch.from_numpy(spec.generate(batch, {}, rng)))
+            else:
+                x_host.copy_(torch.randn(shape))
+            if x_host is not x_dev:
+                x_dev.copy_(x_host)
+            self._xs_dev.append(x_dev)
+            self._xs_host.append(x_host)
+        self._x_dev = self._xs_dev[0]
+        self._x_host = self._xs_host[0]
         self._y_dev: list[Any] = []
         self._y_host: list[Any] = []
         self._gather_pool: Any = None  # threads for large gathers, made on first need
@@ -177,7 +198,7 @@ class TorchRunner(Runner):
         from torch.utils._pytree import tree_flatten
 
         with torch.inference_mode():
-            out = self._module(self._x_dev)
+            out = self._module(*self._xs_dev)
         leaves, _ = tree_flatten(out)
         return [t for t in leaves if isinstance(t, torch.Tensor)]
 
@@ -245,7 +266,8 @@ class TorchRunner(Runner):
         try:
             ev[0].record(stream)
             if self._x_host is not self._x_dev:
-                self._x_dev.copy_(self._x_host, non_blocking=True)
+                for x_dev, x_host in zip(self._xs_dev, self._xs_host, strict=True):
+                    x_dev.copy_(x_host, non_blocking=True)
             ev[1].record(stream)
             if self._graph is not None:
                 self._graph.replay()
@@ -434,6 +456,19 @@ class TorchRunner(Runner):
             raise UsageError(f"batch of shape {tuple(batch.shape)} given, runner takes {expected}")
         self._x_host.copy_(torch.from_numpy(np.ascontiguousarray(batch)))
 
+    def set_inputs(self, arrays: Sequence[np.ndarray]) -> None:
+        """Copy one batch of every input (in the model's order) into the input buffers."""
+        import torch
+
+        if not self.input_specs:
+            super().set_inputs(arrays)
+            return
+        self.check_inputs(arrays)
+        if self._on_gpu and self._in_flight and self._x_host is not self._x_dev:
+            self._events[1].synchronize()  # the previous batch's copy still reads them
+        for x_host, array in zip(self._xs_host, arrays, strict=True):
+            x_host.copy_(torch.from_numpy(np.ascontiguousarray(array)))
+
     def outputs(self) -> list[np.ndarray]:
         """The last batch's outputs as float32 numpy arrays."""
         return [t.detach().float().cpu().numpy().copy() for t in self._y_host]
@@ -471,6 +506,8 @@ class TorchEngine(Engine):
                     "Q/DQ model on onnxruntime or openvino, or litert's own int8 "
                     "(--engine onnxruntime)")
         return super().unsupported_reason(unit)
+
+    takes_io = True
 
     def accepts(self, model: LoadedModel) -> bool:
         """Only torch modules: an ONNX file is for the ONNX engines."""
@@ -522,9 +559,18 @@ class TorchEngine(Engine):
     def _build(self, model: LoadedModel, unit: Unit, batch: int, opts: TorchOptions, data: str,
                instance: int) -> TorchRunner:
         """A runner for `model` on `unit` at `batch` (the module prepared once per options)."""
+        return self._build_io(model, unit, batch, opts, data, instance, None)
+
+    def _build_io(self, model: LoadedModel, unit: Unit, batch: int, opts: TorchOptions,
+                  data: str, instance: int, length: int | None) -> TorchRunner:
+        """A runner at (`batch`, `length`); a model of one float input ignores `length`."""
+        io = model.spec_io
+        dims = {} if io.simple else io.dims_for(length)
+        specs = () if io.simple else io.resolved(dims)
         try:
             module = self._prepare(model, unit, opts)
-            runner = TorchRunner(module, unit, batch, model.input_shape, opts, data)
+            runner = TorchRunner(module, unit, batch, model.input_shape, opts, data,
+                                 input_specs=specs, length=next(iter(dims.values()), None))
         except Exception as exc:
             # torch's CPU allocator raises a plain RuntimeError that names itself.
             if is_out_of_memory(exc) or "DefaultCPUAllocator" in str(exc):

@@ -247,6 +247,12 @@ class _Runtime:
                     tuple(entry.input_shape) if entry.input_shape else None))
             except UsageError as exc:
                 raise UsageError(f"plan field models[{mi}].model: {exc}") from None
+            if not self.models[entry.name].spec_io.simple:
+                # Queries carry one float sample per item; several inputs need their own path.
+                raise UsageError(
+                    f"plan field models[{mi}].model: {entry.model!r} takes "
+                    f"{', '.join(t.text() for t in self.models[entry.name].spec_io.inputs)}; "
+                    "plans run models of one float input: measure it with infermux bench")
             self.qsl[entry.name] = QuerySampleLibrary(
                 entry.name, self.models[entry.name].input_shape, plan.load.sample_pool,
                 plan.load.seed)
