@@ -345,6 +345,9 @@ class _Service(_servicer_base()):  # type: ignore[misc]
                 regions.write_output(spec.name, y, target)
                 entry.parameters["shared_memory_region"].string_param = target.region
                 entry.parameters["shared_memory_byte_size"].int64_param = target.byte_size
+                # Empty contents keep `raw_output_contents[i]` the i-th output's, as Triton
+                # answers: its C++ client (perf_analyzer) indexes them by output position.
+                response.raw_output_contents.append(b"")
                 continue
             response.raw_output_contents.append(np.ascontiguousarray(y, dtype="<f4").tobytes())
         return response

@@ -319,11 +319,9 @@ def _response(info: ModelInfo, request_id: str | None, outputs: list[np.ndarray]
         if target is not None:
             if regions is None:
                 raise ProtocolError(400, "shared memory is not served here")
+            # As Triton answers: no parameters (its clients read any `parameters` of an
+            # output as binary data's).
             regions.write_output(spec.name, y, target)
-            entry["parameters"] = {"shared_memory_region": target.region,
-                                   "shared_memory_byte_size": target.byte_size}
-            if target.offset:
-                entry["parameters"]["shared_memory_offset"] = target.offset
         elif as_binary:
             raw = np.ascontiguousarray(y, dtype="<f4").tobytes()
             entry["parameters"] = {"binary_data_size": len(raw)}
