@@ -144,6 +144,18 @@ def test_frames_split_wherever_the_stream_breaks() -> None:
     assert [r[0] for r in REQUEST.iter_unpack(got[0][1])] == list(range(50))
 
 
+def test_front_counts_are_checked_and_defaulted_from_the_cores() -> None:
+    from infermux.errors import UsageError
+    from infermux.serve import ServeSettings
+    from infermux.serve.fronts import default_fronts
+
+    with pytest.raises(UsageError, match="--fronts 65 must be 0 to 64"):
+        ServeSettings(fronts=65)
+    assert ServeSettings(fronts=0).fronts == 0
+    # Half the cores, at most 8; below four cores the fronts stay in the server process.
+    assert [default_fronts(c) for c in (1, 2, 3, 4, 16, 64)] == [1, 1, 1, 2, 8, 8]
+
+
 # -- a server with two front processes -----------------------------------------------------------
 
 def test_two_fronts_start_on_shared_ports_and_describe_the_model(fronts2: Server) -> None:
