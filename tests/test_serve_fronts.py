@@ -94,6 +94,15 @@ def _front_pids(server_pid: int) -> set[int]:
     return pids
 
 
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    return "\nState:\tZ" not in status
+
+
 def _client(protocol: str, srv: Server) -> Any:
     return thttp.InferenceServerClient(srv.http) if protocol == "http" \
         else tgrpc.InferenceServerClient(srv.grpc)
@@ -262,8 +271,13 @@ def test_a_killed_front_is_restarted_while_the_other_answers(fronts2: Server,
     assert len(before) == 2
     victim = min(before)
     os.kill(victim, signal.SIGKILL)
-    # Fresh connections meanwhile: the survivor takes them all (the dead front's socket left
-    # the port's group with it).
+    # Once the victim is dead (its sockets closed with it; connections already queued on its
+    # listener were reset, as with any process that dies), fresh connections all reach the
+    # survivor.
+    deadline = time.monotonic() + 30
+    while _alive(victim):
+        assert time.monotonic() < deadline, "the killed front did not die"
+        time.sleep(0.01)
     x = _x(2, seed=3)
     deadline = time.monotonic() + 90
     answered = 0
