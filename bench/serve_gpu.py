@@ -168,7 +168,8 @@ def load_client(url: str, protocol: str, model: str, shape: str, concurrency: in
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--json", required=True, help="where the report goes")
+    p.add_argument("--json", help="where the report goes")
+    p.add_argument("--out", help="a folder for the report (report.json) instead of --json")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--models", default="resnet50,digits")
     p.add_argument("--fronts", default="1,8", help="front counts to serve with (1: in-process)")
@@ -191,7 +192,9 @@ def main() -> None:
     args = p.parse_args()
     ensure_serve_extra(args.wheels)
     began = time.monotonic()
-    report_path = Path(args.json)
+    if not args.json and not args.out:
+        p.error("give --json FILE (or --out DIR) for the report")
+    report_path = Path(args.json) if args.json else Path(args.out) / "report.json"
     work = report_path.with_suffix(".d")
     work.mkdir(parents=True, exist_ok=True)
     exe = args.perf_analyzer or shutil.which("perf_analyzer", path=str(VENV_BIN)) \
