@@ -543,8 +543,9 @@ def _load_cudart() -> Any:
     with contextlib.suppress(ImportError):
         import nvidia.cuda_runtime as wheel  # the CUDA runtime wheel torch installs
 
-        lib_dir = os.path.join(os.path.dirname(wheel.__file__ or next(iter(wheel.__path__))),
-                               "lib")
+        package_dir = os.path.dirname(wheel.__file__) if wheel.__file__ \
+            else next(iter(wheel.__path__))  # a namespace package has no __file__
+        lib_dir = os.path.join(package_dir, "lib")
         if os.path.isdir(lib_dir):
             names = [os.path.join(lib_dir, f) for f in sorted(os.listdir(lib_dir))
                      if f.startswith("libcudart.so")] + names
