@@ -1,22 +1,29 @@
-"""`infermux serve` on a GPU: ResNet50 with the tuned server plan, throughput at p99 ≤ 15 ms.
+"""`infermux serve` on a GPU: served requests/s against the plan's offline figure, per front count.
 
-Beside `infermux run --find-peak` on the same plan (the runtime alone). The load comes from
-perf_analyzer when it is installed (`make perf-analyzer`, or `--perf-analyzer PATH`), else from
-bench/serve_load.py; both are on the same machine as the server. Each protocol gets a
-concurrency sweep; the figure is the highest throughput whose p99 holds the bound.
+For each model (the server-tuned ResNet50 fp16 plan, and digits-cnn, whose 1x32x32 input
+isolates the fronts' per-request cost), the script measures the plan's offline figure
+(`infermux run --scenario offline`, the runtime alone), then serves the plan with each
+`--fronts` count and runs perf_analyzer over gRPC and HTTP at each concurrency, with the
+tensors in the requests and with `--shared-memory system`. perf_analyzer runs on the same
+machine as the server. Everything lands in one JSON file (`--out`), with the served/offline
+ratio of each row; a time budget (`--budget`) skips what would run past it, and says so.
 
-    python bench/serve_gpu.py --out /tmp/serve-gpu                 # the tuned plan, fp16 b64 ×2
-    python bench/serve_gpu.py --plan server.yaml --items-per-request 8
-    python bench/serve_gpu.py --wheels /path/to/wheels             # install the serve extra offline
+    python bench/serve_gpu.py --json /tmp/serve-gpu.json            # H100: both models
+    python bench/serve_gpu.py --device cpu --models digits --fronts 1,2 --json cpu.json
 
-The default plan is what `infermux tune -m resnet50 --units cuda:0/fp16 --scenario server
---p99 15ms` chose on an H100 (docs/benchmarks.md): torch b64 ×2, `compile: default`, pow2
+perf_analyzer: `--perf-analyzer PATH` (its lib/ folder, if beside it, goes on the loader's
+path), else `perf_analyzer` on PATH or in the venv (`make perf-analyzer`); without it the
+load comes from bench/serve_load.py (no shared memory then).
+
+The ResNet50 plan is what `infermux tune -m resnet50 --units cuda:0/fp16 --scenario server
+--p99 15ms` chose on an H100 (docs/benchmarks.md): torch b64 x2, `compile: default`, pow2
 buckets.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import importlib.util
 import json
 import os
@@ -24,21 +31,36 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_cpu import ENV, INFERMUX, VENV_BIN, start_server
+from serve_cpu import ENV, INFERMUX, VENV_BIN
 
 ROOT = Path(__file__).resolve().parents[1]
-PLAN = {
-    "name": "resnet50-server",
-    "models": [{"name": "resnet50", "model": "resnet50", "replicas": [
-        {"unit": "cuda:0/fp16", "engine": "torch", "instances": 2, "batch": 64,
-         "batch_buckets": "pow2", "options": {"compile": "default"}}]}],
-    "dispatcher": {"max_queue_delay_ms": 2.0},
-    "load": {"scenario": "server", "p99_bound_ms": 15, "min_duration_s": 4, "min_queries": 1024},
-}
+_LOAD = {"scenario": "offline", "min_duration_s": 4, "min_queries": 1024}
+
+
+def plans(device: str) -> dict[str, dict[str, Any]]:
+    """The plans served, by short name."""
+    gpu = device == "cuda"
+    return {
+        "resnet50": {
+            "name": "resnet50-server",
+            "models": [{"name": "resnet50", "model": "resnet50", "replicas": [
+                {"unit": "cuda:0/fp16" if gpu else "cpu:0", "engine": "torch", "instances": 2,
+                 "batch": 64 if gpu else 8, "batch_buckets": "pow2",
+                 "options": {"compile": "default"} if gpu else {}}]}],
+            "dispatcher": {"max_queue_delay_ms": 2.0}, "load": _LOAD},
+        "digits": {
+            "name": "digits-serve",
+            "models": [{"name": "digits", "model": "digits-cnn", "replicas": [
+                {"unit": "cuda:0/fp16" if gpu else "cpu:0", "engine": "torch",
+                 "instances": 2 if gpu else 1, "batch": 64 if gpu else 32,
+                 "batch_buckets": "pow2"}]}],
+            "dispatcher": {"max_queue_delay_ms": 1.0}, "load": _LOAD},
+    }
 
 
 #: Where `--wheels` installs the serve extra when this interpreter lacks it (torch and the
@@ -72,105 +94,188 @@ def perf_analyzer_env(exe: str) -> None:
             [str(lib), *filter(None, [os.environ.get("LD_LIBRARY_PATH")])])
 
 
-def find_peak(plan: Path, bound_ms: float) -> dict[str, Any]:
-    done = subprocess.run([*INFERMUX, "run", str(plan), "--find-peak", "--p99", str(bound_ms),
-                           "--duration", "4s", "--json", "--no-store"],
-                          capture_output=True, text=True, check=True, env=ENV)
-    peak = json.loads(done.stdout)["peak"]
-    return {"peak_qps": peak.get("peak_qps"), "offline": peak.get("offline_items_per_s")}
+def offline(plan: Path) -> dict[str, Any]:
+    """The plan's own figure: `infermux run --scenario offline` (the runtime, no server)."""
+    done = subprocess.run([*INFERMUX, "run", str(plan), "--scenario", "offline", "--json",
+                           "--no-store"], capture_output=True, text=True, env=ENV)
+    if done.returncode != 0:
+        return {"error": done.stderr[-500:]}
+    result = json.loads(done.stdout)["result"]
+    return {"items_per_s": result["items_per_s"], "p99_ms": result["latency"]["p99_ms"]}
 
 
-def sweep_perf_analyzer(exe: str, url: str, protocol: str, model: str, levels: list[int],
-                        out: Path, items: int) -> list[dict[str, Any]]:
-    import csv
-
-    rows = []
-    for c in levels:
-        csv_file = out / f"perf_analyzer-{protocol}-c{c}.csv"
-        cmd = [exe, "-m", model, "-u", url, "-i", protocol, "-b", str(items),
-               "--concurrency-range", f"{c}:{c}", "--measurement-interval", "4000",
-               "--stability-percentage", "20", "--max-trials", "8", "-f", str(csv_file)]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode != 0 or not csv_file.exists():
-            print(f"  perf_analyzer {protocol} c{c} failed: {done.stdout[-300:]}", flush=True)
-            continue
-        with csv_file.open() as f:
-            row = next(csv.DictReader(f))
-        rows.append({"concurrency": c, "items_per_s": float(row["Inferences/Second"]),
-                     "p99_ms": float(row["p99 latency"]) / 1e3, "command": " ".join(cmd)})
-        print(f"  perf_analyzer {protocol} c{c}: {rows[-1]['items_per_s']:.0f} items/s, "
-              f"p99 {rows[-1]['p99_ms']:.1f} ms", flush=True)
-    return rows
+def start_server(plan: Path, out: Path, fronts: int) -> tuple[subprocess.Popen[str], dict[str, Any]]:
+    log = (out / f"serve-{plan.stem}-f{fronts}.log").open("w")
+    proc = subprocess.Popen([*INFERMUX, "serve", str(plan), "--http-port", "0",
+                             "--grpc-port", "0", "--metrics-port", "0", "--json",
+                             "--fronts", str(fronts), "--no-store", "--telemetry", "off"],
+                            stdout=subprocess.PIPE, stderr=log, text=True, env=ENV)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line:
+        raise RuntimeError(f"the server did not start (exit code {proc.wait()}): see {log.name}")
+    return proc, json.loads(line)
 
 
-def sweep_load_client(url: str, protocol: str, model: str, levels: list[int],
-                      items: int) -> list[dict[str, Any]]:
-    rows = []
-    for c in levels:
-        cmd = [sys.executable, str(ROOT / "bench" / "serve_load.py"), "--url", url, "--protocol",
-               protocol, "--model", model, "--input-shape", "3x224x224", "--batch", str(items),
-               "--concurrency", str(c), "--duration", "8", "--json"]
-        row = json.loads(subprocess.run(cmd, capture_output=True, text=True,
-                                        check=True).stdout)[0]
-        rows.append({"concurrency": c, "items_per_s": row["throughput_rps"] * items,
-                     "p99_ms": row["p99_ms"], "command": " ".join(cmd)})
-        print(f"  serve_load {protocol} c{c}: {rows[-1]['items_per_s']:.0f} items/s, "
-              f"p99 {rows[-1]['p99_ms']:.1f} ms", flush=True)
-    return rows
+def stop_server(proc: subprocess.Popen[str]) -> dict[str, Any]:
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    try:
+        summary: dict[str, Any] = json.loads(out[out.index("{"):])
+    except ValueError:
+        summary = {}
+    return {"exit_code": proc.returncode, "status": summary.get("status"),
+            "front_restarts": summary.get("front_restarts")}
+
+
+def perf_analyzer(exe: str, url: str, protocol: str, model: str, concurrency: int,
+                  shared_memory: str, csv_file: Path, interval_ms: int, items: int = 1,
+                  stability_pct: int = 20) -> dict[str, Any]:
+    cmd = [exe, "-m", model, "-u", url, "-i", protocol, "-b", str(items),
+           "--concurrency-range", f"{concurrency}:{concurrency}",
+           "--measurement-interval", str(interval_ms), "--stability-percentage", str(stability_pct),
+           "--max-trials", "5", "--shared-memory", shared_memory, "-f", str(csv_file)]
+    started = time.perf_counter()
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    row: dict[str, Any] = {"concurrency": concurrency, "command": " ".join(cmd),
+                           "wall_s": round(time.perf_counter() - started, 1)}
+    if done.returncode != 0 or not csv_file.exists():
+        row["error"] = (done.stdout + done.stderr)[-400:]
+        return row
+    with csv_file.open() as f:
+        data = next(csv.DictReader(f))
+    row.update(requests_per_s=float(data["Inferences/Second"]),
+               p50_ms=float(data["p50 latency"]) / 1e3, p99_ms=float(data["p99 latency"]) / 1e3)
+    return row
+
+
+def load_client(url: str, protocol: str, model: str, shape: str, concurrency: int,
+                ) -> dict[str, Any]:
+    cmd = [sys.executable, str(ROOT / "bench" / "serve_load.py"), "--url", url, "--protocol",
+           protocol, "--model", model, "--input-shape", shape, "--concurrency", str(concurrency),
+           "--duration", "5", "--json"]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    row: dict[str, Any] = {"concurrency": concurrency, "command": " ".join(cmd)}
+    if done.returncode != 0:
+        row["error"] = done.stderr[-400:]
+        return row
+    data = json.loads(done.stdout)[0]
+    row.update(requests_per_s=data["throughput_rps"], p50_ms=data["p50_ms"],
+               p99_ms=data["p99_ms"])
+    return row
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="serve-gpu-results")
-    p.add_argument("--plan", help="plan file (default: the tuned ResNet50 server plan)")
-    p.add_argument("--p99", type=float, default=15.0, help="latency bound, ms")
-    p.add_argument("--items-per-request", type=int, default=1)
-    p.add_argument("--concurrency", default="1,2,4,8,16,32,64,128")
-    p.add_argument("--perf-analyzer", help="path of perf_analyzer (default: PATH, the venv)")
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", help="where the report goes")
+    p.add_argument("--out", help="a folder for the report (report.json) instead of --json")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--models", default="resnet50,digits")
+    p.add_argument("--fronts", default="1,8", help="front counts to serve with (1: in-process)")
+    p.add_argument("--concurrency", default="1,64,256")
+    p.add_argument("--shared-memory",
+                   help="perf_analyzer --shared-memory modes (none, system, cuda); default: "
+                        "none,system for ResNet50 (301 KB requests), none for digits-cnn")
+    p.add_argument("--protocols", default="grpc,http")
+    p.add_argument("--interval-ms", type=int, default=1500,
+                   help="perf_analyzer's measurement interval")
+    p.add_argument("--stability", type=int, default=20,
+                   help="perf_analyzer's --stability-percentage (raise it on a shared machine)")
+    p.add_argument("--p99", type=float, default=15.0, help="latency bound for the summary, ms")
+    p.add_argument("--budget", type=float, default=400.0,
+                   help="seconds; measurements that would start later are skipped (and listed)")
+    p.add_argument("--plan", help="serve this plan file instead of the built-in ones")
+    p.add_argument("--items-per-request", type=int, default=1, help="perf_analyzer's -b")
+    p.add_argument("--perf-analyzer", help="path of perf_analyzer")
     p.add_argument("--wheels", help="folder of wheels to install the serve extra from, offline")
-    p.add_argument("--skip-peak", action="store_true", help="do not run `infermux run --find-peak`")
     args = p.parse_args()
     ensure_serve_extra(args.wheels)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    plan = Path(args.plan) if args.plan else out / "plan.yaml"
-    if not args.plan:
-        plan.write_text(json.dumps(PLAN, indent=2))
-    import yaml
-
-    model = yaml.safe_load(plan.read_text())["models"][0]["name"]
-    report: dict[str, Any] = {"plan": str(plan), "bound_ms": args.p99}
-    if not args.skip_peak:
-        print("infermux run --find-peak ...", flush=True)
-        report["runtime"] = find_peak(plan, args.p99)
-        print(f"  {report['runtime']}", flush=True)
+    began = time.monotonic()
+    if not args.json and not args.out:
+        p.error("give --json FILE (or --out DIR) for the report")
+    report_path = Path(args.json) if args.json else Path(args.out) / "report.json"
+    work = report_path.with_suffix(".d")
+    work.mkdir(parents=True, exist_ok=True)
     exe = args.perf_analyzer or shutil.which("perf_analyzer", path=str(VENV_BIN)) \
         or shutil.which("perf_analyzer")
     if exe:
         perf_analyzer_env(exe)
     levels = [int(c) for c in args.concurrency.split(",")]
-    proc, ready = start_server(plan, out)
-    try:
-        report["served"] = {}
-        for protocol, port in (("http", ready["http_port"]), ("grpc", ready["grpc_port"])):
-            url = f"127.0.0.1:{port}"
-            rows = (sweep_perf_analyzer(exe, url, protocol, model, levels, out,
-                                        args.items_per_request) if exe
-                    else sweep_load_client(url, protocol, model, levels, args.items_per_request))
-            held = [r for r in rows if r["p99_ms"] <= args.p99]
-            report["served"][protocol] = {
-                "client": "perf_analyzer" if exe else "bench/serve_load.py", "levels": rows,
-                "best_within_bound": max(held, key=lambda r: r["items_per_s"]) if held else None}
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.communicate(timeout=300)
-        report["server_exit_code"] = proc.returncode
-    (out / "report.json").write_text(json.dumps(report, indent=2))
-    for protocol, served in report["served"].items():
-        best = served["best_within_bound"]
-        figure = f"{best['items_per_s']:.0f} items/s at c{best['concurrency']}" if best else "none"
-        print(f"{protocol}: best within p99 ≤ {args.p99:g} ms: {figure}")
-    print(f"report: {out / 'report.json'}")
+    front_counts = [int(f) for f in args.fronts.split(",")]
+    report: dict[str, Any] = {"device": args.device, "client": exe or "bench/serve_load.py",
+                              "cores": len(os.sched_getaffinity(0)), "bound_ms": args.p99,
+                              "models": {}, "skipped": []}
+
+    def save() -> None:
+        report["wall_s"] = round(time.monotonic() - began, 1)
+        report_path.write_text(json.dumps(report, indent=2))
+
+    all_plans = plans(args.device)
+    names = args.models.split(",")
+    if args.plan:
+        import yaml
+
+        all_plans = {"plan": yaml.safe_load(Path(args.plan).read_text())}
+        names = ["plan"]
+    for name in names:
+        plan_file = work / f"{name}.json"
+        plan_file.write_text(json.dumps(all_plans[name], indent=2))
+        model = all_plans[name]["models"][0]["name"]
+        modes = ["none"] if not exe else args.shared_memory.split(",") if args.shared_memory \
+            else ["none"] if name == "digits" else ["none", "system"]
+        entry: dict[str, Any] = {"plan": all_plans[name], "served": []}
+        report["models"][name] = entry
+        print(f"{name}: offline ...", flush=True)
+        entry["offline"] = offline(plan_file)
+        print(f"  {entry['offline']}", flush=True)
+        ceiling = entry["offline"].get("items_per_s")
+        for fronts in front_counts:
+            if time.monotonic() - began > args.budget:
+                report["skipped"].append(f"{name} --fronts {fronts}")
+                continue
+            try:
+                proc, ready = start_server(plan_file, work, fronts)
+            except RuntimeError as exc:
+                entry.setdefault("servers", []).append({"fronts": fronts, "error": str(exc)})
+                print(f"  {name} --fronts {fronts}: {exc}", flush=True)
+                continue
+            shape = "x".join(str(d) for d in ready["models"][0]["inputs"][0]["shape"][1:])
+            try:
+                for protocol in args.protocols.split(","):
+                    port = ready["http_port" if protocol == "http" else "grpc_port"]
+                    for mode in modes:
+                        for c in levels:
+                            what = f"{name} fronts={fronts} {protocol} shm={mode} c{c}"
+                            if time.monotonic() - began > args.budget:
+                                report["skipped"].append(what)
+                                continue
+                            url = f"127.0.0.1:{port}"
+                            row = perf_analyzer(
+                                exe, url, protocol, model, c, mode,
+                                work / f"{name}-f{fronts}-{protocol}-{mode}-c{c}.csv",
+                                args.interval_ms, args.items_per_request,
+                                args.stability) if exe else \
+                                load_client(url, protocol, model, shape, c)
+                            row.update(fronts=fronts, protocol=protocol, shared_memory=mode)
+                            if ceiling and "requests_per_s" in row:
+                                row["served_over_offline"] = round(row["requests_per_s"] / ceiling, 3)
+                            entry["served"].append(row)
+                            figure = (f"{row['requests_per_s']:.0f} req/s, p99 {row['p99_ms']:.1f} ms"
+                                      if "requests_per_s" in row else f"failed: {row['error'][-160:]}")
+                            print(f"  {what}: {figure}", flush=True)
+                            save()
+            finally:
+                entry.setdefault("servers", []).append({"fronts": fronts, **stop_server(proc)})
+        held = [r for r in entry["served"] if r.get("p99_ms", 1e9) <= args.p99]
+        entry["best_within_bound"] = {
+            f"{protocol} fronts={f} shm={m}": max(
+                (r for r in held if (r["protocol"], r["fronts"], r["shared_memory"])
+                 == (protocol, f, m)), key=lambda r: r["requests_per_s"], default=None)
+            for protocol in args.protocols.split(",") for f in front_counts for m in modes}
+        save()
+    save()
+    print(f"report: {report_path} ({report['wall_s']} s)")
 
 
 if __name__ == "__main__":

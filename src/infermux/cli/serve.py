@@ -39,6 +39,7 @@ def serve_command(
     api_key: Annotated[str | None, typer.Option("--api-key", help="Require `Authorization: Bearer KEY` (or env INFERMUX_API_KEY); health probes stay open.")] = None,
     drain_timeout: Annotated[str, typer.Option("--drain-timeout", help="On SIGTERM/Ctrl-C, how long admitted requests may take to finish.")] = "30s",
     telemetry: Annotated[str, typer.Option("--telemetry", help="Sampler period for the hardware metrics (e.g. 1s) or off.")] = "1s",
+    fronts: Annotated[int | None, typer.Option("--fronts", help="Front processes serving HTTP and gRPC on the same ports, tensors passed to the runtime process through shared memory (default: half the usable cores, at most 8; 0 or 1: in the server process).")] = None,
     cluster: Annotated[str | None, typer.Option("--cluster", help="Serve from a Ray cluster: ray://HOST:PORT, HOST:PORT, auto, or local:N. PLAN is a cluster plan, or a local plan run on every node; requests are routed to the nodes.")] = None,
     db: DbOpt = "infermux.db",
     no_store: Annotated[bool, typer.Option("--no-store", help="Do not write the results database.")] = False,
@@ -76,7 +77,7 @@ def serve_command(
         max_queue_items=max_queue, max_restarts=max_restarts, wait_when_idle=wait_when_idle,
         api_key=api_key or os.environ.get("INFERMUX_API_KEY") or None,
         drain_timeout_s=parse_duration_s(drain_timeout, name="--drain-timeout"),
-        telemetry_interval_s=interval)
+        telemetry_interval_s=interval, fronts=fronts)
     store = None if no_store else open_store(db)
     command = "infermux " + shlex.join(a if a != api_key else "***" for a in sys.argv[1:])
 

@@ -355,7 +355,9 @@ class InferenceCore:
         """The v2 server metadata, with the extensions perf_analyzer looks for."""
         from infermux import __version__
 
-        return {"name": SERVER_NAME, "version": __version__, "extensions": EXTENSIONS}
+        regions = getattr(self, "shared_memory", None)  # serve/shm.py, set by the server
+        extensions = EXTENSIONS + (regions.extensions() if regions is not None else [])
+        return {"name": SERVER_NAME, "version": __version__, "extensions": extensions}
 
     # -- requests -----------------------------------------------------------------------------
 

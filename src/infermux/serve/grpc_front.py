@@ -28,6 +28,7 @@ from infermux.serve.core import (
     tensor_from_bytes,
     tensor_from_list,
 )
+from infermux.serve.shm import grpc_params, output_target
 
 __all__ = ["build_grpc_server"]
 
@@ -37,14 +38,16 @@ _CONTENTS = {"FP32": "fp32_contents", "FP64": "fp64_contents"}
 
 
 def build_grpc_server(core: InferenceCore, address: str, *, api_key: str | None = None,
-                      max_message_bytes: int = 64 << 20) -> tuple[Any, int]:
+                      max_message_bytes: int = 64 << 20, reuse_port: bool = False,
+                      ) -> tuple[Any, int]:
     """A grpc.aio server with the service added, bound to `address`; (server, port)."""
     import grpc
 
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.so_reuseport", 0),
+        # Front processes (`--fronts N`) share the port; the kernel spreads connections.
+        ("grpc.so_reuseport", int(reuse_port)),
     ])
     _add_service(server, _Service(core, api_key))
     port = server.add_insecure_port(address)
@@ -291,10 +294,16 @@ class _Service(_servicer_base()):  # type: ignore[misc]
             raise ProtocolError(400, f"{len(raw)} raw_input_contents for {len(request.inputs)} "
                                      "inputs: give one per input, or none and typed contents")
         tensors: dict[str, np.ndarray] = {}
+        regions = getattr(core, "shared_memory", None)
         for k, tensor in enumerate(request.inputs):
             spec, shape = info.check_input(tensor.name, tensor.datatype, list(tensor.shape))
             if spec.name in tensors:
                 raise ProtocolError(400, f"input {spec.name!r} is given twice")
+            from_region = None if regions is None or not tensor.parameters else regions.input(
+                spec.name, tensor.datatype, shape, grpc_params(tensor.parameters))
+            if from_region is not None:
+                tensors[spec.name] = from_region
+                continue
             if raw:
                 tensors[spec.name] = tensor_from_bytes(spec.name, tensor.datatype, shape, raw[k])
                 continue
@@ -309,19 +318,95 @@ class _Service(_servicer_base()):  # type: ignore[misc]
             raise ProtocolError(400, f"inputs {missing} are missing")
         names = {t.name: i for i, t in enumerate(info.outputs)}
         wanted = []
-        for out in request.outputs:
+        targets = {}
+        for k, out in enumerate(request.outputs):
             if out.name not in names:
                 raise ProtocolError(400, f"output name {out.name!r} is not an output of model "
                                          f"{info.name!r}; outputs: {', '.join(names)}")
             if "classification" in out.parameters:
                 raise ProtocolError(400, "output parameter classification is not supported: "
                                          "ask for the tensor and take its top-k")
+            target = output_target(grpc_params(out.parameters), f"outputs[{k}].parameters") \
+                if out.parameters else None
+            if target is not None:
+                if regions is None:
+                    raise ProtocolError(400, "shared memory is not served here")
+                targets[names[out.name]] = target
             wanted.append(names[out.name])
         outputs = await core.infer(info, tensors[info.inputs[0].name])
         response = self.pb.ModelInferResponse(model_name=info.name, model_version=info.version,
                                               id=request.id)
         for index in wanted or range(len(info.outputs)):
             spec, y = info.outputs[index], outputs[index]
-            response.outputs.add(name=spec.name, datatype=spec.datatype, shape=list(y.shape))
+            entry = response.outputs.add(name=spec.name, datatype=spec.datatype,
+                                         shape=list(y.shape))
+            target = targets.get(index)
+            if target is not None and regions is not None:  # into the client's region
+                regions.write_output(spec.name, y, target)
+                entry.parameters["shared_memory_region"].string_param = target.region
+                entry.parameters["shared_memory_byte_size"].int64_param = target.byte_size
+                # Empty contents keep `raw_output_contents[i]` the i-th output's, as Triton
+                # answers: its C++ client (perf_analyzer) indexes them by output position.
+                response.raw_output_contents.append(b"")
+                continue
             response.raw_output_contents.append(np.ascontiguousarray(y, dtype="<f4").tobytes())
         return response
+
+    # -- Triton's shared-memory extensions (serve/shm.py) -----------------------------------------
+
+    async def _regions_call(self, context: Any, call: Any) -> Any:
+        try:
+            self._check_key(context)
+            regions = getattr(self.core, "shared_memory", None)
+            if regions is None:
+                raise ProtocolError(405, "shared memory is not served by this server")
+            return await call(regions)
+        except ProtocolError as exc:
+            await self._abort(context, exc)
+
+    async def SystemSharedMemoryStatus(self, request: Any, context: Any) -> Any:  # noqa: N802
+        """The registered system shared-memory regions."""
+        status = self.pb.SystemSharedMemoryStatusResponse
+
+        async def call(regions: Any) -> Any:
+            return status(regions={r["name"]: status.RegionStatus(**r) for r in
+                                   regions.status(request.name or None, "system")})
+        return await self._regions_call(context, call)
+
+    async def SystemSharedMemoryRegister(self, request: Any, context: Any) -> Any:  # noqa: N802
+        """Register a POSIX shared-memory region."""
+        async def call(regions: Any) -> Any:
+            await regions.register_system(request.name, request.key, request.offset, request.byte_size)
+            return self.pb.SystemSharedMemoryRegisterResponse()
+        return await self._regions_call(context, call)
+
+    async def SystemSharedMemoryUnregister(self, request: Any, context: Any) -> Any:  # noqa: N802
+        """Unregister one system region, or all when the name is empty."""
+        async def call(regions: Any) -> Any:
+            await regions.unregister(request.name or None, "system")
+            return self.pb.SystemSharedMemoryUnregisterResponse()
+        return await self._regions_call(context, call)
+
+    async def CudaSharedMemoryStatus(self, request: Any, context: Any) -> Any:  # noqa: N802
+        """The registered CUDA shared-memory regions."""
+        status = self.pb.CudaSharedMemoryStatusResponse
+
+        async def call(regions: Any) -> Any:
+            return status(regions={r["name"]: status.RegionStatus(**r) for r in
+                                   regions.status(request.name or None, "cuda")})
+        return await self._regions_call(context, call)
+
+    async def CudaSharedMemoryRegister(self, request: Any, context: Any) -> Any:  # noqa: N802
+        """Register a CUDA IPC handle."""
+        async def call(regions: Any) -> Any:
+            await regions.register_cuda(request.name, request.raw_handle, request.device_id,
+                                  request.byte_size)
+            return self.pb.CudaSharedMemoryRegisterResponse()
+        return await self._regions_call(context, call)
+
+    async def CudaSharedMemoryUnregister(self, request: Any, context: Any) -> Any:  # noqa: N802
+        """Unregister one CUDA region, or all when the name is empty."""
+        async def call(regions: Any) -> Any:
+            await regions.unregister(request.name or None, "cuda")
+            return self.pb.CudaSharedMemoryUnregisterResponse()
+        return await self._regions_call(context, call)

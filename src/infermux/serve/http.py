@@ -38,6 +38,7 @@ from infermux.serve.core import (
     tensor_from_bytes,
     tensor_from_list,
 )
+from infermux.serve.shm import OutputTarget, SharedMemoryRegions, output_target
 
 __all__ = ["HttpFront", "Reply", "handle"]
 
@@ -108,6 +109,8 @@ async def _route(core: InferenceCore, method: str, path: str, headers: dict[str,
     if not rest:
         _method(method, "GET", path)
         return _json(200, core.server_metadata())
+    if rest[:1] in (["systemsharedmemory"], ["cudasharedmemory"]):
+        return await _shared_memory(core, method, rest, body)
     if rest == ["models", "stats"]:
         _method(method, "GET", path)
         return _json(200, {"model_stats": [m.statistics() for m in core.models.values()]})
@@ -144,6 +147,17 @@ async def _route(core: InferenceCore, method: str, path: str, headers: dict[str,
         _method(method, "POST", path)
         return await _infer(core, info, headers, body)
     raise ProtocolError(404, f"no route {path!r}")
+
+
+async def _shared_memory(core: InferenceCore, method: str, rest: list[str],
+                   body: bytes | bytearray | memoryview) -> Reply:
+    """Triton's system and CUDA shared-memory routes (serve/shm.py)."""
+    regions: SharedMemoryRegions | None = getattr(core, "shared_memory", None)
+    if regions is None:
+        raise ProtocolError(404, f"no route /v2/{'/'.join(rest)}: shared memory is not served "
+                                 "by this server")
+    status, payload = await regions.http_route(method, rest, body)
+    return _json(status, payload) if payload is not None else (status, [], b"")
 
 
 def _method(given: str, wanted: str, path: str) -> None:
@@ -205,7 +219,12 @@ async def _infer(core: InferenceCore, info: ModelInfo, headers: dict[str, str],
             raise ProtocolError(400, f"input {spec.name!r} is given twice")
         tparams = _params(tensor.get("parameters"), f"inputs[{k}].parameters")
         nbytes = tparams.get("binary_data_size")
-        if nbytes is not None:
+        regions = getattr(core, "shared_memory", None)
+        from_region = None if regions is None else regions.input(
+            spec.name, tensor["datatype"], shape, tparams)
+        if from_region is not None:
+            tensors[spec.name] = from_region
+        elif nbytes is not None:
             if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
                 raise ProtocolError(400, f"input {spec.name!r} parameters.binary_data_size "
                                          f"{nbytes!r} is not a byte count")
@@ -230,13 +249,14 @@ async def _infer(core: InferenceCore, info: ModelInfo, headers: dict[str, str],
     missing = [t.name for t in info.inputs if t.name not in tensors]
     if missing:
         raise ProtocolError(400, f"inputs {missing} are missing")
-    wanted = _requested_outputs(info, request.get("outputs"),
-                                _flag(params, "binary_data_output", "parameters"))
+    wanted, targets = _requested_outputs(info, request.get("outputs"),
+                                         _flag(params, "binary_data_output", "parameters"))
     batch = {len(t) for t in tensors.values()}
     if len(batch) > 1:
         raise ProtocolError(400, f"inputs have different batch sizes {sorted(batch)}")
     outputs = await core.infer(info, tensors[info.inputs[0].name])
-    return _response(info, request_id, outputs, wanted)
+    return _response(info, request_id, outputs, wanted, targets, getattr(core, "shared_memory",
+                                                                          None))
 
 
 def _params(value: Any, where: str) -> dict[str, Any]:
@@ -254,11 +274,16 @@ def _flag(params: dict[str, Any], key: str, where: str) -> bool:
     return value
 
 
-def _requested_outputs(info: ModelInfo, requested: Any, binary: bool) -> list[tuple[int, bool]]:
-    """(output index, as binary) for each output to return, in the order asked."""
+def _requested_outputs(info: ModelInfo, requested: Any, binary: bool,
+                       ) -> tuple[list[tuple[int, bool]], dict[int, OutputTarget]]:
+    """(output index, as binary) for each output to return, in the order asked.
+
+    With them, the shared-memory region of each output whose parameters name one.
+    """
     names = {t.name: i for i, t in enumerate(info.outputs)}
+    targets: dict[int, OutputTarget] = {}
     if requested is None:
-        return [(i, binary) for i in range(len(info.outputs))]
+        return [(i, binary) for i in range(len(info.outputs))], targets
     if not isinstance(requested, list):
         raise ProtocolError(400, "outputs must be a list of {name, parameters}")
     wanted = []
@@ -274,19 +299,30 @@ def _requested_outputs(info: ModelInfo, requested: Any, binary: bool) -> list[tu
                                      "ask for the tensor and take its top-k")
         as_binary = _flag(params, "binary_data", f"outputs[{k}].parameters") \
             if "binary_data" in params else binary
+        target = output_target(params, f"outputs[{k}].parameters")
+        if target is not None:
+            targets[names[out["name"]]] = target
         wanted.append((names[out["name"]], as_binary))
-    return wanted
+    return wanted, targets
 
 
 def _response(info: ModelInfo, request_id: str | None, outputs: list[np.ndarray],
-              wanted: list[tuple[int, bool]]) -> Reply:
+              wanted: list[tuple[int, bool]], targets: dict[int, OutputTarget] | None = None,
+              regions: SharedMemoryRegions | None = None) -> Reply:
     entries = []
     chunks = []
     for index, as_binary in wanted:
         spec, y = info.outputs[index], outputs[index]
         entry: dict[str, Any] = {"name": spec.name, "datatype": spec.datatype,
                                  "shape": list(y.shape)}
-        if as_binary:
+        target = (targets or {}).get(index)
+        if target is not None:
+            if regions is None:
+                raise ProtocolError(400, "shared memory is not served here")
+            # As Triton answers: no parameters (its clients read any `parameters` of an
+            # output as binary data's).
+            regions.write_output(spec.name, y, target)
+        elif as_binary:
             raw = np.ascontiguousarray(y, dtype="<f4").tobytes()
             entry["parameters"] = {"binary_data_size": len(raw)}
             chunks.append(raw)

@@ -55,6 +55,9 @@ class ServeSettings:
     #: the model is idle (Triton's rule); by default an idle model's worker takes what is
     #: queued at once (`Dispatcher.take_when_idle`; docs/benchmarks.md, serving latency).
     wait_when_idle: bool = False
+    #: Front processes serving HTTP and gRPC on shared ports (serve/fronts.py); 0 or 1: the
+    #: fronts run in the server process; None: `fronts.default_fronts` of the usable cores.
+    fronts: int | None = None
 
     def __post_init__(self) -> None:
         for flag, port in (("--http-port", self.http_port), ("--grpc-port", self.grpc_port),
@@ -67,6 +70,9 @@ class ServeSettings:
             raise UsageError(f"--drain-timeout {self.drain_timeout_s}s must not be negative")
         if not 0 <= self.max_restarts <= 100:
             raise UsageError(f"--max-restarts {self.max_restarts} must be 0 (never) to 100")
+        if self.fronts is not None and not 0 <= self.fronts <= 64:
+            raise UsageError(f"--fronts {self.fronts} must be 0 to 64 (0 or 1: in the server "
+                             "process)")
         if self.api_key is not None and not self.api_key.strip():
             raise UsageError("--api-key is empty: give a key, or leave the option out")
 
@@ -110,6 +116,12 @@ class InferenceServer:
         self._stops = 0
         #: Restarts failed workers (None with `max_restarts` 0).
         self.supervisor: Any = None
+        #: Front processes (`serve.fronts.FrontHub`) when `fronts` is above 1.
+        self.front_hub: Any = None
+        from infermux.serve.fronts import default_fronts
+
+        self.fronts = self.settings.fronts if self.settings.fronts is not None \
+            else default_fronts(len(os.sched_getaffinity(0)))
 
     def stop(self) -> None:
         """Begin a graceful shutdown (thread-safe); a second call stops at once."""
@@ -133,7 +145,7 @@ class InferenceServer:
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable",
                                 category=UserWarning)
         s = self.settings
-        http_sock = _bind(s.host, s.http_port, "--http-port")
+        http_sock = _bind(s.host, s.http_port, "--http-port", shared=self.fronts > 1)
         config = {"plan": self.plan.to_dict() if self.plan is not None else None,
                   "model": self.plan.name if self.plan is not None else None,
                   "serve": s.public(), **self.config}
@@ -173,8 +185,19 @@ class InferenceServer:
             if supervisor is not None:
                 supervisor.start()
             await core.probe_outputs()
-            http, http_task = await self._start_http(core, http_sock)
-            grpc_server, grpc_port = await self._start_grpc(core)
+            if self.fronts > 1:  # front processes serve both protocols (serve/fronts.py)
+                from infermux.serve.fronts import FrontHub
+
+                http = grpc_server = self.front_hub = FrontHub(core, s, self.fronts, http_sock)
+                await self.front_hub.start()
+                http_task, grpc_port = self.front_hub.http_task, self.front_hub.grpc_port
+            else:
+                from infermux.serve.shm import SharedMemoryRegions
+
+                # Triton's shared-memory extensions, served by the in-process fronts.
+                core.shared_memory = SharedMemoryRegions()  # type: ignore[attr-defined]
+                http, http_task = await self._start_http(core, http_sock)
+                grpc_server, grpc_port = await self._start_grpc(core)
             httpd, metrics_port = _start_metrics(metrics, s.host, s.metrics_port)
             self.ports = {"http": http_sock.getsockname()[1], "grpc": grpc_port,
                           "metrics": metrics_port}
@@ -214,6 +237,8 @@ class InferenceServer:
                        "ports": self.ports, "served_s": time.perf_counter() - started,
                        "error": error, "run_id": self.run_id, "status": status,
                        "restarts": supervisor.summary() if supervisor is not None else {}}
+            if self.front_hub is not None:
+                summary.update(self.front_hub.summary())
             if runtime is not None and hasattr(runtime, "nodes"):
                 summary["nodes"] = runtime.nodes()
             rec.status, rec.summary = status, summary
@@ -236,6 +261,7 @@ class InferenceServer:
             # Process-hosted workers' process ids (a restarted worker gets a new one).
             "worker_pids": {runtime.dispatcher.workers[wid].name: host.pid
                             for wid, host in runtime.host_by_id.items()},
+            **(self.front_hub.summary() if self.front_hub is not None else {"fronts": 1}),
         }
 
     async def _start_http(self, core: Any, sock: socket.socket) -> tuple[Any, asyncio.Task[Any]]:
@@ -269,7 +295,8 @@ class InferenceServer:
         try:
             server, port = build_grpc_server(core, f"{_grpc_host(s.host)}:{s.grpc_port}",
                                              api_key=s.api_key,
-                                             max_message_bytes=body_limit(core))
+                                             max_message_bytes=body_limit(core),
+                                             reuse_port=(s.fronts or 0) > 1)
         except RuntimeError as exc:
             raise UsageError(f"--grpc-port {s.grpc_port} on {s.host} cannot be bound ({exc}): "
                              "is it in use? pass another port, or 0 for any free one") from None
@@ -292,19 +319,22 @@ def _grpc_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-def _bind(host: str, port: int, flag: str) -> socket.socket:
+def _bind(host: str, port: int, flag: str, *, shared: bool = False) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # IPPROTO_TCP given explicitly: asyncio sets TCP_NODELAY only on sockets whose proto says
     # TCP, and without it every response (head, then body) waited 40 ms for a delayed ACK.
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if shared:  # front processes listen on the port; this process only holds it, unlistened
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
         raise UsageError(f"{flag} {port} on {host} cannot be bound ({exc.strerror}): is it in "
                          "use? pass another port, or 0 for any free one") from None
-    sock.listen(2048)
+    if not shared:
+        sock.listen(2048)
     sock.setblocking(False)
     return sock
 

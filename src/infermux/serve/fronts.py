@@ -1,0 +1,444 @@
+"""`infermux serve --fronts N`: the HTTP and gRPC fronts in N processes of their own.
+
+One asyncio loop cannot parse more than a few thousand requests a second, and in the server
+process it shares its interpreter lock with the GPU workers. With `--fronts N` the server
+process (the *runtime process*: dispatcher, workers, CUDA) does no protocol work: N front
+processes each listen on the same HTTP and gRPC ports (SO_REUSEPORT: the kernel spreads the
+connections), decode and validate requests with the same handlers (serve/http.py,
+serve/grpc_front.py, talking to a `serve.proxy.RuntimeProxy`), write each request's rows into
+a slab of shared memory the runtime process maps, and send a 20-byte descriptor; the runtime
+process submits the rows where they lie (no copy, no pickling), writes the outputs into the
+same slots and answers with the request's id. Descriptors and answers of one event-loop turn
+travel in one frame.
+
+`FrontHub` is the runtime process's side: it reserves the ports, makes each front's slabs (one
+per model, sized from the model's admission limit and the memory `/dev/shm` has), starts the
+fronts (`python -m infermux.serve.fronts FD`), submits their descriptors to the core, pushes
+readiness and statistics to them, restarts a front that dies (with new slabs: the dead
+front's requests still in the runtime finish into the old ones), and on shutdown tells every
+front to drain. It presents the two objects `InferenceServer` shuts down (an HTTP server's
+`should_exit`, a task that ends when the fronts have; a gRPC server's `stop(grace)`), so the
+server's shutdown path is the same with or without front processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import math
+import os
+import pickle
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from infermux.errors import UsageError
+from infermux.serve.core import ProtocolError
+from infermux.serve.proxy import (
+    DTYPE_CODES,
+    REQUEST,
+    STATE_PERIOD_S,
+    FrameReader,
+    Kind,
+    Link,
+    RuntimeProxy,
+    frame,
+)
+from infermux.serve.shm import SHM_DIR, Segment, SlabLayout
+
+__all__ = ["FrontHub", "default_fronts", "reuse_port_socket"]
+
+#: How long the fronts may take to start (import, bind, listen) before the server gives up.
+_START_TIMEOUT_S = 120.0
+#: Share of /dev/shm's free space the fronts' slabs may take.
+_SHM_SHARE = 0.5
+#: Most front processes chosen by default (more did not help a single runtime process).
+_MAX_DEFAULT_FRONTS = 8
+
+
+def default_fronts(cores: int) -> int:
+    """Front processes for a host with `cores` usable cores: half of them (at most 8).
+
+    The other half are the runtime process's (dispatcher, GPU worker threads, the gather
+    threads). Below four cores a separate front would take a core the runtime needs: 1, the
+    fronts run in the server process as before.
+    """
+    return 1 if cores < 4 else min(_MAX_DEFAULT_FRONTS, cores // 2)
+
+
+def reuse_port_socket(host: str, port: int, *, listen: bool) -> socket.socket:
+    """A TCP socket bound with SO_REUSEPORT (listening if asked), so processes share the port."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # IPPROTO_TCP: asyncio sets TCP_NODELAY only on sockets whose proto says TCP.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    if listen:
+        sock.listen(2048)
+        sock.setblocking(False)
+    return sock
+
+
+# -- the runtime process's side ---------------------------------------------------------------
+
+@dataclass
+class _Generation:
+    """One front process and what it was given: its link, its slabs, its requests in flight."""
+
+    slot: int
+    segments: list[Segment]
+    process: asyncio.subprocess.Process | None = None
+    link: Link | None = None
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    pid: int = 0
+    in_flight: int = 0
+    done: bytearray = field(default_factory=bytearray)
+    errors: list[list[Any]] = field(default_factory=list)
+    scheduled: bool = False
+    started_s: float = field(default_factory=time.monotonic)
+
+
+class FrontHub:
+    """The runtime process's side of `--fronts N`; see the module docstring."""
+
+    def __init__(self, core: Any, settings: Any, count: int, http_sock: socket.socket) -> None:
+        self.core = core
+        self.settings = settings
+        self.count = count
+        self.http_port = http_sock.getsockname()[1]
+        self.host = settings.host
+        self._grpc_reservation = reuse_port_socket(settings.host, settings.grpc_port,
+                                                   listen=False)
+        self.grpc_port = self._grpc_reservation.getsockname()[1]
+        self.models = list(core.models.values())
+        self.layouts = [SlabLayout(tuple(m.inputs[0].shape),
+                                   tuple(tuple(o.shape) for o in m.outputs)) for m in self.models]
+        self.slots = self._slab_slots()
+        self.fronts: list[_Generation] = []
+        self.retired: list[_Generation] = []
+        self.restarts = 0
+        #: Triton shared-memory regions the clients registered, by name (every front maps them).
+        self.regions: dict[str, dict[str, Any]] = {}
+        self._closing = False
+        self._stopped = asyncio.Event()
+        self._watchers: list[asyncio.Task[None]] = []
+        self._pusher: asyncio.Task[None] | None = None
+        self.http_task: asyncio.Task[Any] | None = None
+
+    def _slab_slots(self) -> list[int]:
+        """Slots per model per front: its admission limit, scaled down to fit /dev/shm.
+
+        A front may hold up to the model's whole admission limit (connections are spread by
+        hash, not by load); pages are touched only when used, but the space must exist.
+        """
+        wanted = [m.max_queue_items for m in self.models]
+        total = self.count * sum(w * lay.slot_bytes for w, lay in zip(wanted, self.layouts,
+                                                                       strict=True))
+        stat = os.statvfs(SHM_DIR)
+        budget = _SHM_SHARE * stat.f_bavail * stat.f_frsize
+        scale = min(1.0, budget / total) if total else 1.0
+        slots = [max(1, math.floor(w * scale)) for w in wanted]
+        for m, s in zip(self.models, slots, strict=True):
+            if s < m.max_batch_size:
+                raise UsageError(
+                    f"--fronts {self.count}: {SHM_DIR} has room for {s} items of model "
+                    f"{m.name!r} per front, fewer than its largest batch {m.max_batch_size}: "
+                    f"pass fewer --fronts, a smaller --max-queue, or enlarge {SHM_DIR}")
+        return slots
+
+    # -- starting ---------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start every front and wait until each listens."""
+        self.fronts = [await self._spawn(i) for i in range(self.count)]
+        try:
+            await asyncio.wait_for(asyncio.gather(*(g.ready.wait() for g in self.fronts)),
+                                   _START_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise UsageError(f"the {self.count} front processes did not start within "
+                             f"{_START_TIMEOUT_S:.0f} s") from None
+        self._pusher = asyncio.create_task(self._push_state())
+        self.http_task = asyncio.create_task(self._stopped.wait())
+
+    async def _spawn(self, slot: int) -> _Generation:
+        segments = [Segment.new(f"infermux-front{slot}-{m.name}", n * lay.slot_bytes)
+                    for m, n, lay in zip(self.models, self.slots, self.layouts, strict=True)]
+        gen = _Generation(slot, segments)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        loop = asyncio.get_running_loop()
+        init = {"models": self.models,
+                "slabs": [(s.name, n) for s, n in zip(segments, self.slots, strict=True)],
+                "layouts": self.layouts, "settings": replace(self.settings, fronts=self.count),
+                "slot": slot,
+                "http_port": self.http_port, "grpc_port": self.grpc_port,
+                "server_metadata": self.core.server_metadata()}
+        ours.sendall(frame(Kind.INIT, pickle.dumps(init)))
+        ours.setblocking(False)
+        _, gen.link = await loop.create_unix_connection(
+            lambda: Link(functools.partial(self._on_frame, gen),
+                         functools.partial(self._on_lost, gen)), sock=ours)
+        env = dict(os.environ)
+        src = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")]))
+        gen.process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "infermux.serve.fronts", str(theirs.fileno()),
+            pass_fds=(theirs.fileno(),), env=env)
+        theirs.close()
+        gen.pid = gen.process.pid
+        self._watchers.append(asyncio.create_task(self._watch(gen)))
+        return gen
+
+    async def _watch(self, gen: _Generation) -> None:
+        """Restart the front when its process ends, unless the server is stopping."""
+        assert gen.process is not None
+        await gen.process.wait()
+        if self._closing:
+            return
+        self.restarts += 1
+        uptime_s = time.monotonic() - gen.started_s
+        self._retire(gen)
+        # A front that dies at once again and again is not restarted in a tight loop.
+        await asyncio.sleep(0.1 if uptime_s > 10 else min(5.0, 0.5 * self.restarts))
+        if self._closing:
+            return
+        new = await self._spawn(gen.slot)
+        self.fronts[gen.slot] = new
+
+    def _retire(self, gen: _Generation) -> None:
+        for s in gen.segments:
+            s.unlink()  # the mapping stays until the runtime's last view of it goes
+        self.retired.append(gen)
+        if gen.link is not None and gen.link.transport is not None:
+            gen.link.transport.close()
+
+    # -- requests -----------------------------------------------------------------------------------
+
+    def _on_frame(self, gen: _Generation, kind: int, payload: bytes) -> None:
+        if kind == Kind.INFER:
+            loop = asyncio.get_running_loop()
+            for rid, index, code, start, n in REQUEST.iter_unpack(payload):
+                info, layout = self.models[index], self.layouts[index]
+                rows = layout.inputs(gen.segments[index].map, start, n, DTYPE_CODES[code])
+                gen.in_flight += 1
+                task = loop.create_task(self.core.infer(info, rows))
+                task.add_done_callback(functools.partial(self._answered, gen, rid, index,
+                                                         start, n))
+        elif kind == Kind.REGIONS:
+            self._on_regions(gen, json.loads(payload))
+        elif kind == Kind.READY:
+            gen.ready.set()
+            self._send_state(gen, self._state())
+
+    def _on_regions(self, gen: _Generation, op: dict[str, Any]) -> None:
+        """A front's client (un)registered a shared-memory region: every front is told."""
+        error = None
+        name, kind = op.get("name"), op.get("kind")
+        if op.get("op") == "register":
+            if name in self.regions:
+                error = [400, f"shared memory region {name!r} is already registered: "
+                              "unregister it first"]
+            else:
+                self.regions[str(name)] = {k: v for k, v in op.items() if k not in ("id", "op")}
+        else:
+            for n in [n for n, d in self.regions.items()
+                      if d["kind"] == kind and name in (None, n)]:
+                del self.regions[n]
+        state = self._state()
+        for front in self.fronts:
+            if front.ready.is_set():
+                self._send_state(front, state)
+        if gen.link is not None:
+            gen.link.send(Kind.ACK, json.dumps({"id": op.get("id"), "error": error}).encode())
+
+    def _answered(self, gen: _Generation, rid: int, index: int, start: int, n: int,
+                  task: asyncio.Task[list[np.ndarray]]) -> None:
+        gen.in_flight -= 1
+        if task.cancelled():
+            gen.errors.append([rid, 503, "the request was cancelled", None])
+        elif (exc := task.exception()) is not None:
+            if isinstance(exc, ProtocolError):
+                gen.errors.append([rid, exc.status, exc.message, exc.retry_after_s])
+            else:
+                gen.errors.append([rid, 500, f"inference failed: {exc}", None])
+        else:
+            views = self.layouts[index].outputs(gen.segments[index].map, start, n)
+            for dst, y in zip(views, task.result(), strict=True):
+                dst[...] = y
+            gen.done += rid.to_bytes(8, "little")
+        if not gen.scheduled:
+            gen.scheduled = True
+            asyncio.get_running_loop().call_soon(self._reply, gen)
+
+    def _reply(self, gen: _Generation) -> None:
+        gen.scheduled = False
+        if gen.link is None:
+            return
+        if gen.done:
+            gen.link.send(Kind.DONE, gen.done)
+            gen.done = bytearray()
+        if gen.errors:
+            gen.link.send(Kind.ERROR, json.dumps(gen.errors).encode())
+            gen.errors = []
+
+    def _on_lost(self, gen: _Generation) -> None:
+        gen.link = None  # its process's exit is noticed by `_watch`
+
+    # -- readiness and statistics -------------------------------------------------------------------
+
+    def _state(self) -> bytes:
+        core = self.core
+        closing = self._closing
+        models = {}
+        for m in self.models:
+            reason = core.not_ready_reason(m.name)
+            models[m.name] = (not reason and not closing, reason, m.statistics())
+        return json.dumps({"closing": closing, "models": models,
+                           "regions": self.regions}).encode()
+
+    @staticmethod
+    def _send_state(gen: _Generation, state: bytes) -> None:
+        if gen.link is not None:
+            gen.link.send(Kind.STATE, state)
+
+    async def _push_state(self) -> None:
+        while True:
+            state = self._state()
+            for gen in self.fronts:
+                if gen.ready.is_set():
+                    self._send_state(gen, state)
+            await asyncio.sleep(STATE_PERIOD_S)
+
+    # -- what `InferenceServer` shuts down ------------------------------------------------------
+
+    @property
+    def should_exit(self) -> bool:
+        """Whether the fronts were told to drain (uvicorn's flag, for the server's shutdown)."""
+        return self._closing
+
+    @should_exit.setter
+    def should_exit(self, value: bool) -> None:
+        if value and not self._closing:
+            self._closing = True
+            state = self._state()
+            for gen in self.fronts:
+                self._send_state(gen, state)
+                if gen.link is not None:
+                    gen.link.send(Kind.DRAIN, b"")
+
+    async def stop(self, grace_s: float | None) -> None:
+        """Drain every front (at most `grace_s`), then end those left and free the slabs."""
+        self.should_exit = True
+        procs = [g.process for g in self.fronts if g.process is not None]
+        if grace_s:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.gather(*(p.wait() for p in procs)), grace_s + 5)
+        for p in procs:
+            if p.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    p.kill()
+                await p.wait()
+        if self._pusher is not None:
+            self._pusher.cancel()
+        for task in self._watchers:
+            task.cancel()
+        self._stopped.set()
+        if grace_s == 0:
+            self.close()
+
+    def close(self) -> None:
+        """Unlink and unmap every slab; release the reserved gRPC port."""
+        for gen in [*self.fronts, *self.retired]:
+            for s in gen.segments:
+                s.unlink()
+                s.close()
+        self._grpc_reservation.close()
+
+    def summary(self) -> dict[str, Any]:
+        """For the ready line and the stored run."""
+        return {"fronts": self.count, "front_restarts": self.restarts,
+                "front_pids": [g.pid for g in self.fronts],
+                "front_slab_items": {m.name: n for m, n in zip(self.models, self.slots,
+                                                                strict=True)}}
+
+
+# -- the front process --------------------------------------------------------------------------
+
+def _read_init(sock: socket.socket) -> dict[str, Any]:
+    reader = FrameReader()
+    while True:
+        data = sock.recv(1 << 20)
+        if not data:
+            raise SystemExit("the runtime process closed the link before sending INIT")
+        frames = reader.feed(data)
+        if frames:
+            kind, payload = frames[0]
+            if kind != Kind.INIT:
+                raise SystemExit(f"expected INIT from the runtime process, got frame {kind}")
+            init: dict[str, Any] = pickle.loads(payload)  # the parent process's own frame
+            return init
+
+
+async def _front(sock: socket.socket, init: dict[str, Any]) -> int:
+    from infermux.serve.server import InferenceServer
+
+    settings = init["settings"]
+    settings = replace(settings, http_port=init["http_port"], grpc_port=init["grpc_port"])
+    proxy = RuntimeProxy(init)
+    drain = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def on_frame(kind: int, payload: bytes) -> None:
+        if kind == Kind.DRAIN:
+            drain.set()
+        else:
+            proxy.on_frame(kind, payload)
+
+    def on_lost() -> None:
+        proxy.on_lost()
+        drain.set()
+
+    sock.setblocking(False)
+    _, link = await loop.create_unix_connection(lambda: Link(on_frame, on_lost), sock=sock)
+    proxy.link = link
+    loop.add_signal_handler(signal.SIGTERM, drain.set)
+    server = InferenceServer(None, settings, backend=_no_backend)
+    http_sock = reuse_port_socket(settings.host, settings.http_port, listen=True)
+    http, http_task = await server._start_http(proxy, http_sock)
+    grpc_server, _ = await server._start_grpc(proxy)
+    link.send(Kind.READY, json.dumps({"pid": os.getpid()}).encode())
+    await drain.wait()
+    proxy.begin_close()
+    http.should_exit = True
+    await asyncio.gather(grpc_server.stop(settings.drain_timeout_s),
+                         proxy.drain(settings.drain_timeout_s))
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(http_task, settings.drain_timeout_s + 5)
+    left = await proxy.drain(0)
+    http_sock.close()
+    proxy.close()
+    return 0 if left == 0 else 1
+
+
+def _no_backend(progress: Any) -> Any:
+    raise RuntimeError("a front process builds no runtime")
+
+
+def main(argv: list[str]) -> int:
+    """A front process: `python -m infermux.serve.fronts FD` (started by `FrontHub`)."""
+    # Ctrl-C reaches the whole process group; the runtime process decides when fronts stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sock = socket.socket(fileno=int(argv[0]))
+    init = _read_init(sock)
+    return asyncio.run(_front(sock, init))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
