@@ -268,7 +268,8 @@ def train_predict(
     for note in report.notes:
         out.print(f"[dim]{escape(note)}[/]")
     if info.get("verdict"):
-        style = "green" if info.get("within_rule") else "bold yellow"
+        style = ("green" if info.get("within_rule") or info.get("within_rule_cost")
+                 else "bold yellow")
         out.print(f"[{style}]{escape(info['verdict'])}[/]")
     if report.run_id is not None:
         out.print(f"[dim]stored as run {report.run_id} in {db}[/]")

@@ -7,8 +7,10 @@
    few dozen minibatches, within `profile_share` of an epoch).
 3. Every configuration's first and later epoch is predicted (`predict.predict_all`), with a
    reference network's runs for transfer when given.
-4. `validate`: held-out configurations are trained for two full epochs (kind `epoch`) and the
-   predictions are scored against them (MAPE for time, and for energy).
+4. `validate`: held-out configurations, drawn at random one model cell at a time, are
+   trained for two full epochs (kind `epoch`), with the reference configuration re-profiled
+   between them for the machine's drift, and the predictions are scored against them (MAPE
+   for time, as measured and corrected for drift, and for energy).
 """
 
 from __future__ import annotations
@@ -151,6 +153,8 @@ class PredictReport:
             # The rule's cost in all (a third of the grid at the share each) against what the
             # profiles cost in epochs: a thin plan profiles more configurations for as much.
             "total_epochs": sum(shares), "total_epochs_allowed": share * allowed,
+            "ok_in_total": bool(shares) and max(shares) <= share
+            and sum(shares) <= share * allowed,
             "per_config": rows,
         }
 
@@ -194,36 +198,40 @@ def profile_fits(knobs: Knobs, items: int, share: float, steady: int = MIN_STEAD
 
 
 def _profile_plan(configs: list[Knobs], items: int, share: float, count: int
-                  ) -> tuple[str, list[int], int, list[str]]:
-    """(mode, candidates, how many to profile, notes): what the rule can profile.
+                  ) -> tuple[str, list[int], int, float, list[str]]:
+    """(mode, candidates, how many to profile, each one's share, notes): what the rule can do.
 
-    `rule` where the configurations with room for the ramp and `MIN_STEADY_STEPS` steady
-    minibatches a half reach every model cell the grid has; else `thin` where profiles of
-    `THIN_STEADY_STEPS` a half reach more cells: then every such configuration is a candidate,
-    and as many more than `count` are profiled as the cells need (each thin profile costs less
-    than a full one; the total is reported beside the rule's).
+    `rule`: `count` profiles of ≤ `share` of an epoch among the configurations with room for
+    the ramp and `MIN_STEADY_STEPS` steady minibatches a half. Where those cannot reach every
+    model cell of the grid (too few of them, or too few configurations for the cells), `thin`:
+    one profile per cell (at most half the grid), each of `share` × `count` / that many (the
+    rule's cost in all, spread over more configurations), with `THIN_STEADY_STEPS` steady
+    minibatches a half, where that reaches more cells.
     """
     cells = {model_cell(k) for k in configs}
     fits = [i for i, k in enumerate(configs) if profile_fits(k, items, share)]
-    thin = [i for i, k in enumerate(configs) if profile_fits(k, items, share, THIN_STEADY_STEPS)]
-    reach = {model_cell(configs[i]) for i in fits}
-    reach_thin = {model_cell(configs[i]) for i in thin}
+    reach = min(count, len({model_cell(configs[i]) for i in fits}))
     notes = []
     if len(fits) < len(configs):
         notes.append(
             f"{len(configs) - len(fits)} configuration(s) have too few minibatches per epoch "
             f"to profile within {share:.0%} of it with {MIN_STEADY_STEPS} steady minibatches "
             "per half (their loader's ramp is longer)")
-    if reach == cells or len(reach_thin) <= len(reach):
+    # At most half the grid, so that half is left to validate on.
+    many = max(count, min(len(cells), len(configs) // 2))
+    thin_share = share * count / many
+    thin = [i for i, k in enumerate(configs)
+            if profile_fits(k, items, thin_share, THIN_STEADY_STEPS)]
+    reach_thin = min(many, len({model_cell(configs[i]) for i in thin}))
+    if reach == len(cells) or reach_thin <= reach:
         pool = fits if len(fits) >= count else list(range(len(configs)))
-        return "rule", pool, count, notes
-    more = max(count, min(len(thin), len(reach_thin)))
+        return "rule", pool, count, share, notes
     notes.append(
-        f"thin profiles: {THIN_STEADY_STEPS} steady minibatches per half instead of "
-        f"{MIN_STEADY_STEPS}, over {more} configuration(s) instead of {count}, so that "
-        f"{len(reach_thin)} of the grid's {len(cells)} model cells are profiled "
-        f"({len(reach)} with full profiles)")
-    return "thin", thin, more, notes
+        f"thin profiles: {many} configurations at ≤ {thin_share:.1%} of an epoch each (the "
+        f"rule's cost, {count} at {share:.0%}, spread over more), {THIN_STEADY_STEPS}+ steady "
+        f"minibatches per half, so that {reach_thin} of the grid's {len(cells)} model cells "
+        f"are profiled instead of {reach}")
+    return "thin", thin, min(many, len(thin)), thin_share, notes
 
 
 def estimated_share(knobs: Knobs, passes: list[dict[str, Any]], config: TrainConfig,
@@ -478,12 +486,14 @@ def _predict_body(setup: TrainSetup, report: PredictReport, rec: Recording, *,
                              "give the same --batch/--workers/... as that run")
         report.profiled = sorted({p["config"] for p in passes})
     else:
-        mode, pool, count, notes = _profile_plan(configs, setup.dataset_items,
-                                                 config.profile_share, share)
+        mode, pool, count, each, notes = _profile_plan(configs, setup.dataset_items,
+                                                       config.profile_share, share)
         report.profile_mode = mode
         report.notes += notes
+        plan = setup if each == config.profile_share else replace(
+            setup, config=replace(config, profile_share=each))
         report.passes, report.profiled = _profile_within_share(
-            setup, configs, pool, count, progress=progress, notes=report.notes)
+            plan, configs, pool, count, progress=progress, notes=report.notes)
         passes = [p.as_data() for p in report.passes if p.status == "ok"]
         if whole_epoch_s > 0:
             passes = _whole_epochs(setup, report, passes, whole_epoch_s, progress)
@@ -571,6 +581,13 @@ def _say_whether_within_rule(report: PredictReport, share: float) -> None:
             f"({extra['source']}): {', '.join(outside)}. For predictions within it, use more "
             "data (--images), a larger --profile-share, or --whole-epochs-below to measure "
             "their short epochs")
+    elif not held and budget["ok_in_total"]:
+        report.info["verdict"] = (
+            f"every prediction within the rule's cost ({budget['rule']}: "
+            f"{budget['total_epochs_allowed']:.2f} epochs in all), spread over "
+            f"{budget['profiled']} thinner profiles instead of {budget['profiled_allowed']} "
+            f"({budget['total_epochs']:.2f} epochs, largest "
+            f"{100 * (budget['max_share'] or 0):.1f}% of its epoch)")
     elif not held:
         report.info["verdict"] = (
             f"predictions made beyond the rule ({budget['rule']}): profiled "
@@ -580,6 +597,8 @@ def _say_whether_within_rule(report: PredictReport, share: float) -> None:
     else:
         report.info["verdict"] = f"every prediction within the rule ({budget['rule']})"
     report.info["within_rule"] = held and not outside
+    # The thin plan profiles more configurations than a third for the rule's cost.
+    report.info["within_rule_cost"] = bool(budget["ok_in_total"]) and not outside
 
 
 def _reference_config(report: PredictReport) -> int | None:
