@@ -43,7 +43,7 @@ HERE = Path(__file__).resolve().parent
 DEFAULTS = {
     "gpu": {"models": "mobilenet_v3_large,efficientnet_b0,regnet_y_400mf,vit",
             "datasets": "6000x64,24000x96", "batch": "32,128", "workers": "2,8",
-            "precision": "fp32,amp", "budget_s": 510.0},
+            "precision": "fp32,amp", "budget_s": 450.0},
     "cpu": {"models": "mobilenet_v3_small,efficientnet_b0,regnet_x_400mf,vit",
             "datasets": "800x32,3200x32", "batch": "16,64", "workers": "1,2",
             "precision": "fp32", "budget_s": 1500.0},

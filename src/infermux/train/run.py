@@ -578,9 +578,12 @@ def _say_whether_within_rule(report: PredictReport, share: float) -> None:
             f"configurations: no profile reached their model cell (their epochs are too short "
             f"for a profile of ≤ {share:.0%} of them, or the profiles ran out), so they are "
             f"extrapolated from other cells, with a ±{extra['bound_pct']:.0f}% bound "
-            f"({extra['source']}): {', '.join(outside)}. For predictions within it, use more "
-            "data (--images), a larger --profile-share, or --whole-epochs-below to measure "
-            "their short epochs")
+            f"({extra['source']}): {', '.join(outside)}"
+            + ("" if held or budget["ok_in_total"] else
+               f"; and the profiles themselves went beyond it (largest "
+               f"{100 * (budget['max_share'] or 0):.0f}% of its epoch)")
+            + ". For predictions within it, use more data (--images), a larger "
+            "--profile-share, or --whole-epochs-below to measure their short epochs")
     elif not held and budget["ok_in_total"]:
         report.info["verdict"] = (
             f"every prediction within the rule's cost ({budget['rule']}: "
