@@ -166,6 +166,10 @@ def test_drift_probes_correct_each_validated_epoch() -> None:
     assert scores["later_time_mape_pct"] > 20
     assert scores["later_time_mape_drift_corrected_pct"] == pytest.approx(0.0, abs=1e-9)
     assert scores["configurations"] == 2 and scores["held_out"] == 3
+    preds[0].extrapolated = True  # scored apart as well as in the whole
+    scores = report.scores()
+    assert scores["later_time_mape_in_cells_pct"] == pytest.approx(100 / 3)  # 10 s for 15 s
+    assert scores["extrapolated"] == 1
 
 
 def test_short_epochs_are_measured_whole_and_the_verdict_says_the_rule_did_not_hold(

@@ -109,6 +109,10 @@ class PredictReport:
                 if p.measured.get(epoch, {}).get("drift")]
             out[f"{epoch}_time_mape_drift_corrected_pct"] = (
                 mape(corrected) if len(corrected) == len(held) else None)
+            # Apart: the configurations of profiled cells (not extrapolated).
+            out[f"{epoch}_time_mape_in_cells_pct"] = mape(
+                [(p.epochs[epoch]["predicted_s"], p.measured.get(epoch, {}).get("s"))
+                 for p in held if not p.extrapolated])
             out[f"{epoch}_energy_mape_pct"] = mape(
                 [(p.epochs[epoch]["predicted_energy_j"],
                   p.measured.get(epoch, {}).get("energy_j")) for p in held])
