@@ -11,7 +11,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from infermux.train.knobs import Knobs
+from infermux.train.predict import fit_components, steady
 from infermux.train.run import PredictReport
+
+#: A validated epoch whose prediction missed by more than this is broken down by `miss_terms`.
+MISS = 0.10
 
 
 def machine() -> dict[str, Any]:
@@ -62,7 +67,9 @@ def summary(report: PredictReport, started: float, args: dict[str, Any]) -> dict
         "scores": data["scores"], "budget": data["budget"], "model_info": data["model_info"],
         "profiled": data["profiled"], "profile_s": data["profile_s"],
         "validate_s": data["validate_s"], "drift": data["drift"], "notes": data["notes"],
+        "profile_mode": data["profile_mode"], "verdict": data["model_info"].get("verdict"),
         "rows": rows(report),
+        "misses": miss_terms(report, len(os.sched_getaffinity(0))),
         "report": data,
     }
 
@@ -92,9 +99,72 @@ def print_figure(name: str, fig: dict[str, Any]) -> None:
           f"{pct(100 * share if share is not None else None)}, profiles {b['profile_s']:.1f} s "
           f"in all: {'OK' if b['ok'] else 'EXCEEDED'}")
     d = fig.get("drift")
-    if d and d.get("ratio"):
-        print(f"{name}: drift: {d['label']} profiled again after validation: "
-              f"{d['before_ms']:.1f} -> {d['after_ms']:.1f} ms per minibatch ({d['ratio']:.2f}x)")
+    if d and d.get("range"):
+        print(f"{name}: drift: {d['label']} re-profiled beside the validation: "
+              f"{d['range'][0]:.2f}-{d['range'][1]:.2f}x its profiled time per minibatch; "
+              f"MAPE time corrected for it {pct(s.get('first_time_mape_drift_corrected_pct'))}"
+              f" / {pct(s.get('later_time_mape_drift_corrected_pct'))}")
+    print(f"{name}: validated {s['configurations']} of {s.get('held_out')} held-out "
+          f"(random, per model cell); {s.get('extrapolated', 0)} of them extrapolated; plan "
+          f"{fig.get('profile_mode')}")
+    if fig.get("verdict"):
+        print(f"{name}: {fig['verdict']}")
+    for m in fig.get("misses", []):
+        print(f"{name}:   missed {m['label']} {m['epoch']} {m['error_pct']:+.0f}%: "
+              f"{m['term']} ({', '.join(f'{k} {v:+.2f}s' for k, v in m['parts_s'].items())})")
     for row in b["per_config"]:
         if row["flags"]:
             print(f"{name}:   {row['label']}: {row['flags'][0]}")
+
+
+def miss_terms(report: PredictReport, all_cores: int) -> list[dict[str, Any]]:
+    """Each validated epoch that missed by more than `MISS`: which term of the model missed.
+
+    Measured, not guessed: the simple model (fitted on the run's profiles) gives the epoch's
+    start-up (start-up, ramp, tail) and its steady minibatch, cut into compute and the wait
+    for the loader; the validated epoch gives the same parts from its own minibatches. The
+    term whose difference × minibatches is largest is named: `start-up`, `compute`, `loader`
+    (the fetch stall), or `contention` where the model's bottleneck was the cores.
+    """
+    passes = [p.as_data() for p in report.passes if p.status == "ok" and p.kind != "epoch"
+              and not p.kind.startswith("probe")]
+    if not passes:
+        return []
+    comps = fit_components(passes, all_cores)
+    out = []
+    for rec in report.validation:
+        if rec.status != "ok" or rec.result is None:
+            continue
+        pred = report.predictions[rec.config]
+        epoch = "first" if rec.pass_name == "cold" else "later"
+        predicted = pred.epochs[epoch]["predicted_s"]
+        measured = rec.result.wall_ns / 1e9
+        if not predicted or abs(predicted / measured - 1) <= MISS:
+            continue
+        data = rec.as_data()
+        fig = steady(data)
+        if fig is None:
+            continue
+        knobs = Knobs.from_dict(data["knobs"])
+        model = comps.predict(knobs, rec.pass_name, report.dataset_items)
+        body = fig["steady_steps"]
+        measured_start = measured - body * fig["T"]
+        predicted_compute = model["term_compute"]
+        predicted_wait = max(0.0, model["T"] - predicted_compute)
+        parts = {
+            "start-up": measured_start - model["start_s"],
+            "compute": body * (fig["compute"] - predicted_compute),
+            "loader": body * (fig["fetch"] - predicted_wait),
+        }
+        named = max(parts, key=lambda k: abs(parts[k]))
+        bottleneck = max(("compute", "loader", "cores"), key=lambda k: model[f"term_{k}"])
+        if named != "start-up" and bottleneck == "cores":
+            named = "contention"
+        out.append({"label": rec.knobs.label, "epoch": epoch, "error_pct":
+                    100 * (predicted / measured - 1), "predicted_s": predicted,
+                    "measured_s": measured, "method": pred.method,
+                    "extrapolated": pred.extrapolated, "term": named,
+                    "model_bottleneck": bottleneck,
+                    "parts_s": {k: round(v, 4) for k, v in parts.items()},
+                    "drift": pred.measured.get(epoch, {}).get("drift")})
+    return out

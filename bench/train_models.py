@@ -1,4 +1,7 @@
-"""Small CNNs for the training figures (`bench/train_models.py:small_cnn` as a model reference)."""
+"""Models of the training figures that torchvision does not name: small CNNs, ViTs for small images.
+
+Given as model references, e.g. `bench/train_models.py:small_cnn` or `bench/train_models.py:vit_64`.
+"""
 
 from __future__ import annotations
 
@@ -35,3 +38,32 @@ def small_cnn() -> nn.Module:
 def wide_cnn() -> nn.Module:
     torch.manual_seed(0)
     return SmallCNN(32)
+
+
+def _vit(size: int, patch: int, layers: int, heads: int, dim: int) -> nn.Module:
+    """A Vision Transformer (torchvision's, random weights) for `size`×`size` images."""
+    from torchvision.models import VisionTransformer
+
+    torch.manual_seed(0)
+    return VisionTransformer(image_size=size, patch_size=patch, num_layers=layers,
+                             num_heads=heads, hidden_dim=dim, mlp_dim=4 * dim, num_classes=100)
+
+
+def vit_32() -> nn.Module:
+    """ViT-Tiny-like (6 layers, width 192) on 32×32 images in 4×4 patches: 64 tokens."""
+    return _vit(32, 4, 6, 3, 192)
+
+
+def vit_64() -> nn.Module:
+    """ViT-Small-like (8 layers, width 384) on 64×64 images in 8×8 patches: 64 tokens."""
+    return _vit(64, 8, 8, 6, 384)
+
+
+def vit_96() -> nn.Module:
+    """ViT-B/16's shape (12 layers, width 768) on 96×96 images in 16×16 patches: 36 tokens."""
+    return _vit(96, 16, 12, 12, 768)
+
+
+def vit_128() -> nn.Module:
+    """ViT-B/16's shape (12 layers, width 768) on 128×128 images in 16×16 patches: 64 tokens."""
+    return _vit(128, 16, 12, 12, 768)

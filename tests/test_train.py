@@ -560,9 +560,11 @@ def test_train_profile_and_predict_from_the_cli(tmp_path: Path,
                             (report["run_id"],)).fetchone()[0]
     assert kind == ("train", "complete")
     assert steps == sum(p["steps"] for p in report["passes"])
-    main(["train-predict", *common, "--profile-steps", "6", "--validate", "all"])
+    main(["train-predict", *common, "--profile-steps", "6", "--validate", "all",
+          "--whole-epochs-below", "0"])
     table = capsys.readouterr().out
-    assert "Predicted epochs" in table and "validated on 2 held-out" in table
+    assert "Predicted epochs" in table and "validated on 2 of 2 held-out" in table
+    assert "leave-one-configuration-out error" in table
     assert "Where the time goes" in table
     assert "profile budget: largest profile" in table  # checked against the rule, and said
     with sqlite3.connect(db) as con:
@@ -574,17 +576,24 @@ def test_train_profile_and_predict_from_the_cli(tmp_path: Path,
         stored = {(r[0], r[1]): r[2] for r in store.connection.execute(
             "SELECT label, epoch, predicted_s FROM train_predictions WHERE run_id = 2")}
     assert again["scores"]["configurations"] == 2
-    # After validation the first profiled configuration was profiled again (kind `probe`, never
-    # fitted on: the re-prediction below matches the stored one): the machine's drift, measured.
+    # Before the first validated configuration and after each, the first profiled one was
+    # profiled again (kind `probe:N`, never fitted on: the re-prediction below matches the
+    # stored one): the machine's drift beside each validated epoch, measured.
     with sqlite3.connect(db) as con:
-        probes = con.execute("SELECT label, pass FROM train_passes WHERE run_id = 2 AND "
-                             "kind = 'probe'").fetchall()
+        probes = con.execute("SELECT label, kind, pass FROM train_passes WHERE run_id = 2 AND "
+                             "kind LIKE 'probe%' ORDER BY rowid").fetchall()
         first = con.execute("SELECT label FROM train_passes WHERE run_id = 2 AND "
                             "kind = 'profile' ORDER BY rowid LIMIT 1").fetchone()[0]
-    assert sorted(p for _, p in probes) == ["cold", "warm"]
-    assert again["drift"]["label"] == probes[0][0] == first
+    assert [(k, p) for _, k, p in probes] == [(f"probe:{n}", p) for n in range(3)
+                                              for p in ("cold", "warm")]
+    assert {label for label, _, _ in probes} == {first} == {again["drift"]["label"]}
     assert again["drift"]["before_ms"] > 0 and again["drift"]["ratio"] == pytest.approx(
         again["drift"]["after_ms"] / again["drift"]["before_ms"])
+    assert len(again["drift"]["probes"]) == 3
+    # Every validated epoch carries the drift beside it, and the scores say what it moved.
+    measured = [r for r in again["predictions"] if r["measured_s"]]
+    assert measured and all(r["drift"] and r["drift"] > 0 for r in measured)
+    assert again["scores"]["later_time_mape_drift_corrected_pct"] is not None
     for row in again["predictions"]:
         assert row["predicted_s"] == pytest.approx(stored[(row["label"], row["epoch"])],
                                                    rel=1e-9)

@@ -515,7 +515,8 @@ def predict_table(data: dict[str, Any]) -> Table:
 
         errors = [f"{(r['predicted_s'] - r['measured_s']) / r['measured_s']:+.0%}"
                   for r in (first, later) if r.get("measured_s")]
-        table.add_row(escape(first["label"]), first["method"], span(first), span(later),
+        how = first["method"] + (" (extrapolated)" if first.get("extrapolated") else "")
+        table.add_row(escape(first["label"]), how, span(first), span(later),
                       num(later.get("predicted_energy_j"), 1), num(first.get("measured_s")),
                       num(later.get("measured_s")), " / ".join(errors))
     return table

@@ -191,7 +191,8 @@ def train_predict(
     reference: Annotated[int | None, typer.Option("--reference", help="A stored run of another network to transfer the learned model from.")] = None,
     method: Annotated[str, typer.Option("--method", help="auto, simple or learned.")] = "auto",
     validate: Annotated[str, typer.Option("--validate", help="Held-out configurations to train for two full epochs and score: a count, all, or 0.")] = "0",
-    validate_budget: Annotated[str | None, typer.Option("--validate-budget", help="Validate only as many held-out configurations as their predicted epochs fit in, e.g. 5m.")] = None,
+    validate_budget: Annotated[str | None, typer.Option("--validate-budget", help="Validate held-out configurations (in a seeded random order, one model cell at a time) until this much time is spent, e.g. 5m.")] = None,
+    whole_epochs_below: Annotated[str, typer.Option("--whole-epochs-below", help="Where no profile within the rule reaches a model cell, measure whole epochs of one of its configurations if an epoch takes at most this long (e.g. 10s; 0 = never).")] = "10s",
     db: DbOpt = "infermux.db",
     no_store: NoStoreOpt = False,
     as_json: JsonOpt = False,
@@ -216,10 +217,12 @@ def train_predict(
 
     validate_budget_s = (parse_duration_s(validate_budget, name="--validate-budget")
                          if validate_budget else None)
+    whole_epoch_s = (0.0 if whole_epochs_below.strip() == "0"
+                     else parse_duration_s(whole_epochs_below, name="--whole-epochs-below"))
     report = _run_with_progress(run_train_predict, config, db=db, no_store=no_store,
                                 profile_configs=profile_configs, from_run=from_run,
                                 reference_run=reference, method=method, validate=count,
-                                validate_budget_s=validate_budget_s)
+                                validate_budget_s=validate_budget_s, whole_epoch_s=whole_epoch_s)
     data_out = report.to_dict()
     if as_json:
         _print_json(data_out)
@@ -229,16 +232,28 @@ def train_predict(
     out.print(predict_table(data_out))
     info, scores = data_out["model_info"], data_out["scores"]
     learned = info.get("learned") or {}
+    # Every error named leave-one-out here is one: the configuration scored was left out of
+    # every fitted part (`predict.predict_all`).
     out.print(f"predictor: [bold]{info['chosen']}[/] for the configurations not profiled "
-              f"(leave-one-out error: simple {num(info.get('simple_loo_mape_pct'), 1)}%"
-              + (f", learned {learned['kind']} {num(learned.get('loo_mape_pct'), 1)}%"
-                 if learned else "") + ")")
+              f"(leave-one-configuration-out error of the steady minibatch: simple "
+              f"{num(info.get('simple_loo_mape_pct'), 1)}%"
+              + (f", {'transferred' if 'transfer' in info else 'learned'} {learned['kind']} "
+                 f"{num(learned.get('loo_mape_pct'), 1)}%" if learned else "") + ")")
     if scores["configurations"]:
-        out.print(f"validated on {scores['configurations']} held-out configurations: MAPE time "
+        out.print(f"validated on {scores['configurations']} of {scores['held_out']} held-out "
+                  f"configurations (drawn at random, seed {report.validation_seed}, one model "
+                  f"cell at a time): MAPE time "
                   f"first epoch {num(scores['first_time_mape_pct'], 1)}%, later "
                   f"{num(scores['later_time_mape_pct'], 1)}%; energy first "
                   f"{num(scores['first_energy_mape_pct'], 1)}%, later "
                   f"{num(scores['later_energy_mape_pct'], 1)}%")
+        if scores.get("first_time_mape_drift_corrected_pct") is not None and report.drift:
+            d = report.drift
+            out.print(f"corrected for the machine's drift ({escape(d['label'])} re-profiled "
+                      f"beside the validation: {num(d['range'][0], 2)}–{num(d['range'][1], 2)}× "
+                      f"its profiled time per minibatch): MAPE time first "
+                      f"{num(scores['first_time_mape_drift_corrected_pct'], 1)}%, later "
+                      f"{num(scores['later_time_mape_drift_corrected_pct'], 1)}%")
     out.print(f"[dim]profiled {len(data_out['profiled'])} of {len(data_out['predictions']) // 2} "
               f"configurations, {data_out['profiled_minibatches']} minibatches, "
               f"{num(report.profile_s, 0)} s; validation {num(report.validate_s, 0)} s[/]")
@@ -247,8 +262,14 @@ def train_predict(
         verdict = "within" if spent["ok"] else "[yellow]beyond[/]"
         out.print(f"[dim]profile budget: largest profile {num(100 * spent['max_share'], 1)}% of "
                   f"its epoch, {spent['profiled']} of {spent['configurations']} configurations "
-                  f"profiled: {verdict} the rule ({spent['rule']})[/]")
+                  f"profiled ({spent['mode']} plan, {num(spent['total_epochs'], 2)} epochs "
+                  f"profiled in all, the rule allows {num(spent['total_epochs_allowed'], 2)}): "
+                  f"{verdict} the rule ({spent['rule']})[/]")
     for note in report.notes:
         out.print(f"[dim]{escape(note)}[/]")
+    if info.get("verdict"):
+        style = ("green" if info.get("within_rule") or info.get("within_rule_cost")
+                 else "bold yellow")
+        out.print(f"[{style}]{escape(info['verdict'])}[/]")
     if report.run_id is not None:
         out.print(f"[dim]stored as run {report.run_id} in {db}[/]")

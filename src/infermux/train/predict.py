@@ -65,6 +65,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,6 +80,7 @@ __all__ = [
     "LearnedModel",
     "Prediction",
     "choose_profiled",
+    "covered",
     "covering_order",
     "fit_components",
     "mape",
@@ -225,7 +227,7 @@ def profile_estimate(passes: list[dict[str, Any]]) -> dict[str, Any] | None:
         if fig is None:
             continue
         items, batch = data["dataset_items"], data["knobs"]["batch"]
-        if data.get("kind") == "epoch":
+        if data.get("kind") in ("epoch", "whole"):
             t, band = data["wall_ns"] / 1e9, 0.0
         elif data.get("split"):
             if cold is None:
@@ -645,25 +647,27 @@ def _fit_energy(passes: list[dict[str, Any]]) -> dict[str, Any] | None:
     (docs/benchmarks.md). Only measured (not modelled) energies; None when fewer rows than
     parameters + 2, or neither line is physical (a negative static power or dynamic energy).
     """
-    rows = []
+    raw: list[tuple[float, int, int, str, float, Any]] = []
     for data in passes:
         if not data.get("energy_j") or str(data.get("energy_source", "none")).startswith(
                 ("modelled", "none")):
             continue
         k = data["knobs"]
-        rows.append((data["wall_ns"] / 1e9, len(data.get("steps") or []), k["batch"],
-                     k["precision"], data["energy_j"]))
-    long_rows = [r for r in rows if r[0] >= ENERGY_MIN_S]
+        raw.append((data["wall_ns"] / 1e9, len(data.get("steps") or []), k["batch"],
+                    k["precision"], data["energy_j"], data.get("config", ("pass", len(raw)))))
+    long_rows = [r for r in raw if r[0] >= ENERGY_MIN_S]
     # The short passes only where too few long ones are left to fit.
-    rows = long_rows if len(long_rows) >= 3 + 2 * len({r[3] for r in rows}) else rows
+    tagged = long_rows if len(long_rows) >= 3 + 2 * len({r[3] for r in raw}) else raw
+    rows = [(t, n, b, p, e) for t, n, b, p, e, _ in tagged]
+    groups = [g for *_, g in tagged]
     precisions = sorted({r[3] for r in rows})
     two_b = sorted({p for p in precisions if len({r[2] for r in rows if r[3] == p}) >= 2})
     fits = []
     for per_item in (False, True):
         fit = _energy_lstsq(rows, precisions, [] if per_item else two_b, per_item=per_item)
         if fit is not None:
-            fits.append((_energy_loo(rows, precisions, [] if per_item else two_b, per_item),
-                         per_item, fit))
+            fits.append((_energy_loo(rows, groups, precisions, [] if per_item else two_b,
+                                     per_item), per_item, fit))
     if not fits:
         return None
     loo, per_item, (static, dynamic) = min(fits, key=lambda f: f[0])
@@ -686,21 +690,29 @@ def _fit_energy(passes: list[dict[str, Any]]) -> dict[str, Any] | None:
             "log_error": float(np.sqrt(np.mean(np.square(resid)))) if resid else 0.0}
 
 
-def _energy_loo(rows: list[tuple[float, int, int, str, float]], precisions: list[str],
-                two_b: list[str], per_item: bool) -> float:
-    """Mean |relative error| of each row predicted by `_energy_lstsq` fitted without it.
+def _energy_loo(rows: list[tuple[float, int, int, str, float]], groups: list[Any],
+                precisions: list[str], two_b: list[str], per_item: bool) -> float:
+    """Mean |relative error| of each row predicted by `_energy_lstsq` without its configuration.
+
+    Both of its passes are left out: the held-out configuration's other pass would carry its
+    own level into the fit.
 
     A row whose fold cannot be fitted (too few rows, or not physical) counts as a miss of 1.
     """
     errors = []
-    for i, (t, n, b, p, e) in enumerate(rows):
-        fit = _energy_lstsq(rows[:i] + rows[i + 1:], precisions, two_b, per_item=per_item,
-                            spare=1)
-        if fit is None:
-            errors.append(1.0)
-            continue
-        a, slope = fit[1][p]
-        errors.append(abs(fit[0] * t + n * (a + slope * b) - e) / e)
+    for g in dict.fromkeys(groups):
+        train = [r for r, h in zip(rows, groups, strict=True) if h != g]
+        # A fold may be exactly determined: with a configuration's two passes out, three
+        # profiled configurations leave four rows for the per-minibatch line's four parameters.
+        fit = _energy_lstsq(train, precisions, two_b, per_item=per_item, spare=0)
+        for (t, n, b, p, e), h in zip(rows, groups, strict=True):
+            if h != g:
+                continue
+            if fit is None:
+                errors.append(1.0)
+                continue
+            a, slope = fit[1][p]
+            errors.append(abs(fit[0] * t + n * (a + slope * b) - e) / e)
     return statistics.fmean(errors)
 
 
@@ -791,26 +803,60 @@ def _regressor(kind: str) -> Any:
     return make_pipeline(StandardScaler(), Ridge(alpha=3.0))
 
 
-def _loo(kind: str, xs: np.ndarray, y: np.ndarray, groups: np.ndarray) -> float:
+#: The rows a learned correction is fitted on with one configuration left out, built from
+#: the passes without it (`_rows_without`): (features, log time error, log power error, groups).
+Rows = tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray]
+
+
+def _rows_without(passes: list[dict[str, Any]], all_cores: int, tmpfs: dict[str, bool]
+                  ) -> Callable[[Any], Rows]:
+    """`_training_rows` of `passes` less one configuration's, cached per configuration.
+
+    A training row's target is its configuration's error under the simple model fitted on the
+    *other* configurations; with a configuration held out, those other fits must not hold it
+    either, or its passes reach the correction through every other row's components.
+    """
+    cache: dict[Any, Rows] = {}
+
+    def rows(group: Any) -> Rows:
+        if group not in cache:
+            cache[group] = _training_rows([p for p in passes if p.get("config") != group],
+                                          all_cores, tmpfs)
+        return cache[group]
+    return rows
+
+
+def _loo(kind: str, xs: np.ndarray, y: np.ndarray, groups: np.ndarray,
+         rows_without: Callable[[Any], Rows] | None = None) -> float:
+    """Mean |log error| of `kind` on each configuration, fitted without it.
+
+    `rows_without`: the training rows rebuilt from the passes without the held-out
+    configuration (true leave-one-out); without it, the rows of the others as they are.
+    """
     errors = []
     for g in np.unique(groups):
-        train, test = groups != g, groups == g
-        if train.sum() < 2:
+        test = groups == g
+        if rows_without is None:
+            train_x, train_y = xs[~test], y[~test]
+        else:
+            train_x, train_y, _, _ = rows_without(g)
+        if len(train_y) < 2:
             return math.inf
-        model = _regressor(kind).fit(xs[train], y[train])
+        model = _regressor(kind).fit(train_x, train_y)
         errors += list(np.abs(model.predict(xs[test]) - y[test]))
     return float(np.mean(errors)) if errors else math.inf
 
 
 def fit_learned(xs: np.ndarray, y_time: np.ndarray, y_power: np.ndarray | None,
-                groups: np.ndarray) -> LearnedModel:
+                groups: np.ndarray, rows_without: Callable[[Any], Rows] | None = None
+                ) -> LearnedModel:
     """Pick forest or ridge by leave-one-configuration-out error and fit it on every row."""
     try:
         import sklearn  # noqa: F401
     except ImportError as exc:
         raise UsageError("the learned model needs scikit-learn: pip install 'infermux[train]' "
                          "(or pass --method simple)") from exc
-    scores = {kind: _loo(kind, xs, y_time, groups) for kind in ("ridge", "forest")}
+    scores = {kind: _loo(kind, xs, y_time, groups, rows_without) for kind in ("ridge", "forest")}
     kind = min(scores, key=lambda k: scores[k])
     time_model = _regressor(kind).fit(xs, y_time)
     power_model = _regressor(kind).fit(xs, y_power) if y_power is not None else None
@@ -901,6 +947,8 @@ class Prediction:
     method: str
     epochs: dict[str, dict[str, float | None]]  # first/later → predicted_s, low_s, high_s, ...
     measured: dict[str, dict[str, float | None]] = field(default_factory=dict)
+    #: Predicted from profiles of other model cells (`covered`), with the wider bound.
+    extrapolated: bool = False
 
     def rows(self) -> list[dict[str, Any]]:
         """One row per epoch kind, for the store and JSON."""
@@ -908,8 +956,12 @@ class Prediction:
         for epoch, fig in self.epochs.items():
             meas = self.measured.get(epoch, {})
             out.append({"config": self.config, "label": self.knobs.label, "epoch": epoch,
-                        "method": self.method, "profiled": self.profiled, **fig,
+                        "method": self.method, "profiled": self.profiled,
+                        "extrapolated": self.extrapolated, **fig,
                         "measured_s": meas.get("s"), "measured_energy_j": meas.get("energy_j"),
+                        # The machine's speed when the epoch was measured over its speed
+                        # when profiled (a reference re-measured beside it); None unmeasured.
+                        "drift": meas.get("drift"),
                         "knobs": self.knobs.to_dict()})
         return out
 
@@ -997,31 +1049,54 @@ def predict_all(configs: list[Knobs], passes: list[dict[str, Any]], *, items: in
     simple_loo = float(np.mean(np.abs(yt))) if len(yt) else math.inf
     info["simple_loo_mape_pct"] = 100 * (math.exp(simple_loo) - 1) if len(yt) else None
     learned: LearnedModel | None = None
+    # Every leave-one-out error below leaves the configuration out of every fitted part: the
+    # simple model's components, the correction's training rows, the transfer's line.
+    without = _rows_without(passes, all_cores, tmpfs)
     if method != "simple" and reference:
         ref_x, ryt, ryp, rgroups = _training_rows(reference, all_cores, tmpfs)
         if len(ryt) >= 3:
-            learned = fit_learned(ref_x, ryt, ryp, rgroups)
-            learned = _recalibrate(learned, xs, yt, yp)
+            learned = fit_learned(ref_x, ryt, ryp, rgroups,
+                                  _rows_without(reference, all_cores, tmpfs))
+            learned = _recalibrate(learned, xs, yt, yp, groups, without)
             info["transfer"] = {"reference_rows": len(ryt), "kind": learned.kind,
                                 **learned.recalibration}
     elif method != "simple" and len(np.unique(groups)) >= (3 if method == "learned"
                                                            else LEARNED_MIN_CONFIGS):
-        learned = fit_learned(xs, yt, yp, groups)
+        learned = fit_learned(xs, yt, yp, groups, without)
     if reference and learned is not None:
         # The transferred correction is kept only where it beats the simple model on the new
-        # network's own profiles (its error there: the reference never saw them).
+        # network's own profiles, each scored by a line fitted without it.
         transfer_err = learned.recalibration.get("error", math.inf)
+        in_sample = learned.recalibration.get("in_sample_error", math.inf)
         info["transfer"]["error_pct"] = 100 * (math.exp(transfer_err) - 1) \
             if math.isfinite(transfer_err) else None
+        info["transfer"]["in_sample_error_pct"] = 100 * (math.exp(in_sample) - 1) \
+            if math.isfinite(in_sample) else None
         learned.loo_time = transfer_err
     use_learned = learned is not None and (
         method == "learned" or learned.loo_time < LEARNED_MARGIN * simple_loo)
     if learned is not None:
         info["learned"] = {"kind": learned.kind, "rows": learned.rows,
-                           "loo_mape_pct": 100 * (math.exp(learned.loo_time) - 1)}
+                           "loo_mape_pct": 100 * (math.exp(learned.loo_time) - 1)
+                           if math.isfinite(learned.loo_time) else None}
+    info["loo"] = "leave-one-configuration-out"
     err = learned.loo_time if use_learned and learned is not None else simple_loo
     err = err if math.isfinite(err) else 0.25
     info["chosen"] = ("transfer" if reference else "learned") if use_learned else "simple"
+    profiled_knobs = [configs[i] for i in by if 0 <= i < len(configs)]
+    cell_err, cells = _cell_out_error(passes, all_cores)
+    # A configuration of a cell no profile reached is predicted from other cells' lines: its
+    # bound is that error as measured (each profiled cell predicted from the others), and at
+    # least twice the interpolating one, or assumed where fewer than two cells were profiled.
+    err_x = max(EXTRAPOLATION_WIDEN * err, cell_err or 0.0, EXTRAPOLATION_MIN_ERR)
+    extrapolated = [k.label for i, k in enumerate(configs)
+                    if i not in by and not covered(k, profiled_knobs)]
+    info["extrapolation"] = {
+        "configurations": extrapolated, "cells_profiled": cells,
+        "cells": len({model_cell(k) for k in configs}),
+        "bound_pct": 100 * (math.exp(1.96 * err_x) - 1),
+        "source": (f"leave-one-cell-out over {cells} profiled cells" if cell_err is not None
+                   else f"assumed ({cells} cell profiled: nothing to measure it on)")}
     predictions = []
     for i, knobs in enumerate(configs):
         own = by.get(i)
@@ -1049,6 +1124,7 @@ def predict_all(configs: list[Knobs], passes: list[dict[str, Any]], *, items: in
             predictions.append(Prediction(i, knobs, True, "profile", epochs))
             continue
         epochs = {}
+        outside = knobs.label in extrapolated
         for pass_name in PASSES:
             simple = comps.predict(knobs, pass_name, items)
             t, power = simple["epoch_s"], simple["power"]
@@ -1059,14 +1135,61 @@ def predict_all(configs: list[Knobs], passes: list[dict[str, Any]], *, items: in
                 t = simple["start_s"] + (t - simple["start_s"]) * math.exp(lt)
                 power = power * math.exp(lp) if power is not None else None
             energy = power * t if power is not None else None
-            low, high = _band(t, err)
-            e_low, e_high = _band(energy, math.hypot(err, comps.energy["log_error"])
-                                  if comps.energy is not None else err)
+            e = err_x if outside else err
+            low, high = _band(t, e)
+            e_low, e_high = _band(energy, math.hypot(e, comps.energy["log_error"])
+                                  if comps.energy is not None else e)
             epochs[EPOCH_OF[pass_name]] = {"predicted_s": t, "low_s": low, "high_s": high,
                                            "predicted_energy_j": energy, "energy_low_j": e_low,
                                            "energy_high_j": e_high}
-        predictions.append(Prediction(i, knobs, False, info["chosen"], epochs))
+        predictions.append(Prediction(i, knobs, False, info["chosen"], epochs,
+                                      extrapolated=outside))
     return predictions, info
+
+
+#: An extrapolated prediction's bound is at least this many times the interpolating one's ...
+EXTRAPOLATION_WIDEN = 2.0
+#: ... and at least this log error (±25% before the 95% band's 1.96).
+EXTRAPOLATION_MIN_ERR = math.log(1.25)
+
+
+def covered(knobs: Knobs, profiled: list[Knobs]) -> bool:
+    """Whether a configuration's model cell was profiled or lies inside profiled ones.
+
+    The cell is (cores, precision, with or without workers, batch); a batch size between two
+    profiled ones of the same (cores, precision, workers) group is interpolated by its lines.
+    """
+    group = [p.batch for p in profiled if model_cell(p)[:3] == model_cell(knobs)[:3]]
+    return knobs.batch in group or bool(group and min(group) < knobs.batch < max(group))
+
+
+def _cell_out_error(passes: list[dict[str, Any]], all_cores: int) -> tuple[float | None, int]:
+    """(error of a prediction outside every profiled cell, number of profiled cells).
+
+    The error is the mean |log error| of each profiled cell's steady minibatch predicted by the
+    simple model fitted without any configuration of that cell; None with fewer than two cells.
+    """
+    cells: dict[Any, list[dict[str, Any]]] = defaultdict(list)
+    for data in passes:
+        if data.get("status", "ok") == "ok":
+            cells[model_cell(Knobs.from_dict(data["knobs"]))].append(data)
+    if len(cells) < 2:
+        return None, len(cells)
+    errors = []
+    for cell, own in cells.items():
+        others = [p for c, ps in cells.items() if c != cell for p in ps]
+        try:
+            comps = fit_components(others, all_cores)
+        except UsageError:
+            continue
+        for data in own:
+            fig = steady(data)
+            if fig is None:
+                continue
+            t = comps.figures(Knobs.from_dict(data["knobs"]), data["pass"])["T"]
+            if t > 0:
+                errors.append(abs(math.log(_served_step(data, fig, comps.kappa) / t)))
+    return (statistics.fmean(errors) if errors else None), len(cells)
 
 
 def _served_step(data: dict[str, Any], fig: dict[str, float], kappa: float) -> float:
@@ -1103,23 +1226,45 @@ def _queue_correction(epochs: dict[str, dict[str, float | None]], own: list[dict
                 epoch[key] = (epoch[key] or 0.0) + extra
 
 
-def _recalibrate(model: LearnedModel, xs: np.ndarray, yt: np.ndarray, yp: np.ndarray | None
-                 ) -> LearnedModel:
-    """Fit new = a + b·reference on the new network's rows, b in [0, 1] (1 with < 4 rows)."""
+def _recal_line(ref: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """(a, b) of y = a + b·ref, b in [0, 1]; an offset alone (b = 1) below four rows."""
+    if len(y) == 0:
+        return 0.0, 1.0
+    if len(y) < 4 or np.ptp(ref) < 1e-9:
+        return float(np.mean(y - ref)), 1.0
+    b = float(np.clip(np.polyfit(ref, y, 1)[0], 0.0, 1.0))  # shrink, never amplify
+    return float(np.mean(y - b * ref)), b
+
+
+def _recalibrate(model: LearnedModel, xs: np.ndarray, yt: np.ndarray, yp: np.ndarray | None,
+                 groups: np.ndarray | None = None,
+                 rows_without: Callable[[Any], Rows] | None = None) -> LearnedModel:
+    """Fit new = a + b·reference on the new network's rows, b in [0, 1] (1 with < 4 rows).
+
+    `error` (mean |log error|) is leave-one-configuration-out: each configuration's rows are
+    scored by a line fitted without them, on rows rebuilt without its passes
+    (`rows_without`); `in_sample_error` is the line's error on the rows it was fitted on, kept
+    for comparison only (it flatters the transfer: it chose a and b on those rows).
+    """
     if len(yt) == 0:
         model.recalibration = {"time": (0.0, 1.0)}
         return model
     ref_t = model.time_model.predict(xs)
-
-    def fit(ref: np.ndarray, y: np.ndarray) -> tuple[float, float]:
-        if len(y) < 4 or np.ptp(ref) < 1e-9:
-            return float(np.mean(y - ref)), 1.0
-        b = float(np.clip(np.polyfit(ref, y, 1)[0], 0.0, 1.0))  # shrink, never amplify
-        return float(np.mean(y - b * ref)), b
-
-    model.recalibration = {"time": fit(ref_t, yt)}
+    model.recalibration = {"time": _recal_line(ref_t, yt)}
     a, b = model.recalibration["time"]
-    model.recalibration["error"] = float(np.mean(np.abs(a + b * ref_t - yt)))
+    model.recalibration["in_sample_error"] = float(np.mean(np.abs(a + b * ref_t - yt)))
+    errors: list[float] = []
+    for g in np.unique(groups) if groups is not None else []:
+        test = groups == g
+        if rows_without is not None:
+            train_x, train_y, _, _ = rows_without(g)
+            train_ref = model.time_model.predict(train_x) if len(train_y) else np.zeros(0)
+        else:
+            train_ref, train_y = ref_t[~test], yt[~test]
+        ga, gb = _recal_line(train_ref, train_y)
+        errors += list(np.abs(ga + gb * ref_t[test] - yt[test]))
+    model.recalibration["error"] = float(np.mean(errors)) if errors else math.inf
+    model.recalibration["error_kind"] = "leave-one-configuration-out"
     if yp is not None and model.power_model is not None:
-        model.recalibration["power"] = fit(model.power_model.predict(xs), yp)
+        model.recalibration["power"] = _recal_line(model.power_model.predict(xs), yp)
     return model

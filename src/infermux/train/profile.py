@@ -327,7 +327,7 @@ def _measure_one(setup: TrainSetup, index: int, knobs: Knobs, kind: str) -> list
     items = setup.dataset_items
     indices = None
     split = 0
-    if kind in ("profile", "probe"):
+    if kind == "profile" or kind.startswith("probe"):  # probe, probe:N
         steps, warm_steps = profile_steps(config, knobs, items)
         per = min(steps, items // knobs.batch)
         if not knobs.persistent_workers and per >= 1:
@@ -383,7 +383,7 @@ def _measure_one(setup: TrainSetup, index: int, knobs: Knobs, kind: str) -> list
                     _energy(setup, rec.result, rec)
                 if rec.status != "ok":
                     break
-    if kind in ("profile", "probe"):
+    if kind == "profile" or kind.startswith("probe"):  # probe, probe:N
         for rec in recs:
             if rec.result is not None:
                 ramp = 0 if (split and rec.pass_name == "warm") else warmup_steps(knobs.workers)

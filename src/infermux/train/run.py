@@ -7,15 +7,20 @@
    few dozen minibatches, within `profile_share` of an epoch).
 3. Every configuration's first and later epoch is predicted (`predict.predict_all`), with a
    reference network's runs for transfer when given.
-4. `validate`: held-out configurations are trained for two full epochs (kind `epoch`) and the
-   predictions are scored against them (MAPE for time, and for energy).
+4. `validate`: held-out configurations, drawn at random one model cell at a time, are
+   trained for two full epochs (kind `epoch`), with the reference configuration re-profiled
+   between them for the machine's drift, and the predictions are scored against them (MAPE
+   for time, as measured and corrected for drift, and for energy).
 """
 
 from __future__ import annotations
 
 import math
 import os
+import random
+import statistics
 import time
+from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -28,7 +33,7 @@ from infermux.train.predict import (
     MIN_STEADY_STEPS,
     Components,
     Prediction,
-    choose_profiled,
+    covered,
     covering_order,
     fit_components,
     mape,
@@ -72,17 +77,42 @@ class PredictReport:
     validate_s: float = 0.0
     #: The profile share of an epoch the run was given (the budget rule's limit).
     share: float = 0.1
-    #: The first profiled configuration measured again after validation (`_drift_check`).
+    #: The reference configuration re-measured between validations (`_validate`).
     drift: dict[str, Any] | None = None
+    #: How the configurations were profiled (`_profile_plan`): `rule` (≤ the share of an
+    #: epoch, ≥ `MIN_STEADY_STEPS` steady minibatches a half), `thin` (fewer minibatches, more
+    #: configurations, to reach the grid's cells), with `+whole` where whole epochs of
+    #: configurations whose epoch costs seconds were measured instead.
+    profile_mode: str = "rule"
+    #: Held-out configurations in all, and the seed that drew the validated ones.
+    held_out: int = 0
+    validation_seed: int = 0
 
     def scores(self) -> dict[str, Any]:
         """MAPE of the held-out (not profiled) configurations that were measured, %."""
         held = [p for p in self.predictions if p.measured and not p.profiled]
-        out: dict[str, Any] = {"configurations": len(held)}
+        out: dict[str, Any] = {
+            "configurations": len(held), "held_out": self.held_out,
+            "subset": (f"{len(held)} of {self.held_out} held-out configurations, drawn at "
+                       f"random (seed {self.validation_seed}) one model cell at a time, "
+                       "before any prediction was looked at"),
+            "extrapolated": sum(p.extrapolated for p in held)}
         for epoch in ("first", "later"):
             out[f"{epoch}_time_mape_pct"] = mape(
                 [(p.epochs[epoch]["predicted_s"], p.measured.get(epoch, {}).get("s"))
                  for p in held])
+            # The machine's speed moved by `drift` between the profiles and this epoch: the
+            # prediction scaled by it (the reference configuration's own change).
+            corrected: list[tuple[float | None, float | None]] = [
+                ((p.epochs[epoch]["predicted_s"] or 0.0) * (p.measured[epoch]["drift"] or 1.0),
+                 p.measured[epoch].get("s")) for p in held
+                if p.measured.get(epoch, {}).get("drift")]
+            out[f"{epoch}_time_mape_drift_corrected_pct"] = (
+                mape(corrected) if len(corrected) == len(held) else None)
+            # Apart: the configurations of profiled cells (not extrapolated).
+            out[f"{epoch}_time_mape_in_cells_pct"] = mape(
+                [(p.epochs[epoch]["predicted_s"], p.measured.get(epoch, {}).get("s"))
+                 for p in held if not p.extrapolated])
             out[f"{epoch}_energy_mape_pct"] = mape(
                 [(p.epochs[epoch]["predicted_energy_j"],
                   p.measured.get(epoch, {}).get("energy_j")) for p in held])
@@ -118,11 +148,17 @@ class PredictReport:
         allowed = math.ceil(len(self.configs) / 3)
         return {
             "rule": f"profile ≤ {share:.0%} of an epoch for ≤ 1/3 of the configurations",
+            "mode": self.profile_mode,
             "configurations": len(self.configs), "profiled": len(self.profiled),
             "profiled_allowed": allowed, "max_share": max(shares) if shares else None,
             "mean_share": sum(shares) / len(shares) if shares else None,
             "profile_s": sum(r["profile_s"] for r in rows),
             "ok": bool(shares) and len(self.profiled) <= allowed and max(shares) <= share,
+            # The rule's cost in all (a third of the grid at the share each) against what the
+            # profiles cost in epochs: a thin plan profiles more configurations for as much.
+            "total_epochs": sum(shares), "total_epochs_allowed": share * allowed,
+            "ok_in_total": bool(shares) and max(shares) <= share
+            and sum(shares) <= share * allowed,
             "per_config": rows,
         }
 
@@ -141,19 +177,65 @@ class PredictReport:
             "validation_passes": [p.to_dict() for p in self.validation],
             "notes": self.notes, "elapsed_s": self.elapsed_s, "profile_s": self.profile_s,
             "validate_s": self.validate_s, "drift": self.drift,
+            "profile_mode": self.profile_mode,
         }
 
 
-def profile_fits(knobs: Knobs, items: int, share: float) -> bool:
+#: A thin profile's steady minibatches per half (`profile.profile_steps`' floor): the least a
+#: steady time and its spread are taken from.
+THIN_STEADY_STEPS = 3
+#: Where no profile within the rule reaches a cell and a configuration of it is predicted to
+#: take at most this long an epoch, its whole epochs are measured instead (`--whole-epochs-below`).
+WHOLE_EPOCH_S = 10.0
+
+
+def profile_fits(knobs: Knobs, items: int, share: float, steady: int = MIN_STEADY_STEPS
+                 ) -> bool:
     """Whether a profile of `knobs` fits in `share` of its epoch's minibatches.
 
     The profile (`profile.profile_steps`) has `profile.MINIBATCH_SHARE` of the share for its
     minibatches (the rest for its start-up and tail): its ramp (one minibatch per worker) and
-    `MIN_STEADY_STEPS` steady minibatches in each half must fit there.
+    `steady` steady minibatches in each half must fit there.
     """
     per_epoch = math.ceil(items / knobs.batch)
-    return (warmup_steps(knobs.workers) + 2 * MIN_STEADY_STEPS
-            <= MINIBATCH_SHARE * share * per_epoch)
+    return warmup_steps(knobs.workers) + 2 * steady <= MINIBATCH_SHARE * share * per_epoch
+
+
+def _profile_plan(configs: list[Knobs], items: int, share: float, count: int
+                  ) -> tuple[str, list[int], int, float, list[str]]:
+    """(mode, candidates, how many to profile, each one's share, notes): what the rule can do.
+
+    `rule`: `count` profiles of ≤ `share` of an epoch among the configurations with room for
+    the ramp and `MIN_STEADY_STEPS` steady minibatches a half. Where those cannot reach every
+    model cell of the grid (too few of them, or too few configurations for the cells), `thin`:
+    one profile per cell (at most half the grid), each of `share` × `count` / that many (the
+    rule's cost in all, spread over more configurations), with `THIN_STEADY_STEPS` steady
+    minibatches a half, where that reaches more cells.
+    """
+    cells = {model_cell(k) for k in configs}
+    fits = [i for i, k in enumerate(configs) if profile_fits(k, items, share)]
+    reach = min(count, len({model_cell(configs[i]) for i in fits}))
+    notes = []
+    if len(fits) < len(configs):
+        notes.append(
+            f"{len(configs) - len(fits)} configuration(s) have too few minibatches per epoch "
+            f"to profile within {share:.0%} of it with {MIN_STEADY_STEPS} steady minibatches "
+            "per half (their loader's ramp is longer)")
+    # At most half the grid, so that half is left to validate on.
+    many = max(count, min(len(cells), len(configs) // 2))
+    thin_share = share * count / many
+    thin = [i for i, k in enumerate(configs)
+            if profile_fits(k, items, thin_share, THIN_STEADY_STEPS)]
+    reach_thin = min(many, len({model_cell(configs[i]) for i in thin}))
+    if reach == len(cells) or reach_thin <= reach:
+        pool = fits if len(fits) >= count else list(range(len(configs)))
+        return "rule", pool, count, share, notes
+    notes.append(
+        f"thin profiles: {many} configurations at ≤ {thin_share:.1%} of an epoch each (the "
+        f"rule's cost, {count} at {share:.0%}, spread over more), {THIN_STEADY_STEPS}+ steady "
+        f"minibatches per half, so that {reach_thin} of the grid's {len(cells)} model cells "
+        f"are profiled instead of {reach}")
+    return "thin", thin, min(many, len(thin)), thin_share, notes
 
 
 def estimated_share(knobs: Knobs, passes: list[dict[str, Any]], config: TrainConfig,
@@ -281,7 +363,7 @@ def _stored_passes(store: Store, run_id: int, configs: list[Knobs]) -> list[dict
     index = {k.label: i for i, k in enumerate(configs)}
     passes = []
     for data in records.load_passes(store, run_id):
-        if data["label"] in index and data["kind"] != "probe":
+        if data["label"] in index and not data["kind"].startswith("probe"):
             data["config"] = index[data["label"]]
             passes.append(data)
     return passes
@@ -291,7 +373,8 @@ def _reference(store: Store | None, run_id: int) -> list[dict[str, Any]]:
     if store is None:
         raise UsageError("--reference needs the results database: drop --no-store")
     store.run(run_id)  # one line if the run is not there
-    passes = [p for p in records.load_passes(store, run_id) if p["kind"] != "probe"]
+    passes = [p for p in records.load_passes(store, run_id)
+              if not p["kind"].startswith("probe")]
     if not passes:
         raise UsageError(f"--reference {run_id} holds no training passes: give the id of a "
                          "train-profile or train-predict run (see `infermux results list`)")
@@ -301,29 +384,27 @@ def _reference(store: Store | None, run_id: int) -> list[dict[str, Any]]:
     return passes
 
 
-def _pick_validation(configs: list[Knobs], profiled: list[int], validate: int | None,
-                     predictions: list[Prediction] | None = None,
-                     budget_s: float | None = None) -> list[int]:
-    """Held-out configurations to measure, covering the knob levels.
+def validation_order(configs: list[Knobs], profiled: list[int], seed: int) -> list[int]:
+    """Every held-out configuration in a seeded random order, stratified over the model cells.
 
-    `validate` of them (None: all), and with `budget_s` only as many as their predicted two
-    epochs fit in it.
+    The cells (cores, precision, with or without workers, batch) come in a random order and
+    each cell's configurations shuffled; the order takes one of each cell in turn. Nothing
+    predicted is looked at, so a validated subset (a prefix of the order) is not chosen by the
+    errors it scores.
     """
-    held = [i for i in range(len(configs)) if i not in profiled]
-    count = len(held) if validate is None else min(validate, len(held))
-    if budget_s is None or predictions is None:
-        return held if count >= len(held) else _covering(configs, held, count)
-    picked: list[int] = []
-    spent = 0.0
-    for i in _coverage_order(configs, held, count):
-        if len(picked) >= count:
-            break
-        cost = sum(e["predicted_s"] or 0.0 for e in predictions[i].epochs.values()) * 1.15
-        if picked and spent + cost > budget_s:
-            continue
-        picked.append(i)
-        spent += cost
-    return sorted(picked)
+    rng = random.Random(seed)
+    cells: dict[Any, list[int]] = defaultdict(list)
+    for i, k in enumerate(configs):
+        if i not in profiled:
+            cells[model_cell(k)].append(i)
+    keys = sorted(cells, key=str)
+    rng.shuffle(keys)
+    for key in keys:
+        rng.shuffle(cells[key])
+    order: list[int] = []
+    while any(cells[key] for key in keys):
+        order += [cells[key].pop(0) for key in keys if cells[key]]
+    return order
 
 
 def cell_first(configs: list[Knobs], order: list[int], passed: int) -> list[int]:
@@ -337,12 +418,6 @@ def cell_first(configs: list[Knobs], order: list[int], passed: int) -> list[int]
     return same + [j for j in order if j not in same]
 
 
-def _covering(configs: list[Knobs], held: list[int], count: int) -> list[int]:
-    """`count` of the `held` configurations covering the knob levels."""
-    chosen = choose_profiled([configs[i] for i in held], count)
-    return [held[i] for i in chosen]
-
-
 def _coverage_order(configs: list[Knobs], held: list[int], count: int) -> list[int]:
     """The held-out configurations in the order a covering design of `count` adds them."""
     return [held[i] for i in covering_order([configs[i] for i in held], count)]
@@ -353,12 +428,17 @@ def run_train_predict(config: TrainConfig, *, store: Store | None = None,
                       profile_configs: int | None = None, from_run: int | None = None,
                       reference_run: int | None = None, method: str = "auto",
                       validate: int | None = 0,
-                      validate_budget_s: float | None = None) -> PredictReport:
+                      validate_budget_s: float | None = None,
+                      whole_epoch_s: float = WHOLE_EPOCH_S) -> PredictReport:
     """Profile a subset, predict all, validate held-out configurations (module docstring).
 
-    `validate`: 0 = no validation, None = every held-out configuration, N = that many;
-    `validate_budget_s`: only as many as their predicted epochs fit in this many seconds.
+    `validate`: 0 = no validation, None = every held-out configuration, N = that many (drawn
+    at random, `validation_order`); `validate_budget_s`: only as many as fit in this many
+    seconds; `whole_epoch_s`: a cell no profile within the rule reaches gets whole epochs
+    measured where one takes at most this long (0: never).
     """
+    if whole_epoch_s < 0:
+        raise UsageError(f"--whole-epochs-below {whole_epoch_s} s must be 0 (never) or more")
     if method not in ("auto", "simple", "learned"):
         raise UsageError(f"--method {method!r} is not auto, simple or learned")
     if validate is not None and validate < 0:
@@ -382,7 +462,7 @@ def run_train_predict(config: TrainConfig, *, store: Store | None = None,
             _predict_body(setup, report, rec, store=store, progress=progress, share=share,
                           from_run=from_run, reference=reference, method=method,
                           validate=validate, validate_budget_s=validate_budget_s,
-                          started=started)
+                          started=started, whole_epoch_s=whole_epoch_s)
         return report
     finally:
         report.status = rec.status
@@ -393,12 +473,14 @@ def run_train_predict(config: TrainConfig, *, store: Store | None = None,
 def _predict_body(setup: TrainSetup, report: PredictReport, rec: Recording, *,
                   store: Store | None, progress: ProgressFn | None, share: int,
                   from_run: int | None, reference: list[dict[str, Any]] | None, method: str,
-                  validate: int | None, validate_budget_s: float | None, started: float
-                  ) -> None:
+                  validate: int | None, validate_budget_s: float | None, started: float,
+                  whole_epoch_s: float = WHOLE_EPOCH_S) -> None:
     """Profile (or read stored profiles), predict, validate, store: `run_train_predict`'s work."""
     config, configs = setup.config, report.configs
     start_sampler(setup)
     t0 = time.perf_counter()
+    tmpfs = {s: fs_type(path) == "tmpfs" for s, (path, _) in setup.datasets.items()}
+    all_cores = len(os.sched_getaffinity(0))
     if from_run is not None:
         if store is None:
             raise UsageError("--from needs the results database: drop --no-store")
@@ -408,49 +490,29 @@ def _predict_body(setup: TrainSetup, report: PredictReport, rec: Recording, *,
                              "give the same --batch/--workers/... as that run")
         report.profiled = sorted({p["config"] for p in passes})
     else:
-        fits = [i for i, k in enumerate(configs)
-                if profile_fits(k, setup.dataset_items, config.profile_share)]
-        if len(fits) < len(configs):
-            report.notes.append(
-                f"{len(configs) - len(fits)} configuration(s) have too few minibatches per epoch "
-                f"to profile within {config.profile_share:.0%} of it with "
-                f"{MIN_STEADY_STEPS} steady minibatches per half (their loader's ramp is "
-                "longer): they are predicted, not profiled")
-        pool = fits if len(fits) >= share else list(range(len(configs)))
+        mode, pool, count, each, notes = _profile_plan(configs, setup.dataset_items,
+                                                       config.profile_share, share)
+        report.profile_mode = mode
+        report.notes += notes
+        plan = setup if each == config.profile_share else replace(
+            setup, config=replace(config, profile_share=each))
         report.passes, report.profiled = _profile_within_share(
-            setup, configs, pool, share, progress=progress, notes=report.notes)
+            plan, configs, pool, count, progress=progress, notes=report.notes)
         passes = [p.as_data() for p in report.passes if p.status == "ok"]
+        if whole_epoch_s > 0:
+            passes = _whole_epochs(setup, report, passes, whole_epoch_s, progress)
     report.profile_s = time.perf_counter() - t0
-    tmpfs = {s: fs_type(path) == "tmpfs" for s, (path, _) in setup.datasets.items()}
     if progress is not None:
         progress("fitting the predictor", 0.5)
     report.predictions, report.info = predict_all(
-        configs, passes, items=setup.dataset_items, all_cores=len(os.sched_getaffinity(0)),
+        configs, passes, items=setup.dataset_items, all_cores=all_cores,
         tmpfs=tmpfs, method=method, reference=reference)
+    _say_whether_within_rule(report, config.profile_share)
     t1 = time.perf_counter()
     if validate != 0:
-        chosen = _pick_validation(configs, report.profiled, validate, report.predictions,
-                                  validate_budget_s)
-        if len(chosen) < len([i for i in range(len(configs)) if i not in report.profiled]):
-            report.notes.append(f"validated {len(chosen)} held-out configuration(s)"
-                                + (f" within the {validate_budget_s:.0f} s validation budget"
-                                   if validate_budget_s is not None else ""))
-
-        def on_progress(label: str, fraction: float) -> None:
-            if progress is not None:
-                progress(label, 0.5 + 0.5 * fraction)
-
-        report.validation, _ = measure_configs(setup, [configs[i] for i in chosen],
-                                               kind="epoch", progress=on_progress,
-                                               indices=chosen)
-        for done in report.validation:
-            if done.status == "ok" and done.result is not None:
-                report.predictions[done.config].measured[
-                    "first" if done.pass_name == "cold" else "later"] = {
-                    "s": done.result.wall_ns / 1e9, "energy_j": done.energy_j}
+        _validate(setup, report, validate, validate_budget_s, progress=progress,
+                  probes=from_run is None)
     report.validate_s = time.perf_counter() - t1
-    if report.validation and from_run is None:
-        report.drift = _drift_check(setup, report)
     if store is not None and setup.run_id is not None:
         records.add_predictions(store, setup.run_id,
                                 [r for p in report.predictions for r in p.rows()])
@@ -459,42 +521,190 @@ def _predict_body(setup: TrainSetup, report: PredictReport, rec: Recording, *,
         "model": report.info.get("chosen"), "scores": report.scores(),
         "budget": {k: v for k, v in report.budget(config.profile_share).items()
                    if k != "per_config"}, "drift": report.drift,
+        "profile_mode": report.profile_mode,
         "elapsed_s": time.perf_counter() - started}
 
 
-#: A reference profile that moved by more than this between profiling and the end of validation
-#: is reported: the machine itself changed speed, and the measured epochs carry that.
-DRIFT_NOTE = 0.1
+def _whole_epochs(setup: TrainSetup, report: PredictReport, passes: list[dict[str, Any]],
+                  whole_epoch_s: float, progress: ProgressFn | None) -> list[dict[str, Any]]:
+    """Whole epochs of one configuration of each cell no profile reached, where they are short.
 
-
-def _drift_check(setup: TrainSetup, report: PredictReport) -> dict[str, Any] | None:
-    """Profile the first profiled configuration again after validation: did the machine drift.
-
-    The same knobs, minibatches and files as its profile (stored as kind `probe`, never fitted
-    on). The ratio of the steady per-minibatch times, after over before, says how much faster
-    or slower the machine ran the same work once the validation epochs were measured; a
-    prediction error of that size is the machine's, not the predictor's.
+    A cell whose configurations' epochs are too short for a profile within the rule (a ramp and
+    three steady minibatches a half in the share) is otherwise predicted from other cells; where
+    its epoch is predicted (from the profiles so far) to take at most `whole_epoch_s`, its first
+    and later epoch are measured whole (kind `whole`, fitted on as profiles are) instead. The
+    rule does not hold for them, and the budget check says so.
     """
-    for i in report.profiled:
-        before = [p for p in report.passes if p.config == i and p.status == "ok" and p.result]
-        if len(before) == 2:
-            break
-    else:
-        return None
-    probe, _ = measure_configs(setup, [report.configs[i]], kind="probe", indices=[i])
-    after = [p for p in probe if p.status == "ok" and p.result]
-    if len(after) != 2:
-        return {"label": report.configs[i].label, "error": next(
-            (p.error for p in probe if p.error), "the probe did not complete")}
-    out = drift_of(report.configs[i].label, [p.as_data() for p in before],
-                   [p.as_data() for p in after])
-    if out and out["ratio"] is not None and abs(out["ratio"] - 1) > DRIFT_NOTE:
+    configs = report.configs
+    comps = _components(passes)
+    if comps is None:
+        return passes
+    measured: list[str] = []
+    for i, knobs in enumerate(configs):
+        profiled = [configs[j] for j in report.profiled]
+        if i in report.profiled or covered(knobs, profiled):
+            continue
+        # Only cells the rule cannot reach: one left out for the count alone is predicted.
+        if any(profile_fits(k, setup.dataset_items, setup.config.profile_share,
+                            THIN_STEADY_STEPS)
+               for k in configs if model_cell(k) == model_cell(knobs)):
+            continue
+        epoch_s = max(comps.predict(knobs, p, setup.dataset_items)["epoch_s"]
+                      for p in ("cold", "warm"))
+        if epoch_s > whole_epoch_s:
+            continue
+        recs, _ = measure_configs(setup, [knobs], kind="whole", indices=[i],
+                                  progress=(lambda label, _: progress(label, 0.5))
+                                  if progress is not None else None)
+        report.passes += recs
+        if all(r.status == "ok" for r in recs):
+            report.profiled = sorted([*report.profiled, i])
+            passes += [r.as_data() for r in recs]
+            measured.append(f"{knobs.label} (~{epoch_s:.1f} s an epoch)")
+    if measured:
+        report.profile_mode += "+whole"
         report.notes.append(
-            f"the machine drifted: {out['label']} profiled again after validation ran "
-            f"{out['ratio']:.2f}× as long per minibatch ({out['before_ms']:.1f} → "
-            f"{out['after_ms']:.1f} ms); the measured epochs carry that, so part of the error "
-            "is the machine's")
-    return out
+            "whole epochs measured instead of profiles, beyond the rule (their cells have too "
+            f"few minibatches for a profile within it, and an epoch costs under "
+            f"{whole_epoch_s:.0f} s): {', '.join(measured)}")
+    return passes
+
+
+def _say_whether_within_rule(report: PredictReport, share: float) -> None:
+    """A plain verdict: were the predictions made within the rule, and which were not."""
+    extra = report.info.get("extrapolation") or {}
+    outside = extra.get("configurations") or []
+    budget = report.budget(share)
+    held = budget["ok"]
+    if outside:
+        report.info["verdict"] = (
+            f"no prediction within the rule for {len(outside)} of {len(report.configs)} "
+            f"configurations: no profile reached their model cell (their epochs are too short "
+            f"for a profile of ≤ {share:.0%} of them, or the profiles ran out), so they are "
+            f"extrapolated from other cells, with a ±{extra['bound_pct']:.0f}% bound "
+            f"({extra['source']}): {', '.join(outside)}"
+            + ("" if held or budget["ok_in_total"] else
+               f"; and the profiles themselves went beyond it (largest "
+               f"{100 * (budget['max_share'] or 0):.0f}% of its epoch)")
+            + ". For predictions within it, use more data (--images), a larger "
+            "--profile-share, or --whole-epochs-below to measure their short epochs")
+    elif not held and budget["ok_in_total"]:
+        report.info["verdict"] = (
+            f"every prediction within the rule's cost ({budget['rule']}: "
+            f"{budget['total_epochs_allowed']:.2f} epochs in all), spread over "
+            f"{budget['profiled']} thinner profiles instead of {budget['profiled_allowed']} "
+            f"({budget['total_epochs']:.2f} epochs, largest "
+            f"{100 * (budget['max_share'] or 0):.1f}% of its epoch)")
+    elif not held:
+        report.info["verdict"] = (
+            f"predictions made beyond the rule ({budget['rule']}): profiled "
+            f"{budget['profiled']} of {budget['configurations']} configurations, largest "
+            f"profile {100 * (budget['max_share'] or 0):.0f}% of its epoch "
+            f"({report.profile_mode} plan)")
+    else:
+        report.info["verdict"] = f"every prediction within the rule ({budget['rule']})"
+    report.info["within_rule"] = held and not outside
+    # The thin plan profiles more configurations than a third for the rule's cost.
+    report.info["within_rule_cost"] = bool(budget["ok_in_total"]) and not outside
+
+
+def _reference_config(report: PredictReport) -> int | None:
+    """The profiled configuration re-measured for drift: the first with both passes profiled."""
+    for i in report.profiled:
+        ok = [p for p in report.passes if p.config == i and p.kind == "profile"
+              and p.status == "ok" and p.result]
+        if len(ok) == 2:
+            return i
+    return None
+
+
+def _validate(setup: TrainSetup, report: PredictReport, validate: int | None,
+              budget_s: float | None, *, progress: ProgressFn | None, probes: bool) -> None:
+    """Train held-out configurations for two epochs each, a drift probe between each.
+
+    The configurations come in `validation_order` (seeded, stratified over the model cells; no
+    prediction looked at), `validate` of them (None: all), and with `budget_s` as many as fit
+    at the mean cost so far: the next one starts only where it would end within the budget, and
+    none is skipped for a later, cheaper one. With `probes`, the reference configuration
+    (`_reference_config`) is profiled again (kind `probe:N`, never fitted on) before the first
+    and after each: the machine's speed beside each validated epoch, over its speed when it was
+    profiled, is the epoch's `drift` (the geometric mean of the probes before and after it).
+    """
+    configs = report.configs
+    report.validation_seed = setup.config.seed
+    order = validation_order(configs, report.profiled, setup.config.seed)
+    report.held_out = len(order)
+    count = len(order) if validate is None else min(validate, len(order))
+    order = order[:count]
+    ref = _reference_config(report) if probes else None
+    series: list[float | None] = []
+    before = ([p.as_data() for p in report.passes if p.config == ref and p.kind == "profile"
+               and p.status == "ok"] if ref is not None else [])
+
+    def probe(n: int) -> None:
+        if ref is None:
+            return
+        recs, _ = measure_configs(setup, [configs[ref]], kind=f"probe:{n}", indices=[ref])
+        after = [p.as_data() for p in recs if p.status == "ok" and p.result]
+        got = drift_of(configs[ref].label, before, after) if len(after) == 2 else None
+        series.append(got["ratio"] if got else None)
+
+    started = time.perf_counter()
+    costs: list[float] = []
+    done: list[int] = []
+    probe(0)
+    for n, i in enumerate(order):
+        spent = time.perf_counter() - started
+        if budget_s is not None and costs and spent + statistics.fmean(costs) > budget_s:
+            break
+        t = time.perf_counter()
+        if progress is not None:
+            progress(f"epoch {configs[i].label}", 0.5 + 0.5 * n / max(1, count))
+        recs, _ = measure_configs(setup, [configs[i]], kind="epoch", indices=[i])
+        report.validation += recs
+        probe(n + 1)
+        costs.append(time.perf_counter() - t)
+        done.append(i)
+        for r in recs:
+            if r.status == "ok" and r.result is not None:
+                report.predictions[i].measured[
+                    "first" if r.pass_name == "cold" else "later"] = {
+                    "s": r.result.wall_ns / 1e9, "energy_j": r.energy_j}
+    if len(done) < report.held_out:
+        report.notes.append(
+            f"validated {len(done)} of {report.held_out} held-out configuration(s), drawn at "
+            f"random (seed {setup.config.seed}) one model cell at a time"
+            + (f", as many as fit in the {budget_s:.0f} s validation budget"
+               if budget_s is not None and len(done) < count else ""))
+    if ref is None or not series:
+        return
+    for n, i in enumerate(done):
+        around = [r for r in series[n:n + 2] if r]
+        if not around:
+            continue
+        ratio = math.exp(statistics.fmean(math.log(r) for r in around))
+        for fig in report.predictions[i].measured.values():
+            fig["drift"] = ratio
+    good = [r for r in series if r]
+    base = [steady(p) for p in before]
+    before_ms = 1e3 * statistics.fmean(f["T"] for f in base if f) if any(base) else None
+    report.drift = {
+        "label": configs[ref].label, "before_ms": before_ms,
+        "probes": series, "after_ms": (before_ms * good[-1]) if good and before_ms else None,
+        "ratio": good[-1] if good else None,
+        "range": [min(good), max(good)] if good else None,
+        "corrected": "each validated epoch's prediction × its drift, in the scores' "
+                     "*_drift_corrected_pct (time only: energy is not corrected)"}
+    if good and max(abs(r - 1) for r in good) > DRIFT_NOTE:
+        report.notes.append(
+            f"the machine drifted: {configs[ref].label} re-profiled beside the validation ran "
+            f"{min(good):.2f}–{max(good):.2f}× as long per minibatch as when profiled; the "
+            "time scores are given as measured and corrected for it")
+
+
+#: A reference profile that moved by more than this between profiling and validation is
+#: reported: the machine itself changed speed, and the measured epochs carry that.
+DRIFT_NOTE = 0.1
 
 
 def drift_of(label: str, before: list[dict[str, Any]], after: list[dict[str, Any]]
@@ -545,7 +755,8 @@ def repredict(store: Store, run_id: int, *, reference_run: int | None = None,
     configs = _grid_configs(config["grid"])
     index = {k.label: i for i, k in enumerate(configs)}
     passes = records.load_passes(store, run_id)
-    profile = [p for p in passes if p["kind"] == "profile" and p.get("status", "ok") == "ok"]
+    profile = [p for p in passes if p["kind"] in ("profile", "whole")
+               and p.get("status", "ok") == "ok"]
     epochs = [p for p in passes if p["kind"] == "epoch" and p.get("status", "ok") == "ok"]
     for p in profile + epochs:
         p["config"] = index[p["label"]]
@@ -556,21 +767,58 @@ def repredict(store: Store, run_id: int, *, reference_run: int | None = None,
     predictions, info = predict_all(configs, profile, items=config["dataset_items"],
                                     all_cores=all_cores, tmpfs=tmpfs, method=method,
                                     reference=reference)
+    drift = _stored_drift(passes, profile, epochs)
     for p in epochs:
         predictions[p["config"]].measured["first" if p["pass"] == "cold" else "later"] = {
-            "s": p["wall_ns"] / 1e9, "energy_j": p.get("energy_j")}
+            "s": p["wall_ns"] / 1e9, "energy_j": p.get("energy_j"),
+            "drift": (drift or {}).get("by_config", {}).get(p["config"])}
     report = PredictReport(run_id, config.get("model", {}), configs,
                            sorted({p["config"] for p in profile}), predictions, info, [], [],
-                           config["dataset_items"])
+                           config["dataset_items"],
+                           held_out=len(configs) - len({p["config"] for p in profile}),
+                           validation_seed=int(config.get("seed", 0) or 0))
     shares = {}
     for i in report.profiled:
         spent = sum(p["wall_ns"] for p in profile if p["config"] == i) / 1e9
         epoch = min(e["predicted_s"] or math.inf for e in predictions[i].epochs.values())
         shares[configs[i].label] = spent / epoch
-    probes = [p for p in passes if p["kind"] == "probe" and p.get("status", "ok") == "ok"]
-    drift = drift_of(probes[0]["label"], [p for p in profile if p["label"] == probes[0]["label"]],
-                     probes) if probes else None
     return {"run_id": run_id, "configs": [k.label for k in configs], "profile_shares": shares,
             "profiled": [configs[i].label for i in report.profiled], "model_info": info,
-            "scores": report.scores(), "drift": drift,
+            "scores": report.scores(),
+            "drift": {k: v for k, v in drift.items() if k != "by_config"} if drift else None,
             "predictions": [r for p in predictions for r in p.rows()]}
+
+
+def _stored_drift(passes: list[dict[str, Any]], profile: list[dict[str, Any]],
+                  epochs: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """A stored run's drift: its probes against its reference's profile, per validated epoch.
+
+    Probes `probe:N` were measured before the first validated configuration and after each
+    (`_validate`); a run stored before them has one `probe`, after the validation, whose ratio
+    is every epoch's.
+    """
+    probes = [p for p in passes if p["kind"].startswith("probe") and p.get("status", "ok") == "ok"]
+    if not probes:
+        return None
+    label = probes[0]["label"]
+    before = [p for p in profile if p["label"] == label]
+    rounds: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for p in probes:
+        rounds[p["kind"]].append(p)
+    keys = sorted(rounds, key=lambda k: int(k.split(":")[1]) if ":" in k else 10**9)
+    series = []
+    for key in keys:
+        got = drift_of(label, before, rounds[key])
+        series.append(got["ratio"] if got else None)
+    validated = list(dict.fromkeys(p["config"] for p in epochs))
+    by_config: dict[int, float] = {}
+    for n, cfg in enumerate(validated):
+        around = [r for r in (series[n:n + 2] if len(series) > 1 else series) if r]
+        if around:
+            by_config[cfg] = math.exp(statistics.fmean(math.log(r) for r in around))
+    good = [r for r in series if r]
+    first = drift_of(label, before, rounds[keys[0]]) if keys else None
+    return {"label": label, "before_ms": first["before_ms"] if first else None,
+            "probes": series, "ratio": good[-1] if good else None,
+            "after_ms": (first["before_ms"] * good[-1]) if first and good else None,
+            "range": [min(good), max(good)] if good else None, "by_config": by_config}

@@ -1,0 +1,161 @@
+"""The predictor on networks it was not developed with: four architectures, two data set sizes.
+
+A mobile network, an EfficientNet, a RegNet or ConvNeXt and a ViT (torchvision's, random
+weights), each on a small data set (short epochs: the profile rule cannot reach every model
+cell, so the run profiles thinner or measures whole epochs, and says which) and a larger one,
+each run fresh: `train-predict` profiles, predicts every configuration's first and later epoch,
+and validates held-out configurations (drawn at random, one model cell at a time) with the
+reference configuration re-profiled between them for the machine's drift. For each run: MAPE
+of time and energy (as measured and corrected for drift), how many configurations were
+validated of how many held out, the profile budget, the verdict on the rule, and for each epoch
+missed by more than 10% the term of the model that missed it (start-up, compute, loader,
+contention; measured from the epoch's own minibatches). The first network of each data set is
+the reference the others' learned correction is transferred from (kept only where its
+leave-one-configuration-out error beats the simple model's). Everything goes to `OUT/train-nets.db`
+and `OUT/train-nets.json`. The validation time of each run is its share of what is left of
+`--budget-s`.
+
+    # GPU (one command, ~9 min on an H100 host)
+    python bench/train_nets.py --unit cuda:0 --out gpu-nets
+    # CPU (one core of a two-core machine; ~25 min)
+    python bench/train_nets.py --unit cpu --out cpu-nets
+    python bench/train_nets.py --unit cpu --out cpu-quick --quick   # a smoke check
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from infermux.models import ModelSpec
+from infermux.store import Store
+from infermux.train import DataSpec, Grid, TrainConfig, run_train_predict
+from train_common import print_figure, summary
+
+HERE = Path(__file__).resolve().parent
+
+#: Per unit: networks (`vit` is `train_models.py:vit_SIZE`), data sets (images×side), the grid.
+DEFAULTS = {
+    "gpu": {"models": "mobilenet_v3_large,efficientnet_b0,regnet_y_400mf,vit",
+            "datasets": "6000x64,24000x96", "batch": "32,128", "workers": "2,8",
+            "precision": "fp32,amp", "budget_s": 450.0},
+    "cpu": {"models": "mobilenet_v3_small,efficientnet_b0,regnet_x_400mf,vit",
+            "datasets": "800x32,3200x32", "batch": "16,64", "workers": "1,2",
+            "precision": "fp32", "budget_s": 1500.0},
+}
+
+
+def _model(name: str, size: int) -> str:
+    return f"{HERE / 'train_models.py'}:vit_{size}" if name == "vit" else name
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="output folder")
+    parser.add_argument("--unit", default="cuda:0", help="cuda:N or cpu")
+    parser.add_argument("--models", default=None, help="comma list (default per unit)")
+    parser.add_argument("--datasets", default=None,
+                        help="images×side per data set, e.g. 6000x64,24000x96")
+    parser.add_argument("--batch", default=None)
+    parser.add_argument("--workers", default=None)
+    parser.add_argument("--precision", default=None)
+    parser.add_argument("--classes", type=int, default=100)
+    parser.add_argument("--cores", default=None,
+                        help="CPU only: the core set to train on (default: the first usable "
+                             "core; two intra-op threads on a shared two-core machine spin "
+                             "while others run, up to 20× slower per minibatch)")
+    parser.add_argument("--profile-share", type=float, default=0.1)
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="the whole command's time: each run validates within its share")
+    parser.add_argument("--quick", action="store_true",
+                        help="a smoke check: one network, one small data set")
+    args = parser.parse_args()
+    d = DEFAULTS["cpu" if args.unit == "cpu" else "gpu"]
+    models = (args.models or d["models"]).split(",")
+    datasets = [tuple(int(v) for v in s.split("x")) for s in (args.datasets
+                                                              or d["datasets"]).split(",")]
+    batch = [int(b) for b in (args.batch or d["batch"]).split(",")]
+    workers = [int(w) for w in (args.workers or d["workers"]).split(",")]
+    precision = (args.precision or d["precision"]).split(",")
+    budget_s = args.budget_s or d["budget_s"]
+    cores: list[tuple[int, ...] | None] = [None]
+    if args.unit == "cpu":
+        cores = [tuple(int(c) for c in args.cores.split(",")) if args.cores
+                 else (min(os.sched_getaffinity(0)),)]
+    if args.quick:
+        models, datasets, budget_s = models[:1], datasets[:1], 120.0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    runs = [(m, n, s) for n, s in datasets for m in models]
+    started = time.time()
+    results: dict[str, dict] = {}
+    # The first network of each data set is the transfer's reference for the others (the
+    # learned correction needs scikit-learn; without it, the simple model alone).
+    method = "auto" if importlib.util.find_spec("sklearn") else "simple"
+    references: dict[tuple[int, int], int] = {}
+    with Store(out / "train-nets.db") as store:
+        for k, (name, images, size) in enumerate(runs):
+            left = budget_s - (time.time() - started)
+            if left < 20:
+                print(f"skipping {name} {images}x{size}: {left:.0f} s of the budget left",
+                      flush=True)
+                continue
+            config = TrainConfig(
+                ModelSpec(_model(name, size), input_shape=(3, size, size)),
+                Grid(batch=batch, workers=workers, pin_memory=[args.unit.startswith("cuda")],
+                     storage=["disk"], cores=cores, precision=precision),
+                data=DataSpec(count=images, size=size, classes=args.classes),
+                unit=args.unit, disk_dir=str(out / "data"), profile_steps=400,
+                profile_share=args.profile_share)
+            # This run's share of what is left, less its set-up and profiles (~a third).
+            validate_s = max(10.0, 0.65 * left / (len(runs) - k))
+            key = f"{name} {images}x{size}"
+            report = run_train_predict(
+                config, store=store, validate=None, validate_budget_s=validate_s,
+                method=method, reference_run=references.get((images, size))
+                if method != "simple" else None, command=" ".join(sys.argv),
+                progress=lambda label, f, key=key: print(
+                    f"[{time.time() - started:5.0f}s] {key}: {label}", flush=True))
+            if report.run_id is not None:
+                references.setdefault((images, size), report.run_id)
+            results[key] = summary(report, started, vars(args) | {
+                "model": name, "images": images, "size": size})
+            print_figure(key, results[key])
+            (out / "train-nets.json").write_text(json.dumps(results, indent=1, default=str))
+    print("\n" + _table(results))
+    print(f"wrote {out / 'train-nets.json'} in {time.time() - started:.0f} s")
+
+
+def _table(results: dict[str, dict]) -> str:
+    """One line per run: MAPE (time three ways, energy), the subset, the drift, the plan.
+
+    Time as measured, corrected for drift, and over the configurations of profiled cells only.
+    """
+
+    def pct(v: float | None) -> str:
+        return f"{v:5.1f}" if v is not None else "    -"
+
+    lines = [f"{'run':<34} {'time 1st/later %':>17} {'corrected %':>13} {'in cells %':>13} "
+             f"{'energy %':>13} {'valid.':>7} {'drift':>11} plan"]
+    for key, fig in results.items():
+        s, dr = fig["scores"], fig.get("drift") or {}
+        rng = dr.get("range")
+        lines.append(
+            f"{key:<34} {pct(s['first_time_mape_pct'])} / {pct(s['later_time_mape_pct'])} "
+            f"{pct(s.get('first_time_mape_drift_corrected_pct'))} / "
+            f"{pct(s.get('later_time_mape_drift_corrected_pct'))} "
+            f"{pct(s.get('first_time_mape_in_cells_pct'))} / "
+            f"{pct(s.get('later_time_mape_in_cells_pct'))} "
+            f"{pct(s['first_energy_mape_pct'])} / {pct(s['later_energy_mape_pct'])} "
+            f"{s['configurations']:>3}/{s.get('held_out', '?'):<3} "
+            f"{(f'{rng[0]:.2f}-{rng[1]:.2f}' if rng else '-'):>11} {fig.get('profile_mode')}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

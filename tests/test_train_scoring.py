@@ -1,0 +1,195 @@
+"""How honestly the training predictor is scored: leave-one-out, the validated subset, drift,
+and predictions outside the profiled cells."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import sqlite3
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from infermux.cli import main
+from infermux.train import Grid, Knobs
+from infermux.train.predict import (
+    Prediction,
+    _rows_without,
+    _training_rows,
+    choose_profiled,
+    model_cell,
+    predict_all,
+)
+from infermux.train.run import (
+    THIN_STEADY_STEPS,
+    PredictReport,
+    _profile_plan,
+    _stored_drift,
+    validation_order,
+)
+
+from .conftest import ROOT
+from .test_train import _synthetic_pass
+
+FACTORY = f"{ROOT / 'bench' / 'train_models.py'}:small_cnn"
+ITEMS = 4096
+
+
+def _passes(configs: list[Knobs], indices: list[int], slow: dict[int, float] | None = None
+            ) -> list[dict]:
+    return [_synthetic_pass(i, configs[i], p, ITEMS, 12, slow=(slow or {}).get(i, 1.0))
+            for i in indices for p in ("cold", "warm")]
+
+
+def test_a_held_out_configuration_reaches_no_row_it_is_scored_against() -> None:
+    """The learned correction's rows with a configuration held out are rebuilt without it.
+
+    Its passes changed (three times as slow) leave the rows it is scored against unchanged;
+    the rows as they were before (each configuration's target from the others' components,
+    the held-out one's among them) change: that was the leak.
+    """
+    configs = Grid(batch=[8, 32, 128], workers=[0, 1, 4], storage=["tmpfs"]).configs()
+    profiled = choose_profiled(configs, 6)
+    held = profiled[2]
+    tmpfs = {"tmpfs": True}
+    clean, slowed = _passes(configs, profiled), _passes(configs, profiled, {held: 3.0})
+    a = _rows_without(clean, 2, tmpfs)(held)
+    b = _rows_without(slowed, 2, tmpfs)(held)
+    assert held not in set(a[3]) and np.allclose(a[0], b[0]) and np.allclose(a[1], b[1])
+    leaky_a, leaky_b = _training_rows(clean, 2, tmpfs), _training_rows(slowed, 2, tmpfs)
+    others = leaky_a[3] != held
+    assert not np.allclose(leaky_a[1][others], leaky_b[1][others])
+
+
+def test_the_transfer_error_is_scored_on_configurations_left_out() -> None:
+    """A transferred correction's line is fitted on the new network's profiles: scored on the
+    same rows it flatters itself; each configuration scored by a line fitted without it, not."""
+    pytest.importorskip("sklearn")
+    configs = Grid(batch=[8, 32, 128], workers=[0, 1, 4], storage=["disk", "tmpfs"],
+                   persistent_workers=[False, True]).configs()
+    reference = _passes(configs, choose_profiled(configs, 6),
+                        {i: 0.7 for i, k in enumerate(configs) if k.persistent_workers})
+    for p in reference:
+        p["config"] += 10_000
+    profiled = choose_profiled(configs, 6)
+    rng = random.Random(3)
+    noisy = _passes(configs, profiled, {i: rng.uniform(0.7, 1.4) for i in profiled})
+    _, info = predict_all(configs, noisy, items=ITEMS, all_cores=2,
+                          tmpfs={"disk": False, "tmpfs": True}, method="auto",
+                          reference=reference)
+    transfer = info["transfer"]
+    assert transfer["error_kind"] == "leave-one-configuration-out"
+    assert transfer["error_pct"] > 1.2 * transfer["in_sample_error_pct"]
+    assert info["loo"] == "leave-one-configuration-out"
+
+
+def test_validation_is_drawn_at_random_per_cell_without_the_predictions() -> None:
+    configs = Grid(batch=[16, 64], workers=[0, 1, 2], storage=["tmpfs", "disk"]).configs()
+    profiled = [0, 5]
+    order = validation_order(configs, profiled, seed=7)
+    assert sorted(order) == [i for i in range(len(configs)) if i not in profiled]
+    assert order == validation_order(configs, profiled, seed=7)
+    assert order != validation_order(configs, profiled, seed=8)
+    cells = {model_cell(configs[i]) for i in order}
+    # The first round takes one configuration of every cell: any prefix is spread over them.
+    assert {model_cell(configs[i]) for i in order[:len(cells)]} == cells
+
+
+def test_a_cell_no_profile_reached_is_extrapolated_with_a_wider_bound() -> None:
+    configs = Grid(batch=[8, 32, 128], workers=[0, 1, 4], storage=["tmpfs"]).configs()
+    index = {(k.workers, k.batch): i for i, k in enumerate(configs)}
+    # Without workers only batch 8 is profiled: batch 32 and 128 there are outside every
+    # profiled cell; with workers 8 and 128 are, so 32 between them is interpolated.
+    profiled = [index[(0, 8)], index[(1, 8)], index[(4, 128)]]
+    predictions, info = predict_all(configs, _passes(configs, profiled), items=ITEMS,
+                                    all_cores=2, tmpfs={"tmpfs": True}, method="simple")
+    outside = {configs[i].label for i in (index[(0, 32)], index[(0, 128)])}
+    assert set(info["extrapolation"]["configurations"]) == outside
+    assert info["extrapolation"]["source"].startswith("leave-one-cell-out")
+
+    def width(p: Prediction) -> float:
+        e = p.epochs["later"]
+        return (e["high_s"] or 0.0) / (e["low_s"] or 1.0)
+
+    by = {p.knobs.label: p for p in predictions}
+    inside = by[configs[index[(1, 32)]].label]
+    assert not inside.extrapolated and all(by[label].extrapolated for label in outside)
+    assert all(width(by[label]) > width(inside) for label in outside)
+    assert all(r["extrapolated"] for label in outside for r in by[label].rows())
+
+
+def test_thin_profiles_where_the_rule_cannot_reach_every_cell() -> None:
+    """Batch 128 on 24,000 items: 188 minibatches an epoch, too few for a ramp and 8 steady
+    minibatches a half within 10%; thin profiles (3 a half, the rule's cost spread over one
+    configuration per cell) reach its cells."""
+    configs = Grid(batch=[32, 128], workers=[2, 8], precision=["fp32", "amp"]).configs("cuda:0")
+    mode, pool, count, each, notes = _profile_plan(configs, 24000, 0.1, 3)
+    assert mode == "thin" and count == 4 and each == pytest.approx(0.1 * 3 / 4)
+    assert {model_cell(configs[i]) for i in pool} == {model_cell(k) for k in configs}
+    assert any("thin profiles" in n for n in notes) and THIN_STEADY_STEPS == 3
+    # With data enough for every cell within the rule, the rule's plan.
+    mode, _, count, each, _ = _profile_plan(configs, 200_000, 0.1, 4)
+    assert (mode, count, each) == ("rule", 4, 0.1)
+
+
+def test_drift_probes_correct_each_validated_epoch() -> None:
+    """The reference re-profiled before the first validated configuration and after each:
+    the machine slowed by half after the first; each epoch takes the probes around it."""
+    configs = Grid(batch=[8, 32], workers=[0, 1], storage=["tmpfs"]).configs()
+    profile = _passes(configs, [0])
+    probes = []
+    for n, slow in enumerate((1.0, 1.5, 1.5)):
+        for p in _passes(configs, [0], {0: slow}):
+            probes.append(p | {"kind": f"probe:{n}"})
+    epochs = [_synthetic_pass(i, configs[i], p, ITEMS, 20, epoch=True)
+              for i in (2, 3) for p in ("cold", "warm")]
+    drift = _stored_drift(profile + probes + epochs, profile, epochs)
+    assert drift is not None and drift["probes"] == pytest.approx([1.0, 1.5, 1.5])
+    assert drift["by_config"][2] == pytest.approx(math.sqrt(1.5))
+    assert drift["by_config"][3] == pytest.approx(1.5)
+    # Scored: a prediction that was right for the machine as profiled is 0% off corrected.
+    preds = []
+    for i, ratio in ((2, math.sqrt(1.5)), (3, 1.5)):
+        pred = Prediction(i, configs[i], False, "simple",
+                          {e: {"predicted_s": 10.0, "low_s": 9.0, "high_s": 11.0,
+                               "predicted_energy_j": None}
+                           for e in ("first", "later")})
+        pred.measured = {e: {"s": 10.0 * ratio, "energy_j": None, "drift": ratio}
+                         for e in ("first", "later")}
+        preds.append(pred)
+    report = PredictReport(None, {}, configs, [0], [Prediction(0, configs[0], True, "profile",
+                                                              {}), *preds], {}, [], [], ITEMS,
+                           held_out=3)
+    scores = report.scores()
+    assert scores["later_time_mape_pct"] > 20
+    assert scores["later_time_mape_drift_corrected_pct"] == pytest.approx(0.0, abs=1e-9)
+    assert scores["configurations"] == 2 and scores["held_out"] == 3
+    preds[0].extrapolated = True  # scored apart as well as in the whole
+    scores = report.scores()
+    assert scores["later_time_mape_in_cells_pct"] == pytest.approx(100 / 3)  # 10 s for 15 s
+    assert scores["extrapolated"] == 1
+
+
+def test_short_epochs_are_measured_whole_and_the_verdict_says_the_rule_did_not_hold(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """96 items of batch 8 and 16: no profile of a ramp and 3 steady minibatches a half fits
+    in 10% of such an epoch; the epochs cost well under a second, so one configuration is
+    profiled (outside the rule) and the other cell's epochs are measured whole."""
+    db = tmp_path / "r.db"
+    main(["train-predict", "-m", FACTORY, "--input-shape", "3x16x16", "--images", "96",
+          "--image-size", "16", "--disk-dir", str(tmp_path / "disk"), "--db", str(db),
+          "--telemetry", "off", "--batch", "8,16", "--workers", "0", "--profile-steps", "6",
+          "--validate", "0", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert report["profile_mode"].endswith("+whole")
+    kinds = {p["kind"] for p in report["profile_passes"]}
+    assert "whole" in kinds
+    assert report["budget"]["ok"] is False
+    assert report["model_info"]["within_rule"] is False
+    assert "beyond the rule" in report["model_info"]["verdict"]
+    assert not report["model_info"]["extrapolation"]["configurations"]
+    with sqlite3.connect(db) as con:
+        stored = con.execute("SELECT COUNT(*) FROM train_passes WHERE kind = 'whole'").fetchone()
+    assert stored[0] == 2  # its first and later epoch
