@@ -18,9 +18,17 @@ from infermux.progress import ProgressFn
 from infermux.store import Store
 
 __all__ = [
-    "Point", "StudyConfig", "StudyReport", "max_duration_s", "measure_points", "unit_of_worker",
+    "MIN_DURATION_S", "Point", "StudyConfig", "StudyReport", "check_budget", "estimate_s",
+    "max_duration_s", "measure_points", "unit_of_worker",
 ]
 
+#: The shortest measured time a study gives a point when its budget is tight.
+MIN_DURATION_S = 0.5
+#: Trials of a server point: the runtime's peak search runs an offline trial, then bisects the
+#: rate six times.
+PEAK_TRIALS = 7
+#: Seconds around each trial that are not its measured time (warm-up, the drain of the queue).
+_TRIAL_SLACK_S = 0.5
 
 
 @dataclass
@@ -91,6 +99,14 @@ class Point:
     #: is stored too); None when `plan` is known up front.
     prepare: Callable[[Store | None, dict[str, Any]], dict[str, Any]] | None = field(
         default=None, repr=False)
+    #: Part of the study's central comparison: the budget is planned so these all run; the
+    #: others (more instances) run with what is left.
+    central: bool = True
+    #: The offline point of the same mode and batch: its items/s tells how long a server
+    #: point's low-rate trials take to reach their query count.
+    twin: int | None = None
+    #: Seconds its plan's setup takes beyond its trials (a partitioning run, for a pipeline).
+    setup_s: float = 0.0
 
     def record(self, index: int) -> dict[str, Any]:
         """The stored row's content."""
@@ -178,6 +194,96 @@ def _energy(sampler: Any, devices: Sequence[str], t0: int | None, t1: int,
     return {k: record.get(k) for k in ("energy_per_item_j", "mean_power_w", "energy_source")}
 
 
+def _startup_s(point: Point, config: StudyConfig) -> float:
+    """A guess of the seconds a point takes to build its workers (corrected as points end)."""
+    units = point.params.get("units") or []
+    if any(not str(u).startswith("cpu") for u in units):
+        return 4.0  # a GPU worker: CUDA context, runners per batch bucket
+    return 4.0 if config.cpu_workers == "process" else 1.0
+
+
+def _server(point: Point) -> bool:
+    load = (point.plan or {}).get("load") or {}
+    return point.params.get("scenario") == "server" or load.get("scenario") == "server"
+
+
+def estimate_s(point: Point, config: StudyConfig, duration_s: float,
+               points: Sequence[Point] = ()) -> float:
+    """The seconds `point` should take if each of its trials is measured for `duration_s`.
+
+    A server point's peak search runs PEAK_TRIALS trials, and those at low rates last until
+    their query count: at half its twin's offline items/s (the bisection's first rate),
+    `min_queries` queries take min_queries ÷ that rate.
+    """
+    if point.status == "skipped" and point.plan is None and point.prepare is None:
+        return 0.0
+    trial = duration_s + _TRIAL_SLACK_S
+    total = _startup_s(point, config) + point.setup_s + trial
+    if _server(point):
+        slow = duration_s
+        twin = points[point.twin] if point.twin is not None and point.twin < len(points) else None
+        rate = (twin.figures.get("items_per_s") if twin is not None else None) or 0.0
+        if rate > 0:
+            slow = max(duration_s, config.min_queries / (0.5 * rate))
+        total += (PEAK_TRIALS - 1) * (slow + _TRIAL_SLACK_S)
+    return total
+
+
+def _fit_duration_s(rest: Sequence[Point], config: StudyConfig, points: Sequence[Point],
+                    scale: float, left_s: float) -> float | None:
+    """The longest per-trial time, at most `config.duration_s`, that lets `rest` end in time.
+
+    None when even MIN_DURATION_S does not fit `rest` into `left_s`.
+    """
+    def cost(d: float) -> float:
+        return scale * sum(estimate_s(p, config, d, points) for p in rest)
+
+    hi = config.duration_s
+    lo = min(MIN_DURATION_S, hi)
+    if cost(hi) <= left_s:
+        return hi
+    if cost(lo) > left_s:
+        return None
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if cost(mid) <= left_s else (lo, mid)
+    return lo
+
+
+def check_budget(config: StudyConfig, points: Sequence[Point]) -> dict[str, Any]:
+    """Before anything runs: the planned seconds per trial, or a UsageError saying what fits.
+
+    The central points must fit at MIN_DURATION_S a trial (guessed start-up costs included);
+    the others are planned with what is left, and those that do not fit are named.
+    """
+    import math
+
+    central = [p for p in points if p.central]
+    need_s = sum(estimate_s(p, config, min(MIN_DURATION_S, config.duration_s), points)
+                 for p in central)
+    if need_s > config.budget_s:
+        servers = sum(1 for p in central if _server(p) and p.plan is not None)
+        runs = sum(1 for p in central if p.plan is not None or p.prepare is not None)
+        raise UsageError(
+            f"--budget {config.budget_s:g}s is too small for study {config.name}: its "
+            f"{runs} central points ({servers} of them server peak searches of {PEAK_TRIALS} "
+            f"trials) need about {need_s:.0f} s even at {MIN_DURATION_S:g} s a trial; "
+            f"--budget {math.ceil(need_s * 1.25 / 60)}m would fit, or pass fewer --batch sizes")
+    duration = _fit_duration_s(central, config, points, 1.0, config.budget_s) or MIN_DURATION_S
+    left = config.budget_s - sum(estimate_s(p, config, duration, points) for p in central)
+    extra = [p for p in points if not p.central and (p.plan is not None or p.prepare)]
+    fits = 0
+    for p in extra:
+        cost = estimate_s(p, config, duration, points)
+        if cost > left:
+            break
+        left -= cost
+        fits += 1
+    return {"duration_s": duration, "central_points": len(central),
+            "other_points": len(extra), "other_points_that_fit": fits,
+            "estimate_s": config.budget_s - left}
+
+
 def measure_points(
     config: StudyConfig,
     points: list[Point],
@@ -191,67 +297,89 @@ def measure_points(
 ) -> str:
     """Run each point's plan in order until the budget ends; returns `complete` or `interrupted`.
 
-    A point starts only if the mean cost of the points so far still fits before `deadline`;
-    the ones that do not are recorded as skipped for the budget. A point that cannot run here
-    (a usage error: too few cores for its instances) is skipped with the reason; one that fails
-    is recorded with its error and the study goes on.
+    The budget is split over the points still to run: each point's trials are measured for
+    `config.duration_s`, or less (not under MIN_DURATION_S) when the central points left would
+    not otherwise fit before `deadline`; the estimates are scaled by how long the points so far
+    took against theirs. A point that does not fit even so is recorded as skipped for the
+    budget. A point that cannot run here (a usage error: too few cores for its instances) is
+    skipped with the reason; one that fails is recorded with its error and the study goes on.
     """
-    from infermux.runtime import parse_plan, run_plan
-
-    costs: list[float] = []
+    taken_s = guessed_s = 0.0
     status = "complete"
     for i, point in enumerate(points):
         if progress is not None:
             progress(f"{config.name}: {point.variant}", i / max(1, len(points)))
         if point.plan is None and point.prepare is None:
             pass  # decided when the grid was built (skipped, with its reason)
-        elif costs and time.monotonic() + sum(costs) / len(costs) > deadline:
-            point.status, point.error = "skipped", "budget: not started (raise --budget)"
         else:
-            started = time.monotonic()
-            marks: dict[str, int] = {}
-
-            def mark(label: str, fraction: float, marks: dict[str, int] = marks) -> None:
-                if label == "built":
-                    marks["t0"] = time.perf_counter_ns()
-
-            try:
-                if point.plan is None and point.prepare is not None:
-                    point.plan = point.prepare(store, point.params)
-                assert point.plan is not None
-                data = {**point.plan, "dispatcher": {**(point.plan.get("dispatcher") or {}),
-                                                     "cpu_workers": config.cpu_workers}}
-                plan = parse_plan(data, source=f"{config.name} point {i}")
-                report = run_plan(plan, store=store, progress=mark,
-                                  command=f"infermux study {config.name} (point {i})")
-                t1 = time.perf_counter_ns()
-                point.sub_run_id = report.run_id
-                point.figures = _figures(report, point.params.get("units") or [])
-                if point.figures.get("scenario") == "offline":
-                    completed = int(((report.final or {}).get("completed_samples")) or 0)
-                    point.figures.update(_energy(sampler, devices, marks.get("t0"), t1,
-                                                 completed))
-                if report.status == "interrupted":
-                    point.status, point.error = "interrupted", "interrupted by the user"
-                elif point.figures["failed_workers"]:
-                    point.status = "error"
-                    point.error = "; ".join(point.figures["failed_workers"])
-                else:
-                    point.status = "ok" if point.figures["valid"] else "invalid"
-                    point.error = "; ".join(point.figures["notes"]) or None
-            except InfermuxError as exc:
-                _outcome(point, exc)
-            except KeyboardInterrupt:
-                point.status, point.error = "interrupted", "interrupted by the user"
-            costs.append(time.monotonic() - started)
+            scale = min(10.0, max(0.25, taken_s / guessed_s)) if guessed_s else 1.0
+            left_s = deadline - time.monotonic()
+            rest = [p for p in points[i:] if p.central and p.status == "pending"] \
+                if point.central else [point]
+            duration = _fit_duration_s(rest, config, points, scale, left_s)
+            if duration is None and scale * estimate_s(point, config, min(
+                    MIN_DURATION_S, config.duration_s), points) <= left_s:
+                duration = min(MIN_DURATION_S, config.duration_s)  # the points after may not fit
+            if duration is None:
+                point.status, point.error = "skipped", "budget: not started (raise --budget)"
+            else:
+                guess = estimate_s(point, config, duration, points)
+                started = time.monotonic()
+                _measure(config, point, i, duration, store, sampler, devices)
+                taken_s += time.monotonic() - started
+                guessed_s += guess
         if store is not None and study_run is not None:
             _store_point(store, study_run, i, point)
         if point.status == "interrupted":
             status = "interrupted"
-            for rest in points[i + 1:]:
-                rest.status, rest.error = "skipped", "the study was interrupted"
+            for rest_point in points[i + 1:]:
+                rest_point.status, rest_point.error = "skipped", "the study was interrupted"
             break
     return status
+
+
+def _measure(config: StudyConfig, point: Point, i: int, duration_s: float,
+             store: Store | None, sampler: Any, devices: Sequence[str]) -> None:
+    """Run one point's plan, its trials measured for `duration_s`; fill in its outcome."""
+    from infermux.runtime import parse_plan, run_plan
+
+    marks: dict[str, int] = {}
+
+    def mark(label: str, fraction: float, marks: dict[str, int] = marks) -> None:
+        if label == "built":
+            marks["t0"] = time.perf_counter_ns()
+
+    point.params["duration_s"] = round(duration_s, 3)
+    try:
+        if point.plan is None and point.prepare is not None:
+            point.plan = point.prepare(store, point.params)
+        if point.plan is None:
+            raise UsageError(f"point {point.variant!r} has no plan")
+        load = {**(point.plan.get("load") or {}), "min_duration_s": duration_s}
+        data = {**point.plan, "load": load,
+                "dispatcher": {**(point.plan.get("dispatcher") or {}),
+                               "cpu_workers": config.cpu_workers}}
+        plan = parse_plan(data, source=f"{config.name} point {i}")
+        report = run_plan(plan, store=store, progress=mark,
+                          command=f"infermux study {config.name} (point {i})")
+        t1 = time.perf_counter_ns()
+        point.sub_run_id = report.run_id
+        point.figures = _figures(report, point.params.get("units") or [])
+        if point.figures.get("scenario") == "offline":
+            completed = int(((report.final or {}).get("completed_samples")) or 0)
+            point.figures.update(_energy(sampler, devices, marks.get("t0"), t1, completed))
+        if report.status == "interrupted":
+            point.status, point.error = "interrupted", "interrupted by the user"
+        elif point.figures["failed_workers"]:
+            point.status = "error"
+            point.error = "; ".join(point.figures["failed_workers"])
+        else:
+            point.status = "ok" if point.figures["valid"] else "invalid"
+            point.error = "; ".join(point.figures["notes"]) or None
+    except InfermuxError as exc:
+        _outcome(point, exc)
+    except KeyboardInterrupt:
+        point.status, point.error = "interrupted", "interrupted by the user"
 
 
 def _store_point(store: Store, run_id: int, index: int, point: Point) -> None:
