@@ -58,8 +58,8 @@ def test_multi_tenancy_defaults_measure_every_mode_offline_and_under_server_load
     config = _defaults("multi-tenancy", [f"{TINY}:tiny_cnn", f"{TINY}:wide_cnn"],
                        budget_s=150, p99_ms=500)
     ready = prepare_study(config)
-    # auto on a CPU-only host: core sets per model, the whole CPU for the baselines.
-    assert ready.choice.ids == ["cpu:0", "cpu:1"] and ready.choice.whole.id == "cpu"
+    # auto on a CPU-only host: a core set per model.
+    assert ready.choice.ids == ["cpu:0", "cpu:1"]
     assert "CPU-only host" in ready.header()[0]
     with Store(db) as store:
         study = run_study(config, store=store, prepared=ready)
@@ -71,14 +71,14 @@ def test_multi_tenancy_defaults_measure_every_mode_offline_and_under_server_load
             p = got[(mode, *key)]
             assert p["status"] == "ok", (p["variant"], key, p["status"], p["error"])
     cme = got[("cme", "offline", 8)]
-    assert cme["params"]["sharing"] == "cores" and cme["params"]["units"] == ["cpu"]
+    assert cme["params"]["sharing"] == "cores" and cme["params"]["units"] == ["cpu:0", "cpu:1"]
     assert "shared cores" in cme["variant"]
     with Store(db) as store:
         plan = json.loads(store.connection.execute(
             "SELECT config_json FROM runs WHERE id = ?", (cme["sub_run_id"],)).fetchone()[0])["plan"]
     # Both models ran at once on the same cores: the plan says so, and both did work.
     assert plan["sharing"] == "cores"
-    assert [r["unit"] for m in plan["models"] for r in m["replicas"]] == ["cpu", "cpu"]
+    assert [r["unit"] for m in plan["models"] for r in m["replicas"]] == ["cpu:0", "cpu:1"] * 2
     assert all(v > 0 for v in cme["figures"]["per_model"].values())
     head = study.headline
     rows = {r["mode"]: r for r in head["rows"]}
@@ -112,7 +112,7 @@ def test_multi_instance_and_pipeline_defaults_report_their_central_comparison(tm
     assert mi_claims["large batch"]["verdict"] in ("held", "did not hold")
     assert mi_claims["all units"]["verdict"] == "not measurable here"
     modes = {(p["params"]["mode"], tuple(p["params"]["units"])): p for p in pipe.points}
-    assert set(modes) == {("single", ("cpu:0",)), ("single", ("cpu:1",)), ("single", ("cpu",)),
+    assert set(modes) == {("single", ("cpu:0",)), ("single", ("cpu:1",)),
                           ("replicas", ("cpu:0", "cpu:1")), ("pipeline", ("cpu:0", "cpu:1"))}
     assert all(p["status"] == "ok" for p in pipe.points), [(p["variant"], p["error"])
                                                             for p in pipe.points]

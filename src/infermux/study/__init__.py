@@ -70,7 +70,7 @@ def _resolve(config: StudyConfig) -> tuple[UnitChoice, dict[str, str], list[dict
     choice = choose_units(config.name, config.units, discover(), len(specs))
     loaded = [load_model(s) for s in specs]
     engines: dict[str, str] = {}
-    for unit in [*choice.units, *choice.extra]:
+    for unit in choice.units:
         if config.engine == "auto":
             usable = [n for _, n in engines_for("auto", [unit], loaded[0])]
             # torch where it runs (the papers drove CUDA and Tensor Cores from PyTorch), else
@@ -103,10 +103,7 @@ class PreparedStudy:
     def header(self) -> list[str]:
         """What the study will do, said before it starts."""
         b = self.budget
-        lines = [f"units: {', '.join(self.choice.ids)}"
-                 + (f" (and the whole CPU, {self.choice.whole.id})"
-                    if self.choice.whole is not None and self.choice.whole.id
-                    not in self.choice.ids else "") + f" — {self.choice.why}",
+        lines = [f"units: {', '.join(self.choice.ids)} — {self.choice.why}",
                  f"budget {self.config.budget_s:g} s: {b['central_points']} central points "
                  f"at {b['duration_s']:.2f} s a trial (about {b['estimate_s']:.0f} s)"]
         if b["other_points"]:
@@ -181,12 +178,11 @@ def run_study(config: StudyConfig, *, store: Store | None = None,
     head: dict[str, Any] = {}
     cfg = config.to_dict() | {"resolved_units": units, "engines": ready.engines,
                               "units_why": found.why,
-                              "whole_cpu": found.whole.id if found.whole is not None else None,
                               "budget_plan": ready.budget,
                               "model": ", ".join(config.models), "points": len(points)}
     with recording(store, "study", cfg, command) as rec:
         run_id = rec.run_id
-        sampler, devices = _sampler([*found.units, *found.extra])
+        sampler, devices = _sampler(found.units)
         try:
             status = measure_points(config, points, store=store, study_run=run_id,
                                     deadline=ready.started + config.budget_s,

@@ -1,15 +1,15 @@
 """Which units a study runs on: `--units auto` picks the ones that make its comparison here.
 
 A study's comparison needs several units: on a CPU-only host the one `cpu` unit gives none, so
-`auto` splits the cores into sets (one per model for multi-tenancy, two halves otherwise) and
-keeps the whole CPU for the baselines (each model alone; CME, the models at once on shared
-cores). On a GPU host it takes the first GPU's modes and the CPU. The choice and the reason for
-it are stored with the study and printed in its header.
+`auto` splits the cores into sets (one per model for multi-tenancy, two halves otherwise); a
+baseline that needs the whole CPU (each model alone) runs one worker on each set. On a GPU host
+it takes the first GPU's modes and the CPU. The choice and the reason for it are stored with
+the study and printed in its header.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from infermux.units import Discovery, Unit, select_units
 
@@ -18,14 +18,10 @@ __all__ = ["UnitChoice", "choose_units", "core_set_id"]
 
 @dataclass
 class UnitChoice:
-    """The study's units, the whole-CPU unit of its baselines (if any) and why they were chosen."""
+    """The study's units and why they were chosen."""
 
     units: list[Unit]
-    #: The whole CPU: where each model runs alone and where CME shares cores (CPU-only hosts).
-    whole: Unit | None = None
     why: str = ""
-    #: Units the study runs besides `units` (the whole CPU), for the engine choice.
-    extra: list[Unit] = field(default_factory=list)
 
     @property
     def ids(self) -> list[str]:
@@ -81,21 +77,19 @@ def choose_units(name: str, spec: str, found: Discovery, models: int) -> UnitCho
             + (" (CME on the GPU, static placement and DMP over GPU and CPU)"
                if name == "multi-tenancy" else "")))
     if len(usable) < 2:
-        return UnitChoice([whole], whole=whole, why=(
+        return UnitChoice([whole], why=(
             "a CPU-only host with one usable core: there are no core sets to split, so only "
             "what runs on that core is compared"))
     parts = min(len(usable), max(2, models) if name == "multi-tenancy" else 2)
     sets = [select_units([core_set_id(c)], found)[0] for c in _split(usable, parts)]
     if name == "multi-tenancy":
-        why = (f"a CPU-only host ({len(usable)} cores): each model alone and CME on the whole "
-               f"CPU (CME's models share its cores), static placement and DMP on {parts} core "
-               "sets, one per model")
+        why = (f"a CPU-only host ({len(usable)} cores) split into {parts} core sets: each model "
+               "alone and CME on all of them (one worker per set; CME's models share the "
+               "cores), static placement and DMP one model per set")
     elif name == "pipeline":
         why = (f"a CPU-only host ({len(usable)} cores): the pipeline and data-parallel replicas "
-               "on two core sets, against each set and the whole CPU alone")
+               "on two core sets, against each set alone")
     else:
         why = (f"a CPU-only host ({len(usable)} cores): two core sets, each alone and both "
                "together")
-    if name == "multi-instance":
-        return UnitChoice(sets, why=why)
-    return UnitChoice(sets, whole=whole, why=why, extra=[whole])
+    return UnitChoice(sets, why=why)

@@ -1,13 +1,14 @@
 """`study multi-tenancy`: several models at once, sequential against concurrent against placed.
 
 The execution modes of the AI multi-tenancy study, each a plan run through the runtime:
-- **sequential**: each model alone on every selected unit (the whole CPU on a CPU-only host
-  with `--units auto`), one after another; the figure is
+- **sequential**: each model alone on every selected unit (on a CPU, one worker per core
+  set: the whole CPU), one after another; the figure is
   what the machine gives when it time-shares them with equal items of each model,
   k ÷ Σ (1 ÷ items/s of model i alone);
 - **CME** (concurrent model executions): every model at once on one unit. On a GPU or DLA
-  the models share its engines; on the CPU they share one core set (the plan's `sharing:
-  cores` opt-in, which only studies set), so their contention is measured as the paper did;
+  the models share its engines; on the CPU every model gets every core set, as when it runs
+  alone, so their workers share the cores (the plan's `sharing: cores` opt-in, which only
+  studies set) and their contention is measured as the paper did;
 - **static placement**: every model at once, model i on unit i (round robin);
 - **DMP** (dynamic model placement): every model at once, workers moving between models as
   their queues grow (`placement: dynamic`).
@@ -25,7 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from infermux.study.base import Point, StudyConfig, max_duration_s
-from infermux.study.layout import UnitChoice, core_set_id
+from infermux.study.layout import UnitChoice
 
 __all__ = ["build_points", "claims", "headline"]
 
@@ -51,19 +52,17 @@ def _plan(name: str, entries: list[dict[str, Any]], config: StudyConfig, *, b: i
     return plan
 
 
-def _cme_units(choice: UnitChoice) -> tuple[list[str], bool]:
-    """Where CME runs, and whether its models share CPU cores.
+def _cme_units(choice: UnitChoice) -> tuple[list[list[str]], bool]:
+    """Where each CME point runs, and whether its models share CPU cores.
 
-    Up to two GPU or DLA units; else one CPU core set that the models share (the whole CPU,
-    or the union of the study's CPU units).
+    On up to two GPU or DLA units, one point each. Else on the CPU: every model gets every
+    CPU unit of the study (the whole CPU, as when it runs alone), so the models' workers
+    share the cores.
     """
     others = [u.id for u in choice.units if not _is_cpu(u.id)][:2]
     if others:
-        return others, False
-    if choice.whole is not None:
-        return [choice.whole.id], True
-    cores = sorted({c for u in choice.units for c in u.cores})
-    return ([core_set_id(cores)] if cores else ["cpu"]), True
+        return [[u] for u in others], False
+    return [[u.id for u in choice.units]], True
 
 
 def build_points(config: StudyConfig, choice: UnitChoice, engines: dict[str, str],
@@ -72,7 +71,7 @@ def build_points(config: StudyConfig, choice: UnitChoice, engines: dict[str, str
     names = [m["name"] for m in models]
     units = choice.ids
     points: list[Point] = []
-    alone_on = [choice.whole.id] if choice.whole is not None else list(units)
+    alone_on = list(units)
     cme_on, shared = _cme_units(choice)
     cpu_engine = next((e for u, e in engines.items() if _is_cpu(u)), "torch")
 
@@ -104,13 +103,11 @@ def build_points(config: StudyConfig, choice: UnitChoice, engines: dict[str, str
                                                      "units": alone_on, "model": m["name"]},
                 _plan(f"alone-{m['name']}", [entry(m, alone_on, b)], config, b=b,
                       scenario=scenario))
-        for u in cme_on:
-            label = f"CME on {u}" if len(cme_on) > 1 or not shared else "CME"
-            if shared:
-                label += " (shared cores)"
-            add("cme", f"{label}{tag}", {"batch": b, "scenario": scenario, "units": [u],
+        for on in cme_on:
+            label = "CME (shared cores)" if shared else f"CME on {on[0]}"
+            add("cme", f"{label}{tag}", {"batch": b, "scenario": scenario, "units": on,
                                          "sharing": "cores" if shared else "none"},
-                _plan("cme", [entry(m, [u], b) for m in models], config, b=b,
+                _plan("cme", [entry(m, on, b) for m in models], config, b=b,
                       scenario=scenario, sharing=shared))
         params = {"batch": b, "scenario": scenario, "units": list(units)}
         if len(units) >= 2:

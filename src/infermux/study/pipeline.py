@@ -30,18 +30,14 @@ def _load(config: StudyConfig, b: int) -> dict[str, Any]:
 
 def build_points(config: StudyConfig, choice: UnitChoice, engines: dict[str, str],
                  models: list[dict[str, Any]]) -> list[Point]:
-    """Per network and batch: alone on each unit, data-parallel on all, then the pipeline.
-
-    With `--units auto` on a CPU-only host the whole CPU runs alone too.
-    """
+    """Per network and batch: alone on each unit, data-parallel on all, then the pipeline."""
     units = choice.ids
-    singles = units + [u.id for u in choice.extra if u.id not in units]
     points: list[Point] = []
     pipe_units = [u for u in units if u == "cpu" or u.startswith(("cpu:", "cuda:"))]
     for m in models:
         for b in config.batches:
             base = {"model": m["name"], "batch": b}
-            for u in singles:
+            for u in units:
                 points.append(Point(f"{m['name']} on {u}", {**base, "mode": "single",
                                                             "units": [u]},
                                     {"name": f"single-{m['name']}", "models": [{**m, "replicas": [

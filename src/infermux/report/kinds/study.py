@@ -239,10 +239,8 @@ def render_study(run: RunData, section: Section) -> None:
     points = _points(run)
     if points:
         _claims(section, headline_for(name, points))
-    whole = run.config.get("whole_cpu")
     section.kv([("study", name), ("models", ", ".join(run.config.get("models") or [])),
-                ("units", ", ".join(run.config.get("resolved_units") or [])
-                 + (f" (whole CPU: {whole})" if whole else "")),
+                ("units", ", ".join(run.config.get("resolved_units") or [])),
                 ("why these units", run.config.get("units_why")),
                 ("engines", ", ".join(f"{u}: {e}" for u, e in
                                       (run.config.get("engines") or {}).items())),
