@@ -312,7 +312,7 @@ def measure_points(
         if point.plan is None and point.prepare is None:
             pass  # decided when the grid was built (skipped, with its reason)
         else:
-            scale = min(10.0, max(0.25, taken_s / guessed_s)) if guessed_s else 1.0
+            scale = min(100.0, max(0.1, taken_s / guessed_s)) if guessed_s else 1.0
             left_s = deadline - time.monotonic()
             rest = [p for p in points[i:] if p.central and p.status == "pending"] \
                 if point.central else [point]

@@ -78,9 +78,12 @@ def build_points(config: StudyConfig, choice: UnitChoice, engines: dict[str, str
     def engine(u: str) -> str:
         return engines.get(u) or cpu_engine
 
-    def entry(m: dict[str, Any], on: Sequence[str], b: int) -> dict[str, Any]:
+    def entry(m: dict[str, Any], on: Sequence[str], b: int, scenario: str) -> dict[str, Any]:
+        # Offline batches fill, so one runner per worker (each built runner is warmed up: on a
+        # busy CPU that is much of a point's cost); server arrivals leave partial batches.
+        buckets = "pow2" if scenario == "server" else "none"
         return {**m, "replicas": [{"unit": u, "engine": engine(u), "batch": b,
-                                   "batch_buckets": "pow2"} for u in on]}
+                                   "batch_buckets": buckets} for u in on]}
 
     def add(mode: str, variant: str, params: dict[str, Any], plan: dict[str, Any] | None,
             why: str | None = None) -> None:
@@ -101,17 +104,18 @@ def build_points(config: StudyConfig, choice: UnitChoice, engines: dict[str, str
         for m in models:
             add("alone", f"{m['name']} alone{tag}", {"batch": b, "scenario": scenario,
                                                      "units": alone_on, "model": m["name"]},
-                _plan(f"alone-{m['name']}", [entry(m, alone_on, b)], config, b=b,
+                _plan(f"alone-{m['name']}", [entry(m, alone_on, b, scenario)], config, b=b,
                       scenario=scenario))
         for on in cme_on:
             label = "CME (shared cores)" if shared else f"CME on {on[0]}"
             add("cme", f"{label}{tag}", {"batch": b, "scenario": scenario, "units": on,
                                          "sharing": "cores" if shared else "none"},
-                _plan("cme", [entry(m, on, b) for m in models], config, b=b,
+                _plan("cme", [entry(m, on, b, scenario) for m in models], config, b=b,
                       scenario=scenario, sharing=shared))
         params = {"batch": b, "scenario": scenario, "units": list(units)}
         if len(units) >= 2:
-            placed = [entry(m, [units[i % len(units)]], b) for i, m in enumerate(models)]
+            placed = [entry(m, [units[i % len(units)]], b, scenario)
+                      for i, m in enumerate(models)]
             add("static", f"static placement{tag}", dict(params),
                 _plan("static", placed, config, b=b, scenario=scenario))
             add("dmp", f"DMP (dynamic placement){tag}", dict(params),
