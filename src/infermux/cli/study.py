@@ -25,7 +25,7 @@ def study_command(
     min_queries: Annotated[int, typer.Option("--min-queries", help="Least samples per point.")] = 64,
     p99: Annotated[str, typer.Option("--p99", help="Server load: the p99 bound of the peak search, e.g. 100ms (a bare number is ms).")] = "100",
     input_shape: Annotated[str | None, typer.Option("--input-shape", help="One item, e.g. 3x224x224.")] = None,
-    cpu_workers: Annotated[str, typer.Option("--cpu-workers", help="CPU workers as pinned processes (process, the runtime's default) or threads (thread: quicker to start).")] = "process",
+    cpu_workers: Annotated[str, typer.Option("--cpu-workers", help="CPU workers as pinned processes (process, the runtime's default), threads (thread: quicker to start), or auto: processes beside a GPU, threads on a CPU-only host.")] = "auto",
     output: Annotated[str | None, typer.Option("--output", "-o", help="Report file (default study-NAME.html).")] = None,
     no_report: Annotated[bool, typer.Option("--no-report", help="Do not write the HTML report.")] = False,
     db: DbOpt = "infermux.db",

@@ -8,6 +8,7 @@ headline has the shape of the paper's table. From Python:
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -105,7 +106,8 @@ class PreparedStudy:
         b = self.budget
         lines = [f"units: {', '.join(self.choice.ids)} — {self.choice.why}",
                  f"budget {self.config.budget_s:g} s: {b['central_points']} central points "
-                 f"at {b['duration_s']:.2f} s a trial (about {b['estimate_s']:.0f} s)"]
+                 f"at {b['duration_s']:.2f} s a trial (about {b['estimate_s']:.0f} s), CPU "
+                 f"workers as {self.config.cpu_workers}s"]
         if b["other_points"]:
             lines.append(f"{b['other_points_that_fit']} of {b['other_points']} further points "
                          "(more instances) fit after them; the rest are skipped for the budget")
@@ -126,6 +128,9 @@ def prepare_study(config: StudyConfig) -> PreparedStudy:
                          "two or more times, e.g. -m mobilenet_v3_small -m resnet18")
     started = time.monotonic()
     choice, engines, entries = _resolve(config)
+    if config.cpu_workers == "auto":
+        gpu = any(u.kind != "cpu" for u in choice.units)
+        config = dataclasses.replace(config, cpu_workers="process" if gpu else "thread")
     points: list[Point]
     if config.name == "multi-instance":
         points = multi_instance.build_points(config, choice, engines, entries[0])

@@ -48,9 +48,11 @@ class StudyConfig:
     #: Server load: the p99 bound of the peak search (multi-tenancy).
     p99_ms: float = 100.0
     input_shape: tuple[int, ...] | None = None
-    #: How the runtime hosts CPU workers: `process` (pinned processes, its default) or
-    #: `thread` (starts in a fraction of the time; for quick looks and tests).
-    cpu_workers: str = "process"
+    #: How the runtime hosts CPU workers: `process` (pinned processes, the runtime's default),
+    #: `thread` (starts in a fraction of the time), or `auto`: processes where a GPU is among
+    #: the units (its feeding thread keeps this process to itself), threads on a CPU-only host,
+    #: where every point starts CPU workers and a child's start-up is most of a point's cost.
+    cpu_workers: str = "auto"
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -63,8 +65,9 @@ class StudyConfig:
             raise UsageError(f"--instances {self.instances} must be counts of at least 1")
         if self.duration_s <= 0:
             raise UsageError(f"--duration {self.duration_s:g}s must be positive, e.g. 2s")
-        if self.cpu_workers not in ("process", "thread"):
-            raise UsageError(f"--cpu-workers {self.cpu_workers!r} unknown: use process or thread")
+        if self.cpu_workers not in ("auto", "process", "thread"):
+            raise UsageError(f"--cpu-workers {self.cpu_workers!r} unknown: use auto, process "
+                             "or thread")
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready copy (stored with the study's run)."""
