@@ -168,3 +168,29 @@ def test_without_plotly_the_study_says_so_first_and_still_prints_and_stores_its_
     with Store(db) as store:
         kinds = [k for (k,) in store.connection.execute("SELECT kind FROM runs")]
     assert kinds.count("study") == 1 and kinds.count("run") == 3
+
+
+def test_auto_units_on_a_gpu_host_are_the_gpus_modes_and_the_cpu():
+    import dataclasses
+
+    from infermux.study.layout import choose_units
+    from infermux.units import Unit, discover
+
+    found = discover(with_runtimes=False)
+    gpu = [Unit(f"cuda:0/{m}", "cuda", "cuda:0", m, "H100", "cuda:0") for m in
+           ("fp32", "tf32", "fp16", "bf16")]
+    host = dataclasses.replace(found, units=[*found.units, *gpu])
+    mi = choose_units("multi-instance", "auto", host, 1)
+    assert mi.ids == ["cuda:0/fp32", "cuda:0/fp16", "cpu"] and "Tensor Cores" in mi.why
+    mt = choose_units("multi-tenancy", "auto", host, 2)
+    assert mt.ids == ["cuda:0/fp16", "cpu"] and "CME on the GPU" in mt.why
+    assert choose_units("pipeline", "auto", host, 3).ids == ["cuda:0/fp16", "cpu"]
+    # Without the GPU: the usable cores split in two disjoint sets, whatever the study.
+    cpu_only = dataclasses.replace(found, units=[u for u in found.units if u.kind == "cpu"])
+    usable = sorted(found.cpu["usable_cores"])
+    if len(usable) >= 2:
+        for name in ("multi-instance", "multi-tenancy", "pipeline"):
+            sets = choose_units(name, "auto", cpu_only, 2).units
+            assert len(sets) == 2 and not set(sets[0].cores) & set(sets[1].cores)
+            assert sorted(sets[0].cores + sets[1].cores) == usable
+    assert choose_units("multi-tenancy", "cpu:1", found, 2).why == "as given by --units"
