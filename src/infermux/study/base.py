@@ -211,17 +211,18 @@ def _server(point: Point) -> bool:
 
 
 def estimate_s(point: Point, config: StudyConfig, duration_s: float,
-               points: Sequence[Point] = ()) -> float:
+               points: Sequence[Point] = (), startup_s: float | None = None) -> float:
     """The seconds `point` should take if each of its trials is measured for `duration_s`.
 
     A server point's peak search runs PEAK_TRIALS trials, and those at low rates last until
     their query count: at half its twin's offline items/s (the bisection's first rate),
-    `min_queries` queries take min_queries ÷ that rate.
+    `min_queries` queries take min_queries ÷ that rate. `startup_s`: the seconds a point took
+    beyond its trials so far on this machine (a guess by default).
     """
     if point.status == "skipped" and point.plan is None and point.prepare is None:
         return 0.0
     trial = duration_s + _TRIAL_SLACK_S
-    total = _startup_s(point, config) + point.setup_s + trial
+    total = (_startup_s(point, config) if startup_s is None else startup_s) + point.setup_s + trial
     if _server(point):
         slow = duration_s
         twin = points[point.twin] if point.twin is not None and point.twin < len(points) else None
@@ -233,13 +234,13 @@ def estimate_s(point: Point, config: StudyConfig, duration_s: float,
 
 
 def _fit_duration_s(rest: Sequence[Point], config: StudyConfig, points: Sequence[Point],
-                    scale: float, left_s: float) -> float | None:
+                    startup_s: float | None, left_s: float) -> float | None:
     """The longest per-trial time, at most `config.duration_s`, that lets `rest` end in time.
 
     None when even MIN_DURATION_S does not fit `rest` into `left_s`.
     """
     def cost(d: float) -> float:
-        return scale * sum(estimate_s(p, config, d, points) for p in rest)
+        return sum(estimate_s(p, config, d, points, startup_s) for p in rest)
 
     hi = config.duration_s
     lo = min(MIN_DURATION_S, hi)
@@ -251,6 +252,26 @@ def _fit_duration_s(rest: Sequence[Point], config: StudyConfig, points: Sequence
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if cost(mid) <= left_s else (lo, mid)
     return lo
+
+
+def _crowds_out(point: Point, rest: Sequence[Point], config: StudyConfig,
+                points: Sequence[Point], startup_s: float | None, left_s: float) -> bool:
+    """Whether `point` is among the dearest of `rest` that must go for the others to fit.
+
+    When the points left do not fit, the dearest are dropped first, so that as many modes as
+    possible keep a figure (a slow model's server search can cost as much as five others).
+    """
+    floor = min(MIN_DURATION_S, config.duration_s)
+    costs = sorted(((estimate_s(p, config, floor, points, startup_s), id(p)) for p in rest),
+                   reverse=True)
+    total = sum(c for c, _ in costs)
+    for cost, key in costs:
+        if total <= left_s:
+            return False
+        if key == id(point):
+            return True
+        total -= cost
+    return False
 
 
 def check_budget(config: StudyConfig, points: Sequence[Point]) -> dict[str, Any]:
@@ -272,7 +293,7 @@ def check_budget(config: StudyConfig, points: Sequence[Point]) -> dict[str, Any]
             f"{runs} central points ({servers} of them server peak searches of {PEAK_TRIALS} "
             f"trials) need about {need_s:.0f} s even at {MIN_DURATION_S:g} s a trial; "
             f"--budget {math.ceil(need_s * 1.25 / 60)}m would fit, or pass fewer --batch sizes")
-    duration = _fit_duration_s(central, config, points, 1.0, config.budget_s) or MIN_DURATION_S
+    duration = _fit_duration_s(central, config, points, None, config.budget_s) or MIN_DURATION_S
     left = config.budget_s - sum(estimate_s(p, config, duration, points) for p in central)
     extra = [p for p in points if not p.central and (p.plan is not None or p.prepare)]
     fits = 0
@@ -302,35 +323,39 @@ def measure_points(
 
     The budget is split over the points still to run: each point's trials are measured for
     `config.duration_s`, or less (not under MIN_DURATION_S) when the central points left would
-    not otherwise fit before `deadline`; the estimates are scaled by how long the points so far
-    took against theirs. A point that does not fit even so is recorded as skipped for the
-    budget. A point that cannot run here (a usage error: too few cores for its instances) is
+    not otherwise fit before `deadline`; a point's start-up is estimated from what the points
+    so far took beyond their trials. When even that does not fit, the dearest points go first
+    (recorded as skipped for the budget, with their estimate), so that most modes keep one.
+    A point that cannot run here (a usage error: too few cores for its instances) is
     skipped with the reason; one that fails is recorded with its error and the study goes on.
     """
-    taken_s = guessed_s = 0.0
+    overheads: list[float] = []  # seconds each point took beyond its measured trials
     status = "complete"
+    floor = min(MIN_DURATION_S, config.duration_s)
     for i, point in enumerate(points):
         if progress is not None:
             progress(f"{config.name}: {point.variant}", i / max(1, len(points)))
         if point.plan is None and point.prepare is None:
             pass  # decided when the grid was built (skipped, with its reason)
         else:
-            scale = min(100.0, max(0.1, taken_s / guessed_s)) if guessed_s else 1.0
+            startup = sum(overheads) / len(overheads) if overheads else None
             left_s = deadline - time.monotonic()
             rest = [p for p in points[i:] if p.central and p.status == "pending"] \
                 if point.central else [point]
-            duration = _fit_duration_s(rest, config, points, scale, left_s)
-            if duration is None and scale * estimate_s(point, config, min(
-                    MIN_DURATION_S, config.duration_s), points) <= left_s:
-                duration = min(MIN_DURATION_S, config.duration_s)  # the points after may not fit
+            duration = _fit_duration_s(rest, config, points, startup, left_s)
+            need_s = estimate_s(point, config, floor, points, startup)
+            if duration is None and need_s <= left_s and not _crowds_out(
+                    point, rest, config, points, startup, left_s):
+                duration = floor  # the dearer points after this one will not fit
             if duration is None:
-                point.status, point.error = "skipped", "budget: not started (raise --budget)"
+                point.status, point.error = "skipped", (
+                    f"budget: not started, about {need_s:.0f} s needed and {max(0.0, left_s):.0f}"
+                    " s left for it and the points after it (raise --budget)")
             else:
-                guess = estimate_s(point, config, duration, points)
                 started = time.monotonic()
-                _measure(config, point, i, duration, store, sampler, devices)
-                taken_s += time.monotonic() - started
-                guessed_s += guess
+                measured = _measure(config, point, i, duration, store, sampler, devices)
+                overheads.append(max(0.0, time.monotonic() - started - measured
+                                     - point.setup_s))
         if store is not None and study_run is not None:
             _store_point(store, study_run, i, point)
         if point.status == "interrupted":
@@ -342,8 +367,12 @@ def measure_points(
 
 
 def _measure(config: StudyConfig, point: Point, i: int, duration_s: float,
-             store: Store | None, sampler: Any, devices: Sequence[str]) -> None:
-    """Run one point's plan, its trials measured for `duration_s`; fill in its outcome."""
+             store: Store | None, sampler: Any, devices: Sequence[str]) -> float:
+    """Run one point's plan, its trials measured for `duration_s`; fill in its outcome.
+
+    Returns the seconds its trials took (what a point costs beyond its start-up).
+    """
+    measured_s = 0.0
     from infermux.runtime import parse_plan, run_plan
 
     marks: dict[str, int] = {}
@@ -366,6 +395,7 @@ def _measure(config: StudyConfig, point: Point, i: int, duration_s: float,
         report = run_plan(plan, store=store, progress=mark,
                           command=f"infermux study {config.name} (point {i})")
         t1 = time.perf_counter_ns()
+        measured_s = sum(float(t.get("duration_s") or 0.0) for t in report.trials)
         point.sub_run_id = report.run_id
         point.figures = _figures(report, point.params.get("units") or [])
         if point.figures.get("scenario") == "offline":
@@ -383,6 +413,7 @@ def _measure(config: StudyConfig, point: Point, i: int, duration_s: float,
         _outcome(point, exc)
     except KeyboardInterrupt:
         point.status, point.error = "interrupted", "interrupted by the user"
+    return measured_s
 
 
 def _store_point(store: Store, run_id: int, index: int, point: Point) -> None:
