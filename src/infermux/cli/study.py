@@ -23,7 +23,7 @@ def study_command(
     engine: Annotated[str, typer.Option("--engine", help="Engine for every unit, or auto (torch where it runs).")] = "auto",
     duration: Annotated[str, typer.Option("--duration", help="Least measured time per point.")] = "2s",
     min_queries: Annotated[int, typer.Option("--min-queries", help="Least samples per point.")] = 64,
-    p99: Annotated[str, typer.Option("--p99", help="Server load: the p99 bound of the peak search, e.g. 100ms (a bare number is ms).")] = "100",
+    p99: Annotated[str, typer.Option("--p99", help="Server load: the p99 bound of the peak search, e.g. 100ms (a bare number is ms), or auto: 100 ms, or 3x the slowest model's batch p99 alone where longer.")] = "auto",
     input_shape: Annotated[str | None, typer.Option("--input-shape", help="One item, e.g. 3x224x224.")] = None,
     cpu_workers: Annotated[str, typer.Option("--cpu-workers", help="CPU workers as pinned processes (process, the runtime's default), threads (thread: quicker to start), or auto: processes beside a GPU, threads on a CPU-only host.")] = "auto",
     output: Annotated[str | None, typer.Option("--output", "-o", help="Report file (default study-NAME.html).")] = None,
@@ -45,7 +45,7 @@ def study_command(
         instances=parse_batches(instances) if instances else list(defaults["instances"]),
         engine=engine, budget_s=parse_duration_s(budget, name="--budget"),
         duration_s=parse_duration_s(duration, name="--duration"), min_queries=min_queries,
-        p99_ms=parse_latency_ms(p99), input_shape=parse_shape(input_shape) if input_shape else None,
+        p99_ms=None if p99 == "auto" else parse_latency_ms(p99), input_shape=parse_shape(input_shape) if input_shape else None,
         cpu_workers=cpu_workers)
     # The report's one optional package is checked before anything is measured: asked for by
     # name (-o) it must be there; the default report is skipped with a line instead.

@@ -45,8 +45,10 @@ class StudyConfig:
     #: Each point's minimum duration and query count (offline: samples).
     duration_s: float = 2.0
     min_queries: int = 64
-    #: Server load: the p99 bound of the peak search (multi-tenancy).
-    p99_ms: float = 100.0
+    #: Server load: the p99 bound of the peak search (multi-tenancy); None: 100 ms, or three
+    #: times the slowest batch p99 of the models alone offline at the server's batch where
+    #: that is longer (one bound for every mode, so the peaks compare).
+    p99_ms: float | None = None
     input_shape: tuple[int, ...] | None = None
     #: How the runtime hosts CPU workers: `process` (pinned processes, the runtime's default),
     #: `thread` (starts in a fraction of the time), or `auto`: processes where a GPU is among
@@ -353,7 +355,8 @@ def measure_points(
                     " s left for it and the points after it (raise --budget)")
             else:
                 started = time.monotonic()
-                measured = _measure(config, point, i, duration, store, sampler, devices)
+                measured = _measure(config, point, i, duration, store, sampler, points,
+                                    devices)
                 overheads.append(max(0.0, time.monotonic() - started - measured
                                      - point.setup_s))
         if store is not None and study_run is not None:
@@ -366,8 +369,31 @@ def measure_points(
     return status
 
 
+#: The server bound when the models' own batches leave room for it (and with no figure).
+DEFAULT_P99_MS = 100.0
+
+
+def server_bound_ms(points: Sequence[Point], batch: int | None) -> float:
+    """The p99 bound of the server points when none is given.
+
+    100 ms, or three times the slowest batch p99 of the models alone offline at `batch`
+    (rounded up to 50 ms) where that is longer: a bound that no model meets even alone finds
+    no peak for any mode (resnet18 at batch 8 takes longer than 100 ms on one core).
+    """
+    import math
+
+    slowest = [float(p.figures["batch_p99_ms"]) for p in points
+               if p.params.get("mode") == "alone" and p.params.get("scenario") == "offline"
+               and p.params.get("batch") == batch and p.status == "ok"
+               and p.figures.get("batch_p99_ms")]
+    if not slowest:
+        return DEFAULT_P99_MS
+    return max(DEFAULT_P99_MS, math.ceil(3 * max(slowest) / 50) * 50)
+
+
 def _measure(config: StudyConfig, point: Point, i: int, duration_s: float,
-             store: Store | None, sampler: Any, devices: Sequence[str]) -> float:
+             store: Store | None, sampler: Any, points: Sequence[Point],
+             devices: Sequence[str]) -> float:
     """Run one point's plan, its trials measured for `duration_s`; fill in its outcome.
 
     Returns the seconds its trials took (what a point costs beyond its start-up).
@@ -388,6 +414,8 @@ def _measure(config: StudyConfig, point: Point, i: int, duration_s: float,
         if point.plan is None:
             raise UsageError(f"point {point.variant!r} has no plan")
         load = {**(point.plan.get("load") or {}), "min_duration_s": duration_s}
+        if load.get("find_peak") and load.get("p99_bound_ms") is None:
+            load["p99_bound_ms"] = server_bound_ms(points, point.params.get("batch"))
         data = {**point.plan, "load": load,
                 "dispatcher": {**(point.plan.get("dispatcher") or {}),
                                "cpu_workers": config.cpu_workers}}
