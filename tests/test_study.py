@@ -194,3 +194,17 @@ def test_auto_units_on_a_gpu_host_are_the_gpus_modes_and_the_cpu():
             assert len(sets) == 2 and not set(sets[0].cores) & set(sets[1].cores)
             assert sorted(sets[0].cores + sets[1].cores) == usable
     assert choose_units("multi-tenancy", "cpu:1", found, 2).why == "as given by --units"
+
+
+def test_the_server_bound_fits_the_slowest_model_alone_when_none_is_given():
+    from infermux.study.base import Point, server_bound_ms
+
+    def alone(batch: int, p99_ms: float, status: str = "ok") -> Point:
+        return Point("m alone", {"mode": "alone", "scenario": "offline", "batch": batch},
+                     {}, status=status, figures={"batch_p99_ms": p99_ms})
+
+    assert server_bound_ms([], 8) == 100.0
+    assert server_bound_ms([alone(8, 20.0), alone(8, 30.0)], 8) == 100.0
+    # resnet18 at batch 8 on one core: 240 ms a batch, so 100 ms would hold for no rate.
+    assert server_bound_ms([alone(8, 20.0), alone(8, 240.0), alone(1, 900.0)], 8) == 750.0
+    assert server_bound_ms([alone(8, 240.0, status="invalid")], 8) == 100.0
