@@ -208,3 +208,4 @@ def test_the_server_bound_fits_the_slowest_model_alone_when_none_is_given():
     # resnet18 at batch 8 on one core: 240 ms a batch, so 100 ms would hold for no rate.
     assert server_bound_ms([alone(8, 20.0), alone(8, 240.0), alone(1, 900.0)], 8) == 750.0
     assert server_bound_ms([alone(8, 240.0, status="invalid")], 8) == 100.0
+    assert server_bound_ms([alone(8, 13_500.0)], 8) == 1000.0  # at most a second

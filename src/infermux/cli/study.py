@@ -23,7 +23,7 @@ def study_command(
     engine: Annotated[str, typer.Option("--engine", help="Engine for every unit, or auto (torch where it runs).")] = "auto",
     duration: Annotated[str, typer.Option("--duration", help="Least measured time per point.")] = "2s",
     min_queries: Annotated[int, typer.Option("--min-queries", help="Least samples per point.")] = 64,
-    p99: Annotated[str, typer.Option("--p99", help="Server load: the p99 bound of the peak search, e.g. 100ms (a bare number is ms), or auto: 100 ms, or 3x the slowest model's batch p99 alone where longer.")] = "auto",
+    p99: Annotated[str, typer.Option("--p99", help="Server load: the p99 bound of the peak search, e.g. 100ms (a bare number is ms), or auto: 100 ms, or 3x the slowest model's batch p99 alone where longer, at most 1 s.")] = "auto",
     input_shape: Annotated[str | None, typer.Option("--input-shape", help="One item, e.g. 3x224x224.")] = None,
     cpu_workers: Annotated[str, typer.Option("--cpu-workers", help="CPU workers as pinned processes (process, the runtime's default), threads (thread: quicker to start), or auto: processes beside a GPU, threads on a CPU-only host.")] = "auto",
     output: Annotated[str | None, typer.Option("--output", "-o", help="Report file (default study-NAME.html).")] = None,

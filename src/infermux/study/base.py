@@ -371,14 +371,18 @@ def measure_points(
 
 #: The server bound when the models' own batches leave room for it (and with no figure).
 DEFAULT_P99_MS = 100.0
+#: The most `--p99 auto` allows: past a second a server is not serving (and on a machine so
+#: busy that one model's batch takes seconds, no peak is found, and the point says why).
+MAX_AUTO_P99_MS = 1000.0
 
 
 def server_bound_ms(points: Sequence[Point], batch: int | None) -> float:
     """The p99 bound of the server points when none is given.
 
     100 ms, or three times the slowest batch p99 of the models alone offline at `batch`
-    (rounded up to 50 ms) where that is longer: a bound that no model meets even alone finds
-    no peak for any mode (resnet18 at batch 8 takes longer than 100 ms on one core).
+    (rounded up to 50 ms) where that is longer, at most MAX_AUTO_P99_MS: a bound that no model
+    meets even alone finds no peak for any mode (resnet18 at batch 8 takes longer than 100 ms
+    on one core).
     """
     import math
 
@@ -388,7 +392,7 @@ def server_bound_ms(points: Sequence[Point], batch: int | None) -> float:
                and p.figures.get("batch_p99_ms")]
     if not slowest:
         return DEFAULT_P99_MS
-    return max(DEFAULT_P99_MS, math.ceil(3 * max(slowest) / 50) * 50)
+    return min(MAX_AUTO_P99_MS, max(DEFAULT_P99_MS, math.ceil(3 * max(slowest) / 50) * 50))
 
 
 def _measure(config: StudyConfig, point: Point, i: int, duration_s: float,
