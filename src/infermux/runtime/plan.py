@@ -288,6 +288,10 @@ class Plan(_Strict):
     placement: Literal["static", "dynamic"] = "static"
     #: Seconds between two placement decisions (dynamic placement).
     placement_interval_s: float = Field(0.2, gt=0, le=60)
+    #: `none`: CPU workers get disjoint core sets (every plan the tuner writes). `cores`: an
+    #: opt-in of `infermux study`, whose CME points run several models at once on one core
+    #: set to measure the contention the papers measured; recorded with every run.
+    sharing: Literal["none", "cores"] = "none"
     load: LoadSettings = Field(default_factory=lambda: LoadSettings.model_validate({}))
 
     @model_validator(mode="after")
@@ -315,13 +319,13 @@ class Plan(_Strict):
                         continue
                     if where.endswith(".stages"):
                         mine.add(core)
-                    if core in owners:
+                    if core in owners and self.sharing == "none":
                         raise ValueError(
                             f"{where}.unit {unit!r} shares core {core} with {owners[core]}: "
                             "CPU workers get disjoint core sets; split the cores between them"
                         )
                     owners[core] = f"{where} ({unit})"
-        if whole_cpu and (owners or len(whole_cpu) > 1):
+        if whole_cpu and (owners or len(whole_cpu) > 1) and self.sharing == "none":
             raise ValueError(
                 f"{whole_cpu[0]}.unit 'cpu' takes every core but other replicas use CPU cores too: "
                 "give each CPU replica its own core set, e.g. cpu:0-1 and cpu:2-3"

@@ -8,7 +8,9 @@ headline has the shape of the paper's table. From Python:
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from infermux.errors import UsageError
@@ -19,13 +21,15 @@ from infermux.study.base import (
     Point,
     StudyConfig,
     StudyReport,
+    check_budget,
     measure_points,
 )
+from infermux.study.layout import UnitChoice, choose_units
 from infermux.study.published import PUBLISHED
 from infermux.units import Unit
 
-__all__ = ["PUBLISHED", "STUDIES", "StudyConfig", "StudyReport", "headline_for", "list_studies",
-           "run_study"]
+__all__ = ["PUBLISHED", "STUDIES", "PreparedStudy", "StudyConfig", "StudyReport", "headline_for",
+           "list_studies", "prepare_study", "run_study"]
 
 #: Study name → (what it compares, its default batches, its default instances).
 STUDIES: dict[str, dict[str, Any]] = {
@@ -56,18 +60,18 @@ def headline_for(name: str, points: list[dict[str, Any]]) -> dict[str, Any]:
     raise UsageError(f"study {name!r} unknown: use {', '.join(list_studies())}")
 
 
-def _resolve(config: StudyConfig) -> tuple[list[Unit], dict[str, str], list[dict[str, Any]]]:
-    """The units, an engine per unit (by id), and a plan model entry per model."""
+def _resolve(config: StudyConfig) -> tuple[UnitChoice, dict[str, str], list[dict[str, Any]]]:
+    """The units (and why), an engine per unit (by id), and a plan model entry per model."""
     from infermux.bench import engines_for
     from infermux.models import ModelSpec, load_model
     from infermux.tune.evaluate import model_name
-    from infermux.units import discover, select_units
+    from infermux.units import discover
 
-    units = select_units(config.units, discover())
     specs = [ModelSpec(m, None, config.input_shape) for m in config.models]
+    choice = choose_units(config.name, config.units, discover(), len(specs))
     loaded = [load_model(s) for s in specs]
     engines: dict[str, str] = {}
-    for unit in units:
+    for unit in choice.units:
         if config.engine == "auto":
             usable = [n for _, n in engines_for("auto", [unit], loaded[0])]
             # torch where it runs (the papers drove CUDA and Tensor Cores from PyTorch), else
@@ -83,7 +87,76 @@ def _resolve(config: StudyConfig) -> tuple[list[Unit], dict[str, str], list[dict
         entries.append(entry)
     if len({e["name"] for e in entries}) != len(entries):
         raise UsageError(f"models {config.models} repeat a name: give each model once")
-    return units, engines, entries
+    return choice, engines, entries
+
+
+@dataclass
+class PreparedStudy:
+    """A study ready to measure: its units and why, its points, and how its budget is split."""
+
+    config: StudyConfig
+    choice: UnitChoice
+    engines: dict[str, str]
+    points: list[Point]
+    budget: dict[str, Any]
+    started: float
+
+    def header(self) -> list[str]:
+        """What the study will do, said before it starts."""
+        b = self.budget
+        lines = [f"units: {', '.join(self.choice.ids)} — {self.choice.why}",
+                 f"budget {self.config.budget_s:g} s: {b['central_points']} central points "
+                 f"at {b['duration_s']:.2f} s a trial (about {b['estimate_s']:.0f} s), CPU "
+                 f"workers as {self.config.cpu_workers}s"]
+        if b["other_points"]:
+            lines.append(f"{b['other_points_that_fit']} of {b['other_points']} further points "
+                         "(more instances) fit after them; the rest are skipped for the budget")
+        return lines
+
+
+def prepare_study(config: StudyConfig) -> PreparedStudy:
+    """Choose the units, build the grid and check the budget: nothing is measured yet.
+
+    A budget too small for the central comparison is a UsageError saying what would fit.
+    """
+    if config.name not in STUDIES:
+        raise UsageError(f"study {config.name!r} unknown: use {', '.join(list_studies())}")
+    if config.name == "multi-instance" and len(config.models) > 1:
+        raise UsageError("study multi-instance takes one model: pass --model once")
+    if config.name == "multi-tenancy" and len(config.models) < 2:
+        raise UsageError("study multi-tenancy runs several models at once: pass --model "
+                         "two or more times, e.g. -m mobilenet_v3_small -m resnet18")
+    started = time.monotonic()
+    choice, engines, entries = _resolve(config)
+    if config.cpu_workers == "auto":
+        gpu = any(u.kind != "cpu" for u in choice.units)
+        config = dataclasses.replace(config, cpu_workers="process" if gpu else "thread")
+    points: list[Point]
+    if config.name == "multi-instance":
+        points = multi_instance.build_points(config, choice, engines, entries[0])
+    elif config.name == "multi-tenancy":
+        points = multi_tenancy.build_points(config, choice, engines, entries)
+    else:
+        points = pipeline.build_points(config, choice, engines, entries)
+    _refuse_early(config, points)
+    budget = check_budget(config, points)
+    return PreparedStudy(config, choice, engines, points, budget, started)
+
+
+def _refuse_early(config: StudyConfig, points: list[Point]) -> None:
+    """Skip now, with the runtime's reason, the points whose plan this machine refuses.
+
+    (Too many instances for a core set): the budget is then not planned for them.
+    """
+    from infermux.runtime import parse_plan
+
+    for i, point in enumerate(points):
+        if point.plan is None:
+            continue
+        try:
+            parse_plan(point.plan, source=f"{config.name} point {i}")
+        except UsageError as exc:
+            point.plan, point.status, point.error = None, "skipped", str(exc)
 
 
 def _sampler(units: list[Unit]) -> tuple[Any, list[str]]:
@@ -100,37 +173,25 @@ def _sampler(units: list[Unit]) -> tuple[Any, list[str]]:
 
 def run_study(config: StudyConfig, *, store: Store | None = None,
               progress: ProgressFn | None = None,
-              command: str = "") -> StudyReport:
+              command: str = "", prepared: PreparedStudy | None = None) -> StudyReport:
     """Measure the study's grid within its budget; store every point as it ends."""
-    if config.name not in STUDIES:
-        raise UsageError(f"study {config.name!r} unknown: use {', '.join(list_studies())}")
-    if config.name == "multi-instance" and len(config.models) > 1:
-        raise UsageError("study multi-instance takes one model: pass --model once")
-    if config.name == "multi-tenancy" and len(config.models) < 2:
-        raise UsageError("study multi-tenancy runs several models at once: pass --model "
-                         "two or more times, e.g. -m mobilenet_v3_small -m resnet18")
-    started = time.monotonic()
-    found, engines, entries = _resolve(config)
-    units = [u.id for u in found]
-    points: list[Point]
-    if config.name == "multi-instance":
-        points = multi_instance.build_points(config, units, engines, entries[0])
-    elif config.name == "multi-tenancy":
-        points = multi_tenancy.build_points(config, units, engines, entries)
-    else:
-        points = pipeline.build_points(config, units, engines, entries)
+    ready = prepared or prepare_study(config)
+    config, found, points = ready.config, ready.choice, ready.points
+    units = found.ids
     status = "failed"
     records: list[dict[str, Any]] = []
     head: dict[str, Any] = {}
-    cfg = config.to_dict() | {"resolved_units": units, "engines": engines,
+    cfg = config.to_dict() | {"resolved_units": units, "engines": ready.engines,
+                              "units_why": found.why,
+                              "budget_plan": ready.budget,
                               "model": ", ".join(config.models), "points": len(points)}
     with recording(store, "study", cfg, command) as rec:
         run_id = rec.run_id
-        sampler, devices = _sampler(found)
+        sampler, devices = _sampler(found.units)
         try:
             status = measure_points(config, points, store=store, study_run=run_id,
-                                    deadline=started + config.budget_s, progress=progress,
-                                    sampler=sampler, devices=devices)
+                                    deadline=ready.started + config.budget_s,
+                                    progress=progress, sampler=sampler, devices=devices)
             records = [p.record(i) for i, p in enumerate(points)]
         finally:
             if sampler is not None:
@@ -141,9 +202,10 @@ def run_study(config: StudyConfig, *, store: Store | None = None,
             for r in records:
                 counts[r["status"]] = counts.get(r["status"], 0) + 1
             rec.status, rec.summary = status, {"points": counts,
-                                               "elapsed_s": time.monotonic() - started,
+                                               "elapsed_s": time.monotonic() - ready.started,
                                                "headline": head}
-    return StudyReport(run_id, config, records, head, status, time.monotonic() - started)
+    return StudyReport(run_id, config, records, head, status,
+                       time.monotonic() - ready.started)
 
 
 def points_of(store: Store, run_id: int) -> list[dict[str, Any]]:

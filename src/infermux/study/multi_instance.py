@@ -14,8 +14,9 @@ from itertools import combinations
 from typing import Any
 
 from infermux.study.base import Point, StudyConfig, max_duration_s
+from infermux.study.layout import UnitChoice
 
-__all__ = ["build_points", "combo_label", "headline"]
+__all__ = ["build_points", "claims", "combo_label", "headline"]
 
 
 def combo_label(units: Sequence[str]) -> str:
@@ -31,13 +32,15 @@ def _combos(units: Sequence[str]) -> list[tuple[str, ...]]:
     return out
 
 
-def build_points(config: StudyConfig, units: Sequence[str], engines: dict[str, str],
+def build_points(config: StudyConfig, choice: UnitChoice, engines: dict[str, str],
                  model: dict[str, Any]) -> list[Point]:
     """Every (instances, batch, combination) point, in the order they are measured.
 
-    Instances outermost: the one-instance grid is the paper's table and comes first within
-    the budget; within it, each batch's solo units before their combinations.
+    Instances outermost: the grid at the fewest instances is the paper's table (the central
+    comparison the budget is planned for) and comes first; within it, each batch's solo units
+    before their combinations.
     """
+    units = choice.ids
     points: list[Point] = []
     for k in config.instances:
         for b in config.batches:
@@ -53,7 +56,7 @@ def build_points(config: StudyConfig, units: Sequence[str], engines: dict[str, s
                 points.append(Point(combo_label(combo), {"units": list(combo), "batch": b,
                                                          "instances": k,
                                                          "engines": [engines[u] for u in combo]},
-                                    plan))
+                                    plan, central=k == min(config.instances)))
     return points
 
 
@@ -140,9 +143,73 @@ def headline(points: Sequence[dict[str, Any]]) -> dict[str, Any]:
                         f"batch {b}: all {widest} units together ({f_best['figures']['items_per_s']:,.1f}"
                         f" items/s) lose to {r_best['variant']} "
                         f"({r_best['figures']['items_per_s']:,.1f}): contention")
-    return {"batches": batches, "rows": rows, "contention": contention,
+    head = {"batches": batches, "rows": rows, "contention": contention,
             "best_single": brief(best_single), "best_combination": brief(best_combo),
             "combination_over_single": (best_combo["figures"]["items_per_s"]
                                         / best_single["figures"]["items_per_s"])
             if best_combo and best_single else None,
             "findings": findings}
+    head["claims"] = claims(points)
+    return head
+
+
+def _best_at(points: Sequence[dict[str, Any]], b: int, *, size: int | None = None,
+             wider: bool = False) -> dict[str, Any] | None:
+    """The fastest measured point at batch `b` (`size` units; or more than one: `wider`)."""
+    here = [p for p in points if p["status"] == "ok" and p["params"]["batch"] == b
+            and (p.get("figures") or {}).get("items_per_s")
+            and (size is None or len(p["params"]["units"]) == size)
+            and (not wider or len(p["params"]["units"]) > 1)]
+    return max(here, key=lambda p: p["figures"]["items_per_s"], default=None)
+
+
+def _show(p: dict[str, Any]) -> str:
+    return (f"{p['variant']} ×{p['params']['instances']} "
+            f"{p['figures']['items_per_s']:,.1f} items/s")
+
+
+def claims(points: Sequence[dict[str, Any]]) -> list[dict[str, str]]:
+    """The paper's claims beside this machine's figures: held, did not hold, not measurable."""
+    out: list[dict[str, str]] = []
+    batches = sorted({p["params"]["batch"] for p in points})
+    widest = max((len(p["params"]["units"]) for p in points), default=0)
+
+    def pair(claim: str, paper: str, b: int | None) -> None:
+        if b is None or widest < 2:
+            out.append({"claim": claim, "paper": paper, "verdict": "not measurable here",
+                        "here": "one unit: a combination needs two or more (--units)"})
+            return
+        single, combo = _best_at(points, b, size=1), _best_at(points, b, wider=True)
+        if single is None or combo is None:
+            out.append({"claim": claim, "paper": paper, "verdict": "not measurable here",
+                        "here": f"batch {b}: no measured " + ("single unit" if single is None
+                                                             else "combination")})
+            return
+        won = combo["figures"]["items_per_s"] > single["figures"]["items_per_s"]
+        out.append({"claim": claim, "paper": paper, "verdict": "held" if won else "did not hold",
+                    "here": f"batch {b}: best combination {_show(combo)} "
+                            f"{'beats' if won else 'loses to'} best single unit {_show(single)}"})
+
+    pair("large batch", "at large batch, two units together (CUDA cores + Tensor Cores) beat "
+         "either alone", batches[-1] if batches else None)
+    pair("small batch", "at small batch, two units together (DLA + CUDA cores) help",
+         batches[0] if len(batches) > 1 else None)
+    paper = "all three units together lose to contention at large batch"
+    if widest < 3:
+        out.append({"claim": "all units", "paper": paper, "verdict": "not measurable here",
+                    "here": f"{widest} unit(s): all-units-together needs three or more"})
+    else:
+        b = batches[-1]
+        full = _best_at(points, b, size=widest)
+        rest = max((q for q in (_best_at(points, b, size=n) for n in range(1, widest))
+                    if q is not None), key=lambda p: p["figures"]["items_per_s"], default=None)
+        if full is None or rest is None:
+            out.append({"claim": "all units", "paper": paper, "verdict": "not measurable here",
+                        "here": f"batch {b}: all units together or fewer were not measured"})
+        else:
+            lost = full["figures"]["items_per_s"] < rest["figures"]["items_per_s"]
+            out.append({"claim": "all units", "paper": paper,
+                        "verdict": "held" if lost else "did not hold",
+                        "here": f"batch {b}: all {widest} units {_show(full)} "
+                                f"{'lose to' if lost else 'beat'} {_show(rest)}"})
+    return out

@@ -1,11 +1,14 @@
 """`study multi-tenancy`: several models at once, sequential against concurrent against placed.
 
 The execution modes of the AI multi-tenancy study, each a plan run through the runtime:
-- **sequential**: each model alone on every selected unit, one after another; the figure is
+- **sequential**: each model alone on every selected unit (on a CPU, one worker per core
+  set: the whole CPU), one after another; the figure is
   what the machine gives when it time-shares them with equal items of each model,
   k ÷ Σ (1 ÷ items/s of model i alone);
-- **CME** (concurrent model executions): every model at once on one unit (a GPU or DLA: CPU
-  workers get disjoint core sets, so on CPU units CME is skipped and says why);
+- **CME** (concurrent model executions): every model at once on one unit. On a GPU or DLA
+  the models share its engines; on the CPU every model gets every core set, as when it runs
+  alone, so their workers share the cores (the plan's `sharing: cores` opt-in, which only
+  studies set) and their contention is measured as the paper did;
 - **static placement**: every model at once, model i on unit i (round robin);
 - **DMP** (dynamic model placement): every model at once, workers moving between models as
   their queues grow (`placement: dynamic`).
@@ -23,12 +26,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from infermux.study.base import Point, StudyConfig, max_duration_s
+from infermux.study.layout import UnitChoice
 
-__all__ = ["build_points", "headline"]
-
-_CPU_CME = ("CPU workers get disjoint core sets, so several models cannot run at once on one "
-            "CPU unit; CME applies to GPU and DLA units (static placement and DMP share the CPU "
-            "by core sets)")
+__all__ = ["build_points", "claims", "headline"]
 
 
 def _is_cpu(unit: str) -> bool:
@@ -36,7 +36,7 @@ def _is_cpu(unit: str) -> bool:
 
 
 def _plan(name: str, entries: list[dict[str, Any]], config: StudyConfig, *, b: int,
-          scenario: str, dynamic: bool = False) -> dict[str, Any]:
+          scenario: str, dynamic: bool = False, sharing: bool = False) -> dict[str, Any]:
     load: dict[str, Any] = {"scenario": scenario, "min_duration_s": config.duration_s,
                             "min_queries": max(config.min_queries, 2 * b * len(entries)),
                             "max_duration_s": max_duration_s(config)}
@@ -45,53 +45,86 @@ def _plan(name: str, entries: list[dict[str, Any]], config: StudyConfig, *, b: i
         load.update(find_peak=True, p99_bound_ms=config.p99_ms, samples_per_query=1,
                     min_queries=config.min_queries,
                     max_duration_s=max_duration_s(config))
-    return {"name": name, "models": entries, "dispatcher": {"max_queue_delay_ms": 2.0},
+    plan = {"name": name, "models": entries, "dispatcher": {"max_queue_delay_ms": 2.0},
             "placement": "dynamic" if dynamic else "static", "load": load}
+    if sharing:
+        plan["sharing"] = "cores"
+    return plan
 
 
-def build_points(config: StudyConfig, units: Sequence[str], engines: dict[str, str],
+def _cme_units(choice: UnitChoice) -> tuple[list[list[str]], bool]:
+    """Where each CME point runs, and whether its models share CPU cores.
+
+    On up to two GPU or DLA units, one point each. Else on the CPU: every model gets every
+    CPU unit of the study (the whole CPU, as when it runs alone), so the models' workers
+    share the cores.
+    """
+    others = [u.id for u in choice.units if not _is_cpu(u.id)][:2]
+    if others:
+        return [[u] for u in others], False
+    return [[u.id for u in choice.units]], True
+
+
+def build_points(config: StudyConfig, choice: UnitChoice, engines: dict[str, str],
                  models: list[dict[str, Any]]) -> list[Point]:
     """Offline points at every batch (each model alone, CME, static, DMP), then server peaks."""
     names = [m["name"] for m in models]
+    units = choice.ids
     points: list[Point] = []
+    alone_on = list(units)
+    cme_on, shared = _cme_units(choice)
+    cpu_engine = next((e for u, e in engines.items() if _is_cpu(u)), "torch")
 
-    def entry(m: dict[str, Any], on: Sequence[str], b: int) -> dict[str, Any]:
-        return {**m, "replicas": [{"unit": u, "engine": engines[u], "batch": b,
-                                   "batch_buckets": "pow2"} for u in on]}
+    def engine(u: str) -> str:
+        return engines.get(u) or cpu_engine
+
+    def entry(m: dict[str, Any], on: Sequence[str], b: int, scenario: str) -> dict[str, Any]:
+        # Offline batches fill, so one runner per worker (each built runner is warmed up: on a
+        # busy CPU that is much of a point's cost); server arrivals leave partial batches.
+        buckets = "pow2" if scenario == "server" else "none"
+        return {**m, "replicas": [{"unit": u, "engine": engine(u), "batch": b,
+                                   "batch_buckets": buckets} for u in on]}
 
     def add(mode: str, variant: str, params: dict[str, Any], plan: dict[str, Any] | None,
             why: str | None = None) -> None:
-        point = Point(variant, {"mode": mode, "models": names, **params}, plan)
+        twin = None
+        if params["scenario"] == "server":
+            twin = next((i for i, p in enumerate(points) if p.params["mode"] == mode
+                         and p.params.get("model") == params.get("model")
+                         and p.params["units"] == params["units"]
+                         and p.params["scenario"] == "offline"
+                         and p.params["batch"] == params["batch"]), None)
+        point = Point(variant, {"mode": mode, "models": names, **params}, plan, twin=twin)
         if plan is None:
             point.status, point.error = "skipped", why
         points.append(point)
-
-    cme_units = [u for u in units if not _is_cpu(u)][:2]
-    spread = len(units) >= 2
 
     def modes(b: int, scenario: str) -> None:
         tag = "" if scenario == "offline" else " (server)"
         for m in models:
             add("alone", f"{m['name']} alone{tag}", {"batch": b, "scenario": scenario,
-                                                     "units": list(units), "model": m["name"]},
-                _plan(f"alone-{m['name']}", [entry(m, units, b)], config, b=b,
+                                                     "units": alone_on, "model": m["name"]},
+                _plan(f"alone-{m['name']}", [entry(m, alone_on, b, scenario)], config, b=b,
                       scenario=scenario))
-        if cme_units:
-            for u in cme_units:
-                add("cme", f"CME on {u}{tag}", {"batch": b, "scenario": scenario, "units": [u]},
-                    _plan("cme", [entry(m, [u], b) for m in models], config, b=b,
-                          scenario=scenario))
-        else:
-            add("cme", f"CME{tag}", {"batch": b, "scenario": scenario, "units": list(units)},
-                None, _CPU_CME)
-        if spread:
-            placed = [entry(m, [units[i % len(units)]], b) for i, m in enumerate(models)]
-            add("static", f"static placement{tag}", {"batch": b, "scenario": scenario,
-                                                     "units": list(units)},
+        for on in cme_on:
+            label = "CME (shared cores)" if shared else f"CME on {on[0]}"
+            add("cme", f"{label}{tag}", {"batch": b, "scenario": scenario, "units": on,
+                                         "sharing": "cores" if shared else "none"},
+                _plan("cme", [entry(m, on, b, scenario) for m in models], config, b=b,
+                      scenario=scenario, sharing=shared))
+        params = {"batch": b, "scenario": scenario, "units": list(units)}
+        if len(units) >= 2:
+            placed = [entry(m, [units[i % len(units)]], b, scenario)
+                      for i, m in enumerate(models)]
+            add("static", f"static placement{tag}", dict(params),
                 _plan("static", placed, config, b=b, scenario=scenario))
-            add("dmp", f"DMP (dynamic placement){tag}", {"batch": b, "scenario": scenario,
-                                                         "units": list(units)},
+            add("dmp", f"DMP (dynamic placement){tag}", dict(params),
                 _plan("dmp", placed, config, b=b, scenario=scenario, dynamic=True))
+        else:
+            why = (f"one unit ({units[0]}): placing models on units needs two or more; "
+                   "pass --units with two, e.g. cpu:0,cpu:1")
+            add("static", f"static placement{tag}", dict(params), None, why)
+            add("dmp", f"DMP (dynamic placement){tag}", dict(params), None, why)
 
     for b in config.batches:
         modes(b, "offline")
@@ -189,8 +222,76 @@ def headline(points: Sequence[dict[str, Any]]) -> dict[str, Any]:
     for name, row in rows.items():
         if row.get("batching_gain"):
             findings.append(f"batching {low}→{high}: {row['batching_gain']:.2f}× for {name}")
-    return {"batches": batches, "rows": list(rows.values()), "server": peaks,
+    head = {"batches": batches, "rows": list(rows.values()), "server": peaks,
             "server_batch": max((p["params"]["batch"] for p in server), default=None),
             "best": best, "findings": findings,
             "p99_bound_ms": next((p["figures"].get("p99_bound_ms") for p in server
                                   if p.get("figures")), None)}
+    head["claims"] = claims(head, points)
+    return head
+
+
+def _verdict(claim: str, paper: str, verdict: str, here: str) -> dict[str, str]:
+    return {"claim": claim, "paper": paper, "verdict": verdict, "here": here}
+
+
+def _best_gain(head: dict[str, Any], mode: str) -> tuple[float, str] | None:
+    """The highest gain over sequential execution of `mode`, offline or under server load."""
+    found: list[tuple[float, str]] = []
+    for row in head["rows"]:
+        if row["mode"] != mode:
+            continue
+        for b, cell in row["cells"].items():
+            if cell.get("gain_over_sequential"):
+                found.append((cell["gain_over_sequential"], f"{row['variant']} at batch {b}, "
+                                                            "offline"))
+    for s in head["server"]:
+        if s["mode"] == mode and s.get("gain_over_sequential"):
+            found.append((s["gain_over_sequential"], f"{s['variant']} under server load"))
+    return max(found) if found else None
+
+
+def _why_missing(points: Sequence[dict[str, Any]], mode: str) -> str:
+    reasons = sorted({str(p.get("error") or p["status"]) for p in points
+                      if p["params"].get("mode") == mode and p["status"] != "ok"})
+    return "; ".join(reasons)[:240] or "no point of this mode was measured"
+
+
+def claims(head: dict[str, Any], points: Sequence[dict[str, Any]]) -> list[dict[str, str]]:
+    """The paper's claims beside this machine's figures: held, did not hold, not measurable."""
+    out = []
+    seq = next((r for r in head["rows"] if r["mode"] == "sequential"), None)
+    gain = (seq or {}).get("batching_gain")
+    batches = head["batches"]
+    paper = "batching gives more than 2.4× throughput on a GPU board"
+    if len(batches) < 2:
+        out.append(_verdict("batching", paper, "not measurable here",
+                            f"one batch size ({batches}): pass two, e.g. --batch 1,8"))
+    elif not gain:
+        out.append(_verdict("batching", paper, "not measurable here",
+                            "sequential execution has no figure at both batch sizes: "
+                            + _why_missing(points, "alone")))
+    else:
+        out.append(_verdict("batching", paper, "held" if gain > 2.4 else "did not hold",
+                            f"batch {batches[0]}→{batches[-1]}: {gain:.2f}× for sequential "
+                            "execution"))
+    units = sorted({u for p in points for u in p["params"].get("units") or []})
+    for mode, name in (("cme", "CME"), ("dmp", "DMP")):
+        paper = f"{name} gives up to 3× the sequential execution's throughput on GPU boards"
+        best = _best_gain(head, mode)
+        if best is None:
+            out.append(_verdict(name, paper, "not measurable here", _why_missing(points, mode)))
+            continue
+        g, where = best
+        out.append(_verdict(name, paper, "held" if g > 1.05 else "did not hold",
+                            f"best {g:.2f}× the sequential execution ({where})"
+                            + ("" if g > 1.05 else ": the models contend for the same "
+                               "resources")))
+    if not any(u.startswith("edgetpu") for u in units):  # else the lines above cover them
+        out.append(_verdict("Edge TPUs", "CME and DMP give up to 10× on Edge TPUs",
+                            "not measurable here",
+                            "no Edge TPU among the units (" + ", ".join(units) + ")"))
+    out.append(_verdict("clusters", "clusters of accelerators add throughput on top",
+                        "not measurable here", "one machine: a cluster of machines is "
+                        "`infermux cluster`'s to measure"))
+    return out

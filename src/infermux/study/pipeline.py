@@ -14,8 +14,12 @@ from typing import Any
 from infermux.errors import RunError
 from infermux.store import Store
 from infermux.study.base import Point, StudyConfig, max_duration_s
+from infermux.study.layout import UnitChoice
 
-__all__ = ["build_points", "headline"]
+__all__ = ["build_points", "claims", "headline"]
+
+#: A guess of a partitioning run's seconds (profiling the network's segments on each unit).
+_PARTITION_S = 20.0
 
 
 def _load(config: StudyConfig, b: int) -> dict[str, Any]:
@@ -24,9 +28,10 @@ def _load(config: StudyConfig, b: int) -> dict[str, Any]:
             "max_duration_s": max_duration_s(config)}
 
 
-def build_points(config: StudyConfig, units: Sequence[str], engines: dict[str, str],
+def build_points(config: StudyConfig, choice: UnitChoice, engines: dict[str, str],
                  models: list[dict[str, Any]]) -> list[Point]:
     """Per network and batch: alone on each unit, data-parallel on all, then the pipeline."""
+    units = choice.ids
     points: list[Point] = []
     pipe_units = [u for u in units if u == "cpu" or u.startswith(("cpu:", "cuda:"))]
     for m in models:
@@ -40,6 +45,12 @@ def build_points(config: StudyConfig, units: Sequence[str], engines: dict[str, s
                                          "batch_buckets": "none"}]}],
                                      "load": _load(config, b)}))
             if len(units) < 2:
+                why = (f"one unit ({units[0]}): data-parallel replicas and a pipeline need two "
+                       "or more; pass --units with two, e.g. cpu:0,cpu:1")
+                for mode, label in (("replicas", "data-parallel"), ("pipeline", "pipeline")):
+                    points.append(Point(f"{m['name']} {label}", {**base, "mode": mode,
+                                                                 "units": list(units)}, None,
+                                        status="skipped", error=why))
                 continue
             points.append(Point(f"{m['name']} data-parallel", {**base, "mode": "replicas",
                                                               "units": list(units)},
@@ -48,7 +59,8 @@ def build_points(config: StudyConfig, units: Sequence[str], engines: dict[str, s
                                      "batch_buckets": "none"} for u in units]}],
                                  "load": _load(config, b)}))
             point = Point(f"{m['name']} pipeline", {**base, "mode": "pipeline",
-                                                    "units": list(pipe_units)}, None)
+                                                    "units": list(pipe_units)}, None,
+                          setup_s=_PARTITION_S)
             if len(pipe_units) < 2:
                 point.status = "skipped"
                 point.error = "a pipeline needs two or more CPU core sets or GPUs among the units"
@@ -69,7 +81,8 @@ def _pipeline_plan(config: StudyConfig, model: dict[str, Any], units: Sequence[s
         shape = tuple(model["input_shape"]) if model.get("input_shape") else None
         report = run_partition(PartitionConfig(
             model=ModelSpec(model["model"], None, shape), units=",".join(units), batch=b,
-            top_k=2, max_pieces=8, measure_s=config.duration_s, warmup_s=0.5), store=store,
+            top_k=2, max_pieces=8, measure_s=params.get("duration_s", config.duration_s),
+            warmup_s=0.5), store=store,
             command=f"infermux study {config.name} (partition {model['name']})")
         params["partition_run"] = report.run_id
         if report.best is None:
@@ -119,4 +132,37 @@ def headline(points: Sequence[dict[str, Any]]) -> dict[str, Any]:
         e_s = (single or {}).get("energy_per_item_j")
         if e_p and e_s:
             row["energy_vs_single"] = e_p / e_s
-    return {"rows": list(rows.values()), "findings": findings}
+    return {"rows": list(rows.values()), "findings": findings,
+            "claims": claims(list(rows.values()), points)}
+
+
+def claims(rows: Sequence[dict[str, Any]], points: Sequence[dict[str, Any]]
+           ) -> list[dict[str, str]]:
+    """The paper's claims beside this machine's figures: held, did not hold, not measurable."""
+    out: list[dict[str, str]] = []
+    paper = "the pipeline gives +101% to +680% throughput over the GPU alone (2.01× to 7.8×)"
+    ratios = [(r["pipeline_over_single"], r) for r in rows if r.get("pipeline_over_single")]
+    if not ratios:
+        why = sorted({str(p.get("error") or p["status"]) for p in points
+                      if p["params"].get("mode") == "pipeline" and p["status"] != "ok"})
+        out.append({"claim": "throughput", "paper": paper, "verdict": "not measurable here",
+                    "here": "; ".join(why)[:240] or "no pipeline was measured"})
+    else:
+        best, _ = max(ratios, key=lambda t: t[0])
+        shown = ", ".join(f"{r['model']} b{r['batch']} {g:.2f}×" for g, r in ratios)
+        out.append({"claim": "throughput", "paper": paper,
+                    "verdict": "held" if best >= 2.01 else "did not hold",
+                    "here": f"pipeline ÷ best single unit: {shown}"})
+    paper = "the pipeline uses up to 55% less energy per item than the GPU alone"
+    energy = [(r["energy_vs_single"], r) for r in rows if r.get("energy_vs_single")]
+    if not energy:
+        out.append({"claim": "energy", "paper": paper, "verdict": "not measurable here",
+                    "here": "no energy per item for both the pipeline and the best single "
+                            "unit (these units have no power readings here)"})
+    else:
+        best_e = min(e for e, _ in energy)
+        out.append({"claim": "energy", "paper": paper,
+                    "verdict": "held" if best_e < 1.0 else "did not hold",
+                    "here": "pipeline ÷ best single unit, J per item: " + ", ".join(
+                        f"{r['model']} b{r['batch']} {e:.2f}×" for e, r in energy)})
+    return out

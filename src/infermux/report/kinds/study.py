@@ -216,15 +216,32 @@ def _pipeline(section: Section, head: dict[str, Any]) -> None:
             barmode="group", x_category=True))
 
 
+_VERDICT_STYLE = {"held": "ok", "did not hold": "bad", "not measurable here": "warn"}
+
+
+def _claims(section: Section, head: dict[str, Any]) -> None:
+    """The paper's claims, one line each, beside this machine's figures and the verdict."""
+    claims = head.get("claims") or []
+    if not claims:
+        return
+    section.heading("The paper's claims on this machine")
+    section.table(["claim", "the paper", "verdict", "this machine"],
+                  ([c["claim"], c["paper"], (c["verdict"], _VERDICT_STYLE.get(c["verdict"], "")),
+                    c["here"]] for c in claims))
+
+
 @register_kind("study", headline=_headline)
 def render_study(run: RunData, section: Section) -> None:
-    """The published box, the headline, the figures and every point with its run."""
+    """The claims, the published box, the headline, the figures and every point with its run."""
     from infermux.study import headline_for
 
     name = _name(run)
     points = _points(run)
+    if points:
+        _claims(section, headline_for(name, points))
     section.kv([("study", name), ("models", ", ".join(run.config.get("models") or [])),
                 ("units", ", ".join(run.config.get("resolved_units") or [])),
+                ("why these units", run.config.get("units_why")),
                 ("engines", ", ".join(f"{u}: {e}" for u, e in
                                       (run.config.get("engines") or {}).items())),
                 ("budget s", run.config.get("budget_s")),
