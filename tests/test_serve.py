@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 import urllib.request
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -402,6 +403,24 @@ MALFORMED: list[tuple[str, str, str, tuple[dict[str, str], bytes], int, str]] = 
     ("unknown route", "GET", "/v2/models/net/nothing", ({}, b""), 404, "no route"),
     ("outside /v2", "GET", "/v1/models", ({}, b""), 404, "/v2"),
     ("body too large", "POST", "/v2/models/net/infer", ({}, b"0" * (3 << 20)), 413, "larger"),
+    # A small compressed body that inflates far past what any request of the model needs.
+    ("gzip bomb", "POST", "/v2/models/net/infer",
+     ({"Content-Encoding": "gzip"}, gzip.compress(b" " * (16 << 20), 9)), 413, "inflates"),
+    ("deflate bomb", "POST", "/v2/models/net/infer",
+     ({"Content-Encoding": "deflate"}, zlib.compress(b" " * (16 << 20), 9)), 413, "inflates"),
+    # Binary tensors are counted at their exact size, not at a JSON number's 25 characters.
+    ("binary: body past the largest binary request", "POST", "/v2/models/net/infer",
+     _binary({"inputs": [_bin_input()]}, b"\0" * 400_000), 413, "larger"),
+    ("binary: JSON header past its allowance", "POST", "/v2/models/net/infer",
+     _binary({"inputs": [_bin_input()], "pad": "x" * 200_000}, b"\0" * _ITEM), 413, "header"),
+    ("deeply nested JSON", "POST", "/v2/models/net/infer",
+     ({}, b"[" * 20_000 + b"]" * 20_000), 400, "nested"),
+    ("deeply nested data", "POST", "/v2/models/net/infer",
+     ({}, b'{"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 3, 16, 16], "data": '
+      + b"[" * 5_000 + b"]" * 5_000 + b"}]}"), 400, "nested"),
+    ("NUL bytes as JSON", "POST", "/v2/models/net/infer", ({}, b"\0" * 64), 400, "JSON"),
+    ("invalid UTF-8 header", "POST", "/v2/models/net/infer", ({}, b'{"id": "\xff\xfe"}'), 400,
+     "JSON"),
 ]
 
 

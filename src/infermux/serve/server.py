@@ -249,7 +249,7 @@ class InferenceServer:
         front = HttpFront(core, self.settings.api_key)
         config = uvicorn.Config(
             front, lifespan="off", log_level="warning",
-            http=body_protocol(front.max_body) or "auto", access_log=False,
+            http=body_protocol(front) or "auto", access_log=False,
             timeout_graceful_shutdown=int(self.settings.drain_timeout_s) or 1,
             backlog=2048, timeout_keep_alive=30, limit_concurrency=2 * admitted + 64)
         server = _QuietUvicorn(config)
@@ -269,7 +269,7 @@ class InferenceServer:
         try:
             server, port = build_grpc_server(core, f"{_grpc_host(s.host)}:{s.grpc_port}",
                                              api_key=s.api_key,
-                                             max_message_bytes=body_limit(core))
+                                             max_message_bytes=body_limit(core, binary=True))
         except RuntimeError as exc:
             raise UsageError(f"--grpc-port {s.grpc_port} on {s.host} cannot be bound ({exc}): "
                              "is it in use? pass another port, or 0 for any free one") from None
