@@ -29,11 +29,45 @@ from infermux.serve.core import (
     tensor_from_list,
 )
 
-__all__ = ["build_grpc_server"]
+__all__ = ["build_grpc_server", "server_options"]
 
 _CODES = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "NOT_FOUND",
           405: "UNIMPLEMENTED", 413: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE"}
 _CONTENTS = {"FP32": "fp32_contents", "FP64": "fp64_contents"}
+
+
+#: Calls one connection may have open at once. Clients assume no limit until the server's
+#: first SETTINGS frame arrives, and a burst past a limit on a fresh connection has its streams
+#: reset, so the limit sits far above any client's concurrency (perf_analyzer shares a
+#: channel between several of its contexts); memory stays bounded by admission, which answers
+#: UNAVAILABLE past it, not by refusing streams.
+_MAX_STREAMS_PER_CONNECTION = 4096
+
+
+def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    """The grpc.aio server's options, each set on purpose rather than left to grpc's defaults.
+
+    - messages: at most the largest request any model needs (`http.body_limit(binary=True)`),
+      larger ones RESOURCE_EXHAUSTED before the handler runs;
+    - streams per connection: `_MAX_STREAMS_PER_CONNECTION`;
+    - keepalive: idle connections pinged every 60 s and dropped after 20 s without an answer;
+      clients may ping every 10 s, with or without calls, and are never sent GOAWAY for
+      pinging (Triton's clients ping only when asked to);
+    - the listen backlog is the kernel's `somaxconn`, which grpc reads itself (no option).
+    """
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_concurrent_streams", _MAX_STREAMS_PER_CONNECTION),
+        ("grpc.keepalive_time_ms", 60_000),
+        ("grpc.keepalive_timeout_ms", 20_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.http2.max_ping_strikes", 0),
+        ("grpc.so_reuseport", 0),
+    ]
 
 
 def build_grpc_server(core: InferenceCore, address: str, *, api_key: str | None = None,
@@ -41,11 +75,7 @@ def build_grpc_server(core: InferenceCore, address: str, *, api_key: str | None 
     """A grpc.aio server with the service added, bound to `address`; (server, port)."""
     import grpc
 
-    server = grpc.aio.server(options=[
-        ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.so_reuseport", 0),
-    ])
+    server = grpc.aio.server(options=server_options(max_message_bytes))
     _add_service(server, _Service(core, api_key))
     port = server.add_insecure_port(address)
     return server, port

@@ -255,9 +255,8 @@ def inflate(body: bytes | bytearray | memoryview, encoding: str, limit: int) -> 
                                          "the largest request of this model needs")
             pieces.append(piece)
             pending = inflater.unconsumed_tail
-            if not pending:
-                if inflater.eof or not piece:
-                    break
+            if not pending and (inflater.eof or not piece):
+                break
         if not inflater.eof:
             raise ProtocolError(400, f"the body is not valid {encoding} data: it ends early")
     except zlib.error as exc:
