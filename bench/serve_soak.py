@@ -79,13 +79,14 @@ def counters(metrics_url: str, model: str) -> dict[str, float]:
 
 
 def perf_analyzer(exe: str, url: str, model: str, csv_file: Path, *, concurrency: int | None = None,
-                  rate: float | None = None, seconds: float) -> dict[str, Any]:
+                  rate: float | None = None, seconds: float, stability_pct: float = 50.0,
+                  ) -> dict[str, Any]:
     """One perf_analyzer level over gRPC; throughput and p99 from its CSV."""
     level = (["--concurrency-range", f"{concurrency}:{concurrency}"] if concurrency is not None
              else ["--request-rate-range", f"{rate:.1f}:{rate:.1f}",
                    "--request-distribution", "poisson"])
     cmd = [exe, "-m", model, "-u", url, "-i", "grpc", *level,
-           "--measurement-interval", str(int(seconds * 1000)), "--stability-percentage", "30",
+           "--measurement-interval", str(int(seconds * 1000)), "--stability-percentage", f"{stability_pct:g}",
            "--max-trials", "3", "-f", str(csv_file)]
     done = subprocess.run(cmd, capture_output=True, text=True)
     row: dict[str, Any] = {"command": " ".join(cmd), "ok": done.returncode == 0
@@ -122,6 +123,8 @@ def main() -> None:
     p.add_argument("--calm-factor", type=float, default=0.5, help="calm rate / saturating rate")
     p.add_argument("--burst-s", type=float, default=60.0)
     p.add_argument("--calm-s", type=float, default=10.0, help="perf_analyzer window, calm runs")
+    p.add_argument("--stability", type=float, default=50.0,
+                   help="perf_analyzer's --stability-percentage (a loaded machine needs more)")
     p.add_argument("--kill", choices=("none", "worker"), default="none",
                    help="kill the model's worker process half-way through the burst")
     p.add_argument("--perf-analyzer", help="path of perf_analyzer (default: the venv, PATH)")
@@ -153,7 +156,8 @@ def main() -> None:
                               "max_queue_items": ready["models"][0]["max_queue_items"]}
     try:
         sat = perf_analyzer(exe, grpc_url, "net", out / "saturation.csv",
-                            concurrency=args.concurrency, seconds=args.calm_s)
+                            concurrency=args.concurrency, seconds=args.calm_s,
+                            stability_pct=args.stability)
         if not sat["ok"]:
             raise SystemExit(f"perf_analyzer failed: {sat['error']}")
         report["saturation"] = sat
@@ -162,7 +166,7 @@ def main() -> None:
         print(f"saturation {sat['throughput_rps']:.1f} requests/s; calm {calm_rate:.1f}, "
               f"burst {burst_rate:.1f} for {args.burst_s:g} s", flush=True)
         before = perf_analyzer(exe, grpc_url, "net", out / "before.csv", rate=calm_rate,
-                               seconds=args.calm_s)
+                               seconds=args.calm_s, stability_pct=args.stability)
         rss_before = rss_bytes(proc.pid)
         start_counts = counters(metrics_url, "net")
         samples: list[int] = []
@@ -195,7 +199,7 @@ def main() -> None:
             time.sleep(0.2)
         end_counts = counters(metrics_url, "net")
         after = perf_analyzer(exe, grpc_url, "net", out / "after.csv", rate=calm_rate,
-                              seconds=args.calm_s)
+                              seconds=args.calm_s, stability_pct=args.stability)
         rss_after = rss_bytes(proc.pid)
         health = urllib.request.urlopen(
             f"http://127.0.0.1:{ready['http_port']}/v2/health/ready", timeout=10).status

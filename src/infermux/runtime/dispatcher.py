@@ -494,6 +494,9 @@ class Dispatcher:
         now = self.clock_ns()
         blamed: list[Item] = []
         with self.cond:
+            # The last error it saw, though it serves on: what a front without `on_rejected`
+            # (a cluster node's driver) can still tell the client.
+            w.error = first_line(exc)
             w.in_flight = max(0, w.in_flight - len(batches))
             if w.in_flight == 0:
                 w.free_since_ns = w.busy_until_ns = now

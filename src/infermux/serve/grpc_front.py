@@ -53,6 +53,11 @@ def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
     - keepalive: idle connections pinged every 60 s and dropped after 20 s without an answer;
       clients may ping every 10 s, with or without calls, and are never sent GOAWAY for
       pinging (Triton's clients ping only when asked to);
+    - calls received but not yet taken by the event loop: up to 10,000 wait for it (grpc's
+      default cancels those past 1,000, and a 3× burst on the 2-core machine had 338–1,581 of
+      ~7,000–8,000 calls CANCELLED before any handler saw them; with 10,000 none, every refusal
+      was admission's UNAVAILABLE). A waiting call holds at most its stream's flow-control
+      window, not its whole message;
     - the listen backlog is the kernel's `somaxconn`, which grpc reads itself (no option).
     """
     return [
@@ -66,6 +71,8 @@ def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
         ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.http2.max_ping_strikes", 0),
+        ("grpc.server.max_pending_requests", 10000),
+        ("grpc.server.max_pending_requests_hard_limit", 10000),
         ("grpc.so_reuseport", 0),
     ]
 
