@@ -379,17 +379,17 @@ class InferenceCore:
         now = time.perf_counter_ns()
         with self._lock:
             if self._closing:
+                self._refused(info, count)
                 raise ProtocolError(503, "the server is shutting down and takes no new requests",
                                     retry_after_s=1.0)
             if info.in_flight_items + n > info.max_queue_items:
-                info.stats.rejected += 1
-                if self.metrics is not None:
-                    self.metrics.rejected(info.name)
+                self._refused(info, True)
                 raise ProtocolError(
                     503, f"model {info.name!r} has {info.in_flight_items} items in flight, its "
                          f"admission limit is {info.max_queue_items}: retry later",
                     retry_after_s=1.0)
             if not self.model_ready(info.name):
+                self._refused(info, count)
                 restarting = any(s.restarting for s in self.runtime.states
                                  if s.model == info.name)
                 raise ProtocolError(503, f"model {info.name!r} is not ready: no live worker "
@@ -408,6 +408,17 @@ class InferenceCore:
         if count:
             self._request_done(info, ok=True, started_ns=now)
         return outputs
+
+    def _refused(self, info: ModelInfo, count: bool) -> None:
+        """One request refused with 503 before admission (full, not ready, shutting down).
+
+        Every refusal is counted, so answered + failed + refused is every request received.
+        """
+        if not count:
+            return
+        info.stats.rejected += 1
+        if self.metrics is not None:
+            self.metrics.rejected(info.name)
 
     def _request_done(self, info: ModelInfo, *, ok: bool, started_ns: int) -> None:
         took = time.perf_counter_ns() - started_ns
