@@ -12,7 +12,7 @@ import typer
 from infermux.cli._app import DbOpt, JsonOpt, _print_json, app, err, out
 from infermux.errors import UsageError
 
-__all__ = ["serve_command"]
+__all__ = ["masked_argv", "serve_command"]
 
 
 def _missing_extra() -> str | None:
@@ -35,8 +35,9 @@ def serve_command(
     metrics_port: Annotated[int, typer.Option("--metrics-port", help="Prometheus /metrics port (0: any free port).")] = 8002,
     max_queue: Annotated[int | None, typer.Option("--max-queue", help="Items a model may hold admitted and unanswered; more get 503 (default: 4x what its workers hold, at least 64).")] = None,
     wait_when_idle: Annotated[bool, typer.Option("--wait-when-idle", help="Wait out the plan's max_queue_delay_ms for a fuller batch even when the model's workers are idle (default: an idle worker takes what is queued at once).")] = False,
-    max_restarts: Annotated[int, typer.Option("--max-restarts", help="Times a failed worker is restarted before its model is left not ready (0: never).")] = 3,
-    api_key: Annotated[str | None, typer.Option("--api-key", help="Require `Authorization: Bearer KEY` (or env INFERMUX_API_KEY); health probes stay open.")] = None,
+    max_restarts: Annotated[int, typer.Option("--max-restarts", help="Times a failed worker may be restarted within --restart-window (0: never); past that it waits, not ready, for the window.")] = 3,
+    restart_window: Annotated[str, typer.Option("--restart-window", help="The window --max-restarts counts over (e.g. 10m).")] = "10m",
+    api_key: Annotated[str | None, typer.Option("--api-key", help="Require `Authorization: Bearer KEY` (or env INFERMUX_API_KEY) on inference and /metrics; health probes stay open.")] = None,
     drain_timeout: Annotated[str, typer.Option("--drain-timeout", help="On SIGTERM/Ctrl-C, how long admitted requests may take to finish.")] = "30s",
     telemetry: Annotated[str, typer.Option("--telemetry", help="Sampler period for the hardware metrics (e.g. 1s) or off.")] = "1s",
     fronts: Annotated[int | None, typer.Option("--fronts", help="Front processes serving HTTP and gRPC on the same ports, tensors passed to the runtime process through shared memory (default: half the usable cores, at most 8; 0 or 1: in the server process).")] = None,
@@ -75,11 +76,14 @@ def serve_command(
     settings = ServeSettings(
         host=host, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
         max_queue_items=max_queue, max_restarts=max_restarts, wait_when_idle=wait_when_idle,
+        restart_window_s=parse_duration_s(restart_window, name="--restart-window"),
         api_key=api_key or os.environ.get("INFERMUX_API_KEY") or None,
         drain_timeout_s=parse_duration_s(drain_timeout, name="--drain-timeout"),
         telemetry_interval_s=interval, fronts=fronts)
+    if cluster is None:
+        settings.check_plan(plan)  # before anything is built
     store = None if no_store else open_store(db)
-    command = "infermux " + shlex.join(a if a != api_key else "***" for a in sys.argv[1:])
+    command = "infermux " + shlex.join(masked_argv(sys.argv[1:]))
 
     def on_ready(info: dict[str, Any]) -> None:
         if as_json:
@@ -117,6 +121,28 @@ def serve_command(
             out.print(f"[dim]stored as run {summary['run_id']} in {db}[/]")
     if summary.get("status") != "complete":
         raise typer.Exit(1)
+
+
+#: Options whose value is a secret, masked in the command stored with the run.
+_SECRET_OPTIONS = ("--api-key",)
+
+
+def masked_argv(argv: list[str]) -> list[str]:
+    """`argv` with the value of every secret option masked (`--api-key K`, `--api-key=K`)."""
+    out: list[str] = []
+    secret_next = False
+    for arg in argv:
+        if secret_next:
+            out.append("***")
+            secret_next = False
+            continue
+        name, eq, _ = arg.partition("=")
+        if name in _SECRET_OPTIONS:
+            out.append(f"{name}=***" if eq else arg)
+            secret_next = not eq
+            continue
+        out.append(arg)
+    return out
 
 
 def _serve_cluster(cluster_plan: Any, address: str, plan_file: str, settings: Any, store: Any,

@@ -23,7 +23,11 @@
   unit does not stretch the end of an offline run.
 - **Faults.** A worker whose batch fails is taken out of service; the batch's items go back to
   the front of the queue for another worker, at most `max_retries` times, then their queries are
-  reported failed. Nothing is dropped silently. A supervisor (`runtime.supervisor`) may restart
+  reported failed. Nothing is dropped silently. A batch of served items that raised on a worker
+  that then ran a batch of its own samples is the input's fault (`rejected`): the worker stays
+  in service, a batch of one request's items fails that request alone (`on_rejected`), and the
+  items of a batch mixing requests run again one request per batch, so the next failure names
+  the request at fault. A supervisor (`runtime.supervisor`) may restart
   it: while a worker whose process died is `restarting`, its model's items wait for it (they
   count as servable), `revive()` puts it back in service, `give_up()` fails what waited.
 - **Trials.** `begin_trial()` starts a trial from empty queues and zeroed counters: what an
@@ -68,6 +72,9 @@ class Item:
     trial: int = 0
     #: The sample's own input row (a served request's), instead of the QSL's row `sample`.
     data: Any = None
+    #: Run in a batch of its own query's items only: its batch raised, and which request's
+    #: input was at fault is being narrowed down (`Dispatcher.rejected`).
+    alone: bool = False
 
 
 @dataclass
@@ -206,6 +213,9 @@ class Dispatcher:
         #: Asked, under the lock, whether a failed worker will be restarted (a supervisor's
         #: answer): if so, the items it held and its model's queue wait for it.
         self.will_restart: Callable[[WorkerState, BaseException], bool] | None = None
+        #: Called, outside the lock, with the queries whose own input the engine rejected and
+        #: the engine's message, before they are reported failed (a server answers them 400).
+        self.on_rejected: Callable[[list[int], str], None] | None = None
 
     # -- set-up -----------------------------------------------------------------------------
 
@@ -386,6 +396,8 @@ class Dispatcher:
                 # Another worker will meet the bound once free: look again when it should be.
                 soonest = min((o.busy_until_ns for o in others), default=now)
                 return max(1e-4, (soonest - now) / 1e9)
+        if queue[0].alone:  # narrowing down an input fault: one query's items per batch
+            n = next((k for k in range(1, n) if queue[k].query != queue[0].query), n)
         items = [queue.popleft() for _ in range(n)]
         bucket = w.bucket_for(n)
         ready = [max(it.enqueued_ns, w.free_since_ns) for it in items]
@@ -470,6 +482,42 @@ class Dispatcher:
         self._fail_items(give_up, now)
         if self.on_worker_failed is not None:
             self.on_worker_failed(w)
+
+    def rejected(self, w: WorkerState, batches: Sequence[Batch], exc: BaseException) -> None:
+        """`batches` raised on `w`, which then ran a batch of its own samples: an input's fault.
+
+        `w` stays in service. A single batch holding one query's items fails that query alone
+        (`on_rejected`, then the completion); otherwise each item goes back to the front of its
+        queue to run in a batch of its own query's items (`Item.alone`), at most `max_retries`
+        more times, so the next failure names the query at fault.
+        """
+        now = self.clock_ns()
+        blamed: list[Item] = []
+        with self.cond:
+            # The last error it saw, though it serves on: what a front without `on_rejected`
+            # (a cluster node's driver) can still tell the client.
+            w.error = first_line(exc)
+            w.in_flight = max(0, w.in_flight - len(batches))
+            if w.in_flight == 0:
+                w.free_since_ns = w.busy_until_ns = now
+            current = [b for b in batches if not self._stale(b.items)]
+            if len(current) == 1 and len({it.query for it in current[0].items}) == 1:
+                blamed = list(current[0].items)
+            else:
+                for item in reversed([it for b in current for it in b.items]):
+                    item.attempts += 1
+                    item.alone = True
+                    if item.attempts > self.max_retries or not self._place(item, front=True):
+                        blamed.append(item)
+                    else:
+                        self.retried += 1
+            self.failed_items += len(blamed)
+            self.cond.notify_all()
+        if not blamed:
+            return
+        if self.on_rejected is not None:
+            self.on_rejected(sorted({it.query for it in blamed}), first_line(exc))
+        self._report(blamed, ok=False, when_ns=now)
 
     def fail_idle(self, w: WorkerState, exc: BaseException) -> bool:
         """Take `w` out of service if it is alive and holds no batch; else False.

@@ -4,9 +4,15 @@ A worker fails when a batch raises (its engine failed) or when its process dies 
 signal, crashed). The dispatcher takes it out of service and tells the supervisor
 (`Dispatcher.on_worker_failed`); a child process that dies between batches is noticed here by
 polling (`ProcessHost.exited`). The supervisor then restarts the worker on its own thread, after
-a short backoff that doubles with each restart, at most `max_restarts` times per worker; past
-that the worker stays out of service (`WorkerState.error` says why) and, if nothing else serves
-its model, the model is not ready.
+a short backoff that doubles with each restart, at most `max_restarts` times per worker within
+any `window_s`; past that the worker stays out of service (`WorkerState.error` says why) until
+its oldest restart leaves the window, and, if nothing else serves its model, the model is not
+ready meanwhile. A budget per window, not per lifetime: a worker that failed three times in a
+week is not left down for good.
+
+A batch that raised while the worker stayed healthy (it ran a batch of its own samples right
+after) is the input's fault, not the worker's: the worker never reports it here
+(`Dispatcher.rejected`).
 
 While a worker whose *process died* is being restarted, the items it held and its model's queue
 wait for it (`Dispatcher.will_restart`): nothing in them was wrong. An item is still tried at
@@ -21,6 +27,7 @@ import contextlib
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -35,10 +42,14 @@ class Supervisor:
 
     def __init__(self, runtime: Any, *, max_restarts: int = 3, backoff_s: float = 0.5,
                  poll_s: float = 0.25, restart_timeout_s: float = 300.0,
+                 window_s: float = 600.0, clock_s: Callable[[], float] = time.monotonic,
                  on_event: Callable[[dict[str, Any]], None] | None = None) -> None:
         self.runtime = runtime
         self.dispatcher = runtime.dispatcher
         self.max_restarts = max_restarts
+        #: The window `max_restarts` counts over, and the clock it is read on.
+        self.window_s = window_s
+        self.clock_s = clock_s
         self.backoff_s = backoff_s
         self.poll_s = poll_s
         self.restart_timeout_s = restart_timeout_s
@@ -46,7 +57,10 @@ class Supervisor:
         #: Every restart tried: {"worker", "attempt", "ok", "error", "took_s"}.
         self.history: list[dict[str, Any]] = []
         self._failed: queue.Queue[int] = queue.Queue()
-        self._attempts: dict[int, int] = {}
+        #: When each worker's restarts within the window began (oldest first).
+        self._attempts: dict[int, deque[float]] = {}
+        #: Workers out of restarts for now, with when the window lets the next one begin.
+        self._deferred: dict[int, float] = {}
         #: Workers whose restart has begun (their attempt is already counted).
         self._begun: set[int] = set()
         self._stop = threading.Event()
@@ -74,20 +88,33 @@ class Supervisor:
             if w.restarting:
                 d.give_up(w, f"{w.error or 'failed'}; the server stopped before its restart")
 
+    def used(self, w: WorkerState) -> int:
+        """Restarts of `w` begun within the last `window_s`."""
+        times = self._attempts.get(w.id)
+        if not times:
+            return 0
+        since = self.clock_s() - self.window_s
+        while times and times[0] <= since:
+            times.popleft()
+        return len(times)
+
     def restartable(self, w: WorkerState) -> bool:
-        """Whether `w` may still be restarted (a replica worker with restarts left)."""
-        return (w.id in self.runtime.worker_plans
-                and self._attempts.get(w.id, 0) < self.max_restarts and not self._stop.is_set())
+        """Whether `w` may be restarted now (a replica worker with restarts left in the window)."""
+        return (w.id in self.runtime.worker_plans and self.used(w) < self.max_restarts
+                and not self._stop.is_set())
 
     def describe(self, w: WorkerState) -> str:
         """A failed worker's state in words, for a not-ready answer."""
         if w.restarting or (not w.alive and self.restartable(w)):
-            attempt = self._attempts.get(w.id, 0) + (0 if w.id in self._begun else 1)
-            return (f"worker {w.name} is restarting (restart {attempt} of {self.max_restarts}) "
-                    f"after: {w.error}")
+            attempt = self.used(w) + (0 if w.id in self._begun else 1)
+            return (f"worker {w.name} is restarting (restart {attempt} of {self.max_restarts} "
+                    f"within {self.window_s:g}s) after: {w.error}")
         if not w.alive and self.max_restarts and w.id in self.runtime.worker_plans:
-            return (f"worker {w.name} failed and was restarted {self.max_restarts} times, the "
-                    f"most allowed: {w.error}")
+            when = self._deferred.get(w.id)
+            later = "" if when is None else \
+                f"; the next restart in {max(0.0, when - self.clock_s()):.0f}s"
+            return (f"worker {w.name} failed and was restarted {self.used(w)} times within "
+                    f"{self.window_s:g}s, the most allowed{later}: {w.error}")
         return f"last error: {w.error}"
 
     # -- the dispatcher's hooks (any thread) -----------------------------------------------
@@ -108,6 +135,7 @@ class Supervisor:
                 wid = self._failed.get(timeout=self.poll_s)
             except queue.Empty:
                 self._watch_processes()
+                self._retry_deferred()
                 continue
             if wid < 0 or self._stop.is_set():
                 return
@@ -122,14 +150,29 @@ class Supervisor:
                 continue
             d.fail_idle(w, WorkerDiedError(f"worker {w.name}: {host.death()}"))
 
+    def _defer(self, w: WorkerState) -> None:
+        """Restart `w` again once its oldest restart leaves the window."""
+        times = self._attempts.get(w.id)
+        if times and w.id in self.runtime.worker_plans and not self._stop.is_set():
+            self._deferred[w.id] = times[0] + self.window_s
+
+    def _retry_deferred(self) -> None:
+        """Restart a worker that was out of restarts once the window allows one again."""
+        now = self.clock_s()
+        for wid, when in list(self._deferred.items()):
+            if now >= when:
+                del self._deferred[wid]
+                self._failed.put(wid)
+
     def _restart(self, w: WorkerState) -> None:
         d = self.dispatcher
         if not self.restartable(w):
             if w.restarting or not w.alive:
                 d.give_up(w, w.error or "failed")
+                self._defer(w)
             return
-        attempt = self._attempts.get(w.id, 0) + 1
-        self._attempts[w.id] = attempt
+        self._attempts.setdefault(w.id, deque()).append(self.clock_s())
+        attempt = self.used(w)
         self._begun.add(w.id)
         try:
             self._attempt(w, attempt)
@@ -158,6 +201,7 @@ class Supervisor:
                 self._failed.put(w.id)  # try again, later
             else:
                 d.give_up(w, error)
+                self._defer(w)
             return
         self.history.append({"worker": w.name, "attempt": attempt, "ok": True, "error": None,
                              "took_s": time.perf_counter() - started})

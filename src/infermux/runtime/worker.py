@@ -14,6 +14,12 @@ Hosting, decided by measurement (docs/benchmarks.md, bench/runtime_cpu_modes.py)
   own runners and its own copy of the (seeded) sample library. The thread sends the next batch
   while the child runs one (`dispatcher.cpu_in_flight: 2`), so the child never idles for the
   relay (`Worker._loop_relayed`). `cpu_workers: thread` keeps them as pinned threads instead.
+
+A served batch (its items bring their own inputs) that raises is not taken for the worker's
+fault at once: the worker runs a batch of its own samples on the same runner. If that runs, the
+fault was an input's (`Dispatcher.rejected`: that request fails alone, the worker serves on);
+if it does not, the device is at fault and the worker leaves service to be restarted. Only an
+engine raising counts as a suspect input; a dead or hung process and out-of-memory never do.
 """
 
 from __future__ import annotations
@@ -36,7 +42,11 @@ from infermux.engines.base import BatchTiming, Runner, is_out_of_memory
 from infermux.errors import DeviceOutOfMemoryError, RunError, UsageError
 from infermux.runtime.dispatcher import Batch, Dispatcher, WorkerState
 
-__all__ = ["ProcessHost", "RunnerSpec", "Worker", "WorkerDiedError"]
+__all__ = ["BatchRaisedError", "ProcessHost", "RunnerSpec", "Worker", "WorkerDiedError"]
+
+
+class BatchRaisedError(RunError):
+    """A worker's process raised on one batch and is still running (it answers the others)."""
 
 
 class WorkerDiedError(RunError):
@@ -152,10 +162,39 @@ class Worker:
                 timing = runner.collect()
                 end = self.clock_ns()
                 outputs = self._outputs(runner, batch)
-            except Exception as exc:  # noqa: BLE001 - every failure takes the worker out
+            except Exception as exc:  # noqa: BLE001 - the input's fault, or the worker's
+                if self._input_fault([batch], exc):
+                    d.rejected(w, [batch], _translate(exc, w))
+                    continue
                 d.failed(w, [batch], _translate(exc, w))
                 return
             d.finished(w, batch, start, end, timing, outputs)
+
+    def _input_fault(self, batches: Sequence[Batch], exc: BaseException) -> bool:
+        """Whether served `batches` raised for their inputs, not for the worker.
+
+        The engine raised (nothing died, hung or ran out of memory) and this worker still runs
+        a batch of its own samples.
+        """
+        served = bool(batches) and all(b.rows() is not None for b in batches)
+        return served and _suspect(exc) and self._healthy(batches[0])
+
+    def _healthy(self, batch: Batch) -> bool:
+        """Whether `batch`'s runner still runs a batch of the model's own samples.
+
+        Every row of the bucket is written: rows left from the batch that raised would make
+        the check fail for the input's sake.
+        """
+        runner = self.runners.get(batch.model, {}).get(batch.bucket)
+        if runner is None:
+            return False
+        try:
+            runner.gather_input(self._pool(batch.model, runner), [0] * batch.bucket)
+            runner.launch()
+            runner.collect()
+        except Exception:  # noqa: BLE001 - any failure here is the worker's, not the input's
+            return False
+        return True
 
     def _wait_to_take(self, end_ns: float, gather_ns: float) -> None:
         """Wait until the running batch is about to end, unless a full batch waits already.
@@ -246,10 +285,14 @@ class Worker:
                         runner.launch()
                         pending = (batch, runner, start,
                                    start + w.estimate.expected_ns(batch.bucket, batch.model))
-                except Exception as exc:  # noqa: BLE001 - every failure takes the worker out
+                except Exception as exc:  # noqa: BLE001 - the inputs' fault, or the worker's
                     if on_helper and helper is not None:
                         with contextlib.suppress(Exception):  # it must not write on, unseen
                             helper.result()
+                    if self._input_fault(held, exc):
+                        d.rejected(w, held, _translate(exc, w))
+                        pending = None
+                        continue
                     d.failed(w, held, _translate(exc, w))
                     return
                 if done is not None:
@@ -303,16 +346,51 @@ class Worker:
                 pending.append((batch, sent, not pending))
                 continue
             try:
-                timing, outputs = host.receive()
-            except Exception as exc:  # noqa: BLE001 - every failure takes the worker out
-                d.failed(w, [p[0] for p in pending], _translate(exc, w))
-                return
+                timing, outputs = host.receive(keep_alive=True)
+            except Exception as exc:  # noqa: BLE001 - the input's fault, or the worker's
+                if not self._relayed_input_fault(host, pending, exc):
+                    d.failed(w, [p[0] for p in pending], _translate(exc, w))
+                    return
+                last_end = self.clock_ns()
+                continue
             end = self.clock_ns()
             done, sent, alone = pending.popleft()
             if alone:
                 self.relay_ns = _average(self.relay_ns, max(0, end - sent - timing.latency_ns))
             start, last_end = max(sent, last_end), end
             d.finished(w, done, start, end, timing, outputs)
+
+    def _relayed_input_fault(self, host: ProcessHost,
+                             pending: deque[tuple[Batch, int, bool]], exc: BaseException) -> bool:
+        """Whether the oldest batch in the child raised for its input, not for the worker.
+
+        The batches behind it are answered first (the child runs them in order), then the
+        input's fault is told from the worker's (`_input_fault`).
+
+        True when it was the input's and everything held is dealt with (`Dispatcher.rejected`);
+        False leaves what is still in `pending` to `Dispatcher.failed` by the caller.
+        """
+        d, w = self.dispatcher, self.state
+        if not isinstance(exc, BatchRaisedError) or pending[0][0].rows() is None:
+            return False
+        raised = [pending.popleft()[0]]
+        while pending:
+            batch, sent, _ = pending[0]
+            try:
+                timing, outputs = host.receive(keep_alive=True)
+            except BatchRaisedError:
+                raised.append(pending.popleft()[0])
+                continue
+            except Exception:  # noqa: BLE001 - the worker's fault: the caller fails it all
+                pending.extendleft(reversed([(b, 0, False) for b in raised]))
+                return False
+            pending.popleft()
+            d.finished(w, batch, sent, self.clock_ns(), timing, outputs)
+        if self._input_fault(raised, exc):
+            d.rejected(w, raised, _translate(exc, w))
+            return True
+        pending.extend((b, 0, False) for b in raised)
+        return False
 
     def _send_ahead(self, host: ProcessHost) -> bool:
         """Wait until the next batch should be taken (True) or the oldest answer came (False).
@@ -410,6 +488,17 @@ class _Helper:
                 self._cond.notify_all()
 
 
+def _suspect(exc: BaseException) -> bool:
+    """Whether `exc` may be an input's fault: the engine raised on a batch.
+
+    In this process, or in a worker's child that still runs; never a death, a hang or running
+    out of memory.
+    """
+    if isinstance(exc, BatchRaisedError):
+        return True
+    return not isinstance(exc, RunError) and not is_out_of_memory(exc)
+
+
 def _translate(exc: BaseException, w: WorkerState) -> BaseException:
     if isinstance(exc, RunError):
         return exc
@@ -488,7 +577,7 @@ class _ProxyRunner(Runner):
             self._host.send(self._model, self.batch, self._indices)
 
     def collect(self) -> BatchTiming:
-        timing, outputs = self._host.receive()
+        timing, outputs = self._host.receive(keep_alive=True)
         self._outputs = outputs or []
         return timing
 
@@ -664,11 +753,13 @@ class ProcessHost:
         except (EOFError, OSError):
             return True  # receive() reports it
 
-    def receive(self) -> tuple[BatchTiming, list[np.ndarray] | None]:
+    def receive(self, *, keep_alive: bool = False) -> tuple[BatchTiming, list[np.ndarray] | None]:
         """The oldest batch's timing and outputs (rows sent with `send_rows`), in send order.
 
         A child that fails a batch, or answers none within `call_timeout_s`, is stopped: the
-        worker is out of service either way. A child that died raises WorkerDiedError.
+        worker is out of service either way. A child that died raises WorkerDiedError. With
+        `keep_alive`, a child whose engine raised on the batch (and that is still running)
+        is kept, and BatchRaisedError says so: the batch's input may have been at fault.
         """
         if not self._in_flight:
             raise RunError(f"worker {self.name}: no batch is in its process to answer")
@@ -684,6 +775,8 @@ class ProcessHost:
             raise WorkerDiedError(f"worker {self.name}: {self.death()}") from None
         self._in_flight -= 1
         if msg[0] == "error":
+            if keep_alive and not msg[1]:  # the engine raised; the child runs on
+                raise BatchRaisedError(f"worker {self.name}: {msg[2]}")
             # A batch still in the child would run first: its worker is out of service anyway.
             self.close(timeout_s=1.0 if self._in_flight else 10.0)
             _raise_child_error(self.name, msg)

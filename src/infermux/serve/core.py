@@ -268,11 +268,14 @@ class InferenceCore:
         self._ids = itertools.count(1)
         self._closing = False
         self._drained: asyncio.Event | None = None
+        #: Set by the server once every front it opened accepts connections: not ready before.
+        self.fronts_up = False
         self.started_ns = time.perf_counter_ns()
         d = self.dispatcher
         self._previous_batch_hook = d.on_batch_done
         d.on_batch_done = self._on_batch
         d.on_outputs = self._on_outputs
+        d.on_rejected = self._on_rejected
         d.set_completion(self._on_complete)
         for entry in plan.models:
             self.models[entry.name] = self._describe(entry, max_queue_items)
@@ -348,8 +351,8 @@ class InferenceCore:
         return f"model {name!r} has no live worker ({self._last_error(name)})"
 
     def ready(self) -> bool:
-        """Every model is ready."""
-        return all(self.model_ready(m) for m in self.models)
+        """Every front accepts connections and every model is ready."""
+        return self.fronts_up and all(self.model_ready(m) for m in self.models)
 
     def server_metadata(self) -> dict[str, Any]:
         """The v2 server metadata, with the extensions perf_analyzer looks for."""
@@ -378,17 +381,17 @@ class InferenceCore:
         now = time.perf_counter_ns()
         with self._lock:
             if self._closing:
+                self._refused(info, count)
                 raise ProtocolError(503, "the server is shutting down and takes no new requests",
                                     retry_after_s=1.0)
             if info.in_flight_items + n > info.max_queue_items:
-                info.stats.rejected += 1
-                if self.metrics is not None:
-                    self.metrics.rejected(info.name)
+                self._refused(info, True)
                 raise ProtocolError(
                     503, f"model {info.name!r} has {info.in_flight_items} items in flight, its "
                          f"admission limit is {info.max_queue_items}: retry later",
                     retry_after_s=1.0)
             if not self.model_ready(info.name):
+                self._refused(info, count)
                 restarting = any(s.restarting for s in self.runtime.states
                                  if s.model == info.name)
                 raise ProtocolError(503, f"model {info.name!r} is not ready: no live worker "
@@ -408,6 +411,17 @@ class InferenceCore:
             self._request_done(info, ok=True, started_ns=now)
         return outputs
 
+    def _refused(self, info: ModelInfo, count: bool) -> None:
+        """One request refused with 503 before admission (full, not ready, shutting down).
+
+        Every refusal is counted, so answered + failed + refused is every request received.
+        """
+        if not count:
+            return
+        info.stats.rejected += 1
+        if self.metrics is not None:
+            self.metrics.rejected(info.name)
+
     def _request_done(self, info: ModelInfo, *, ok: bool, started_ns: int) -> None:
         took = time.perf_counter_ns() - started_ns
         with self._lock:
@@ -424,7 +438,8 @@ class InferenceCore:
             return "; ".join(self.supervisor.describe(s) for s in failed)
         return f"last error: {failed[-1].error}"
 
-    def _finish(self, qid: int, outputs: list[np.ndarray] | None, error: str | None) -> None:
+    def _finish(self, qid: int, outputs: list[np.ndarray] | None, error: str | None,
+                status: int = 503) -> None:
         """Hand a request's answer to its event loop (called with `_lock` held)."""
         pending = self._pending.pop(qid, None)
         if pending is None:
@@ -437,7 +452,7 @@ class InferenceCore:
         if error is None and outputs is not None:
             pending.loop.call_soon_threadsafe(_set_result, pending.future, outputs)
         else:
-            exc = ProtocolError(503, error or "inference failed")
+            exc = ProtocolError(status, error or "inference failed")
             pending.loop.call_soon_threadsafe(_set_exception, pending.future, exc)
             pending.loop.call_soon_threadsafe(functools.partial(
                 self._request_done, pending.model, ok=False, started_ns=pending.admitted_ns))
@@ -460,6 +475,15 @@ class InferenceCore:
                 pending.left -= 1
                 if pending.left == 0:
                     self._finish(item.query, pending.outputs, None)
+
+    def _on_rejected(self, queries: Sequence[int], message: str) -> None:
+        """The engine rejected these requests' own inputs (the worker serves on): 400 each."""
+        with self._lock:
+            for qid in queries:
+                pending = self._pending.get(qid)
+                if pending is not None:
+                    self._finish(qid, None, f"model {pending.model.name!r} rejected the "
+                                            f"request's input: {message}", status=400)
 
     def _on_complete(self, done: Sequence[tuple[int, int]], ok: bool, when_ns: int) -> None:
         if ok:
@@ -520,11 +544,13 @@ class InferenceCore:
         with self._lock:
             return len(self._pending)
 
-    def fail_pending(self, reason: str) -> None:
-        """Answer every request still pending with an error (when the runtime is stopped)."""
+    def fail_pending(self, reason: str) -> int:
+        """Answer every request still pending with an error (the runtime stopped); how many."""
         with self._lock:
-            for qid in list(self._pending):
+            pending = list(self._pending)
+            for qid in pending:
                 self._finish(qid, None, reason)
+        return len(pending)
 
     def summary(self) -> dict[str, Any]:
         """Per-model totals for the stored run and `--json`."""

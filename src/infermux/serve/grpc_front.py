@@ -30,11 +30,55 @@ from infermux.serve.core import (
 )
 from infermux.serve.shm import grpc_params, output_target
 
-__all__ = ["build_grpc_server"]
+__all__ = ["build_grpc_server", "server_options"]
 
 _CODES = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "NOT_FOUND",
           405: "UNIMPLEMENTED", 413: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE"}
 _CONTENTS = {"FP32": "fp32_contents", "FP64": "fp64_contents"}
+
+
+#: Calls one connection may have open at once. Clients assume no limit until the server's
+#: first SETTINGS frame arrives, and a burst past a limit on a fresh connection has its streams
+#: reset, so the limit sits far above any client's concurrency (perf_analyzer shares a
+#: channel between several of its contexts); memory stays bounded by admission, which answers
+#: UNAVAILABLE past it, not by refusing streams.
+_MAX_STREAMS_PER_CONNECTION = 4096
+
+
+def server_options(max_message_bytes: int, *, reuse_port: bool = False,
+                   ) -> list[tuple[str, int]]:
+    """The grpc.aio server's options, each set on purpose rather than left to grpc's defaults.
+
+    - messages: at most the largest request any model needs (`http.body_limit(binary=True)`),
+      larger ones RESOURCE_EXHAUSTED before the handler runs;
+    - streams per connection: `_MAX_STREAMS_PER_CONNECTION`;
+    - keepalive: idle connections pinged every 60 s and dropped after 20 s without an answer;
+      clients may ping every 10 s, with or without calls, and are never sent GOAWAY for
+      pinging (Triton's clients ping only when asked to);
+    - calls received but not yet taken by the event loop: up to 10,000 wait for it (grpc's
+      default cancels those past 1,000, and a 3× burst on the 2-core machine had 338–1,581 of
+      ~7,000–8,000 calls CANCELLED before any handler saw them; with 10,000 none, every refusal
+      was admission's UNAVAILABLE). A waiting call holds at most its stream's flow-control
+      window, not its whole message;
+    - the listen backlog is the kernel's `somaxconn`, which grpc reads itself (no option);
+    - the port shared (SO_REUSEPORT) only by front processes (`--fronts N`), so that a second
+      server on a taken port fails instead of splitting its connections.
+    """
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_concurrent_streams", _MAX_STREAMS_PER_CONNECTION),
+        ("grpc.keepalive_time_ms", 60_000),
+        ("grpc.keepalive_timeout_ms", 20_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.http2.max_ping_strikes", 0),
+        ("grpc.server.max_pending_requests", 10000),
+        ("grpc.server.max_pending_requests_hard_limit", 10000),
+        ("grpc.so_reuseport", int(reuse_port)),
+    ]
 
 
 def build_grpc_server(core: InferenceCore, address: str, *, api_key: str | None = None,
@@ -43,12 +87,7 @@ def build_grpc_server(core: InferenceCore, address: str, *, api_key: str | None 
     """A grpc.aio server with the service added, bound to `address`; (server, port)."""
     import grpc
 
-    server = grpc.aio.server(options=[
-        ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.max_send_message_length", max_message_bytes),
-        # Front processes (`--fronts N`) share the port; the kernel spreads connections.
-        ("grpc.so_reuseport", int(reuse_port)),
-    ])
+    server = grpc.aio.server(options=server_options(max_message_bytes, reuse_port=reuse_port))
     _add_service(server, _Service(core, api_key))
     port = server.add_insecure_port(address)
     return server, port

@@ -24,14 +24,18 @@ app is woken once, when it is complete (docs/architecture-serve.md, "Large reque
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
+import threading
+import weakref
 import zlib
 from typing import Any
 
 import numpy as np
 
 from infermux.serve.core import (
+    DATATYPES,
     InferenceCore,
     ModelInfo,
     ProtocolError,
@@ -40,15 +44,25 @@ from infermux.serve.core import (
 )
 from infermux.serve.shm import OutputTarget, SharedMemoryRegions, output_target
 
-__all__ = ["HttpFront", "Reply", "handle"]
+__all__ = ["BodyBudget", "HttpFront", "Reply", "body_budget", "body_limit", "handle", "inflate",
+           "request_limit"]
 
 #: (status, headers, body)
 Reply = tuple[int, list[tuple[bytes, bytes]], bytes]
 _JSON = (b"content-type", b"application/json")
-#: Bytes a request body may have beyond its model's largest batch of inputs (the JSON header;
-#: JSON-encoded numbers take up to ~25 characters per value).
-_HEADER_ALLOWANCE = 1 << 20
+#: Bytes a request body may have beyond its model's largest batch of inputs: the JSON header
+#: (names, shapes, parameters, an id), a few hundred bytes from any v2 client.
+_HEADER_ALLOWANCE = 64 << 10
+#: Characters a JSON-encoded number may take ("-1.2345678901234567e-308, ").
 _JSON_EXPANSION = 25
+#: Bytes per value of the widest datatype accepted (FP64): the exact size of the largest
+#: binary request.
+_WIDEST_ITEMSIZE = max(dtype.itemsize for dtype in DATATYPES.values())
+#: Compressed bodies are inflated this many bytes at a time, so that a body inflating past its
+#: limit is stopped there, not after it has filled memory.
+_INFLATE_STEP = 1 << 20
+#: Compressed bodies larger than this are inflated on a thread, not on the event loop.
+_INFLATE_INLINE_MAX = 64 << 10
 
 
 def _json(status: int, payload: Any, extra: list[tuple[bytes, bytes]] | None = None) -> Reply:
@@ -66,13 +80,67 @@ def error_reply(exc: ProtocolError) -> Reply:
     return _json(exc.status, {"error": exc.message}, extra)
 
 
-def body_limit(core: InferenceCore) -> int:
-    """The largest request body accepted (larger ones get a 413 before they are read)."""
-    largest = 0
-    for info in core.models.values():
-        items = info.max_batch_size * int(np.prod([int(np.prod(t.shape)) for t in info.inputs]))
-        largest = max(largest, items * _JSON_EXPANSION)
-    return largest + _HEADER_ALLOWANCE
+def _values(info: ModelInfo) -> int:
+    """Input values of the model's largest request (every input at its max batch)."""
+    return info.max_batch_size * sum(int(np.prod(t.shape)) for t in info.inputs)
+
+
+def request_limit(info: ModelInfo, *, binary: bool) -> int:
+    """The largest body a request of model `info` can need, its JSON header included.
+
+    Binary tensors count at their exact size in the widest datatype accepted (FP64, 8 bytes a
+    value); JSON numbers at `_JSON_EXPANSION` characters each.
+    """
+    return _values(info) * (_WIDEST_ITEMSIZE if binary else _JSON_EXPANSION) + _HEADER_ALLOWANCE
+
+
+def body_limit(core: InferenceCore, *, binary: bool = False) -> int:
+    """The largest request body of any model (JSON, or `binary` tensors only, as gRPC sends)."""
+    return max([request_limit(info, binary=binary) for info in core.models.values()]
+               or [_HEADER_ALLOWANCE])
+
+
+def body_budget(core: InferenceCore) -> int:
+    """Bytes of request bodies the HTTP front holds at once, over every connection.
+
+    What admission can take (each model's `max_queue_items` in the widest datatype) plus the
+    largest single body, so one request of any model always fits in an idle server.
+    """
+    admitted = sum(info.max_queue_items * _values(info) // max(1, info.max_batch_size)
+                   * _WIDEST_ITEMSIZE for info in core.models.values())
+    return admitted + body_limit(core)
+
+
+class BodyBudget:
+    """Bytes of request bodies held at once; a body that does not fit is refused (503).
+
+    Thread-safe: a body's bytes are given back when its buffer is freed, which may happen on a
+    worker thread (a request's rows are views of its body until its batch has run).
+    """
+
+    def __init__(self, limit_bytes: int) -> None:
+        self.limit_bytes = limit_bytes
+        self.held_bytes = 0
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> bool:
+        """Reserve `n` bytes; False (nothing reserved) when they do not fit."""
+        with self._lock:
+            if self.held_bytes + n > self.limit_bytes:
+                return False
+            self.held_bytes += n
+            return True
+
+    def give(self, n: int) -> None:
+        """Give back `n` reserved bytes."""
+        with self._lock:
+            self.held_bytes -= n
+
+    def refusal(self, n: int) -> ProtocolError:
+        """The 503 for a body of `n` bytes that does not fit."""
+        return ProtocolError(503, f"the server holds {self.held_bytes} bytes of request bodies, "
+                                  f"its limit is {self.limit_bytes}; a body of {n} bytes does not "
+                                  "fit now: retry later", retry_after_s=1.0)
 
 
 async def handle(core: InferenceCore, method: str, path: str, headers: dict[str, str],
@@ -82,6 +150,10 @@ async def handle(core: InferenceCore, method: str, path: str, headers: dict[str,
         return await _route(core, method, path.rstrip("/") or "/", headers, body, api_key)
     except ProtocolError as exc:
         return error_reply(exc)
+    except RecursionError:
+        # Anything walking a body's nesting (the JSON parser, numpy's conversion) stops here.
+        return error_reply(ProtocolError(400, "the request's JSON is nested too deeply: send "
+                                              "tensors flat, with their shape"))
 
 
 def _check_key(headers: dict[str, str], api_key: str) -> None:
@@ -165,23 +237,51 @@ def _method(given: str, wanted: str, path: str) -> None:
         raise ProtocolError(405, f"{given} {path}: this route takes {wanted}")
 
 
-def _decode(headers: dict[str, str], body: bytes | bytearray | memoryview,
-            ) -> bytes | bytearray | memoryview:
+async def _decode(headers: dict[str, str], body: bytes | bytearray | memoryview, limit: int,
+                  ) -> bytes | bytearray | memoryview:
     encoding = headers.get("content-encoding", "identity").strip().lower()
     if encoding in ("", "identity"):
         return body
     if encoding not in ("gzip", "deflate"):
         raise ProtocolError(400, f"Content-Encoding {encoding!r} is not supported: use gzip, "
                                  "deflate or none")
+    if len(body) <= _INFLATE_INLINE_MAX:
+        return inflate(body, encoding, limit)
+    return await asyncio.to_thread(inflate, body, encoding, limit)
+
+
+def inflate(body: bytes | bytearray | memoryview, encoding: str, limit: int) -> bytes:
+    """`body` inflated (gzip or deflate), `_INFLATE_STEP` bytes at a time, at most `limit`.
+
+    A body that would inflate past `limit` is a 413 as soon as the limit is passed: a 100 KB
+    gzip body can hold 100 MB of spaces.
+    """
+    inflater = zlib.decompressobj(wbits=31 if encoding == "gzip" else 15)
+    pieces: list[bytes] = []
+    size = 0
+    pending: bytes | bytearray | memoryview = body
     try:
-        return zlib.decompress(body, wbits=31 if encoding == "gzip" else 15)
+        while True:
+            piece = inflater.decompress(pending, _INFLATE_STEP)
+            size += len(piece)
+            if size > limit:
+                raise ProtocolError(413, f"the {encoding} body inflates past the {limit} bytes "
+                                         "the largest request of this model needs")
+            pieces.append(piece)
+            pending = inflater.unconsumed_tail
+            if not pending and (inflater.eof or not piece):
+                break
+        if not inflater.eof:
+            raise ProtocolError(400, f"the body is not valid {encoding} data: it ends early")
     except zlib.error as exc:
         raise ProtocolError(400, f"the body is not valid {encoding} data: {exc}") from None
+    return b"".join(pieces)
 
 
 async def _infer(core: InferenceCore, info: ModelInfo, headers: dict[str, str],
                  body: bytes | bytearray | memoryview) -> Reply:
-    body = _decode(headers, body)
+    binary_request = "inference-header-content-length" in headers
+    body = await _decode(headers, body, request_limit(info, binary=binary_request))
     length = headers.get("inference-header-content-length")
     if length is None:
         header_bytes, binary = bytes(body), memoryview(b"")
@@ -199,6 +299,9 @@ async def _infer(core: InferenceCore, info: ModelInfo, headers: dict[str, str],
         request = json.loads(header_bytes)
     except (ValueError, UnicodeDecodeError) as exc:
         raise ProtocolError(400, f"the request's JSON header is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ProtocolError(400, "the request's JSON is nested too deeply: send tensors flat, "
+                                 "with their shape") from None
     if not isinstance(request, dict):
         raise ProtocolError(400, "the request's JSON header must be an object with `inputs`")
     request_id = request.get("id")
@@ -342,12 +445,35 @@ def _response(info: ModelInfo, request_id: str | None, outputs: list[np.ndarray]
 
 
 class HttpFront:
-    """The ASGI application: reads the body (bounded), calls `handle`, sends the reply."""
+    """The ASGI application: reads the body (bounded), calls `handle`, sends the reply.
 
-    def __init__(self, core: InferenceCore, api_key: str | None = None) -> None:
+    Memory held for request bodies is bounded twice: each body by the largest request its
+    model can need (`request_limit`; 413 before it is read), and all bodies held at once by
+    `budget` (503 with Retry-After before a body that does not fit is read).
+    """
+
+    def __init__(self, core: InferenceCore, api_key: str | None = None,
+                 budget_bytes: int | None = None) -> None:
         self.core = core
         self.api_key = api_key
         self.max_body = body_limit(core)
+        self.budget = BodyBudget(budget_bytes if budget_bytes is not None
+                                 else body_budget(core))
+
+    def limit(self, path: str, headers: dict[str, str]) -> tuple[int, ProtocolError | None]:
+        """(the largest body `path` takes, or the 413 its headers already earn)."""
+        parts = path.strip("/").split("/")
+        info = self.core.models.get(parts[2]) if parts[:2] == ["v2", "models"] \
+            and len(parts) > 2 else None
+        if info is None or parts[-1] != "infer":
+            return _HEADER_ALLOWANCE, None  # routes that read no tensors (or a 400 to come)
+        header = headers.get("inference-header-content-length")
+        if header is None:
+            return request_limit(info, binary=False), None
+        if header.isdigit() and int(header) > _HEADER_ALLOWANCE:
+            return 0, ProtocolError(413, f"the JSON header of {header} bytes is larger than the "
+                                         f"{_HEADER_ALLOWANCE} allowed beside binary tensors")
+        return request_limit(info, binary=True), None
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         """The ASGI entry point (lifespan events are acknowledged, nothing else is served)."""
@@ -362,23 +488,39 @@ class HttpFront:
         if scope["type"] != "http":
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        reply, body = await self._read(headers, receive, scope)
-        if reply is None:
-            reply = await handle(self.core, scope["method"], scope["path"], headers, body,
-                                 self.api_key)
+        reserved = [0]  # bytes of a body read here (not collected whole) taken from the budget
+        try:
+            reply, body = await self._read(headers, receive, scope, reserved)
+            if reply is None:
+                reply = await handle(self.core, scope["method"], scope["path"], headers, body,
+                                     self.api_key)
+            del body
+        finally:
+            if reserved[0]:
+                self.budget.give(reserved[0])
         status, out_headers, payload = reply
         out_headers = [*out_headers, (b"content-length", str(len(payload)).encode())]
         await send({"type": "http.response.start", "status": status, "headers": out_headers})
         await send({"type": "http.response.body", "body": payload})
 
     async def _read(self, headers: dict[str, str], receive: Any, scope: dict[str, Any],
-                    ) -> tuple[Reply | None, bytes | memoryview]:
-        """(None, the body); or (a 413 reply, b"") when it is too large."""
+                    reserved: list[int]) -> tuple[Reply | None, bytes | memoryview]:
+        """(None, the body); or (a 413 or 503 reply, b"") without reading it."""
+        limit, refused = self.limit(scope["path"], headers)
+        if refused is not None:
+            return error_reply(refused), b""
+        too_large = ProtocolError(413, f"the request body is larger than the {limit} bytes "
+                                       "the largest request of this model needs")
         declared = headers.get("content-length")
-        too_large = ProtocolError(413, f"the request body is larger than the {self.max_body} "
-                                       "bytes the largest batch of any model needs")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_body:
+        if declared is not None and declared.isdigit() and int(declared) > limit:
             return error_reply(too_large), b""
+        whole = _body_of(scope)
+        if whole is None and declared is not None and declared.isdigit() and int(declared):
+            # Not collected by `body_protocol` (no room in the budget then, or another
+            # protocol): the declared bytes are reserved before any is read.
+            if not self.budget.take(int(declared)):
+                return error_reply(self.budget.refusal(int(declared))), b""
+            reserved[0] = int(declared)
         chunks: list[bytes] = []
         size = 0
         while True:
@@ -387,12 +529,15 @@ class HttpFront:
                 break
             chunk = message.get("body", b"")
             size += len(chunk)
-            if size > self.max_body:
+            if size > limit:
                 return error_reply(too_large), b""
+            if size > reserved[0] and whole is None:  # chunked: reserved as it comes
+                if not self.budget.take(size - reserved[0]):
+                    return error_reply(self.budget.refusal(size)), b""
+                reserved[0] = size
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
-        whole = _body_of(scope)
         if whole is not None and whole.complete:
             return None, whole.view()
         return None, b"".join(chunks)
@@ -406,14 +551,18 @@ class _Body:
     """A request body collected in one buffer of its declared length.
 
     A numpy buffer: not zero-filled first (a `bytearray` of 4.8 MB was), and the copy of each
-    piece into it releases the GIL, so the worker threads run meanwhile.
+    piece into it releases the GIL, so the worker threads run meanwhile. Its bytes were taken
+    from a `BodyBudget` and go back to it when the buffer is freed: a request's rows are views
+    of it until their batch has run, so that is when the memory is really given back.
     """
 
     __slots__ = ("buffer", "filled")
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, budget: BodyBudget | None = None) -> None:
         self.buffer = np.empty(size, dtype=np.uint8)
         self.filled = 0
+        if budget is not None:
+            weakref.finalize(self.buffer, budget.give, size)
 
     def add(self, piece: bytes) -> None:
         end = self.filled + len(piece)
@@ -433,14 +582,15 @@ def _body_of(scope: Any) -> _Body | None:
     return body
 
 
-def body_protocol(max_body: int) -> Any:
-    """The httptools protocol of uvicorn, collecting bodies of up to `max_body` bytes whole.
+def body_protocol(front: HttpFront) -> Any:
+    """The httptools protocol of uvicorn, collecting bodies within `front`'s limits whole.
 
-    A request with a Content-Length within the limit gets a buffer of that size (scope
-    extension `infermux.body`); each piece read is copied into it, the socket is not paused
-    per 64 KiB, and the app's `receive()` returns once the body is complete. Anything else
-    (chunked bodies, larger ones, which the app answers with 413) goes uvicorn's own way.
-    None when uvicorn's httptools protocol is not there (uvicorn then picks its own).
+    A request with a Content-Length within its model's limit (`HttpFront.limit`) that fits in
+    the front's budget gets a buffer of that size (scope extension `infermux.body`); each
+    piece read is copied into it, the socket is not paused per 64 KiB, and the app's
+    `receive()` returns once the body is complete. Anything else (chunked bodies, larger ones,
+    ones that do not fit now; the app answers the last two with 413 and 503) goes uvicorn's
+    own way. None when uvicorn's httptools protocol is not there (uvicorn then picks its own).
     """
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -451,12 +601,19 @@ def body_protocol(max_body: int) -> Any:
         def on_headers_complete(self) -> None:
             super().on_headers_complete()
             cycle = getattr(self, "cycle", None)
-            length = next((v for k, v in self.headers if k == b"content-length"), b"")
-            if (cycle is None or cycle.scope is not self.scope or not length.isdigit()
-                    or not 0 < int(length) <= max_body):
+            if cycle is None or cycle.scope is not self.scope:
                 return
+            headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in self.headers
+                       if k in (b"content-length", b"inference-header-content-length")}
+            length = headers.get("content-length", "")
+            if not length.isdigit() or int(length) == 0:
+                return
+            limit, refused = front.limit(cycle.scope.get("path", ""), headers)
+            if refused is not None or int(length) > limit \
+                    or not front.budget.take(int(length)):
+                return  # the app answers 413 or 503 before reading the body
             extensions: dict[str, Any] = cycle.scope.setdefault("extensions", {})
-            extensions[_BODY_EXTENSION] = _Body(int(length))
+            extensions[_BODY_EXTENSION] = _Body(int(length), front.budget)
 
         def on_body(self, body: bytes) -> None:
             cycle = self.cycle

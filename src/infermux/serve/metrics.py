@@ -40,8 +40,8 @@ class ServeMetrics:
         self._success = Counter("nv_inference_request_success",
                                 "Successful inference requests", mv, registry=r)
         self._failure = Counter("nv_inference_request_failure",
-                                "Failed inference requests (reason: REJECTED when admission "
-                                "refused it, BACKEND when the runtime failed it)",
+                                "Failed inference requests (reason: REJECTED when refused with "
+                                "503 before admission, BACKEND when the runtime failed it)",
                                 [*mv, "reason"], registry=r)
         self._count = Counter("nv_inference_count", "Inferences performed (items)", mv,
                               registry=r)
@@ -64,8 +64,8 @@ class ServeMetrics:
                             "Items admitted and not yet answered (bounded by admission)",
                             ["model"], registry=r)
         self._rejected = Counter("infermux_requests_rejected",
-                                 "Requests refused with 503 by admission control", ["model"],
-                                 registry=r)
+                                 "Requests refused with 503 before admission (queue full, model "
+                                 "not ready, shutting down)", ["model"], registry=r)
         self._latency = Histogram("infermux_request_duration_seconds",
                                   "Request duration, admission to answer", ["model"],
                                   buckets=_LATENCY_BUCKETS_S, registry=r)
@@ -95,7 +95,7 @@ class ServeMetrics:
             self._failure.labels(model, "1", "BACKEND").inc()
 
     def rejected(self, model: str) -> None:
-        """One request refused by admission control (a 503)."""
+        """One request refused with 503 before admission (full, not ready, shutting down)."""
         self._failure.labels(model, "1", "REJECTED").inc()
         self._rejected.labels(model).inc()
 

@@ -7,7 +7,11 @@ of their own, fed by the dispatcher; Prometheus is scraped from its own small HT
 Shutdown (SIGTERM, Ctrl-C or `stop()`): the fronts stop accepting, requests already admitted
 are answered (new ones meanwhile get 503), then the runtime finishes what is queued and the
 workers exit; the run is stored with its totals. A second signal stops at once and answers
-what is left with an error.
+what is left with an error; the run is then stored `interrupted` with the requests dropped.
+
+Ready (`/v2/health/ready`, gRPC ServerReady) means every front asked for accepts connections
+and every model has answered a request: the fronts are opened metrics first, HTTP last, each
+checked by connecting to it, before the server says so.
 """
 
 from __future__ import annotations
@@ -49,8 +53,11 @@ class ServeSettings:
     drain_timeout_s: float = 30.0
     #: Seconds between telemetry samples for the hardware metrics (0: no sampler).
     telemetry_interval_s: float = 1.0
-    #: Times each failed worker is restarted before its model is left not ready (0: never).
+    #: Times each failed worker may be restarted within `restart_window_s` (0: never); past
+    #: that it waits, not ready, until the oldest restart leaves the window.
     max_restarts: int = 3
+    #: The window the restart budget counts over.
+    restart_window_s: float = 600.0
     #: Wait out the plan's `max_queue_delay_ms` for a fuller batch even when every worker of
     #: the model is idle (Triton's rule); by default an idle model's worker takes what is
     #: queued at once (`Dispatcher.take_when_idle`; docs/benchmarks.md, serving latency).
@@ -75,12 +82,32 @@ class ServeSettings:
                              "process)")
         if self.api_key is not None and not self.api_key.strip():
             raise UsageError("--api-key is empty: give a key, or leave the option out")
+        if self.restart_window_s <= 0:
+            raise UsageError(f"--restart-window {self.restart_window_s:g}s must be positive")
+
+    def check_plan(self, plan: Plan) -> None:
+        """Refuse a `max_queue_items` below a model's largest batch: such requests never fit."""
+        if self.max_queue_items is None:
+            return
+        for entry in plan.models:
+            largest = largest_batch(entry)
+            if self.max_queue_items < largest:
+                raise UsageError(
+                    f"--max-queue {self.max_queue_items} is below model {entry.name!r}'s largest "
+                    f"batch of {largest} items: its largest requests could never be admitted; "
+                    f"use --max-queue {largest} or more")
 
     def public(self) -> dict[str, Any]:
         """The settings as stored (the API key only as whether one is set)."""
         data = asdict(self)
         data["api_key"] = self.api_key is not None
         return data
+
+
+def largest_batch(entry: Any) -> int:
+    """The most items a worker of model `entry` takes in one batch (replicas and stages)."""
+    sizes = [r.batch for r in entry.replicas] + [st.batch for st in entry.stages or []]
+    return max(sizes or [1])
 
 
 class InferenceServer:
@@ -105,6 +132,8 @@ class InferenceServer:
         self.backend = backend
         self.config = config or {}
         self.settings = settings or ServeSettings()
+        if self.plan is not None:
+            self.settings.check_plan(self.plan)
         self.store = store
         self.command = command
         self.progress = progress
@@ -114,6 +143,8 @@ class InferenceServer:
         self._stop: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stops = 0
+        #: Requests answered with an error by a second stop signal, before they were served.
+        self.dropped = 0
         #: Restarts failed workers (None with `max_restarts` 0).
         self.supervisor: Any = None
         #: Front processes (`serve.fronts.FrontHub`) when `fronts` is above 1.
@@ -130,8 +161,12 @@ class InferenceServer:
             return
         self._stops += 1
         if self._stops > 1 and self.core is not None:
-            loop.call_soon_threadsafe(self.core.fail_pending, "the server was stopped at once")
+            loop.call_soon_threadsafe(self._stop_now)
         loop.call_soon_threadsafe(event.set)
+
+    def _stop_now(self) -> None:
+        self.dropped += self.core.fail_pending("the server was stopped at once by a second stop "
+                                               "signal before the request was served")
 
     async def serve(self, on_ready: Callable[[dict[str, Any]], None] | None = None,
                     ) -> dict[str, Any]:
@@ -178,13 +213,19 @@ class InferenceServer:
             metrics = ServeMetrics(runtime, sampler)
             runtime.dispatcher.take_when_idle = not s.wait_when_idle
             if s.max_restarts and self.backend is None:  # a backend restarts its own workers
-                supervisor = self.supervisor = Supervisor(runtime, max_restarts=s.max_restarts)
+                supervisor = self.supervisor = Supervisor(runtime, max_restarts=s.max_restarts,
+                                                          window_s=s.restart_window_s)
             self.core = core = InferenceCore(runtime, runtime.plan,
                                              max_queue_items=s.max_queue_items,
                                              metrics=metrics, supervisor=supervisor)
+            _check_admission(core)
             if supervisor is not None:
                 supervisor.start()
             await core.probe_outputs()
+            # Metrics first, then the fronts (gRPC before HTTP in the server process), and ready
+            # only once each port accepts a connection: a client that saw the HTTP front ready
+            # finds the others listening.
+            httpd, metrics_port = _start_metrics(metrics, s.host, s.metrics_port, s.api_key)
             if self.fronts > 1:  # front processes serve both protocols (serve/fronts.py)
                 from infermux.serve.fronts import FrontHub
 
@@ -196,11 +237,12 @@ class InferenceServer:
 
                 # Triton's shared-memory extensions, served by the in-process fronts.
                 core.shared_memory = SharedMemoryRegions()  # type: ignore[attr-defined]
-                http, http_task = await self._start_http(core, http_sock)
                 grpc_server, grpc_port = await self._start_grpc(core)
-            httpd, metrics_port = _start_metrics(metrics, s.host, s.metrics_port)
+                http, http_task = await self._start_http(core, http_sock)
             self.ports = {"http": http_sock.getsockname()[1], "grpc": grpc_port,
                           "metrics": metrics_port}
+            await _accepting(s.host, self.ports)
+            core.fronts_up = True
             if on_ready is not None:
                 on_ready(self.ready_info(runtime))
             await self._stop.wait()
@@ -215,6 +257,11 @@ class InferenceServer:
             if left:
                 core.fail_pending("the server stopped before the request was served")
                 status, error = "interrupted", f"{left} requests unanswered at shutdown"
+            if self.dropped:
+                status = "interrupted"
+                error = "; ".join(filter(None, [error, f"{self.dropped} requests dropped by a "
+                                                       "second stop signal"]))
+            self.dropped += left
         except BaseException as exc:
             status = "failed"
             error = str(exc)
@@ -236,6 +283,7 @@ class InferenceServer:
             summary = {"models": self.core.summary() if self.core is not None else {},
                        "ports": self.ports, "served_s": time.perf_counter() - started,
                        "error": error, "run_id": self.run_id, "status": status,
+                       "requests_dropped": self.dropped,
                        "restarts": supervisor.summary() if supervisor is not None else {}}
             if self.front_hub is not None:
                 summary.update(self.front_hub.summary())
@@ -275,7 +323,7 @@ class InferenceServer:
         front = HttpFront(core, self.settings.api_key)
         config = uvicorn.Config(
             front, lifespan="off", log_level="warning",
-            http=body_protocol(front.max_body) or "auto", access_log=False,
+            http=body_protocol(front) or "auto", access_log=False,
             timeout_graceful_shutdown=int(self.settings.drain_timeout_s) or 1,
             backlog=2048, timeout_keep_alive=30, limit_concurrency=2 * admitted + 64)
         server = _QuietUvicorn(config)
@@ -295,7 +343,7 @@ class InferenceServer:
         try:
             server, port = build_grpc_server(core, f"{_grpc_host(s.host)}:{s.grpc_port}",
                                              api_key=s.api_key,
-                                             max_message_bytes=body_limit(core),
+                                             max_message_bytes=body_limit(core, binary=True),
                                              reuse_port=(s.fronts or 0) > 1)
         except RuntimeError as exc:
             raise UsageError(f"--grpc-port {s.grpc_port} on {s.host} cannot be bound ({exc}): "
@@ -350,15 +398,84 @@ def _sampler(interval_s: float) -> Any:
         return None
 
 
-def _start_metrics(metrics: Any, host: str, port: int) -> tuple[Any, int]:
-    from prometheus_client import start_http_server
+def _check_admission(core: Any) -> None:
+    """Refuse an admission limit below a model's largest batch (cluster plans come here)."""
+    for info in core.models.values():
+        if info.max_queue_items < info.max_batch_size:
+            raise UsageError(
+                f"--max-queue {info.max_queue_items} is below model {info.name!r}'s largest "
+                f"batch of {info.max_batch_size} items: its largest requests could never be "
+                f"admitted; use --max-queue {info.max_batch_size} or more")
 
+
+async def _accepting(host: str, ports: dict[str, int], timeout_s: float = 30.0) -> None:
+    """Wait until every front accepts a TCP connection (each was bound and started)."""
+    target = "127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host
+    deadline = time.monotonic() + timeout_s
+    for front, port in ports.items():
+        while True:
+            try:
+                _, writer = await asyncio.wait_for(asyncio.open_connection(target, port), 5)
+            except (OSError, asyncio.TimeoutError) as exc:
+                if time.monotonic() > deadline:
+                    raise UsageError(f"the {front} front on {host}:{port} accepts no connection "
+                                     f"({exc}): is a firewall in the way?") from None
+                await asyncio.sleep(0.02)
+                continue
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+            break
+
+
+def _start_metrics(metrics: Any, host: str, port: int,
+                   api_key: str | None = None) -> tuple[Any, int]:
+    """`/metrics` on its own thread; behind the same API key as inference when one is set."""
+    import threading
+    from wsgiref.simple_server import WSGIRequestHandler, make_server
+
+    from prometheus_client import make_wsgi_app
+    from prometheus_client.exposition import ThreadingWSGIServer
+
+    class Quiet(WSGIRequestHandler):
+        def log_message(self, format: str, *args: Any) -> None:
+            """No access log."""
+
+    app = make_wsgi_app(metrics.registry)
+    if api_key is not None:
+        app = _keyed(app, api_key)
+    server_class = ThreadingWSGIServer
+    if ":" in host:
+        class Six(ThreadingWSGIServer):
+            address_family = socket.AF_INET6
+
+        server_class = Six
     try:
-        httpd, _ = start_http_server(port, addr=host, registry=metrics.registry)
+        httpd = make_server(host, port, app, server_class, handler_class=Quiet)
     except OSError as exc:
         raise UsageError(f"--metrics-port {port} on {host} cannot be bound ({exc.strerror}): "
                          "is it in use? pass another port, or 0 for any free one") from None
+    threading.Thread(target=httpd.serve_forever, name="infermux-metrics", daemon=True).start()
     return httpd, int(httpd.server_port)
+
+
+def _keyed(app: Callable[..., Any], api_key: str) -> Callable[..., Any]:
+    """A WSGI app that answers 401 unless the request carries `api_key` (Bearer or X-API-Key)."""
+    import hmac
+
+    def guarded(environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
+        given = environ.get("HTTP_X_API_KEY")
+        auth = environ.get("HTTP_AUTHORIZATION", "")
+        if auth.lower().startswith("bearer "):
+            given = auth[7:].strip()
+        if given is None or not hmac.compare_digest(given.encode(), api_key.encode()):
+            start_response("401 Unauthorized", [("Content-Type", "application/json"),
+                                                ("WWW-Authenticate", "Bearer")])
+            return [b'{"error":"missing or wrong API key: send `Authorization: Bearer KEY` or '
+                    b'`X-API-Key: KEY`"}']
+        return app(environ, start_response)
+
+    return guarded
 
 
 def _quiet_uvicorn() -> type:

@@ -1,0 +1,245 @@
+"""Soak: `infermux serve` through a burst at twice its saturation, then back at half of it.
+
+1. The saturating rate: perf_analyzer, closed loop at `--concurrency` (gRPC), requests/s.
+2. Before: perf_analyzer at `--calm-factor` × that rate (Poisson) for `--calm-s`: p99, and the
+   server's resident memory (its process and its worker processes).
+3. The burst: Poisson arrivals at `--factor` × the saturating rate for `--burst-s`, from
+   bench/serve_load.py (open loop: every call's answer is classified 200 / 503 / other);
+   perf_analyzer stops at the first refused request ("Thread [..] had error: ... admission
+   limit"), so it cannot drive a load past admission. Resident memory sampled every 0.5 s.
+   With `--kill worker`, the model's worker process is killed (SIGKILL) half-way through.
+4. After: perf_analyzer at the calm rate again: p99 and resident memory.
+
+Checks (each true or false in the report, with the figures):
+- `none_lost`: every request the client sent is counted once by the server, as answered,
+  failed or refused (the server's counters' deltas against the client's counts);
+- `refusals_are_503`: the burst got nothing but 200 and 503 (no 5xx, no reset), except, with
+  `--kill`, failures answered with a message (counted apart);
+- `drained`: no request left in flight after the burst (none hangs past the drain timeout);
+- `memory_flat`: resident memory after within 10% of before;
+- `p99_recovered`: p99 after within 20% of before;
+- `ready_after`: the server is ready after it all.
+
+    python bench/serve_soak.py --out /tmp/serve-soak            # 60 s burst, the full run
+    python bench/serve_soak.py --out /tmp/serve-soak --burst-s 10 --calm-s 5   # a short one
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+INFERMUX = [sys.executable, "-m", "infermux"]
+ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(
+    [str(ROOT / "src"), *filter(None, [os.environ.get("PYTHONPATH")])]))
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of `pid` and its children (the worker processes)."""
+    import psutil
+
+    proc = psutil.Process(pid)
+    total = proc.memory_info().rss
+    for child in proc.children(recursive=True):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            total += child.memory_info().rss
+    return int(total)
+
+
+def counters(metrics_url: str, model: str) -> dict[str, float]:
+    """The server's request counters for `model` (answered, failed, refused, in flight)."""
+    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    out = {"ok": 0.0, "failed": 0.0, "rejected": 0.0, "in_flight": 0.0}
+    for line in text.splitlines():
+        if f'model="{model}"' not in line:
+            continue
+        value = float(line.rsplit(" ", 1)[1])
+        if line.startswith("nv_inference_request_success_total"):
+            out["ok"] += value
+        elif line.startswith("nv_inference_request_failure_total") and "BACKEND" in line:
+            out["failed"] += value
+        elif line.startswith("infermux_requests_rejected_total"):
+            out["rejected"] += value
+        elif line.startswith("nv_inference_pending_request_count"):
+            out["in_flight"] += value
+    return out
+
+
+def perf_analyzer(exe: str, url: str, model: str, csv_file: Path, *, concurrency: int | None = None,
+                  rate: float | None = None, seconds: float, stability_pct: float = 50.0,
+                  ) -> dict[str, Any]:
+    """One perf_analyzer level over gRPC; throughput and p99 from its CSV."""
+    level = (["--concurrency-range", f"{concurrency}:{concurrency}"] if concurrency is not None
+             else ["--request-rate-range", f"{rate:.1f}:{rate:.1f}",
+                   "--request-distribution", "poisson"])
+    cmd = [exe, "-m", model, "-u", url, "-i", "grpc", *level,
+           "--measurement-interval", str(int(seconds * 1000)), "--stability-percentage", f"{stability_pct:g}",
+           "--max-trials", "3", "-f", str(csv_file)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    row: dict[str, Any] = {"command": " ".join(cmd), "ok": done.returncode == 0
+                           and csv_file.exists()}
+    if not row["ok"]:
+        row["error"] = done.stdout[-500:] + done.stderr[-500:]
+        return row
+    with csv_file.open() as f:
+        data = next(csv.DictReader(f))
+    row.update(throughput_rps=float(data["Inferences/Second"]),
+               p99_ms=float(data["p99 latency"]) / 1e3, p50_ms=float(data["p50 latency"]) / 1e3)
+    return row
+
+
+def burst_command(grpc_url: str, http_port: int, model: str, rate: float,
+                  seconds: float) -> list[str]:
+    """Open-loop Poisson arrivals from bench/serve_load.py (counts 200, 503, other)."""
+    return [sys.executable, str(ROOT / "bench" / "serve_load.py"), "--url", grpc_url,
+            "--protocol", "grpc", "--model", model, "--metadata-port", str(http_port),
+            "--rate", f"{rate:.1f}", "--duration", str(seconds), "--warmup", "0", "--json"]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="folder for the report (report.json) and CSVs")
+    p.add_argument("--model", default="digits-cnn", help="model reference (default digits-cnn)")
+    p.add_argument("--unit", default="cpu:1")
+    p.add_argument("--engine", default="torch")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--queue-delay-ms", type=float, default=2.0)
+    p.add_argument("--concurrency", type=int, default=16, help="closed loop for saturation")
+    p.add_argument("--factor", type=float, default=2.0, help="burst rate / saturating rate")
+    p.add_argument("--calm-factor", type=float, default=0.5, help="calm rate / saturating rate")
+    p.add_argument("--burst-s", type=float, default=60.0)
+    p.add_argument("--calm-s", type=float, default=10.0, help="perf_analyzer window, calm runs")
+    p.add_argument("--stability", type=float, default=50.0,
+                   help="perf_analyzer's --stability-percentage (a loaded machine needs more)")
+    p.add_argument("--kill", choices=("none", "worker"), default="none",
+                   help="kill the model's worker process half-way through the burst")
+    p.add_argument("--perf-analyzer", help="path of perf_analyzer (default: the venv, PATH)")
+    args = p.parse_args()
+    exe = args.perf_analyzer or shutil.which("perf_analyzer", path=str(Path(sys.executable).parent)) \
+        or shutil.which("perf_analyzer")
+    if exe is None:
+        raise SystemExit("perf_analyzer is not installed: run `make perf-analyzer`, or pass "
+                         "--perf-analyzer PATH")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    plan = {"name": "soak", "models": [{"name": "net", "model": args.model, "replicas": [
+        {"unit": args.unit, "engine": args.engine, "instances": 1, "batch": args.batch}]}],
+        "dispatcher": {"max_queue_delay_ms": args.queue_delay_ms}}
+    plan_file = out / "plan.yaml"
+    plan_file.write_text(json.dumps(plan, indent=2))
+    proc = subprocess.Popen([*INFERMUX, "serve", str(plan_file), "--http-port", "0",
+                             "--grpc-port", "0", "--metrics-port", "0", "--json",
+                             "--telemetry", "off", "--db", str(out / "serve.db")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line:
+        raise SystemExit(f"the server did not start: {proc.stderr.read() if proc.stderr else ''}")
+    ready = json.loads(line)
+    grpc_url = f"127.0.0.1:{ready['grpc_port']}"
+    metrics_url = f"http://127.0.0.1:{ready['metrics_port']}/metrics"
+    report: dict[str, Any] = {"plan": plan, "args": vars(args),
+                              "max_queue_items": ready["models"][0]["max_queue_items"]}
+    try:
+        sat = perf_analyzer(exe, grpc_url, "net", out / "saturation.csv",
+                            concurrency=args.concurrency, seconds=args.calm_s,
+                            stability_pct=args.stability)
+        if not sat["ok"]:
+            raise SystemExit(f"perf_analyzer failed: {sat['error']}")
+        report["saturation"] = sat
+        calm_rate = sat["throughput_rps"] * args.calm_factor
+        burst_rate = sat["throughput_rps"] * args.factor
+        print(f"saturation {sat['throughput_rps']:.1f} requests/s; calm {calm_rate:.1f}, "
+              f"burst {burst_rate:.1f} for {args.burst_s:g} s", flush=True)
+        before = perf_analyzer(exe, grpc_url, "net", out / "before.csv", rate=calm_rate,
+                               seconds=args.calm_s, stability_pct=args.stability)
+        rss_before = rss_bytes(proc.pid)
+        start_counts = counters(metrics_url, "net")
+        samples: list[int] = []
+        stop = threading.Event()
+
+        def sample() -> None:
+            while not stop.wait(0.5):
+                with contextlib.suppress(Exception):
+                    samples.append(rss_bytes(proc.pid))
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        cmd = burst_command(grpc_url, ready["http_port"], "net", burst_rate, args.burst_s)
+        load: dict[str, Any] = {"command": " ".join(cmd)}
+        client = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=ENV)
+        killed = None
+        if args.kill == "worker":
+            time.sleep(args.burst_s / 2)
+            killed = next(iter(ready["worker_pids"].values()), None)
+            if killed is not None:
+                os.kill(killed, signal.SIGKILL)
+        answer, _ = client.communicate(timeout=args.burst_s * 4 + 120)
+        stop.set()
+        sampler.join()
+        load.update(json.loads(answer)[0])
+        # Admitted requests are answered or failed: none may still be in flight after the
+        # drain timeout (30 s by default).
+        deadline = time.monotonic() + 30
+        while counters(metrics_url, "net")["in_flight"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        end_counts = counters(metrics_url, "net")
+        after = perf_analyzer(exe, grpc_url, "net", out / "after.csv", rate=calm_rate,
+                              seconds=args.calm_s, stability_pct=args.stability)
+        rss_after = rss_bytes(proc.pid)
+        health = urllib.request.urlopen(
+            f"http://127.0.0.1:{ready['http_port']}/v2/health/ready", timeout=10).status
+        served = {k: end_counts[k] - start_counts[k] for k in ("ok", "failed", "rejected")}
+        sent = load["ok"] + load["rejected"] + load["errors"]
+        checks = {
+            # The client counts arrivals scheduled within the burst; the one drawn past its end
+            # may still be sent, so the server may count one more.
+            "none_lost": 0 <= sum(served.values()) - sent <= 1 and served["ok"] >= load["ok"],
+            "refusals_are_503": load["errors"] == 0 or (killed is not None
+                                                        and load["errors"] <= served["failed"]),
+            "drained": end_counts["in_flight"] == 0,
+            "memory_flat": abs(rss_after - rss_before) <= 0.10 * rss_before,
+            "p99_recovered": bool(before.get("ok") and after.get("ok")
+                                  and after["p99_ms"] <= 1.2 * before["p99_ms"]),
+            "ready_after": health == 200,
+        }
+        report.update(calm_rate_rps=calm_rate, burst_rate_rps=burst_rate, before=before,
+                      burst=load, after=after, server_counts=served, client_sent=sent,
+                      killed_worker_pid=killed, rss_before_mb=rss_before / 2**20,
+                      rss_max_mb=max(samples or [rss_after]) / 2**20,
+                      rss_after_mb=rss_after / 2**20, checks=checks,
+                      passed=all(checks.values()))
+        print(f"burst: sent {sent}, answered {load['ok']}, 503 {load['rejected']}, other "
+              f"{load['errors']}; server: {served}; in flight after {end_counts['in_flight']:.0f}",
+              flush=True)
+        print(f"p99 before {before.get('p99_ms', float('nan')):.2f} ms, after "
+              f"{after.get('p99_ms', float('nan')):.2f} ms; RSS {rss_before / 2**20:.0f} → max "
+              f"{report['rss_max_mb']:.0f} → {rss_after / 2**20:.0f} MiB", flush=True)
+        print("checks: " + ", ".join(f"{k} {'ok' if v else 'FAILED'}" for k, v in checks.items()),
+              flush=True)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.communicate(timeout=120)
+        report["server_exit_code"] = proc.returncode
+        (out / "report.json").write_text(json.dumps(report, indent=2, default=str))
+    if not report.get("passed"):
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()
