@@ -20,6 +20,7 @@ from infermux.load.base import CompletionFn, Query, QuerySampleLibrary
 from infermux.load.scenarios import LoadGenerator, ScenarioResult, find_peak
 from infermux.models import LoadedModel, ModelSpec, load_model
 from infermux.progress import ProgressFn
+from infermux.runtime.api import LocalRuntime
 from infermux.runtime.dispatcher import Dispatcher, WorkerState, failure_kind
 from infermux.runtime.metrics import Recorder, TrialSummary, summarise
 from infermux.runtime.pipelined import PipelineWorker, build_pipeline, pipeline_buckets
@@ -343,6 +344,10 @@ class _Runtime:
             wp.replica.engine, wp.unit.id, tuple(wp.replica.buckets()), wp.replica.options,
             plan.load.data, wp.id, plan.load.sample_pool, plan.load.seed) for m in entries]
 
+    def can_restart(self, worker_id: int) -> bool:
+        """Whether `restart_worker` can bring this worker back (replica workers)."""
+        return worker_id in self.worker_plans
+
     def restart_worker(self, worker_id: int, timeout_s: float = 300.0) -> None:
         """Bring a failed worker back into service; raises RunError when it cannot.
 
@@ -520,12 +525,14 @@ class _Runtime:
                 engine.release()
 
 
-def start_runtime(plan: Plan, *, progress: ProgressFn | None = None) -> _Runtime:
+def start_runtime(plan: Plan, *, progress: ProgressFn | None = None,
+                  record_batches: bool = True) -> LocalRuntime:
     """Build and start `plan`'s workers with no load generator attached (for a server).
 
-    The caller submits queries to `.dispatcher` (with `Query.inputs` to get outputs back
-    through `dispatcher.on_outputs`), reads `.states` and `.build_info`, and ends it with
-    `.shutdown(now=False)` (finish what is queued) or `now=True`.
+    The caller drives it through the `Runtime` protocol (`infermux.runtime.api`): submit
+    queries (with `Query.inputs` to get outputs back), subscribe to outputs and completions,
+    and `stop(drain=True)` (finish what is queued) or `drain=False`. `record_batches` keeps
+    every batch's record for a trial's summary (a server that runs for days passes False).
     """
     rt = _Runtime(plan, progress)
     try:
@@ -534,7 +541,7 @@ def start_runtime(plan: Plan, *, progress: ProgressFn | None = None) -> _Runtime
     except BaseException:
         rt.shutdown(now=True)
         raise
-    return rt
+    return LocalRuntime(rt, record_batches=record_batches)
 
 
 def run_plan(

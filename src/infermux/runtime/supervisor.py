@@ -2,7 +2,7 @@
 
 A worker fails when a batch raises (its engine failed) or when its process dies (killed by a
 signal, crashed). The dispatcher takes it out of service and tells the supervisor
-(`Dispatcher.on_worker_failed`); a child process that dies between batches is noticed here by
+(a `failures` subscription of `LocalRuntime`); a child process that dies between batches is noticed here by
 polling (`ProcessHost.exited`). The supervisor then restarts the worker on its own thread, after
 a short backoff that doubles with each restart, at most `max_restarts` times per worker; past
 that the worker stays out of service (`WorkerState.error` says why) and, if nothing else serves
@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from infermux.runtime.api import LocalRuntime, Subscription
 from infermux.runtime.dispatcher import WorkerState
 from infermux.runtime.worker import WorkerDiedError
 
@@ -31,13 +32,12 @@ __all__ = ["Supervisor"]
 
 
 class Supervisor:
-    """Watches a runtime (`start_runtime`'s) and restarts its failed replica workers."""
+    """Watches a `LocalRuntime` (`start_runtime`'s) and restarts its failed workers."""
 
-    def __init__(self, runtime: Any, *, max_restarts: int = 3, backoff_s: float = 0.5,
+    def __init__(self, runtime: LocalRuntime, *, max_restarts: int = 3, backoff_s: float = 0.5,
                  poll_s: float = 0.25, restart_timeout_s: float = 300.0,
                  on_event: Callable[[dict[str, Any]], None] | None = None) -> None:
         self.runtime = runtime
-        self.dispatcher = runtime.dispatcher
         self.max_restarts = max_restarts
         self.backoff_s = backoff_s
         self.poll_s = poll_s
@@ -52,14 +52,13 @@ class Supervisor:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._main, name="infermux-supervisor",
                                         daemon=True)
-        self._previous: Callable[[WorkerState], None] | None = None
+        self._subscription: Subscription | None = None
 
     def start(self) -> Supervisor:
-        """Begin watching (chains any `on_worker_failed` hook already set)."""
-        d = self.dispatcher
-        self._previous = d.on_worker_failed
-        d.on_worker_failed = self._on_failed
-        d.will_restart = self._will_restart
+        """Begin watching: failed workers are told to it through a subscription."""
+        rt = self.runtime
+        self._subscription = rt.subscribe(failures=self._on_failed)
+        rt.set_restart_policy(self._will_restart)
         self._thread.start()
         return self
 
@@ -68,15 +67,17 @@ class Supervisor:
         self._stop.set()
         self._failed.put(-1)
         self._thread.join(timeout_s)
-        d = self.dispatcher
-        d.will_restart = None
-        for w in list(d.workers.values()):
+        rt = self.runtime
+        rt.set_restart_policy(None)
+        if self._subscription is not None:
+            self._subscription.cancel()
+        for w in list(rt.workers()):
             if w.restarting:
-                d.give_up(w, f"{w.error or 'failed'}; the server stopped before its restart")
+                rt.give_up(w, f"{w.error or 'failed'}; the server stopped before its restart")
 
     def restartable(self, w: WorkerState) -> bool:
         """Whether `w` may still be restarted (a replica worker with restarts left)."""
-        return (w.id in self.runtime.worker_plans
+        return (self.runtime.restartable(w.id)
                 and self._attempts.get(w.id, 0) < self.max_restarts and not self._stop.is_set())
 
     def describe(self, w: WorkerState) -> str:
@@ -85,7 +86,7 @@ class Supervisor:
             attempt = self._attempts.get(w.id, 0) + (0 if w.id in self._begun else 1)
             return (f"worker {w.name} is restarting (restart {attempt} of {self.max_restarts}) "
                     f"after: {w.error}")
-        if not w.alive and self.max_restarts and w.id in self.runtime.worker_plans:
+        if not w.alive and self.max_restarts and self.runtime.restartable(w.id):
             return (f"worker {w.name} failed and was restarted {self.max_restarts} times, the "
                     f"most allowed: {w.error}")
         return f"last error: {w.error}"
@@ -96,8 +97,6 @@ class Supervisor:
         return isinstance(exc, WorkerDiedError) and self.restartable(w)
 
     def _on_failed(self, w: WorkerState) -> None:
-        if self._previous is not None:
-            self._previous(w)
         self._failed.put(w.id)
 
     # -- the supervisor's thread -------------------------------------------------------------
@@ -111,22 +110,17 @@ class Supervisor:
                 continue
             if wid < 0 or self._stop.is_set():
                 return
-            self._restart(self.dispatcher.workers[wid])
+            self._restart(self.runtime.worker(wid))
 
     def _watch_processes(self) -> None:
         """Fail a worker whose child process died while it held no batch."""
-        rt, d = self.runtime, self.dispatcher
-        for wid, host in list(rt.host_by_id.items()):
-            w = d.workers.get(wid)
-            if w is None or not w.alive or host.exited() is None:
-                continue
-            d.fail_idle(w, WorkerDiedError(f"worker {w.name}: {host.death()}"))
+        for w, death in self.runtime.dead_processes():
+            self.runtime.fail_idle(w, WorkerDiedError(f"worker {w.name}: {death}"))
 
     def _restart(self, w: WorkerState) -> None:
-        d = self.dispatcher
         if not self.restartable(w):
             if w.restarting or not w.alive:
-                d.give_up(w, w.error or "failed")
+                self.runtime.give_up(w, w.error or "failed")
             return
         attempt = self._attempts.get(w.id, 0) + 1
         self._attempts[w.id] = attempt
@@ -137,9 +131,8 @@ class Supervisor:
             self._begun.discard(w.id)
 
     def _attempt(self, w: WorkerState, attempt: int) -> None:
-        d = self.dispatcher
-        with d.cond:
-            w.restarting = w.restarting or not w.alive
+        rt = self.runtime
+        rt.mark_restarting(w)
         self._event({"event": "worker_restarting", "worker": w.name, "attempt": attempt,
                      "error": w.error})
         if self._stop.wait(self.backoff_s * 2 ** (attempt - 1)):
@@ -151,13 +144,12 @@ class Supervisor:
             error = f"restart {attempt} failed: {exc}"
             self.history.append({"worker": w.name, "attempt": attempt, "ok": False,
                                  "error": error, "took_s": time.perf_counter() - started})
-            with d.cond:
-                w.error = error
+            rt.set_error(w, error)
             self._event({"event": "worker_restart_failed", "worker": w.name, "error": error})
             if self.restartable(w):
                 self._failed.put(w.id)  # try again, later
             else:
-                d.give_up(w, error)
+                rt.give_up(w, error)
             return
         self.history.append({"worker": w.name, "attempt": attempt, "ok": True, "error": None,
                              "took_s": time.perf_counter() - started})
