@@ -27,10 +27,12 @@ from typing import Any
 
 from infermux._parse import parse_shape
 from infermux.models import ModelSpec
-from infermux.partition import Pipeline, PipelinePlan, capture_graph
+from infermux.models.graph import capture_graph
+from infermux.partition import save_pipeline
 from infermux.partition.search import PartitionConfig, run_partition
 from infermux.runtime import load_plan, run_plan
 from infermux.runtime.plan import parse_plan
+from infermux.runtime.stages import Pipeline
 from infermux.units import discover, select_units
 
 
@@ -65,7 +67,7 @@ def main() -> None:
     if report.best is None:
         raise SystemExit("no candidate could be measured")
     out = Path(tempfile.mkdtemp()) / "plan.yaml"
-    report.best.save(out)
+    save_pipeline(report.best, out)
     plan = load_plan(out)  # what `infermux run plan.yaml` reads
     entry = plan.models[0]
     print(f"kept: {entry.describe_stages()}; partitioner measured "
@@ -76,7 +78,7 @@ def main() -> None:
     rounds: list[dict[str, float]] = []
     offline = _with_load(plan, scenario="offline", min_duration_s=args.duration, min_queries=64)
     for r in range(args.rounds):
-        with Pipeline(PipelinePlan.from_entry(entry), model, graph, units) as pipe:
+        with Pipeline(entry, model, graph, units) as pipe:
             direct = pipe.measure(args.duration, 1.0).items_per_s
         ran = run_plan(offline).final or {}
         rounds.append({"partitioner": direct, "runtime": ran.get("items_per_s") or 0.0,
