@@ -150,6 +150,18 @@ def test_compiled_replica_compiles_only_its_largest_buckets():
     assert compiled == [32, 64]
     assert bucket_options(rep, 1) == {}
     assert rep.options == {"compile": "default"}  # the plan itself is untouched
+    # A process-hosted worker's child builds from the same rule (its spec's buckets, a tuple).
+    from infermux.runtime.plan import options_for_bucket
+    from infermux.runtime.session import _Runtime, layout_workers
+    from infermux.units import discover
+
+    cpu = parse_plan({"models": [{"name": "r", "model": "resnet50", "replicas": [
+        {"unit": "cpu:0", "batch": 8, "options": {"compile": "default"}}]}],
+        "dispatcher": {"cpu_workers": "process"}})
+    (wp,) = layout_workers(cpu, discover(with_runtimes=False))
+    (spec,) = _Runtime(cpu, None)._specs(wp)
+    assert [b for b in spec.buckets
+            if options_for_bucket(spec.options, spec.buckets, b).get("compile")] == [4, 8]
 
 
 @pytest.mark.parametrize("threaded", [False, True], ids=["one-thread", "split-gather"])

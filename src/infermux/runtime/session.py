@@ -25,7 +25,7 @@ from infermux.runtime.dispatcher import Dispatcher, WorkerState, failure_kind
 from infermux.runtime.metrics import Recorder, TrialSummary, summarise
 from infermux.runtime.pipelined import PipelineWorker, build_pipeline, pipeline_buckets
 from infermux.runtime.placement import LatencyEstimate, ModelLoad, rebalance
-from infermux.runtime.plan import Plan, Replica, parse_plan
+from infermux.runtime.plan import Plan, Replica, options_for_bucket, parse_plan
 from infermux.runtime.worker import ProcessHost, RunnerSpec, Worker
 from infermux.store import Recording, Store, recording
 from infermux.units import Discovery, Unit, discover, select_units
@@ -108,24 +108,9 @@ def layout_workers(plan: Plan, found: Discovery) -> list[WorkerPlan]:
     return workers
 
 
-#: Buckets this much smaller than a compiled replica's batch run its engine without compiling.
-COMPILED_BUCKETS = 2
-
-
 def bucket_options(replica: Replica, bucket: int) -> dict[str, Any]:
-    """Engine options of one bucket's runner: `compile` only for the largest buckets.
-
-    torch.compile builds every batch size on its own (about 11 s each for ResNet50 on an H100),
-    so compiling every power-of-two bucket made a compiled plan take 101 s to start instead of
-    18 s. Only the plan's batch and the next bucket down are compiled; smaller, partial batches
-    (light server load) run the same engine with CUDA graphs, where per-batch overhead is what
-    matters, not kernel choice.
-    """
-    options = dict(replica.options)
-    if options.get("compile") and bucket not in replica.buckets()[-COMPILED_BUCKETS:]:
-        del options["compile"]
-        options.pop("compile_cache_dir", None)
-    return options
+    """Engine options of one bucket's runner (`runtime.plan.options_for_bucket`)."""
+    return options_for_bucket(replica.options, replica.buckets(), bucket)
 
 
 def with_load(plan: Plan, **changes: Any) -> Plan:
