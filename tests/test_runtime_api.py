@@ -62,3 +62,36 @@ def test_every_subscriber_gets_outputs_and_completions_until_it_cancels() -> Non
         assert [w.name for w in rt.workers()] == ["tiny/cpu:0#0"]
     finally:
         rt.stop(drain=True)
+
+
+def test_a_pipeline_taken_out_of_service_is_restarted_with_an_ordinary_id() -> None:
+    from infermux.errors import RunError
+
+    rt = start_runtime(parse_plan({
+        "name": "pipe", "models": [{"name": "tiny", "model": f"{TINY}:tiny_cnn", "stages": [
+            {"start": "input", "end": "body_1", "units": ["cpu:0"], "batch": 4},
+            {"start": "body_1", "end": "output", "units": ["cpu:0"], "batch": 4}]}],
+        "dispatcher": {"cpu_workers": "thread", "max_queue_delay_ms": 1},
+        "load": {"sample_pool": 8}}))
+    done = threading.Event()
+    got: list[int] = []
+
+    def on_complete(pairs, ok, when_ns) -> None:
+        got.extend(n for _, n in pairs if ok)
+        if sum(got) >= 4:
+            done.set()
+
+    try:
+        (w,) = rt.workers()
+        assert w.id == 0 and w.name == "tiny/pipeline"  # an ordinary id, as a replica's
+        assert rt.restartable(w.id)
+        rt.fail_idle(w, RunError("taken out for the test"))
+        assert not w.alive and not rt.ready("tiny")
+        rt.restart_worker(w.id, 60)
+        assert w.alive and rt.ready("tiny")
+        rt.subscribe(completions=on_complete)
+        rows = np.zeros((4, 3, 32, 32), np.float32)
+        rt.submit([Query(7, "tiny", tuple(range(4)), rows)])
+        assert done.wait(60), "the restarted pipeline served nothing"
+    finally:
+        rt.stop(drain=True)

@@ -213,6 +213,9 @@ class _Runtime:
         self.worker_plans: dict[int, WorkerPlan] = {}
         self.worker_by_id: dict[int, Worker] = {}
         self.host_by_id: dict[int, ProcessHost] = {}
+        #: By pipeline worker id: its model entry's index and the units found (a restart
+        #: builds the pipeline again from them).
+        self.pipeline_plans: dict[int, tuple[int, Discovery]] = {}
 
     def _note(self, label: str, fraction: float) -> None:
         if self.progress is not None:
@@ -330,16 +333,20 @@ class _Runtime:
             plan.load.data, wp.id, plan.load.sample_pool, plan.load.seed) for m in entries]
 
     def can_restart(self, worker_id: int) -> bool:
-        """Whether `restart_worker` can bring this worker back (replica workers)."""
-        return worker_id in self.worker_plans
+        """Whether `restart_worker` can bring this worker back (replicas and pipelines)."""
+        return worker_id in self.worker_plans or worker_id in self.pipeline_plans
 
     def restart_worker(self, worker_id: int, timeout_s: float = 300.0) -> None:
         """Bring a failed worker back into service; raises RunError when it cannot.
 
         A process-hosted worker gets a new child process (built like the first); a thread
         worker keeps its runners. Either way every runner must run one batch of the sample
-        library before the worker takes requests again. Pipelines are not restarted.
+        library before the worker takes requests again. A pipeline is built again, stages and
+        all, and checked the same way.
         """
+        if worker_id in self.pipeline_plans:
+            self._restart_pipeline(worker_id)
+            return
         state = self.dispatcher.workers[worker_id]
         wp = self.worker_plans.get(worker_id)
         old = self.worker_by_id.get(worker_id)
@@ -379,6 +386,30 @@ class _Runtime:
         self.dispatcher.revive(state)
         new.start()
 
+    def _restart_pipeline(self, worker_id: int) -> None:
+        state = self.dispatcher.workers[worker_id]
+        mi, found = self.pipeline_plans[worker_id]
+        entry = self.plan.models[mi]
+        old = next((p for p in self.pipelines if p.state.id == worker_id), None)
+        if old is not None:
+            old.join(30)  # out of service: its feeder leaves at its next look at the queue
+            if old.thread.is_alive():
+                raise RunError(f"worker {state.name}: its feeder did not stop, so it is not "
+                               "restarted")
+            old.close()  # its stages stop; what it held was failed back to the dispatcher
+        try:
+            pipeline = build_pipeline(entry, self.models[entry.name], found, f"models[{mi}]")
+        except InfermuxError as exc:
+            raise RunError(f"worker {state.name}: the pipeline could not be built again: "
+                           f"{exc}") from None
+        new = PipelineWorker(state, pipeline, self.qsl[entry.name].data, self.dispatcher)
+        if old is not None:
+            self.pipelines[self.pipelines.index(old)] = new
+        else:
+            self.pipelines.append(new)
+        self.dispatcher.revive(state)
+        new.start()
+
     def _build_pipelines(self, found: Discovery) -> list[dict[str, Any]]:
         """One pipeline worker per model entry with `stages:` (its stages on their units)."""
         rows = []
@@ -402,13 +433,14 @@ class _Runtime:
             depth = max(2, first.buffers * len(first.units) * first.instances
                         * entry.pipeline_replicas)
             state = WorkerState(
-                len(self.states) + 10_000, name, units, entry.name, pipeline_buckets(entry),
+                len(self.states), name, units, entry.name, pipeline_buckets(entry),
                 {entry.name}, LatencyEstimate(self.plan.dispatcher.estimate_alpha), depth=depth)
             if pipeline is None:
                 state.alive, state.error, state.failure = False, error, failure
                 self.build_errors[name] = error or ""
             self.dispatcher.add_worker(state)
             self.states.append(state)
+            self.pipeline_plans[state.id] = (mi, found)
             if pipeline is not None:
                 self.pipelines.append(PipelineWorker(
                     state, pipeline, self.qsl[entry.name].data, self.dispatcher))
