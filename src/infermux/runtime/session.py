@@ -341,8 +341,8 @@ class _Runtime:
 
         A process-hosted worker gets a new child process (built like the first); a thread
         worker keeps its runners. Either way every runner must run one batch of the sample
-        library before the worker takes requests again. A pipeline is built again, stages and
-        all, and checked the same way.
+        library before the worker takes requests again. A pipeline is built again from its
+        model entry, stages and all.
         """
         if worker_id in self.pipeline_plans:
             self._restart_pipeline(worker_id)
