@@ -1,10 +1,11 @@
 """A plan written by the partitioner, run by the runtime: offline and server, beside its measurement.
 
 1. `run_partition` (profile every piece on every (unit, engine), exact DP, measure the top
-   candidates as pipelines, keep the best) writes its plan as a runtime Plan.
-2. `run_plan` runs that file offline, alternating with a fresh partitioner-style measurement of
-   the same pipeline (`Pipeline.measure`) for `--rounds` rounds, so the two figures are side by
-   side under the same conditions; the headline is the median of per-round ratios.
+   candidates through `run_plan`, keep the best) writes its plan as a runtime Plan.
+2. `run_plan` runs that file offline, alternating with the executor alone on the same pipeline
+   (`runtime.stages.Pipeline.measure`: endless input, no dispatcher or load generator) for
+   `--rounds` rounds, so the two figures are side by side under the same conditions; the
+   headline is the median of per-round ratios (what the runtime costs a pipeline).
 3. `run_plan` runs it under the server scenario at `--server-fraction` of the offline rate, and
    with `--find-peak` when `--p99` is given.
 
