@@ -24,8 +24,8 @@ import torch
 
 from infermux.engines import create_engine
 from infermux.models import load_model
+from infermux.models.segments import segment_model
 from infermux.partition import capture_graph, split
-from infermux.partition.segments import segment_model
 from infermux.units import discover
 
 

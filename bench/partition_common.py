@@ -17,11 +17,11 @@ from typing import Any
 
 from infermux.engines import create_engine
 from infermux.models import ModelSpec, load_model
+from infermux.models.graph import capture_graph
 from infermux.partition.dp import ProfileCost
-from infermux.partition.graph import capture_graph
-from infermux.partition.pipeline import Pipeline
 from infermux.partition.search import PartitionConfig, run_partition
-from infermux.partition.transfer import HOST, pin_thread
+from infermux.runtime.stages import Pipeline
+from infermux.runtime.transfer import HOST, pin_thread
 from infermux.units import Unit, discover, select_units
 
 

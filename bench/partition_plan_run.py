@@ -1,10 +1,11 @@
 """A plan written by the partitioner, run by the runtime: offline and server, beside its measurement.
 
 1. `run_partition` (profile every piece on every (unit, engine), exact DP, measure the top
-   candidates as pipelines, keep the best) writes its plan as a runtime Plan.
-2. `run_plan` runs that file offline, alternating with a fresh partitioner-style measurement of
-   the same pipeline (`Pipeline.measure`) for `--rounds` rounds, so the two figures are side by
-   side under the same conditions; the headline is the median of per-round ratios.
+   candidates through `run_plan`, keep the best) writes its plan as a runtime Plan.
+2. `run_plan` runs that file offline, alternating with the executor alone on the same pipeline
+   (`runtime.stages.Pipeline.measure`: endless input, no dispatcher or load generator) for
+   `--rounds` rounds, so the two figures are side by side under the same conditions; the
+   headline is the median of per-round ratios (what the runtime costs a pipeline).
 3. `run_plan` runs it under the server scenario at `--server-fraction` of the offline rate, and
    with `--find-peak` when `--p99` is given.
 
@@ -27,10 +28,12 @@ from typing import Any
 
 from infermux._parse import parse_shape
 from infermux.models import ModelSpec
-from infermux.partition import Pipeline, PipelinePlan, capture_graph
+from infermux.models.graph import capture_graph
+from infermux.partition import save_pipeline
 from infermux.partition.search import PartitionConfig, run_partition
 from infermux.runtime import load_plan, run_plan
 from infermux.runtime.plan import parse_plan
+from infermux.runtime.stages import Pipeline
 from infermux.units import discover, select_units
 
 
@@ -65,7 +68,7 @@ def main() -> None:
     if report.best is None:
         raise SystemExit("no candidate could be measured")
     out = Path(tempfile.mkdtemp()) / "plan.yaml"
-    report.best.save(out)
+    save_pipeline(report.best, out)
     plan = load_plan(out)  # what `infermux run plan.yaml` reads
     entry = plan.models[0]
     print(f"kept: {entry.describe_stages()}; partitioner measured "
@@ -76,7 +79,7 @@ def main() -> None:
     rounds: list[dict[str, float]] = []
     offline = _with_load(plan, scenario="offline", min_duration_s=args.duration, min_queries=64)
     for r in range(args.rounds):
-        with Pipeline(PipelinePlan.from_entry(entry), model, graph, units) as pipe:
+        with Pipeline(entry, model, graph, units) as pipe:
             direct = pipe.measure(args.duration, 1.0).items_per_s
         ran = run_plan(offline).final or {}
         rounds.append({"partitioner": direct, "runtime": ran.get("items_per_s") or 0.0,

@@ -121,8 +121,7 @@ async def _runtime_only(core: Any, info: Any, concurrency: int, duration: float,
 
 
 async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
-    from infermux.runtime import parse_plan
-    from infermux.runtime.session import start_runtime
+    from infermux.runtime import parse_plan, start_runtime
     from infermux.serve.core import InferenceCore
 
     plan = parse_plan({"name": "stack", "models": [{"name": "m", "model": args.model, "replicas": [
@@ -148,7 +147,7 @@ async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
                       f"{r['p50_ms']:6.2f}  p99 {r['p99_ms']:6.2f} ms  server CPU "
                       f"{r['server_cpu_ms_per_request']:.2f} ms/request", flush=True)
     finally:
-        runtime.shutdown(now=True)
+        runtime.stop(drain=False)
     return rows
 
 

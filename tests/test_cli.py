@@ -114,3 +114,14 @@ def test_ctrl_c_keeps_what_was_measured(tiny_factory, db):
     assert results[0] == (1, "ok")
     assert results[-1][1] == "interrupted" and len(results) < 4
     assert samples > 0
+
+
+@pytest.mark.parametrize("args, says", [
+    (("partition",), "Missing option '--model'"),
+    (("no-such-command",), "No such command 'no-such-command'"),
+])
+def test_a_usage_error_click_finds_is_its_own_message_and_exit_2(args, says) -> None:
+    proc = run_cli(*args)
+    assert proc.returncode == 2, proc.stderr
+    assert says in proc.stderr and "unexpected" not in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -10,25 +10,27 @@ import random
 import numpy as np
 import pytest
 import torch
+import yaml
 from torch import nn
 
 from infermux.engines import create_engine
 from infermux.errors import UsageError
 from infermux.models import LoadedModel, ModelSpec, load_model
 from infermux.partition import (
-    PipelinePlan,
     Profile,
     ProfileCost,
-    StageSpec,
     brute_force,
     capture_graph,
+    load_pipeline,
+    save_pipeline,
     solve,
     split,
     time_transfer,
 )
-from infermux.partition.pipeline import Pipeline
 from infermux.partition.profile import profile_segments
-from infermux.partition.transfer import HOST
+from infermux.runtime.plan import ModelEntry
+from infermux.runtime.stages import Pipeline
+from infermux.runtime.transfer import HOST
 from infermux.store import Store
 from infermux.units import discover, select_units
 
@@ -212,8 +214,10 @@ def test_export_fallback_when_fx_fails(units):
 
 
 def _plan(stages, replicas=1, buffers=2):
-    return PipelinePlan(model="m", pipeline_replicas=replicas, stages=[
-        StageSpec(start=a, end=b, units=u, batch=batch, buffers=buffers) for a, b, u, batch in stages])
+    return ModelEntry.model_validate({"name": "m", "model": "m", "pipeline_replicas": replicas,
+                                      "stages": [{"start": a, "end": b, "units": u, "batch": batch,
+                                                  "buffers": buffers}
+                                                 for a, b, u, batch in stages]})
 
 
 def _unsplit(model, unit, x):
@@ -309,15 +313,19 @@ def test_measure_reports_throughput_and_balance(units):
 def test_plan_yaml_round_trip_and_errors(tmp_path):
     plan = _plan([("input", "cat", ["cpu:0"], 4), ("cat", "output", ["cpu:1", "cpu:0"], 8)])
     path = tmp_path / "plan.yaml"
-    plan.save(path)
-    again = PipelinePlan.load(path)
+    save_pipeline(plan, path)
+    again = load_pipeline(path)
     assert again == plan and again.chunk == 4
-    assert again.model_entry()["stages"][1]["units"] == ["cpu:1", "cpu:0"]
+    assert again.stages is not None and again.stages[1].units == ["cpu:1", "cpu:0"]
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"models": [{"name": "m", "model": "m", "stages": [
+        {"end": "cat", "units": ["cpu:0"]}, {"start": "add", "units": ["cpu:0"]}]}]}))
     with pytest.raises(UsageError, match="contiguous"):
-        PipelinePlan.from_model_entry({"model": "m", "stages": [
-            {"end": "cat", "units": ["cpu:0"]}, {"start": "add", "units": ["cpu:0"]}]})
-    with pytest.raises(UsageError, match="has no stages"):
-        PipelinePlan.from_model_entry({"model": "m"})
+        load_pipeline(bad)
+    bad.write_text(yaml.safe_dump({"models": [{"name": "m", "model": "m",
+                                               "replicas": [{"unit": "cpu:0"}]}]}))
+    with pytest.raises(UsageError, match="has no model with stages"):
+        load_pipeline(bad)
 
 
 # -- the DP against brute force ----------------------------------------------------------------------
@@ -447,8 +455,8 @@ def test_cli_partition_writes_plan_and_store(tiny_factory, tmp_path, db):
     assert len(data["candidates"]) == 2
     assert sum(c["chosen"] for c in data["candidates"]) == 1
     assert all(c["measured_items_per_s"] > 0 for c in data["candidates"])
-    plan = PipelinePlan.load(out)
-    assert plan.measured_items_per_s and plan.stages[0].batch == 4
+    plan = load_pipeline(out)
+    assert plan.measured_items_per_s and plan.stages and plan.stages[0].batch == 4
     with Store(db) as store:
         run = store.run(data["run_id"])
         assert run["kind"] == "partition" and run["status"] == "complete"

@@ -20,8 +20,8 @@ from infermux.engines import create_engine, engine_status
 from infermux.engines.base import Engine, compute_device
 from infermux.export import INPUT_NAME, export_onnx
 from infermux.models import LoadedModel, load_model
+from infermux.models.segments import segment_between, segment_model
 from infermux.partition import ModelGraph, capture_graph, split
-from infermux.partition.segments import segment_between, segment_model
 from infermux.units import Unit, discover
 
 CPU_ENGINES = ("torch", "onnxruntime", "openvino")
@@ -68,7 +68,7 @@ def _middle(graph: ModelGraph) -> str:
 
 
 def _segment_reference(graph: ModelGraph, start: str, end: str, x: torch.Tensor) -> list[torch.Tensor]:
-    from infermux.partition.segments import build_segment
+    from infermux.models.segments import build_segment
 
     with torch.inference_mode():
         out = build_segment(graph, start, end)(x)
@@ -173,7 +173,7 @@ def test_stage_chain_out_of_order_is_caught(cpu: Unit, engines: dict[str, Engine
 
 def _skippable_block(graph: ModelGraph) -> tuple[str, str]:
     """Consecutive cuts `a`, `b` with equal tensor shapes and a convolution between them."""
-    from infermux.partition.segments import build_segment
+    from infermux.models.segments import build_segment
 
     for before, after in zip(graph.cuts, graph.cuts[1:], strict=False):
         if before.tensor.shape == after.tensor.shape:

@@ -9,8 +9,10 @@ import yaml
 
 from infermux.errors import UsageError
 from infermux.models import ModelSpec, load_model
-from infermux.partition import Pipeline, PipelinePlan, capture_graph
+from infermux.models.graph import capture_graph
 from infermux.runtime import parse_plan, run_plan
+from infermux.runtime.plan import ModelEntry
+from infermux.runtime.stages import Pipeline
 from infermux.store import Store
 from infermux.units import discover, select_units
 
@@ -94,9 +96,9 @@ def test_served_pipeline_returns_partial_chunks_in_order_and_correct():
     model = load_model(ModelSpec(f"{TINY}:tiny_cnn"))
     graph = capture_graph(model.module, model.input_shape)
     units = {u.id: u for u in select_units(["cpu:0"], discover(with_runtimes=False))}
-    plan = PipelinePlan(model="m", stages=[
+    plan = ModelEntry.model_validate({"name": "m", "model": "m", "stages": [
         {"start": "input", "end": "body_1", "units": ["cpu:0"], "batch": 4},
-        {"start": "body_1", "end": "output", "units": ["cpu:0"], "batch": 8}])
+        {"start": "body_1", "end": "output", "units": ["cpu:0"], "batch": 8}]})
     got: dict[int, np.ndarray] = {}
     errors: list[BaseException] = []
     rng = np.random.default_rng(0)
@@ -148,21 +150,33 @@ def test_compiled_replica_compiles_only_its_largest_buckets():
     assert compiled == [32, 64]
     assert bucket_options(rep, 1) == {}
     assert rep.options == {"compile": "default"}  # the plan itself is untouched
+    # A process-hosted worker's child builds from the same rule (its spec's buckets, a tuple).
+    from infermux.runtime.plan import options_for_bucket
+    from infermux.runtime.session import _Runtime, layout_workers
+    from infermux.units import discover
+
+    cpu = parse_plan({"models": [{"name": "r", "model": "resnet50", "replicas": [
+        {"unit": "cpu:0", "batch": 8, "options": {"compile": "default"}}]}],
+        "dispatcher": {"cpu_workers": "process"}})
+    (wp,) = layout_workers(cpu, discover(with_runtimes=False))
+    (spec,) = _Runtime(cpu, None)._specs(wp)
+    assert [b for b in spec.buckets
+            if options_for_bucket(spec.options, spec.buckets, b).get("compile")] == [4, 8]
 
 
 @pytest.mark.parametrize("threaded", [False, True], ids=["one-thread", "split-gather"])
 def test_fed_indices_gather_the_right_rows(threaded, monkeypatch):
     """The runtime feeds rows of its sample pool by index, split over threads when large."""
-    import infermux.partition.pipeline as pipeline_module
+    import infermux.runtime.stages as pipeline_module
 
     if threaded:  # every gather counts as large: the threaded path runs on a tiny model
         monkeypatch.setattr(pipeline_module, "_GATHER_BYTES_PER_THREAD", 1)
     model = load_model(ModelSpec(f"{TINY}:tiny_cnn"))
     graph = capture_graph(model.module, model.input_shape)
     units = {u.id: u for u in select_units(["cpu:0"], discover(with_runtimes=False))}
-    plan = PipelinePlan(model="m", stages=[
+    plan = ModelEntry.model_validate({"name": "m", "model": "m", "stages": [
         {"start": "input", "end": "body_1", "units": ["cpu:0"], "batch": 4},
-        {"start": "body_1", "end": "output", "units": ["cpu:0"], "batch": 4}])
+        {"start": "body_1", "end": "output", "units": ["cpu:0"], "batch": 4}]})
     rng = np.random.default_rng(1)
     pool = torch.from_numpy(rng.standard_normal((16, 3, 32, 32)).astype(np.float32))
     picks = [[3, 1, 4, 1], [5, 9], [2, 6, 5]]

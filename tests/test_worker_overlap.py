@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 from infermux.load.base import Query
+from infermux.runtime import start_runtime
 from infermux.runtime.plan import parse_plan
-from infermux.runtime.session import start_runtime
 from infermux.runtime.supervisor import Supervisor
 
 MODELS = Path(__file__).parent / "engine_models"
@@ -42,11 +42,10 @@ def _plan(model: str, in_flight: int, batch: int = 4) -> Any:
 
 
 class _Run:
-    """A started runtime with its dispatcher's hooks recording what comes back."""
+    """A started runtime with a subscription recording what comes back."""
 
     def __init__(self, plan: Any) -> None:
         self.rt = start_runtime(plan)
-        self.d = self.rt.dispatcher
         self.lock = threading.Lock()
         self.done = threading.Event()
         self.expected = 0
@@ -55,11 +54,8 @@ class _Run:
         #: Finished batches, in the order reported: (query ids, start, end, child's latency).
         self.batches: list[tuple[list[int], int, int, int]] = []
         self.outputs: dict[int, np.ndarray] = {}
-        record = self.d.on_batch_done
 
         def on_batch(w: Any, batch: Any, start: int, end: int, timing: Any) -> None:
-            if record is not None:
-                record(w, batch, start, end, timing)
             self.batches.append(([it.query for it in batch.items], start, end,
                                  timing.latency_ns))
 
@@ -74,19 +70,17 @@ class _Run:
                 if sum(self.completed.values()) + sum(self.failed.values()) >= self.expected:
                     self.done.set()
 
-        self.d.on_batch_done = on_batch
-        self.d.on_outputs = on_outputs
-        self.d.set_completion(on_complete)
+        self.rt.subscribe(outputs=on_outputs, completions=on_complete, batches=on_batch)
 
     def serve(self, queries: list[Query], timeout_s: float = 60.0) -> None:
         self.expected = sum(len(q.samples) for q in queries)
-        self.d.submit(queries)
-        self.d.end()
+        self.rt.submit(queries)
+        self.rt.end()
         assert self.done.wait(timeout_s), f"{self.completed} of {self.expected} samples came back"
 
     def close(self) -> dict[str, int]:
-        stats = dict(self.rt.hosts[0].relay_stats)
-        self.rt.shutdown(now=False)
+        stats = dict(self.rt._rt.hosts[0].relay_stats)  # the process host's own counters
+        self.rt.stop(drain=True)
         return stats
 
 
@@ -105,7 +99,7 @@ def test_the_child_holds_the_next_batch_before_it_ends_the_last() -> None:
         run = _Run(_plan(PACED, in_flight))
         try:
             run.serve(_indexed(12))
-            state = run.rt.states[0]
+            state = run.rt.workers()[0]
             estimate = state.estimate.expected_ns(4, "m")
         finally:
             stats[in_flight] = run.close()
@@ -156,12 +150,12 @@ def test_a_child_killed_with_two_batches_in_flight_loses_no_query() -> None:
     run = _Run(_plan(SLOW, 2, batch=2))
     supervisor = Supervisor(run.rt, backoff_s=0.1).start()
     try:
-        d, state = run.d, run.rt.states[0]
-        host = run.rt.host_by_id[state.id]
+        state = run.rt.workers()[0]
+        host = run.rt._rt.host_by_id[state.id]
         queries = [Query(i, "m", (2 * i, 2 * i + 1)) for i in range(3)]
         run.expected = 6
-        d.submit(queries)
-        d.end()
+        run.rt.submit(queries)
+        run.rt.end()
         deadline = time.monotonic() + 10
         while host.in_flight < 2:  # a batch runs (0.4 s) and the next waits in the pipe
             assert time.monotonic() < deadline, "the worker never sent a second batch"
@@ -170,8 +164,7 @@ def test_a_child_killed_with_two_batches_in_flight_loses_no_query() -> None:
         assert run.done.wait(60), f"{run.completed} of 6 samples came back"
         assert not run.failed
         assert run.completed == Counter({0: 2, 1: 2, 2: 2})
-        with d.cond:
-            assert d.retried == 4  # the items of both batches it held
+        assert run.rt.stats().retried_items == 4  # the items of both batches it held
         assert [h["ok"] for h in supervisor.history] == [True]
         assert state.alive and state.restarts == 1
     finally:

@@ -30,7 +30,7 @@ from infermux.models import LoadedModel
 from infermux.units import Unit
 
 if TYPE_CHECKING:
-    from infermux.partition.graph import ModelGraph
+    from infermux.models.graph import ModelGraph
 
 __all__ = [
     "AGREEMENT_ITEMS", "TOLERANCES", "Agreement", "ChainAgreement", "ChainStage", "Reference",
@@ -372,7 +372,7 @@ def check_stages(
     import torch
 
     from infermux.engines.base import compute_device, create_engine
-    from infermux.partition.segments import segment_between
+    from infermux.models.segments import segment_between
 
     chain = [s if isinstance(s, ChainStage) else ChainStage(*s) for s in stages]
     problems = _chain_problems(graph, chain)

@@ -34,6 +34,7 @@ __all__ = [
     "ExportedModel",
     "cache_dir",
     "check_onnx_file",
+    "content_hash",
     "export_onnx",
     "file_digest",
 ]
@@ -75,7 +76,7 @@ def file_digest(path: Path) -> str:
     return h.hexdigest()[:20]
 
 
-def _content_hash(model: LoadedModel, opset: int) -> str:
+def content_hash(model: LoadedModel, opset: int) -> str:
     """What decides the exported graph: code of every module class, tensors, shape, opset.
 
     A traced module (a pipeline segment) adds its generated code.
@@ -134,7 +135,7 @@ def export_onnx(model: LoadedModel, runtime: str = "onnxruntime", opset: int | N
         raise UsageError(f"opset {opset} unsupported: the exporter writes opsets 7 to "
                          f"{_EXPORTER_MAX_OPSET}; pass e.g. --option opset=17")
     folder = (root or cache_dir()) / "onnx"
-    key = _content_hash(model, opset)
+    key = content_hash(model, opset)
     path = folder / f"{_safe(model.name)}-{key}-op{opset}.onnx"
     if path.is_file() and path.stat().st_size > 0:
         return ExportedModel(path, file_digest(path), opset, exported=False)

@@ -23,14 +23,13 @@ from typing import Any
 
 import numpy as np
 
+from infermux.characterize.images import adapt_images, mean_std
 from infermux.errors import UsageError
 
 __all__ = ["DIGITS", "Dataset", "adapt_images", "load_data"]
 
 #: The name of the built-in data set (`--data digits`).
 DIGITS = "digits"
-_IMAGENET_MEAN = (0.485, 0.456, 0.406)
-_IMAGENET_STD = (0.229, 0.224, 0.225)
 #: Items evaluated from an image folder when no count is given (each costs a decode).
 DEFAULT_FOLDER_ITEMS = 1000
 
@@ -51,36 +50,6 @@ class Dataset:
         return {"name": self.name, "items": len(self.x), "labelled": self.y is not None,
                 "calibration_items": len(self.calibration),
                 "classes": len(self.classes) if self.classes else None, "note": self.note}
-
-
-def _mean_std(channels: int) -> tuple[np.ndarray, np.ndarray]:
-    mean = _IMAGENET_MEAN if channels == 3 else (0.5,) * channels
-    std = _IMAGENET_STD if channels == 3 else (0.5,) * channels
-    return (np.asarray(mean, dtype=np.float32).reshape(channels, 1, 1),
-            np.asarray(std, dtype=np.float32).reshape(channels, 1, 1))
-
-
-def adapt_images(images: np.ndarray, input_shape: tuple[int, ...]) -> np.ndarray:
-    """Images (N, C, h, w) in [0, 1] → (N, *input_shape) normalised float32.
-
-    Resized bilinearly to the model's height and width; one channel is repeated to three (and
-    three averaged to one) when the model asks for another count.
-    """
-    import torch
-    from torch.nn import functional
-
-    if len(input_shape) != 3:
-        raise UsageError(f"image data needs a model taking (C, H, W) items, not {input_shape}; "
-                         "pass a tensor file (--data x.npz) shaped as the model's input")
-    channels, height, width = input_shape
-    x = torch.from_numpy(np.ascontiguousarray(images, dtype=np.float32))
-    if x.shape[1] != channels:
-        x = x.mean(dim=1, keepdim=True)
-        x = x.expand(-1, channels, -1, -1)
-    if tuple(x.shape[2:]) != (height, width):
-        x = functional.interpolate(x, size=(height, width), mode="bilinear", align_corners=False)
-    mean, std = _mean_std(channels)
-    return ((x.numpy() - mean) / std).astype(np.float32)
 
 
 def _split(n: int, calibration_items: int, items: int | None, seed: int
@@ -161,7 +130,7 @@ def _image_folder(path: Path, input_shape: tuple[int, ...], items: int | None,
     except (FileNotFoundError, RuntimeError) as exc:
         raise UsageError(f"--data {str(path)!r} holds no images in class folders ({exc}); lay it "
                          "out as DIR/CLASS/image.jpg, or pass a .npz/.pt tensor file") from None
-    mean, std = _mean_std(channels)
+    mean, std = mean_std(channels)
     steps: list[Any] = []
     if channels == 1:
         steps.append(transforms.Grayscale(1))

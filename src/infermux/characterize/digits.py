@@ -99,7 +99,7 @@ def digits_splits() -> dict[str, np.ndarray]:
 
 def _to_input(images: np.ndarray) -> np.ndarray:
     """(N, 8, 8) in [0, 1] → (N, 1, 32, 32) normalised, as the network takes them."""
-    from infermux.characterize.data import adapt_images
+    from infermux.characterize.images import adapt_images
 
     return adapt_images(images[:, None], INPUT_SHAPE)
 

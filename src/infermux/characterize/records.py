@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from typing import TYPE_CHECKING, Any
 
 from infermux.store import Store
@@ -10,7 +11,19 @@ from infermux.store import Store
 if TYPE_CHECKING:
     from infermux.characterize.run import VariantResult
 
-__all__ = ["add_variant"]
+__all__ = ["add_variant", "finite"]
+
+
+def finite(value: Any) -> Any:
+    """NaN and infinities become None (JSON has neither)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
+    return value
+
 
 def _value(entry: Any) -> float | None:
     return entry.get("value") if isinstance(entry, dict) else None
@@ -18,9 +31,7 @@ def _value(entry: Any) -> float | None:
 
 def add_variant(store: Store, run_id: int, index: int, result: VariantResult) -> None:
     """Store one variant: its row, its builds (every study) and its causes."""
-    from infermux.characterize.run import _finite
-
-    record = _finite(result.to_dict())
+    record = finite(result.to_dict())
     det = record["determinism"]
     acc = record.get("accuracy") or {}
     rebuild = det.get("rebuild") or {}
@@ -41,7 +52,7 @@ def add_variant(store: Store, run_id: int, index: int, result: VariantResult) ->
             build_rows.append((run_id, index, name, b, build.get("status", "error"),
                                build.get("build_s"), build_lat.get("median_ms"),
                                build_lat.get("items_per_s"), build.get("error"),
-                               json.dumps(_finite({k: val for k, val in build.items()
+                               json.dumps(finite({k: val for k, val in build.items()
                                                    if k != "traceback"}), default=str)))
     cause_rows = [(run_id, index, c["knob"], json.dumps(c["removes"]), ",".join(c["variance_left"]),
                    c["throughput_ratio"], json.dumps(c, default=str)) for c in record["causes"]]

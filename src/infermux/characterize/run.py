@@ -298,22 +298,11 @@ class CharacterizeReport:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready."""
-        return _finite({"run_id": self.run_id, "status": self.status,
+        return records.finite({"run_id": self.run_id, "status": self.status,
                         "model": self.model.describe(), "data": self.data.describe(),
                         "reference": self.reference, "config": self.config.to_dict(),
                         "variants": [v.to_dict() for v in self.variants], "notes": self.notes,
                         "elapsed_s": self.elapsed_s})
-
-
-def _finite(value: Any) -> Any:
-    """NaN and infinities become None (JSON has neither)."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
-    return value
 
 
 # -- planning ------------------------------------------------------------------------------------

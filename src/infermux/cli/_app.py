@@ -126,6 +126,25 @@ def parse_options(pairs: list[str]) -> dict[str, Any]:
     return options
 
 
+def _click_errors() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseException], ...]]:
+    """The exception types click raises for bad command lines, and for an abort.
+
+    Newer typer releases carry their own copy of click, whose exceptions derive from
+    `typer.TyperException` rather than from the `click` package's: both are handled.
+    """
+    import click
+
+    usage: list[type[BaseException]] = [click.exceptions.ClickException]
+    abort: list[type[BaseException]] = [click.exceptions.Abort]
+    own = getattr(typer, "TyperException", None)
+    if isinstance(own, type) and issubclass(own, BaseException):
+        usage.append(own)
+    own_abort = getattr(typer, "Abort", None)
+    if isinstance(own_abort, type) and issubclass(own_abort, BaseException):
+        abort.append(own_abort)
+    return tuple(usage), tuple(abort)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: run the app, turning infermux errors into one line and an exit code."""
     try:
@@ -144,12 +163,17 @@ def main(argv: list[str] | None = None) -> None:
         err.print("interrupted")
         sys.exit(130)
     except Exception as exc:
-        import click
-
-        if isinstance(exc, click.exceptions.ClickException):
-            exc.show()
-            sys.exit(exc.exit_code)
-        if isinstance(exc, click.exceptions.Abort):
+        usage, abort = _click_errors()
+        if isinstance(exc, usage):
+            # Click's own message: a usage error prints the usage line and one error line
+            # (exit 2), any other click error its one line (exit 1).
+            show = getattr(exc, "show", None)
+            if callable(show):
+                show()
+            else:
+                err.print(f"error: {exc}", markup=False, highlight=False, soft_wrap=True)
+            sys.exit(getattr(exc, "exit_code", 1))
+        if isinstance(exc, abort):
             sys.exit(130)
         if _state["debug"]:
             raise

@@ -66,9 +66,9 @@ def partition(
     """Cut a network into pipeline stages across units: profile, balance (exact DP), measure."""
     from infermux._parse import parse_duration_s, parse_shape
     from infermux.models import ModelSpec, load_model
-    from infermux.partition.graph import capture_graph
+    from infermux.models.graph import capture_graph
+    from infermux.models.segments import split
     from infermux.partition.search import PartitionConfig, describe_graph, run_partition
-    from infermux.partition.segments import split
 
     spec = ModelSpec(model, weights, parse_shape(input_shape) if input_shape else None)
     if show:
@@ -99,7 +99,9 @@ def partition(
     )
     report = _run_with_progress(run_partition, config, db=db, no_store=no_store)
     if out_path and report.best is not None:
-        report.best.save(out_path)
+        from infermux.partition.plan import save_pipeline
+
+        save_pipeline(report.best, out_path)
     data = report.to_dict()
     if as_json:
         _print_json(data)

@@ -18,11 +18,15 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from infermux.errors import InfermuxError
+
+if TYPE_CHECKING:
+    from infermux.runtime.api import LocalRuntime
+    from infermux.runtime.dispatcher import Batch, WorkerState
 
 __all__ = ["NodeRuntime"]
 
@@ -33,7 +37,7 @@ class NodeRuntime:
     def __init__(self, name: str) -> None:
         os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
         self.name = name
-        self.rt: Any = None
+        self.rt: LocalRuntime | None = None
         self._cond = threading.Condition()
         self._done: dict[tuple[int, bool], int] = defaultdict(int)
         self._completed_samples = 0
@@ -98,34 +102,35 @@ class NodeRuntime:
         from infermux.runtime.session import start_runtime
 
         try:
-            rt = start_runtime(parse_plan(plan, source=f"node {self.name}'s plan"))
+            # The batch records of a server that runs for days are not kept: the statistics
+            # go to the driver in the poll answers instead.
+            rt = start_runtime(parse_plan(plan, source=f"node {self.name}'s plan"),
+                               record_batches=not serving)
         except InfermuxError as exc:
             return {"error": str(exc), "usage": exc.exit_code == 2}
         self.rt = rt
-        rt.dispatcher.set_completion(self._on_complete)
         if serving:
             self.serving = True
-            self._worker_index = {s.id: i for i, s in enumerate(rt.states)}
-            d = rt.dispatcher
-            d.on_outputs = self._on_outputs
-            # The batch records of a server that runs for days are not kept: the statistics
-            # go to the driver in the poll answers instead.
-            d.on_batch_done = self._on_batch
-            d.take_when_idle = take_when_idle
+            self._worker_index = {s.id: i for i, s in enumerate(rt.workers())}
+            rt.subscribe(completions=self._on_complete, outputs=self._on_outputs,
+                         batches=self._on_batch)
+            rt.set_take_when_idle(take_when_idle)
             if max_restarts:
                 from infermux.runtime.supervisor import Supervisor
 
                 self._supervisor = Supervisor(rt, max_restarts=max_restarts).start()
+        else:
+            rt.subscribe(completions=self._on_complete)
         return {"build": rt.build_info, "capacity": self.capacity(), "facts": self.facts(),
-                "buckets": {s.name: s.buckets for s in rt.states},
+                "buckets": {s.name: s.buckets for s in rt.workers()},
                 "hold": self.hold_items(), "batch": self.batches(),
-                "input_shapes": {m: list(v.input_shape) for m, v in rt.models.items()},
+                "input_shapes": {m.name: list(rt.input_shape(m.name)) for m in rt.plan.models},
                 "workers": self.workers()}
 
     def capacity(self) -> dict[str, float]:
         """Items/s per model its live workers can do, from their latency estimates."""
         out: dict[str, float] = defaultdict(float)
-        for s in self.rt.states if self.rt is not None else []:
+        for s in self.rt.workers() if self.rt is not None else []:
             if not s.alive:
                 continue
             est = s.estimate.expected_ns(s.batch, s.model)
@@ -136,7 +141,7 @@ class NodeRuntime:
     def hold_items(self) -> dict[str, int]:
         """Items per model the live workers can hold at once (the driver sizes backlogs by it)."""
         out: dict[str, int] = defaultdict(int)
-        for s in self.rt.states if self.rt is not None else []:
+        for s in self.rt.workers() if self.rt is not None else []:
             if s.alive:
                 out[s.model] += s.batch * s.depth
         return dict(out)
@@ -144,7 +149,7 @@ class NodeRuntime:
     def batches(self) -> dict[str, int]:
         """The largest batch per model of its live workers (the driver routes whole batches)."""
         out: dict[str, int] = {}
-        for s in self.rt.states if self.rt is not None else []:
+        for s in self.rt.workers() if self.rt is not None else []:
             if s.alive:
                 out[s.model] = max(out.get(s.model, 0), s.batch)
         return out
@@ -154,14 +159,18 @@ class NodeRuntime:
         return [{"name": s.name, "unit": s.unit, "model": s.model, "buckets": s.buckets,
                  "serves": sorted(s.serves), "depth": s.depth, "alive": s.alive,
                  "restarting": s.restarting, "error": s.error, "restarts": s.restarts}
-                for s in (self.rt.states if self.rt is not None else [])]
+                for s in (self.rt.workers() if self.rt is not None else [])]
+
+    def _rt(self) -> LocalRuntime:
+        if self.rt is None:
+            raise InfermuxError(f"node {self.name}: its runtime is not started")
+        return self.rt
 
     # -- a trial ---------------------------------------------------------------------------
 
     def begin_trial(self) -> int:
         """Empty the queues and counters for a new trial; the items dropped."""
-        dropped = self.rt.dispatcher.begin_trial()
-        self.rt.recorder.reset()
+        dropped = self._rt().begin_trial()
         with self._cond:
             self._done.clear()
             self._completed_samples = self._failed_samples = self._submitted_samples = 0
@@ -175,7 +184,7 @@ class NodeRuntime:
         """
         from infermux.load.base import Query
 
-        self.rt.dispatcher.submit([Query(p[0], p[1], tuple(p[2]), p[3] if len(p) > 3 else None)
+        self._rt().submit([Query(p[0], p[1], tuple(p[2]), p[3] if len(p) > 3 else None)
                                    for p in queries])
         with self._cond:
             self._submitted_samples += sum(len(p[2]) for p in queries)
@@ -183,9 +192,9 @@ class NodeRuntime:
 
     def end(self) -> None:
         """No more queries this trial: partial batches go at once."""
-        self.rt.dispatcher.end()
+        self._rt().end()
 
-    def _on_outputs(self, batch: Any, outputs: list[np.ndarray]) -> None:
+    def _on_outputs(self, batch: Batch, outputs: list[np.ndarray]) -> None:
         """A served batch's output rows, split by query (copies: the runner reuses its buffers)."""
         per: dict[int, tuple[list[int], list[int]]] = {}
         for i, it in enumerate(batch.items):
@@ -201,7 +210,7 @@ class NodeRuntime:
             self._completed_samples += len(batch.items)
             self._cond.notify_all()
 
-    def _on_batch(self, w: Any, batch: Any, start_ns: int, end_ns: int, timing: Any) -> None:
+    def _on_batch(self, w: WorkerState, batch: Batch, start_ns: int, end_ns: int, timing: Any) -> None:
         queue_ns = sum(batch.taken_ns - it.enqueued_ns for it in batch.items)
         with self._cond:
             self._batches.append((self._worker_index.get(w.id, -1), len(batch.items), queue_ns,
@@ -259,33 +268,32 @@ class NodeRuntime:
             self._done.clear()
             totals = {"completed": self._completed_samples, "failed": self._failed_samples,
                       "submitted": self._submitted_samples}
-        d = self.rt.dispatcher
-        with d.cond:
-            queued = {m: d.queued(m) for m in d.models}
-            alive = [s.alive for s in self.rt.states]
-            restarting = [s.restarting for s in self.rt.states]
+        rt = self._rt()
+        queued = rt.stats().queued_items
+        states = list(rt.workers())
+        alive = [s.alive for s in states]
+        restarting = [s.restarting for s in states]
         answer = {"done": done, "queued": queued, "alive_workers": sum(alive), "totals": totals,
                   "first_done_ns": first, "waited_ns": waited, "held_back_ns": held_back,
                   "clock_ns": time.perf_counter_ns()}
         if self.serving:
             answer.update(outputs=outputs, batches=batches, alive=alive, restarting=restarting,
-                          errors=[s.error for s in self.rt.states])
+                          errors=[s.error for s in states])
         return answer
 
     def trial_records(self) -> dict[str, Any]:
         """The trial's batch records and worker states, for the driver's summary and store."""
         from infermux.runtime.metrics import records_array
 
-        rt = self.rt
+        rt = self._rt()
         workers = [{"name": s.name, "unit": s.unit, "model": s.model, "buckets": s.buckets,
                     "alive": s.alive, "error": s.error, "failure": s.failure,
                     "estimate_ms": {str(b): v / 1e6 for b, v in s.estimate.snapshot(s.model).items()}}
-                   for s in rt.states]
-        with rt.dispatcher.cond:
-            counts = {"retried_items": rt.dispatcher.retried,
-                      "failed_items": rt.dispatcher.failed_items}
-        return {"batches": records_array(list(rt.recorder.records)), "workers": workers,
-                "events": [dict(e) for e in rt.dispatcher.events], **counts,
+                   for s in rt.workers()]
+        counts = rt.trial_counts()
+        return {"batches": records_array(counts.records), "workers": workers,
+                "events": counts.events, "retried_items": counts.retried_items,
+                "failed_items": counts.failed_items,
                 "clock_ns": time.perf_counter_ns()}
 
     def shutdown(self) -> None:
@@ -295,6 +303,6 @@ class NodeRuntime:
                 self._supervisor.stop()
             self._supervisor = None
         if self.rt is not None:
-            self.rt.shutdown(now=True)
+            self.rt.stop(drain=False)
             self.rt = None
 

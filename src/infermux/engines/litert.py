@@ -141,9 +141,9 @@ def _converter_version() -> str:
 
 
 def _litert_key(model: LoadedModel, precision: str, calibration: str) -> str:
-    from infermux.export import _content_hash  # what decides the exported graph
+    from infermux.export import content_hash  # what decides the exported graph
 
-    h = hashlib.sha256(_content_hash(model, 0).encode())
+    h = hashlib.sha256(content_hash(model, 0).encode())
     h.update(f"|{precision}|{calibration}|{_converter_version()}".encode())
     return h.hexdigest()[:20]
 

@@ -1,22 +1,22 @@
 """Pipeline partitioning: cut one network into stages across units, balanced and measured.
 
-`graph` finds the valid cut points, `segments` builds each piece as a module, `profile` times
-pieces and transfers on the units, `dp` balances them exactly, `pipeline` runs a plan with
-bounded buffers and duplicated stages, `plan` is the YAML `stages:` contract, `search` puts it
-all together.
+The graph and its pieces live beside the models (`infermux.models.graph`, `.segments`: the
+valid cut points, each piece as a module), the executor in the runtime (`infermux.runtime.stages`).
+Here `profile` times pieces and transfers on the units, `dp` balances them exactly, `plan` reads
+and writes the runtime Plan a pipeline is (a model entry with `stages:`), and `search` puts it all
+together, measuring the top candidates through `run_plan`.
 """
 
+from infermux.models.graph import CutPoint, ModelGraph, TensorInfo, capture_graph
+from infermux.models.segments import Segment, build_segment, split
 from infermux.partition.dp import Candidate, ProfileCost, StageChoice, brute_force, solve
-from infermux.partition.graph import CutPoint, ModelGraph, TensorInfo, capture_graph
-from infermux.partition.pipeline import Pipeline, PipelineMeasurement
-from infermux.partition.plan import PipelinePlan, StageSpec
+from infermux.partition.plan import load_pipeline, pipeline_plan, save_pipeline
 from infermux.partition.profile import Profile, profile_segments, time_transfer
 from infermux.partition.search import PartitionConfig, PartitionReport, run_partition
-from infermux.partition.segments import Segment, build_segment, split
 
 __all__ = [
-    "Candidate", "CutPoint", "ModelGraph", "PartitionConfig", "PartitionReport", "Pipeline",
-    "PipelineMeasurement", "PipelinePlan", "Profile", "ProfileCost", "Segment", "StageChoice",
-    "StageSpec", "TensorInfo", "brute_force", "build_segment", "capture_graph",
-    "profile_segments", "run_partition", "solve", "split", "time_transfer",
+    "Candidate", "CutPoint", "ModelGraph", "PartitionConfig", "PartitionReport", "Profile",
+    "ProfileCost", "Segment", "StageChoice", "TensorInfo", "brute_force", "build_segment",
+    "capture_graph", "load_pipeline", "pipeline_plan", "profile_segments", "run_partition",
+    "save_pipeline", "solve", "split", "time_transfer",
 ]

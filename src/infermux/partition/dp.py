@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from infermux.errors import UsageError
-from infermux.partition.transfer import HOST
+from infermux.runtime.transfer import HOST
 
 __all__ = [
     "Candidate", "ProfileCost", "StageChoice", "brute_force", "placement", "placement_engine",

@@ -26,11 +26,11 @@ from typing import Any
 from infermux.engines import create_engine
 from infermux.errors import UsageError
 from infermux.models import LoadedModel
+from infermux.models.graph import TensorInfo
+from infermux.models.segments import Segment, segment_model
 from infermux.partition.dp import placement
-from infermux.partition.graph import TensorInfo
-from infermux.partition.segments import Segment, segment_model
-from infermux.partition.transfer import HOST, alloc, copy_into, dtype_of, pin_thread, stream_for
 from infermux.progress import ProgressFn
+from infermux.runtime.transfer import HOST, alloc, copy_into, dtype_of, pin_thread, stream_for
 from infermux.units import Unit
 
 __all__ = ["Profile", "profile_segments", "time_transfer"]

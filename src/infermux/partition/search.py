@@ -1,8 +1,10 @@
 """The partitioner end to end: graph → pieces → profiles → exact DP → measured top candidates.
 
 Profiles are taken alone and lie under contention (two stages share memory bandwidth, caches, the
-GIL, a GPU's copy engines), so the DP's best `top_k` plans are each built and measured as real
-pipelines, and the best *measured* one is kept. Every profile and candidate goes to the store.
+GIL, a GPU's copy engines), so the DP's best `top_k` plans are each run through the runtime
+(`run_plan`, offline, as `infermux run` and the tuner run them: dispatcher, LoadGen, its validity
+rule) and the best *measured* one is kept. A plan is a runtime `ModelEntry` with `stages:`.
+Every profile and candidate goes to the store.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from typing import Any
 from infermux.agreement import ChainAgreement, check_stages
 from infermux.errors import DeviceOutOfMemoryError, InfermuxError, UsageError
 from infermux.models import LoadedModel, ModelSpec, load_model
+from infermux.models.graph import ModelGraph, capture_graph
+from infermux.models.segments import Segment, split
 from infermux.partition.dp import (
     Candidate,
     ProfileCost,
@@ -21,18 +25,16 @@ from infermux.partition.dp import (
     placement_unit,
     solve,
 )
-from infermux.partition.graph import ModelGraph, capture_graph
-from infermux.partition.pipeline import Pipeline, PipelineMeasurement
-from infermux.partition.plan import PipelinePlan, StageSpec
+from infermux.partition.plan import entry_name, pipeline_plan, plan_yaml
 from infermux.partition.profile import Profile, profile_segments
-from infermux.partition.segments import Segment, split
 from infermux.progress import ProgressFn
-from infermux.store import Sample, Store, recording
+from infermux.runtime.plan import QUEUE_DELAY_MS, ModelEntry, Stage
+from infermux.store import Store, recording
 from infermux.units import Unit, discover, select_units
 
 __all__ = [
-    "CandidateResult", "PartitionConfig", "PartitionReport", "Prediction", "choose_boundaries",
-    "describe_graph", "predict", "run_partition", "to_plan",
+    "CandidateMeasurement", "CandidateResult", "PartitionConfig", "PartitionReport", "Prediction",
+    "choose_boundaries", "describe_graph", "predict", "run_partition", "to_plan",
 ]
 
 
@@ -78,14 +80,35 @@ class PartitionConfig:
 
 
 @dataclass
+class CandidateMeasurement:
+    """A candidate's offline trial through the runtime: items, window, stage shares, latency."""
+
+    items: int
+    window_s: float
+    items_per_s: float
+    valid: bool
+    validity_notes: list[str] = field(default_factory=list)
+    #: Each stage's busy share over the trial.
+    stage_busy: list[float] = field(default_factory=list)
+    #: Query latency percentiles of the trial (`p50_ms`, `p99_ms`, ...).
+    latency: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready summary."""
+        return {"items": self.items, "window_s": self.window_s, "items_per_s": self.items_per_s,
+                "valid": self.valid, "validity_notes": self.validity_notes,
+                "stage_busy": self.stage_busy, **self.latency}
+
+
+@dataclass
 class CandidateResult:
-    """One plan: predicted by the DP, then measured as a pipeline (or why it could not be)."""
+    """One plan: predicted by the DP, then measured through the runtime (or why it could not be)."""
 
     rank: int
-    plan: PipelinePlan
+    plan: ModelEntry
     predicted_items_per_s: float
     stage_times_s: list[float]
-    measured: PipelineMeasurement | None = None
+    measured: CandidateMeasurement | None = None
     status: str = "ok"  # ok | oom | error | disagrees
     error: str | None = None
     chosen: bool = False
@@ -107,8 +130,10 @@ class CandidateResult:
     def record(self) -> dict[str, Any]:
         """JSON-ready."""
         return {
-            "rank": self.rank, "plan": self.plan.describe(), "stages": len(self.plan.stages),
-            "units": self.plan.units, "predicted_items_per_s": self.predicted_items_per_s,
+            "rank": self.rank, "plan": self.plan.describe_stages(),
+            "stages": len(self.plan.stages or []),
+            "units": [u for s in self.plan.stages or [] for u in s.units],
+            "predicted_items_per_s": self.predicted_items_per_s,
             "stage_times_s": self.stage_times_s,
             "measured_items_per_s": self.measured_items_per_s, "error_pct": self.error_pct,
             "measurement": self.measured.to_dict() if self.measured else None,
@@ -128,7 +153,7 @@ class PartitionReport:
     profile: Profile
     candidates: list[CandidateResult]
     single_unit: dict[str, float]
-    best: PipelinePlan | None
+    best: ModelEntry | None
     status: str = "complete"
 
     def to_dict(self) -> dict[str, Any]:
@@ -140,7 +165,8 @@ class PartitionReport:
             "profile": self.profile.to_dict(),
             "predicted_single_unit_items_per_s": self.single_unit,
             "candidates": [c.record() for c in self.candidates],
-            "plan": self.best.model_entry() if self.best else None,
+            "plan": (self.best.model_dump(mode="json", exclude_none=True)
+                     if self.best else None),
         }
 
 
@@ -176,13 +202,14 @@ def choose_boundaries(graph: ModelGraph, segments: list[Segment], max_pieces: in
 
 
 def to_plan(config: PartitionConfig, profile: Profile, candidate: Candidate,
-            model: LoadedModel) -> PipelinePlan:
-    """A DP candidate as a PipelinePlan at the profiled batch size."""
+            model: LoadedModel) -> ModelEntry:
+    """A DP candidate as a runtime model entry with `stages:` at the profiled batch size."""
     names = profile.boundaries
-    return PipelinePlan(
-        model=config.model.ref, weights=config.model.weights,
-        input_shape=list(model.input_shape),
-        stages=[StageSpec(start=names[s.start], end=names[s.end], instances=1,
+    return ModelEntry(
+        name=entry_name(config.model.ref), model=config.model.ref, weights=config.model.weights,
+        input_shape=list(model.input_shape), pipeline_replicas=1, latency_bound_ms=None,
+        share=1.0,
+        stages=[Stage(start=names[s.start], end=names[s.end], instances=1,
                           units=[placement_unit(u) for u in s.units],
                           engine=placement_engine(s.units[0]),
                           batch=profile.batch, buffers=config.buffers, predicted_time_s=s.time_s,
@@ -201,7 +228,7 @@ class Prediction:
     segments: list[Segment]
     profile: Profile
     candidates: list[Candidate]
-    plans: list[PipelinePlan]
+    plans: list[ModelEntry]
     single_unit: dict[str, float]
 
 
@@ -231,22 +258,43 @@ def predict(config: PartitionConfig, units: list[Unit], model: LoadedModel | Non
     return Prediction(model, graph, segments, profile, found, plans, single)
 
 
-def check_plan(plan: PipelinePlan, model: LoadedModel, graph: ModelGraph,
+def check_plan(plan: ModelEntry, model: LoadedModel, graph: ModelGraph,
                units: dict[str, Unit]) -> ChainAgreement:
     """Each stage of `plan` (on its first unit) against its segment's fp32 reference.
 
     The chain's output is checked against the whole model's too (`agreement.check_stages`).
     """
     return check_stages(model, graph, [(s.start, s.end, units[s.units[0]], s.engine, s.options)
-                                       for s in plan.stages])
+                                       for s in plan.stages or []])
 
 
-def measure_plan(plan: PipelinePlan, model: LoadedModel, graph: ModelGraph,
-                 units: dict[str, Unit], *, duration_s: float, warmup_s: float
-                 ) -> PipelineMeasurement:
-    """Build `plan` as a pipeline and measure its throughput."""
-    with Pipeline(plan, model, graph, units) as pipeline:
-        return pipeline.measure(duration_s, warmup_s)
+def measure_plan(plan: ModelEntry, *, duration_s: float,
+                 progress: ProgressFn | None = None) -> CandidateMeasurement:
+    """Run `plan` alone through the runtime, offline, for at least `duration_s`.
+
+    The build warms every stage's runners up before the trial starts, so warm-up is excluded
+    as in any run; the trial is valid by LoadGen's rule (its duration and query count).
+    """
+    from infermux.runtime.session import run_plan
+
+    runtime_plan = pipeline_plan(
+        plan, name=f"{plan.name}-candidate",
+        load={"scenario": "offline", "min_duration_s": duration_s, "min_queries": 64,
+              "max_duration_s": max(10.0, 4 * duration_s), "sample_pool": 64},
+        dispatcher={"max_queue_delay_ms": QUEUE_DELAY_MS})
+    report = run_plan(runtime_plan, progress=progress)
+    summary = report.summary
+    worker = next(iter(summary.workers.values()), None)
+    if worker is not None and not worker.ok:
+        raise (DeviceOutOfMemoryError if worker.status == "oom" else InfermuxError)(
+            worker.error or "the pipeline failed")
+    record = summary.record
+    return CandidateMeasurement(
+        items=summary.completed_samples, window_s=float(record.get("duration_s") or 0.0),
+        items_per_s=summary.items_per_s or 0.0, valid=summary.valid,
+        validity_notes=summary.validity_notes,
+        stage_busy=[float(st.get("busy") or 0.0) for st in summary.pipelines.get(plan.name, [])],
+        latency=dict(record.get("latency") or {}))
 
 
 def run_partition(
@@ -283,11 +331,9 @@ def run_partition(
             result = CandidateResult(rank, plan, candidate.items_per_s(config.batch),
                                      [s.time_s for s in candidate.stages])
             if progress is not None:
-                progress(f"measuring #{rank}: {plan.describe()}", rank / (len(found_plans) + 1))
+                progress(f"measuring #{rank}: {plan.describe_stages()}", rank / (len(found_plans) + 1))
             try:
-                result.measured = measure_plan(plan, model, graph, units,
-                                               duration_s=config.measure_s,
-                                               warmup_s=config.warmup_s)
+                result.measured = measure_plan(plan, duration_s=config.measure_s)
             except DeviceOutOfMemoryError as exc:
                 result.status, result.error = "oom", str(exc)
             except InfermuxError as exc:
@@ -310,7 +356,8 @@ def run_partition(
             tried.error = tried.agreement.message
         if best is not None:
             best.chosen = True
-            best.plan.measured_items_per_s = best.measured_items_per_s
+            best.plan = best.plan.model_copy(
+                update={"measured_items_per_s": best.measured_items_per_s})
             report.best = best.plan
             if store is not None and run_id is not None:
                 store.choose_partition_candidate(run_id, best.rank)
@@ -318,21 +365,22 @@ def run_partition(
         return report
 
 
-def _store_candidate(store: Store, run_id: int, model: LoadedModel, plan: PipelinePlan,
+def _store_candidate(store: Store, run_id: int, model: LoadedModel, plan: ModelEntry,
                      result: CandidateResult) -> None:
     record = result.record()
-    store.add_partition_candidate(run_id, record, plan.to_yaml())
+    store.add_partition_candidate(run_id, record, plan_yaml(plan))
+    stages = plan.stages or []
     m = result.measured
     point = {
-        "model": model.name, "unit": "|".join("+".join(s.units) for s in plan.stages),
-        "engine": "pipeline:" + "|".join(s.engine for s in plan.stages), "batch": plan.stages[0].batch,
+        "model": model.name, "unit": "|".join("+".join(s.units) for s in stages),
+        "engine": "pipeline:" + "|".join(s.engine for s in stages), "batch": stages[0].batch,
         "instances": plan.pipeline_replicas, "data": "host", "status": result.status,
-        "valid": m is not None and m.items > 0,
+        "valid": m is not None and m.valid,
         "validity_note": "" if m is not None else (result.error or ""),
         "items": m.items if m else 0, "window_s": m.window_s if m else 0.0,
         "items_per_s": result.measured_items_per_s, "error": result.error,
-        "plan": plan.describe(), "predicted_items_per_s": result.predicted_items_per_s,
+        "plan": plan.describe_stages(), "predicted_items_per_s": result.predicted_items_per_s,
+        **({k: v for k, v in m.latency.items() if k.endswith("_ms")} if m else {}),
     }
-    # Samples are chunks, feed to sink: the pipeline's end-to-end latency.
-    samples = [Sample(0, ns, 0, ns, 0) for ns in (m.latencies_ns if m else [])]
-    store.add_result(run_id, point, samples)
+    # The per-query latencies are in the trial's summary (`latency`), not chunk by chunk.
+    store.add_result(run_id, point, [])

@@ -2,12 +2,15 @@
 
 `run_plan(load_plan("plan.yaml"))` builds one worker per instance, drives the plan's load
 (`infermux.load`) through the dispatcher and returns (and stores) what it measured.
+`start_runtime(plan)` builds and starts one with no load attached: a `Runtime` (the protocol
+every front drives: submit, subscribe to outputs and completions, readiness, statistics, stop).
 """
 
+from infermux.runtime.api import LocalRuntime, Runtime, RuntimeStats, Subscription
 from infermux.runtime.dispatcher import Batch, Dispatcher, Item, WorkerState, batch_ready
 from infermux.runtime.placement import LatencyEstimate, rebalance, slo_take
 from infermux.runtime.plan import EXAMPLE_PLAN, Plan, load_plan, parse_plan
-from infermux.runtime.session import RunReport, run_plan, with_load
+from infermux.runtime.session import RunReport, run_plan, start_runtime, with_load
 
 __all__ = [
     "EXAMPLE_PLAN",
@@ -15,8 +18,12 @@ __all__ = [
     "Dispatcher",
     "Item",
     "LatencyEstimate",
+    "LocalRuntime",
     "Plan",
     "RunReport",
+    "Runtime",
+    "RuntimeStats",
+    "Subscription",
     "WorkerState",
     "batch_ready",
     "load_plan",
@@ -24,5 +31,6 @@ __all__ = [
     "rebalance",
     "run_plan",
     "slo_take",
+    "start_runtime",
     "with_load",
 ]

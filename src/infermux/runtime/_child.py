@@ -41,6 +41,7 @@ def child_main(conn_in: Any, conn_out: Any) -> None:
         from infermux.engines import create_engine
         from infermux.load.base import QuerySampleLibrary
         from infermux.models import ModelSpec, load_model
+        from infermux.runtime.plan import options_for_bucket
         from infermux.units import discover, select_units
 
         found = discover(with_runtimes=False)
@@ -55,8 +56,9 @@ def child_main(conn_in: Any, conn_out: Any) -> None:
             qsl = QuerySampleLibrary(spec.model, model.input_shape, spec.pool_count, spec.seed)
             info[spec.model] = {}
             for bucket in spec.buckets:
-                runner = engine.build(model, unit, bucket, spec.options, data=spec.data,
-                                      instance=spec.instance)
+                runner = engine.build(model, unit, bucket,
+                                      options_for_bucket(spec.options, spec.buckets, bucket),
+                                      data=spec.data, instance=spec.instance)
                 runners[(spec.model, bucket)] = runner
                 pools.setdefault(spec.model, runner.prepare_pool(qsl.data))
                 info[spec.model][bucket] = {

@@ -1,11 +1,12 @@
-"""Pipelined models in the runtime: a model entry with `stages:` served by the partition executor.
+"""Pipelined models in the runtime: a model entry with `stages:` served by the stage executor.
 
 The dispatcher sees one worker per pipeline (all its stages, copies and `pipeline_replicas`): it
 takes batches of queries like any worker, cuts each into link chunks and feeds them to the
-`Pipeline` executor, whose stages run on their own units and engines joined by bounded buffers.
-A batch completes when its last chunk leaves the last stage. Feeding blocks while the pipeline's
-input slots are full, so a pipeline holds a bounded number of batches in flight, and the
-dispatcher's queue (where latency is counted from the query's scheduled time) absorbs the rest.
+`Pipeline` executor (`runtime.stages`), whose stages run on their own units and engines joined
+by bounded buffers. A batch completes when its last chunk leaves the last stage. Feeding blocks
+while the pipeline's input slots are full, so a pipeline holds a bounded number of batches in
+flight, and the dispatcher's queue (where latency is counted from the query's scheduled time)
+absorbs the rest.
 
 Stages run with `buckets`: a stage takes the chunks its inbound link holds, up to its batch, and
 runs the smallest runner that fits, so light server load is not held back to fill a batch.
@@ -43,9 +44,8 @@ def pipeline_buckets(entry: ModelEntry) -> list[int]:
 
 def build_pipeline(entry: ModelEntry, model: LoadedModel, found: Discovery, where: str) -> Any:
     """The `Pipeline` executor of a model entry with `stages:`; errors name the plan field."""
-    from infermux.partition.graph import capture_graph
-    from infermux.partition.pipeline import Pipeline
-    from infermux.partition.plan import PipelinePlan
+    from infermux.models.graph import capture_graph
+    from infermux.runtime.stages import Pipeline
 
     units: dict[str, Unit] = {}
     assert entry.stages
@@ -71,7 +71,7 @@ def build_pipeline(entry: ModelEntry, model: LoadedModel, found: Discovery, wher
                 raise UsageError(
                     f"plan field {where}.stages[{si}]: {edge!r} is not a cut point of "
                     f"{model.name}; list them with `infermux partition -m {entry.model} --show`")
-    return Pipeline(PipelinePlan.from_entry(entry), model, graph, units, buckets=True)
+    return Pipeline(entry, model, graph, units, buckets=True)
 
 
 @dataclass

@@ -11,6 +11,7 @@ import itertools
 import json
 import math
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -21,6 +22,7 @@ from infermux.units import parse_core_set
 
 __all__ = [
     "EXAMPLE_PLAN",
+    "QUEUE_DELAY_MS",
     "DispatcherSettings",
     "LoadSettings",
     "MixPhase",
@@ -29,10 +31,14 @@ __all__ = [
     "Replica",
     "Stage",
     "load_plan",
+    "options_for_bucket",
     "parse_plan",
 ]
 
 SCENARIOS = ("offline", "server", "single-stream", "multi-stream")
+#: The dispatcher's queue delay (ms) when a plan gives none: the one default of every plan the
+#: runtime, the tuner, the partitioner and the studies build (a server tune then tries others).
+QUEUE_DELAY_MS = 2.0
 _UNIT_RE = re.compile(
     r"^(cpu(:[0-9+\-]+)?(/(fp32|int8))?|cuda:\d+/(fp32|tf32|fp16|bf16)|dla:\d+/(fp16|int8)|openvino:[A-Za-z0-9_.]+)$"
 )
@@ -211,7 +217,7 @@ class DispatcherSettings(_Strict):
     #: query is assigned to the next worker on arrival (the blind baseline).
     policy: Literal["pull", "round_robin"] = "pull"
     #: The longest a worker waits for a fuller batch after the oldest query arrived.
-    max_queue_delay_ms: float = Field(1.0, ge=0, le=60_000)
+    max_queue_delay_ms: float = Field(QUEUE_DELAY_MS, ge=0, le=60_000)
     #: Weight of the newest batch in the moving-average latency estimate of each worker.
     estimate_alpha: float = Field(0.2, gt=0, le=1)
     #: How CPU-unit workers are hosted: `process` (one pinned process each) or `thread`.
@@ -429,7 +435,28 @@ def load_plan(path: str | Path) -> Plan:
     return parse_plan(data, source=str(path))
 
 
-EXAMPLE_PLAN = """\
+#: Buckets this much smaller than a compiled replica's batch run its engine without compiling.
+COMPILED_BUCKETS = 2
+
+
+def options_for_bucket(options: dict[str, Any], buckets: Sequence[int], bucket: int
+                       ) -> dict[str, Any]:
+    """Engine options of one bucket's runner: `compile` only for the largest buckets.
+
+    torch.compile builds every batch size on its own (about 11 s each for ResNet50 on an H100),
+    so compiling every power-of-two bucket made a compiled plan take 101 s to start instead of
+    18 s. Only the plan's batch and the next bucket down are compiled; smaller, partial batches
+    (light server load) run the same engine with CUDA graphs, where per-batch overhead is what
+    matters, not kernel choice. Thread and process-hosted workers both build with these.
+    """
+    out = dict(options)
+    if out.get("compile") and bucket not in sorted(buckets)[-COMPILED_BUCKETS:]:
+        del out["compile"]
+        out.pop("compile_cache_dir", None)
+    return out
+
+
+EXAMPLE_PLAN = f"""\
 # An infermux plan: which models run on which units, how queries reach them, and the load.
 # Validate it with `infermux plan --check plan.yaml`; run it with `infermux run plan.yaml`.
 name: two-models
@@ -446,15 +473,15 @@ models:
         instances: 1               # one worker each; CPU instances split the core set
         batch: 8                   # the largest batch a worker takes
         batch_buckets: pow2        # runners for 1, 2, 4, 8 (pow2), only `batch` (none), or a list
-        options: {}                # engine options, e.g. {cuda_graph: true}
+        options: {{}}                # engine options, e.g. {{cuda_graph: true}}
   - name: resnet
     model: resnet18
     share: 1.0
     replicas:
-      - {unit: cpu:1, engine: torch, instances: 1, batch: 4}
+      - {{unit: cpu:1, engine: torch, instances: 1, batch: 4}}
 dispatcher:
   policy: pull                     # pull: free workers pull (work stealing); round_robin
-  max_queue_delay_ms: 2.0          # wait at most this long for a fuller batch
+  max_queue_delay_ms: {QUEUE_DELAY_MS:<13}# wait at most this long for a fuller batch
   estimate_alpha: 0.2              # moving average of batch latency (SLO-aware placement)
   cpu_workers: process             # CPU workers as pinned processes (measured) or threads
   cpu_in_flight: 2                 # batches in a CPU worker's process: the next waits there
@@ -475,6 +502,6 @@ load:
   seed: 0                          # arrivals and model choice are reproducible
   data: host                       # host: copies timed; device: samples pre-staged
   # mix:                           # shift the load between models mid-run
-  #   - {at_s: 0, shares: {cnn: 0.9, resnet: 0.1}}
-  #   - {at_s: 5, shares: {cnn: 0.1, resnet: 0.9}}
+  #   - {{at_s: 0, shares: {{cnn: 0.9, resnet: 0.1}}}}
+  #   - {{at_s: 5, shares: {{cnn: 0.1, resnet: 0.9}}}}
 """

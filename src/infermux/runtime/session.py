@@ -20,11 +20,12 @@ from infermux.load.base import CompletionFn, Query, QuerySampleLibrary
 from infermux.load.scenarios import LoadGenerator, ScenarioResult, find_peak
 from infermux.models import LoadedModel, ModelSpec, load_model
 from infermux.progress import ProgressFn
+from infermux.runtime.api import LocalRuntime
 from infermux.runtime.dispatcher import Dispatcher, WorkerState, failure_kind
 from infermux.runtime.metrics import Recorder, TrialSummary, summarise
 from infermux.runtime.pipelined import PipelineWorker, build_pipeline, pipeline_buckets
 from infermux.runtime.placement import LatencyEstimate, ModelLoad, rebalance
-from infermux.runtime.plan import Plan, Replica, parse_plan
+from infermux.runtime.plan import Plan, Replica, options_for_bucket, parse_plan
 from infermux.runtime.worker import ProcessHost, RunnerSpec, Worker
 from infermux.store import Recording, Store, recording
 from infermux.units import Discovery, Unit, discover, select_units
@@ -107,24 +108,9 @@ def layout_workers(plan: Plan, found: Discovery) -> list[WorkerPlan]:
     return workers
 
 
-#: Buckets this much smaller than a compiled replica's batch run its engine without compiling.
-COMPILED_BUCKETS = 2
-
-
 def bucket_options(replica: Replica, bucket: int) -> dict[str, Any]:
-    """Engine options of one bucket's runner: `compile` only for the largest buckets.
-
-    torch.compile builds every batch size on its own (about 11 s each for ResNet50 on an H100),
-    so compiling every power-of-two bucket made a compiled plan take 101 s to start instead of
-    18 s. Only the plan's batch and the next bucket down are compiled; smaller, partial batches
-    (light server load) run the same engine with CUDA graphs, where per-batch overhead is what
-    matters, not kernel choice.
-    """
-    options = dict(replica.options)
-    if options.get("compile") and bucket not in replica.buckets()[-COMPILED_BUCKETS:]:
-        del options["compile"]
-        options.pop("compile_cache_dir", None)
-    return options
+    """Engine options of one bucket's runner (`runtime.plan.options_for_bucket`)."""
+    return options_for_bucket(replica.options, replica.buckets(), bucket)
 
 
 def with_load(plan: Plan, **changes: Any) -> Plan:
@@ -227,6 +213,9 @@ class _Runtime:
         self.worker_plans: dict[int, WorkerPlan] = {}
         self.worker_by_id: dict[int, Worker] = {}
         self.host_by_id: dict[int, ProcessHost] = {}
+        #: By pipeline worker id: its model entry's index and the units found (a restart
+        #: builds the pipeline again from them).
+        self.pipeline_plans: dict[int, tuple[int, Discovery]] = {}
 
     def _note(self, label: str, fraction: float) -> None:
         if self.progress is not None:
@@ -349,13 +338,21 @@ class _Runtime:
             wp.replica.engine, wp.unit.id, tuple(wp.replica.buckets()), wp.replica.options,
             plan.load.data, wp.id, plan.load.sample_pool, plan.load.seed) for m in entries]
 
+    def can_restart(self, worker_id: int) -> bool:
+        """Whether `restart_worker` can bring this worker back (replicas and pipelines)."""
+        return worker_id in self.worker_plans or worker_id in self.pipeline_plans
+
     def restart_worker(self, worker_id: int, timeout_s: float = 300.0) -> None:
         """Bring a failed worker back into service; raises RunError when it cannot.
 
         A process-hosted worker gets a new child process (built like the first); a thread
         worker keeps its runners. Either way every runner must run one batch of the sample
-        library before the worker takes requests again. Pipelines are not restarted.
+        library before the worker takes requests again. A pipeline is built again from its
+        model entry, stages and all.
         """
+        if worker_id in self.pipeline_plans:
+            self._restart_pipeline(worker_id)
+            return
         state = self.dispatcher.workers[worker_id]
         wp = self.worker_plans.get(worker_id)
         old = self.worker_by_id.get(worker_id)
@@ -395,6 +392,30 @@ class _Runtime:
         self.dispatcher.revive(state)
         new.start()
 
+    def _restart_pipeline(self, worker_id: int) -> None:
+        state = self.dispatcher.workers[worker_id]
+        mi, found = self.pipeline_plans[worker_id]
+        entry = self.plan.models[mi]
+        old = next((p for p in self.pipelines if p.state.id == worker_id), None)
+        if old is not None:
+            old.join(30)  # out of service: its feeder leaves at its next look at the queue
+            if old.thread.is_alive():
+                raise RunError(f"worker {state.name}: its feeder did not stop, so it is not "
+                               "restarted")
+            old.close()  # its stages stop; what it held was failed back to the dispatcher
+        try:
+            pipeline = build_pipeline(entry, self.models[entry.name], found, f"models[{mi}]")
+        except InfermuxError as exc:
+            raise RunError(f"worker {state.name}: the pipeline could not be built again: "
+                           f"{exc}") from None
+        new = PipelineWorker(state, pipeline, self.qsl[entry.name].data, self.dispatcher)
+        if old is not None:
+            self.pipelines[self.pipelines.index(old)] = new
+        else:
+            self.pipelines.append(new)
+        self.dispatcher.revive(state)
+        new.start()
+
     def _build_pipelines(self, found: Discovery) -> list[dict[str, Any]]:
         """One pipeline worker per model entry with `stages:` (its stages on their units)."""
         rows = []
@@ -418,13 +439,14 @@ class _Runtime:
             depth = max(2, first.buffers * len(first.units) * first.instances
                         * entry.pipeline_replicas)
             state = WorkerState(
-                len(self.states) + 10_000, name, units, entry.name, pipeline_buckets(entry),
+                len(self.states), name, units, entry.name, pipeline_buckets(entry),
                 {entry.name}, LatencyEstimate(self.plan.dispatcher.estimate_alpha), depth=depth)
             if pipeline is None:
                 state.alive, state.error, state.failure = False, error, failure
                 self.build_errors[name] = error or ""
             self.dispatcher.add_worker(state)
             self.states.append(state)
+            self.pipeline_plans[state.id] = (mi, found)
             if pipeline is not None:
                 self.pipelines.append(PipelineWorker(
                     state, pipeline, self.qsl[entry.name].data, self.dispatcher))
@@ -526,12 +548,14 @@ class _Runtime:
                 engine.release()
 
 
-def start_runtime(plan: Plan, *, progress: ProgressFn | None = None) -> _Runtime:
+def start_runtime(plan: Plan, *, progress: ProgressFn | None = None,
+                  record_batches: bool = True) -> LocalRuntime:
     """Build and start `plan`'s workers with no load generator attached (for a server).
 
-    The caller submits queries to `.dispatcher` (with `Query.inputs` to get outputs back
-    through `dispatcher.on_outputs`), reads `.states` and `.build_info`, and ends it with
-    `.shutdown(now=False)` (finish what is queued) or `now=True`.
+    The caller drives it through the `Runtime` protocol (`infermux.runtime.api`): submit
+    queries (with `Query.inputs` to get outputs back), subscribe to outputs and completions,
+    and `stop(drain=True)` (finish what is queued) or `drain=False`. `record_batches` keeps
+    every batch's record for a trial's summary (a server that runs for days passes False).
     """
     rt = _Runtime(plan, progress)
     try:
@@ -540,7 +564,7 @@ def start_runtime(plan: Plan, *, progress: ProgressFn | None = None) -> _Runtime
     except BaseException:
         rt.shutdown(now=True)
         raise
-    return rt
+    return LocalRuntime(rt, record_batches=record_batches)
 
 
 def run_plan(

@@ -2,7 +2,7 @@
 
 A worker fails when a batch raises (its engine failed) or when its process dies (killed by a
 signal, crashed). The dispatcher takes it out of service and tells the supervisor
-(`Dispatcher.on_worker_failed`); a child process that dies between batches is noticed here by
+(a `failures` subscription of `LocalRuntime`); a child process that dies between batches is noticed here by
 polling (`ProcessHost.exited`). The supervisor then restarts the worker on its own thread, after
 a short backoff that doubles with each restart, at most `max_restarts` times per worker within
 any `window_s`; past that the worker stays out of service (`WorkerState.error` says why) until
@@ -31,6 +31,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from infermux.runtime.api import LocalRuntime, Subscription
 from infermux.runtime.dispatcher import WorkerState
 from infermux.runtime.worker import WorkerDiedError
 
@@ -38,14 +39,13 @@ __all__ = ["Supervisor"]
 
 
 class Supervisor:
-    """Watches a runtime (`start_runtime`'s) and restarts its failed replica workers."""
+    """Watches a `LocalRuntime` (`start_runtime`'s) and restarts its failed workers."""
 
-    def __init__(self, runtime: Any, *, max_restarts: int = 3, backoff_s: float = 0.5,
+    def __init__(self, runtime: LocalRuntime, *, max_restarts: int = 3, backoff_s: float = 0.5,
                  poll_s: float = 0.25, restart_timeout_s: float = 300.0,
                  window_s: float = 600.0, clock_s: Callable[[], float] = time.monotonic,
                  on_event: Callable[[dict[str, Any]], None] | None = None) -> None:
         self.runtime = runtime
-        self.dispatcher = runtime.dispatcher
         self.max_restarts = max_restarts
         #: The window `max_restarts` counts over, and the clock it is read on.
         self.window_s = window_s
@@ -66,14 +66,13 @@ class Supervisor:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._main, name="infermux-supervisor",
                                         daemon=True)
-        self._previous: Callable[[WorkerState], None] | None = None
+        self._subscription: Subscription | None = None
 
     def start(self) -> Supervisor:
-        """Begin watching (chains any `on_worker_failed` hook already set)."""
-        d = self.dispatcher
-        self._previous = d.on_worker_failed
-        d.on_worker_failed = self._on_failed
-        d.will_restart = self._will_restart
+        """Begin watching: failed workers are told to it through a subscription."""
+        rt = self.runtime
+        self._subscription = rt.subscribe(failures=self._on_failed)
+        rt.set_restart_policy(self._will_restart)
         self._thread.start()
         return self
 
@@ -82,11 +81,13 @@ class Supervisor:
         self._stop.set()
         self._failed.put(-1)
         self._thread.join(timeout_s)
-        d = self.dispatcher
-        d.will_restart = None
-        for w in list(d.workers.values()):
+        rt = self.runtime
+        rt.set_restart_policy(None)
+        if self._subscription is not None:
+            self._subscription.cancel()
+        for w in list(rt.workers()):
             if w.restarting:
-                d.give_up(w, f"{w.error or 'failed'}; the server stopped before its restart")
+                rt.give_up(w, f"{w.error or 'failed'}; the server stopped before its restart")
 
     def used(self, w: WorkerState) -> int:
         """Restarts of `w` begun within the last `window_s`."""
@@ -99,8 +100,8 @@ class Supervisor:
         return len(times)
 
     def restartable(self, w: WorkerState) -> bool:
-        """Whether `w` may be restarted now (a replica worker with restarts left in the window)."""
-        return (w.id in self.runtime.worker_plans and self.used(w) < self.max_restarts
+        """Whether `w` may be restarted now (a restartable worker with restarts left in the window)."""
+        return (self.runtime.restartable(w.id) and self.used(w) < self.max_restarts
                 and not self._stop.is_set())
 
     def describe(self, w: WorkerState) -> str:
@@ -109,7 +110,7 @@ class Supervisor:
             attempt = self.used(w) + (0 if w.id in self._begun else 1)
             return (f"worker {w.name} is restarting (restart {attempt} of {self.max_restarts} "
                     f"within {self.window_s:g}s) after: {w.error}")
-        if not w.alive and self.max_restarts and w.id in self.runtime.worker_plans:
+        if not w.alive and self.max_restarts and self.runtime.restartable(w.id):
             when = self._deferred.get(w.id)
             later = "" if when is None else \
                 f"; the next restart in {max(0.0, when - self.clock_s()):.0f}s"
@@ -123,8 +124,6 @@ class Supervisor:
         return isinstance(exc, WorkerDiedError) and self.restartable(w)
 
     def _on_failed(self, w: WorkerState) -> None:
-        if self._previous is not None:
-            self._previous(w)
         self._failed.put(w.id)
 
     # -- the supervisor's thread -------------------------------------------------------------
@@ -139,21 +138,17 @@ class Supervisor:
                 continue
             if wid < 0 or self._stop.is_set():
                 return
-            self._restart(self.dispatcher.workers[wid])
+            self._restart(self.runtime.worker(wid))
 
     def _watch_processes(self) -> None:
         """Fail a worker whose child process died while it held no batch."""
-        rt, d = self.runtime, self.dispatcher
-        for wid, host in list(rt.host_by_id.items()):
-            w = d.workers.get(wid)
-            if w is None or not w.alive or host.exited() is None:
-                continue
-            d.fail_idle(w, WorkerDiedError(f"worker {w.name}: {host.death()}"))
+        for w, death in self.runtime.dead_processes():
+            self.runtime.fail_idle(w, WorkerDiedError(f"worker {w.name}: {death}"))
 
     def _defer(self, w: WorkerState) -> None:
         """Restart `w` again once its oldest restart leaves the window."""
         times = self._attempts.get(w.id)
-        if times and w.id in self.runtime.worker_plans and not self._stop.is_set():
+        if times and self.runtime.restartable(w.id) and not self._stop.is_set():
             self._deferred[w.id] = times[0] + self.window_s
 
     def _retry_deferred(self) -> None:
@@ -165,10 +160,9 @@ class Supervisor:
                 self._failed.put(wid)
 
     def _restart(self, w: WorkerState) -> None:
-        d = self.dispatcher
         if not self.restartable(w):
             if w.restarting or not w.alive:
-                d.give_up(w, w.error or "failed")
+                self.runtime.give_up(w, w.error or "failed")
                 self._defer(w)
             return
         self._attempts.setdefault(w.id, deque()).append(self.clock_s())
@@ -180,9 +174,8 @@ class Supervisor:
             self._begun.discard(w.id)
 
     def _attempt(self, w: WorkerState, attempt: int) -> None:
-        d = self.dispatcher
-        with d.cond:
-            w.restarting = w.restarting or not w.alive
+        rt = self.runtime
+        rt.mark_restarting(w)
         self._event({"event": "worker_restarting", "worker": w.name, "attempt": attempt,
                      "error": w.error})
         if self._stop.wait(self.backoff_s * 2 ** (attempt - 1)):
@@ -194,13 +187,12 @@ class Supervisor:
             error = f"restart {attempt} failed: {exc}"
             self.history.append({"worker": w.name, "attempt": attempt, "ok": False,
                                  "error": error, "took_s": time.perf_counter() - started})
-            with d.cond:
-                w.error = error
+            rt.set_error(w, error)
             self._event({"event": "worker_restart_failed", "worker": w.name, "error": error})
             if self.restartable(w):
                 self._failed.put(w.id)  # try again, later
             else:
-                d.give_up(w, error)
+                rt.give_up(w, error)
                 self._defer(w)
             return
         self.history.append({"worker": w.name, "attempt": attempt, "ok": True, "error": None,

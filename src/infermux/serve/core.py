@@ -6,11 +6,12 @@ and config answer from, request validation (every error a `ProtocolError` naming
 bounded admission, the routing of the runtime's outputs back to each request, and the
 statistics Triton's clients read.
 
-Each request's items enter the dispatcher as one query whose samples carry their own input
-rows (`Query.inputs`), exactly like a load generator's queries: dynamic batching, replicas,
-pipelines, SLO-aware and dynamic placement all apply. Outputs come back per batch through
-`Dispatcher.on_outputs`, a row per item, and are written into the request's own arrays in
-order; failures come back through the completion callback. Every admitted request is answered.
+Each request's items enter the runtime (`infermux.runtime.Runtime`: one machine's, or a
+cluster's) as one query whose samples carry their own input rows (`Query.inputs`), exactly like
+a load generator's queries: dynamic batching, replicas, pipelines, SLO-aware and dynamic
+placement all apply. Outputs come back per batch through the core's subscription, a row per
+item, and are written into the request's own arrays in order; failures come back as
+completions that are not ok. Every admitted request is answered.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from infermux.load.base import Query
+from infermux.runtime.api import Runtime
 from infermux.runtime.dispatcher import Batch, WorkerState
 from infermux.runtime.plan import ModelEntry, Plan
 
@@ -251,16 +253,16 @@ class InferenceCore:
     """Requests into the runtime's dispatcher and answers back; thread-safe where it must be.
 
     `infer()` runs on the fronts' event loop; `_on_outputs`, `_on_complete` and `_on_batch`
-    run on worker threads and hand results back with `call_soon_threadsafe`.
+    (the core's subscription to the runtime) run on worker threads and hand results back
+    with `call_soon_threadsafe`.
     """
 
-    def __init__(self, runtime: Any, plan: Plan, *, max_queue_items: int | None = None,
+    def __init__(self, runtime: Runtime, plan: Plan, *, max_queue_items: int | None = None,
                  metrics: Any = None, supervisor: Any = None) -> None:
         self.runtime = runtime
         #: Restarts failed workers (`runtime.supervisor.Supervisor`), or None.
         self.supervisor = supervisor
         self.plan = plan
-        self.dispatcher = runtime.dispatcher
         self.metrics = metrics
         self.models: dict[str, ModelInfo] = {}
         self._lock = threading.Lock()
@@ -271,20 +273,17 @@ class InferenceCore:
         #: Set by the server once every front it opened accepts connections: not ready before.
         self.fronts_up = False
         self.started_ns = time.perf_counter_ns()
-        d = self.dispatcher
-        self._previous_batch_hook = d.on_batch_done
-        d.on_batch_done = self._on_batch
-        d.on_outputs = self._on_outputs
-        d.on_rejected = self._on_rejected
-        d.set_completion(self._on_complete)
+        self._subscription = runtime.subscribe(outputs=self._on_outputs,
+                                               completions=self._on_complete,
+                                               batches=self._on_batch,
+                                               rejections=self._on_rejected)
         for entry in plan.models:
             self.models[entry.name] = self._describe(entry, max_queue_items)
 
     # -- models -------------------------------------------------------------------------------
 
     def _describe(self, entry: ModelEntry, max_queue_items: int | None) -> ModelInfo:
-        loaded = self.runtime.models[entry.name]
-        states = [s for s in self.runtime.states if s.model == entry.name]
+        states = [s for s in self.runtime.workers() if s.model == entry.name]
         max_batch = max([s.batch for s in states] or [1])
         capacity = sum(s.batch * s.depth for s in states if s.alive)
         groups: dict[str, int] = {}
@@ -300,7 +299,8 @@ class InferenceCore:
             instance_groups.append(group)
         return ModelInfo(
             name=entry.name, entry=entry,
-            inputs=[TensorSpec("input", _input_datatype(entry), tuple(loaded.input_shape))],
+            inputs=[TensorSpec("input", _input_datatype(entry),
+                               self.runtime.input_shape(entry.name))],
             outputs=[],  # filled by `probe_outputs`
             max_batch_size=max_batch,
             max_queue_delay_us=int(self.plan.dispatcher.max_queue_delay_ms * 1000),
@@ -339,8 +339,7 @@ class InferenceCore:
         """At least one live worker serves the model, and the server is not shutting down."""
         if self._closing:
             return False
-        return any(s.alive and (s.model == name or name in s.serves)
-                   for s in self.runtime.states)
+        return self.runtime.ready(name)
 
     def not_ready_reason(self, name: str) -> str:
         """Why model `name` is not ready, in words ("" when it is)."""
@@ -392,7 +391,7 @@ class InferenceCore:
                     retry_after_s=1.0)
             if not self.model_ready(info.name):
                 self._refused(info, count)
-                restarting = any(s.restarting for s in self.runtime.states
+                restarting = any(s.restarting for s in self.runtime.workers()
                                  if s.model == info.name)
                 raise ProtocolError(503, f"model {info.name!r} is not ready: no live worker "
                                          f"serves it ({self._last_error(info.name)})",
@@ -405,7 +404,7 @@ class InferenceCore:
             if self.metrics is not None:
                 self.metrics.pending(info.name, info.in_flight_requests, info.in_flight_items)
         pending.future.add_done_callback(lambda f: f.exception())  # never "never retrieved"
-        self.dispatcher.submit([Query(qid, info.name, tuple(range(n)), inputs)])
+        self.runtime.submit([Query(qid, info.name, tuple(range(n)), inputs)])
         outputs = await pending.future
         if count:
             self._request_done(info, ok=True, started_ns=now)
@@ -431,7 +430,7 @@ class InferenceCore:
             self.metrics.request(info.name, ok, took)
 
     def _last_error(self, model: str) -> str:
-        failed = [s for s in self.runtime.states if s.model == model and s.error]
+        failed = [s for s in self.runtime.workers() if s.model == model and s.error]
         if not failed:
             return "none was built"
         if self.supervisor is not None:
@@ -499,8 +498,6 @@ class InferenceCore:
     def _on_batch(self, w: WorkerState, batch: Batch, start_ns: int, end_ns: int,
                   timing: Any) -> None:
         info = self.models.get(batch.model)
-        if self._previous_batch_hook is not None:
-            self._previous_batch_hook(w, batch, start_ns, end_ns, timing)
         if info is None:
             return
         n = len(batch.items)

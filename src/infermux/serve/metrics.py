@@ -17,7 +17,10 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from infermux.runtime.api import Runtime
 
 __all__ = ["ServeMetrics"]
 
@@ -29,7 +32,7 @@ _LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.025, 0.05, 0.1, 0.25,
 class ServeMetrics:
     """A registry of its own (no module-level state) with the server's metrics."""
 
-    def __init__(self, runtime: Any, sampler: Any = None) -> None:
+    def __init__(self, runtime: Runtime, sampler: Any = None) -> None:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.registry = CollectorRegistry(auto_describe=True)
@@ -162,28 +165,29 @@ class _Collector:
                                        "Times a failed worker was restarted",
                                        labels=["worker", "unit", "model"])
         shares = self.m.utilisation()
-        for s in rt.states:
+        for s in rt.workers():
             alive.add_metric([s.name, s.unit, s.model], 1.0 if s.alive else 0.0)
             util.add_metric([s.name, s.unit, s.model], shares.get(s.name, 0.0))
             restarts.add_metric([s.name, s.unit, s.model], float(s.restarts))
         retried = CounterMetricFamily("infermux_items_retried",
                                       "Items run again after the worker holding them failed "
                                       "(on another worker, or on it once restarted)")
-        retried.add_metric([], float(rt.dispatcher.retried))
+        retried.add_metric([], float(rt.stats().retried_items))
         yield alive
         yield util
         yield restarts
         yield retried
-        if rt.pipelines:
+        pipelines = rt.pipeline_stats()
+        if pipelines:
             stage = GaugeMetricFamily("infermux_pipeline_stage_busy",
                                       "Busy share of each pipeline stage since serving began",
                                       labels=["model", "stage", "units", "engine"])
             depth = GaugeMetricFamily("infermux_pipeline_stage_queue_depth",
                                       "Mean depth of each stage's inbound link",
                                       labels=["model", "stage", "units", "engine"])
-            for pipe in rt.pipelines:
-                for st in pipe.stage_stats():
-                    labels = [pipe.state.model, str(st["stage"]), "+".join(st["units"]),
+            for model, stages in pipelines.items():
+                for st in stages:
+                    labels = [model, str(st["stage"]), "+".join(st["units"]),
                               st["engine"]]
                     stage.add_metric(labels, float(st.get("busy") or 0.0))
                     depth.add_metric(labels, float(st.get("queue_depth") or 0.0))

@@ -208,13 +208,14 @@ class InferenceServer:
                 runtime = local = await asyncio.to_thread(start_runtime, self.plan,
                                                           progress=self.progress)
                 _keep_off_worker_cores(local.build_info.get("host_cores") or [])
+                # A backend's nodes were told when they started.
+                local.set_take_when_idle(not s.wait_when_idle)
+                if s.max_restarts:  # a backend restarts its own workers
+                    supervisor = self.supervisor = Supervisor(local, max_restarts=s.max_restarts,
+                                                              window_s=s.restart_window_s)
             assert runtime is not None
             sampler = _sampler(s.telemetry_interval_s)
             metrics = ServeMetrics(runtime, sampler)
-            runtime.dispatcher.take_when_idle = not s.wait_when_idle
-            if s.max_restarts and self.backend is None:  # a backend restarts its own workers
-                supervisor = self.supervisor = Supervisor(runtime, max_restarts=s.max_restarts,
-                                                          window_s=s.restart_window_s)
             self.core = core = InferenceCore(runtime, runtime.plan,
                                              max_queue_items=s.max_queue_items,
                                              metrics=metrics, supervisor=supervisor)
@@ -277,7 +278,7 @@ class InferenceServer:
             if supervisor is not None:
                 await asyncio.to_thread(supervisor.stop)
             if runtime is not None:
-                await asyncio.to_thread(runtime.shutdown, now=status != "complete")
+                await asyncio.to_thread(runtime.stop, drain=status == "complete")
             if sampler is not None:
                 sampler.stop()
             summary = {"models": self.core.summary() if self.core is not None else {},
@@ -302,13 +303,12 @@ class InferenceServer:
                         "max_queue_items": m.max_queue_items,
                         "inputs": [t.metadata() for t in m.inputs],
                         "outputs": [t.metadata() for t in m.outputs],
-                        "workers": [st.name for st in runtime.states if st.model == m.name]}
+                        "workers": [st.name for st in runtime.workers() if st.model == m.name]}
                        for m in self.core.models.values()],
             "build_s": runtime.build_info.get("build_s"),
             **({"nodes": runtime.build_info["nodes"]} if "nodes" in runtime.build_info else {}),
             # Process-hosted workers' process ids (a restarted worker gets a new one).
-            "worker_pids": {runtime.dispatcher.workers[wid].name: host.pid
-                            for wid, host in runtime.host_by_id.items()},
+            "worker_pids": runtime.worker_pids(),
             **(self.front_hub.summary() if self.front_hub is not None else {"fronts": 1}),
         }
 

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from itertools import combinations
 from typing import Any
 
+from infermux.runtime.plan import QUEUE_DELAY_MS
 from infermux.study.base import Point, StudyConfig, max_duration_s
 from infermux.study.layout import UnitChoice
 
@@ -49,7 +50,7 @@ def build_points(config: StudyConfig, choice: UnitChoice, engines: dict[str, str
                              "batch_buckets": "none"} for u in combo]
                 plan = {"name": f"multi-instance-{len(points)}",
                         "models": [{**model, "replicas": replicas}],
-                        "dispatcher": {"max_queue_delay_ms": 2.0},
+                        "dispatcher": {"max_queue_delay_ms": QUEUE_DELAY_MS},
                         "load": {"scenario": "offline", "min_duration_s": config.duration_s,
                                  "min_queries": max(config.min_queries, 2 * b * k * len(combo)),
                                  "max_duration_s": max_duration_s(config)}}

@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from infermux.runtime.plan import QUEUE_DELAY_MS
 from infermux.study.base import Point, StudyConfig, max_duration_s
 from infermux.study.layout import UnitChoice
 
@@ -45,7 +46,7 @@ def _plan(name: str, entries: list[dict[str, Any]], config: StudyConfig, *, b: i
         load.update(find_peak=True, p99_bound_ms=config.p99_ms, samples_per_query=1,
                     min_queries=config.min_queries,
                     max_duration_s=max_duration_s(config))
-    plan = {"name": name, "models": entries, "dispatcher": {"max_queue_delay_ms": 2.0},
+    plan = {"name": name, "models": entries, "dispatcher": {"max_queue_delay_ms": QUEUE_DELAY_MS},
             "placement": "dynamic" if dynamic else "static", "load": load}
     if sharing:
         plan["sharing"] = "cores"

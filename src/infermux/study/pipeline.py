@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from infermux.errors import RunError
+from infermux.runtime.plan import QUEUE_DELAY_MS
 from infermux.store import Store
 from infermux.study.base import Point, StudyConfig, max_duration_s
 from infermux.study.layout import UnitChoice
@@ -88,10 +89,11 @@ def _pipeline_plan(config: StudyConfig, model: dict[str, Any], units: Sequence[s
         if report.best is None:
             raise RunError(f"the partitioner kept no pipeline for {model['name']} (run "
                            f"{report.run_id}): no candidate measured and agreed")
-        entry = report.best.model_entry(model["name"])
-        params["stages"] = report.best.describe()
+        entry = report.best.model_copy(update={"name": model["name"]}).model_dump(
+            mode="json", exclude_none=True)
+        params["stages"] = report.best.describe_stages()
         return {"name": f"pipeline-{model['name']}", "models": [entry],
-                "dispatcher": {"max_queue_delay_ms": 2.0}, "load": _load(config, b)}
+                "dispatcher": {"max_queue_delay_ms": QUEUE_DELAY_MS}, "load": _load(config, b)}
 
     return prepare
 

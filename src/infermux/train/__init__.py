@@ -17,7 +17,8 @@ from infermux.train.knobs import Grid, Knobs
 from infermux.train.loop import PHASES, PassResult, Step, Trainer, make_loader, pinned, run_pass
 from infermux.train.power import PowerMode, read_power_mode, set_power_mode
 from infermux.train.predict import Prediction, choose_profiled, fit_components, predict_all
-from infermux.train.profile import PassRecord, TrainConfig, TrainReport, run_train_profile
+from infermux.train.profile import TrainConfig, TrainReport, run_train_profile
+from infermux.train.records import PassRecord
 from infermux.train.run import PredictReport, run_train_predict
 
 __all__ = [

@@ -49,6 +49,7 @@ from infermux.train.data import (
 from infermux.train.knobs import Grid, Knobs
 from infermux.train.loop import PassResult, ProcessTreeCpu, Trainer, make_loader, pinned, run_pass
 from infermux.train.power import PowerMode, read_power_mode, set_power_mode
+from infermux.train.records import PassRecord
 
 __all__ = [
     "DEFAULT_WATTS_PER_CORE",
@@ -125,50 +126,6 @@ class TrainConfig:
         data["model"] = asdict(self.model)
         data["grid"] = self.grid.to_dict()
         data["data"] = self.data.to_dict()
-        return data
-
-
-@dataclass
-class PassRecord:
-    """One measured pass of one configuration, as stored and as the predictor reads it."""
-
-    config: int
-    knobs: Knobs
-    kind: str  # profile | epoch
-    pass_name: str  # cold | warm
-    status: str = "ok"
-    error: str | None = None
-    result: PassResult | None = None
-    dataset_items: int = 0
-    energy_j: float | None = None
-    energy_source: str = "none"
-    flags: list[str] = field(default_factory=list)
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def wall_s(self) -> float | None:
-        """The pass's wall time."""
-        return self.result.wall_ns / 1e9 if self.result else None
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready: knobs, timing totals, energy, flags (minibatches live in `train_steps`)."""
-        data: dict[str, Any] = {
-            "config": self.config, "label": self.knobs.label, "knobs": self.knobs.to_dict(),
-            "kind": self.kind, "pass": self.pass_name, "status": self.status,
-            "error": self.error, "dataset_items": self.dataset_items,
-            "energy_j": self.energy_j, "energy_source": self.energy_source,
-            "flags": self.flags, **self.extra,
-        }
-        if self.result is not None:
-            data.update(self.result.summary())
-            data.update(startup_ns=self.result.startup_ns, tail_ns=self.result.tail_ns,
-                        wall_ns=self.result.wall_ns)
-        return data
-
-    def as_data(self) -> dict[str, Any]:
-        """`to_dict` with the minibatches, the form `predict` reads (as `records.load_passes`)."""
-        data = self.to_dict()
-        data["steps"] = [s.to_dict() for s in self.result.steps] if self.result else []
         return data
 
 

@@ -8,14 +8,58 @@ optimizer), one of `train_passes` and one of `train_steps` per minibatch.
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any
 
 from infermux.store import Sample, Store
+from infermux.train.knobs import Knobs
+from infermux.train.loop import PassResult
 
-if TYPE_CHECKING:
-    from infermux.train.profile import PassRecord
+__all__ = ["PassRecord", "add_pass", "add_predictions", "load_passes"]
 
-__all__ = ["add_pass", "add_predictions", "load_passes"]
+
+@dataclass
+class PassRecord:
+    """One measured pass of one configuration, as stored and as the predictor reads it."""
+
+    config: int
+    knobs: Knobs
+    kind: str  # profile | epoch
+    pass_name: str  # cold | warm
+    status: str = "ok"
+    error: str | None = None
+    result: PassResult | None = None
+    dataset_items: int = 0
+    energy_j: float | None = None
+    energy_source: str = "none"
+    flags: list[str] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def wall_s(self) -> float | None:
+        """The pass's wall time."""
+        return self.result.wall_ns / 1e9 if self.result else None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: knobs, timing totals, energy, flags (minibatches live in `train_steps`)."""
+        data: dict[str, Any] = {
+            "config": self.config, "label": self.knobs.label, "knobs": self.knobs.to_dict(),
+            "kind": self.kind, "pass": self.pass_name, "status": self.status,
+            "error": self.error, "dataset_items": self.dataset_items,
+            "energy_j": self.energy_j, "energy_source": self.energy_source,
+            "flags": self.flags, **self.extra,
+        }
+        if self.result is not None:
+            data.update(self.result.summary())
+            data.update(startup_ns=self.result.startup_ns, tail_ns=self.result.tail_ns,
+                        wall_ns=self.result.wall_ns)
+        return data
+
+    def as_data(self) -> dict[str, Any]:
+        """`to_dict` with the minibatches, the form `predict` reads (as `records.load_passes`)."""
+        data = self.to_dict()
+        data["steps"] = [s.to_dict() for s in self.result.steps] if self.result else []
+        return data
 
 
 def _result_record(rec: PassRecord, model_name: str, unit: str) -> dict[str, Any]:

@@ -31,6 +31,7 @@ from typing import Any, Protocol
 from infermux.errors import DeviceOutOfMemoryError, InfermuxError, UsageError
 from infermux.models import LoadedModel, ModelSpec, load_model
 from infermux.progress import ProgressFn
+from infermux.runtime.plan import QUEUE_DELAY_MS
 from infermux.store import Store
 from infermux.tune.space import Candidate, Config
 from infermux.units import Unit
@@ -46,9 +47,6 @@ __all__ = [
     "model_name",
 ]
 
-#: The dispatcher's queue delay (ms) of every plan a tune measures; a server tune then tries
-#: others on the plan it chose (`TuneRequest.queue_delays_ms`).
-QUEUE_DELAY_MS = 2.0
 
 
 def model_name(ref: str) -> str:

@@ -21,6 +21,7 @@ from typing import Any
 from infermux.errors import DeviceOutOfMemoryError, InfermuxError, UsageError
 from infermux.models import LoadedModel, ModelSpec
 from infermux.progress import ProgressFn
+from infermux.runtime.plan import ModelEntry
 from infermux.tune.evaluate import QUEUE_DELAY_MS, Constraints, TrialSettings
 from infermux.units import Unit
 
@@ -34,7 +35,7 @@ MAX_PIPELINE_BATCH = 64
 class PipelineTrial:
     """One pipeline candidate: predicted by the partitioner, measured through the runtime."""
 
-    plan: Any  # PipelinePlan
+    plan: ModelEntry  # a model entry with `stages:`
     predicted_items_per_s: float | None
     status: str = "ok"  # ok | oom | error | invalid | skipped
     items_per_s: float | None = None
@@ -60,7 +61,8 @@ class PipelineTrial:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready."""
-        return {"plan": self.plan.describe(), "stages": [s.model_dump() for s in self.plan.stages],
+        return {"plan": self.plan.describe_stages(),
+                "stages": [s.model_dump() for s in self.plan.stages or []],
                 "predicted_items_per_s": self.predicted_items_per_s, "status": self.status,
                 "items_per_s": self.items_per_s, "p99_ms": self.p99_ms,
                 "stage_figures": self.stages, "cost_s": self.cost_s, "error": self.error}
@@ -71,12 +73,12 @@ def pipeline_units(units: list[Unit]) -> list[Unit]:
     return [u for u in units if u.kind in ("cpu", "cuda")]
 
 
-def _runtime_trial(plan: Any, name: str, spec: ModelSpec, settings: TrialSettings,
+def _runtime_trial(plan: ModelEntry, name: str, spec: ModelSpec, settings: TrialSettings,
                    progress: ProgressFn | None) -> PipelineTrial:
     from infermux.runtime import run_plan
     from infermux.runtime.plan import parse_plan
 
-    entry = plan.model_entry(name)
+    entry = plan.model_copy(update={"name": name}).model_dump(mode="json", exclude_none=True)
     if spec.weights:
         entry["weights"] = spec.weights
     runtime_plan = parse_plan({
@@ -151,7 +153,8 @@ def tune_pipelines(
         return [], f"profiling the pieces failed: {exc}"
     trials = []
     for plan in predicted.plans:
-        if len(plan.stages) < 2 and len(plan.stages[0].units) < 2:
+        stages = plan.stages or []
+        if len(stages) < 2 and len(stages[0].units) < 2:
             continue  # the whole model on one unit: a replica plan, searched already
         if time.monotonic() >= deadline:
             trials.append(PipelineTrial(plan, plan.predicted_items_per_s, "skipped",

@@ -359,7 +359,7 @@ def _search_pipelines(report: TuneReport, request: TuneRequest, units: list[Unit
         return
     report.pipelines_note = (f"a pipeline wins: {ratio:.2f}× the best replica plan "
                              f"({best.items_per_s:,.1f} vs {replica.items_per_s:,.1f} items/s)")
-    entry = best.plan.model_entry(name)
+    entry = best.plan.model_copy(update={"name": name}).model_dump(mode="json", exclude_none=True)
     if spec.weights:
         entry["weights"] = spec.weights
     report.plan = {**report.plan, "name": f"tuned-{name}-pipeline", "models": [entry]}

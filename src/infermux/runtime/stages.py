@@ -33,10 +33,10 @@ import numpy as np
 from infermux.engines import create_engine
 from infermux.errors import RunError, UsageError
 from infermux.models import LoadedModel
-from infermux.partition.graph import ModelGraph
-from infermux.partition.plan import PipelinePlan
-from infermux.partition.segments import build_segment
-from infermux.partition.transfer import alloc, copy_into, dtype_of, pin_thread, stream_for
+from infermux.models.graph import ModelGraph
+from infermux.models.segments import build_segment
+from infermux.runtime.plan import ModelEntry, Stage
+from infermux.runtime.transfer import alloc, copy_into, dtype_of, pin_thread, stream_for
 from infermux.stats import latency_summary_ms
 from infermux.units import Unit
 
@@ -159,18 +159,25 @@ class PipelineMeasurement:
 
 
 class Pipeline:
-    """A built pipeline for `plan`; `run()` for data, `measure()` for throughput, then `close()`."""
+    """A built pipeline of a model entry's `stages:`; `run()`, `measure()` or `serve()`.
+
+    `serve()` runs it under the dispatcher (`runtime.pipelined`); `close()` releases it.
+    """
 
     def __init__(
         self,
-        plan: PipelinePlan,
+        plan: ModelEntry,
         model: LoadedModel,
         graph: ModelGraph,
         units: dict[str, Unit],
         *,
         buckets: bool = False,
     ) -> None:
-        missing = [u for u in plan.units if u not in units]
+        if not plan.stages:
+            raise UsageError(f"model {plan.name!r} of the plan has no stages: section")
+        #: The entry's stages, in order (input to output).
+        self.stages: list[Stage] = list(plan.stages)
+        missing = [u for s in self.stages for u in s.units if u not in units]
         if missing:
             raise UsageError(f"plan names units {missing} that were not selected: add them to --units")
         if len(graph.outputs) != len(graph.nodes[-1].all_input_nodes):
@@ -183,7 +190,7 @@ class Pipeline:
         self.buckets = buckets
         self._stop = threading.Event()
         self._engines: dict[str, Any] = {}
-        for index, stage in enumerate(plan.stages):
+        for index, stage in enumerate(self.stages):
             engine = self._engines.get(stage.engine) or create_engine(stage.engine)
             self._engines[stage.engine] = engine
             for unit_id in stage.units:
@@ -193,7 +200,7 @@ class Pipeline:
                         f"it runs {', '.join(engine.unit_kinds)} units")
         infos = {c.node: c.tensor for c in graph.cuts}
         self._segments = []
-        for index, stage in enumerate(plan.stages):
+        for index, stage in enumerate(self.stages):
             module = build_segment(graph, stage.start, stage.end)
             seg_in = graph.input if stage.start == "input" else infos[stage.start]
             outs = graph.outputs if stage.end == "output" else [infos[stage.end]]
@@ -203,7 +210,7 @@ class Pipeline:
         self._input = graph.input
         self._outputs = graph.outputs
         # The feeder's pool: host memory, enough slots for every first-stage copy to be busy.
-        first = plan.stages[0]
+        first = self.stages[0]
         feed_slots = first.buffers * (first.batch // self.chunk) * max(
             1, len(first.units) * first.instances * plan.pipeline_replicas)
         # Inputs wait on the host in the first stage's compute dtype (fp16 for a `cuda:N/fp16`
@@ -216,7 +223,7 @@ class Pipeline:
         self._gather_pool: Any = None
         self._source = _Link(self._stop)
         self._sink = _Link(self._stop)
-        self.copies: list[list[_StageCopy]] = [[] for _ in plan.stages]
+        self.copies: list[list[_StageCopy]] = [[] for _ in self.stages]
         self._links: list[list[_Link]] = []  # per replica: link into stage s (s ≥ 1)
         try:
             self._build(units)
@@ -234,10 +241,10 @@ class Pipeline:
     def _build(self, units: dict[str, Unit]) -> None:
         plan = self.plan
         for replica in range(plan.pipeline_replicas):
-            self._links.append([self._source] + [_Link(self._stop) for _ in plan.stages[1:]])
-            for s, stage in enumerate(plan.stages):
+            self._links.append([self._source] + [_Link(self._stop) for _ in self.stages[1:]])
+            for s, stage in enumerate(self.stages):
                 seg_in, outs, seg_model = self._segments[s]
-                last = s == len(plan.stages) - 1
+                last = s == len(self.stages) - 1
                 if stage.batch % self.chunk:  # pragma: no cover - chunk is the gcd
                     raise UsageError(f"stage batch {stage.batch} is not a multiple of {self.chunk}")
                 engine = self._engines[stage.engine]
@@ -293,9 +300,8 @@ class Pipeline:
             self._stop.set()
 
     def _loop(self, copy: _StageCopy) -> None:
-        plan = self.plan
         inbound = self._links[copy.replica][copy.stage]
-        last = copy.stage == len(plan.stages) - 1
+        last = copy.stage == len(self.stages) - 1
         outbound = self._sink if last else self._links[copy.replica][copy.stage + 1]
         g = self.chunk
         ending = False
@@ -349,7 +355,7 @@ class Pipeline:
             all_done = self._ended[key] == len(self._workers_of(copy.stage, copy.replica))
         if not all_done:
             return
-        if copy.stage == len(self.plan.stages) - 1:
+        if copy.stage == len(self.stages) - 1:
             outbound.publish(_END)
         else:
             for _ in self._workers_of(copy.stage + 1, copy.replica):
@@ -585,7 +591,7 @@ class Pipeline:
         The queue depth is the mean length of the stage's inbound link when a copy took from it.
         """
         stats = []
-        for si, (stage, spec) in enumerate(zip(self.copies, self.plan.stages, strict=True)):
+        for si, (stage, spec) in enumerate(zip(self.copies, self.stages, strict=True)):
             now = [c.counters() for c in stage]
             before = since[si] if since is not None else [(0,) * 7] * len(stage)
             d = [sum(n[k] - b[k] for n, b in zip(now, before, strict=True)) for k in range(7)]

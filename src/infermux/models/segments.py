@@ -14,7 +14,7 @@ from typing import Any
 
 from infermux.errors import UsageError
 from infermux.models import LoadedModel
-from infermux.partition.graph import ModelGraph, TensorInfo
+from infermux.models.graph import ModelGraph, TensorInfo
 
 __all__ = ["Segment", "build_segment", "count_flops", "segment_between", "segment_model", "split"]
 
