@@ -203,6 +203,9 @@ class _Runtime:
             max_queue_delay_ns=int(d.max_queue_delay_ms * 1e6),
             latency_bound_ns={m.name: int(m.latency_bound_ms * 1e6) if m.latency_bound_ms
                               else None for m in plan.models},
+            deadline_ns={m.name: int((m.latency_bound_ms or plan.load.p99_bound_ms or 0) * 1e6)
+                         for m in plan.models},
+            batching=d.batching,
             policy=d.policy,
             max_retries=d.max_retries,
             dynamic=plan.placement == "dynamic",
