@@ -160,3 +160,31 @@ def test_a_plan_chooses_the_rule_deadline_by_default():
     assert old.dispatcher.batching == "queue_delay"
     with pytest.raises(Exception, match="batching"):
         parse_plan({**base, "dispatcher": {"batching": "soon"}})
+
+
+def test_a_slow_querys_time_is_split_into_its_phases():
+    from infermux.engines.base import BatchTiming
+    from infermux.runtime.metrics import Recorder, _phases
+
+    clock = Clock()
+    a = worker(0)
+    d = make(clock, a)
+    rec = Recorder(clock_ns=clock)
+    d.on_batch_done = rec.on_batch_done
+    d.submit(queries(1))
+    clock.advance(1)
+    batch = d.poll(a)
+    assert isinstance(batch, Batch)
+    taken = clock()
+    # gathered for 2 ms, 5 ms from launch to collected of which the device accounts for 3 ms,
+    # handed to the dispatcher 4 ms after its completion stamp
+    clock.advance(11)
+    d.finished(a, batch, taken + 2 * MS, taken + 7 * MS,
+               BatchTiming(5 * MS, h2d_ns=MS, compute_ns=2 * MS))
+    ph = _phases(rec.records)
+    assert ph["batching_wait"]["p50_ms"] == pytest.approx(1.0)
+    assert ph["compute"]["p50_ms"] == pytest.approx(7.0)
+    assert ph["launch"]["p50_ms"] == pytest.approx(2.0)
+    assert ph["run"]["p50_ms"] == pytest.approx(5.0)
+    assert ph["host_overhead"]["p50_ms"] == pytest.approx(2.0)
+    assert ph["handoff"]["p50_ms"] == pytest.approx(4.0)
