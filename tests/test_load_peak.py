@@ -77,3 +77,17 @@ def test_each_trial_counts_the_queries_over_the_bound():
     peak = find_peak(lambda rate: _result(30.0), upper_qps=1000.0, bound_ms=BOUND_MS,
                      iterations=1)
     assert peak.trials[0]["queries"] == 10 and peak.trials[0]["over_bound"] == 10
+
+
+def test_a_peak_that_never_holds_twice_is_no_peak_and_says_so():
+    calls: Counter[float] = Counter()
+
+    def run(rate: float) -> ScenarioResult:
+        calls[rate] += 1
+        return _result(2.0 if calls[rate] == 1 and rate <= 600 else 30.0)
+
+    peak = find_peak(run, upper_qps=1000.0, bound_ms=BOUND_MS, iterations=4, confirm=True)
+    # valid once: 500, 562.5; both fail again (the walk down stops at the lowest valid rate)
+    assert peak.peak_qps is None and peak.edge_confirmed is False
+    assert [t["rate_qps"] for t in peak.trials if t.get("repeat")] == [562.5, 500, 625]
+    assert "in every run" in (peak.reason or "") and "562" in (peak.reason or "")
