@@ -41,7 +41,7 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
              "batch": args.batch, "batch_buckets": "pow2", "options": options}]}],
         "dispatcher": {"max_queue_delay_ms": args.delay_ms},
         "load": {"scenario": "server", "p99_bound_ms": args.p99, "min_duration_s": args.duration,
-                 "min_queries": 1024},
+                 "min_queries": args.queries},
     }
 
 
@@ -95,6 +95,7 @@ def main() -> int:
                         help="max_queue_delay_ms (the queue_delay rule's wait)")
     parser.add_argument("--p99", type=float, default=15.0, help="the bound, ms")
     parser.add_argument("--duration", type=float, default=3.0, help="seconds per trial")
+    parser.add_argument("--queries", type=int, default=1024, help="min_queries per trial")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--max-s", type=float, default=330.0,
                         help="start no round after this many seconds")
