@@ -97,7 +97,7 @@ def main() -> int:
     parser.add_argument("--duration", type=float, default=3.0, help="seconds per trial")
     parser.add_argument("--queries", type=int, default=1024, help="min_queries per trial")
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--max-s", type=float, default=330.0,
+    parser.add_argument("--max-s", type=float, default=300.0,
                         help="start no round after this many seconds")
     parser.add_argument("--json", dest="json_path", required=True)
     args = parser.parse_args()
