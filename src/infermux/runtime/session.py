@@ -670,6 +670,10 @@ def _no_peak_reason(rt: _Runtime, bound_ms: float, searched: str) -> str:
         return (f"the plan's batch latency alone is {shown} ms > {bound_ms:g} ms bound "
                 f"(model {name}, its fastest worker at its smallest batch): find a plan that "
                 f"can hold it with {tune}, or raise the bound")
+    if rt.plan.dispatcher.batching == "deadline":
+        # Batches are sized to the bound already: no queue delay is left to lower.
+        return (f"{searched}; a batch of {name} alone takes {ms:.1f} ms, so queueing breaks the "
+                f"bound: find a plan with {tune}")
     return (f"{searched}; a batch of {name} alone takes {ms:.1f} ms, so queueing and batching "
             f"waits break the bound: lower dispatcher.max_queue_delay_ms or find a plan with "
             f"{tune}")
