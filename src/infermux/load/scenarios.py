@@ -555,7 +555,7 @@ def find_peak(
 
 
 #: How many valid rates below the last one a failed confirmation repeats before giving up.
-_CONFIRM_DOWN = 2
+_CONFIRM_DOWN = 3
 
 
 def _confirm(result: PeakResult, run: Callable[..., dict[str, Any]]) -> None:
