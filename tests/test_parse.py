@@ -2,7 +2,6 @@ import pytest
 
 from infermux._parse import (
     parse_batches,
-    parse_delays_ms,
     parse_duration_s,
     parse_latency_ms,
     parse_shape,
@@ -49,20 +48,3 @@ def test_a_latency_bound_is_ms_whether_or_not_it_says_so(text, ms) -> None:
 def test_a_bad_latency_bound_is_one_line(text, needle) -> None:
     with pytest.raises(UsageError, match=needle):
         parse_latency_ms(text)
-
-
-def test_queue_delays_are_ms_and_may_be_zero() -> None:
-    assert parse_delays_ms("0.5,1, 4ms,0.002s,0") == (0.5, 1.0, 4.0, 2.0, 0.0)
-    assert parse_delays_ms("1,1ms") == (1.0,)
-    assert parse_delays_ms("none") == ()
-    for bad, words in [("soon", "'soon' is not a duration"), (",", "lists no delay"),
-                       ("2m", "between 0 and 60s"), ("-1", "'-1' is not a duration")]:
-        with pytest.raises(UsageError, match=words):
-            parse_delays_ms(bad)
-
-
-def test_the_cli_default_queue_delays_are_the_librarys() -> None:
-    from infermux.cli.tune import _DEFAULT_DELAYS
-    from infermux.tune.run import SERVER_QUEUE_DELAYS_MS
-
-    assert parse_delays_ms(_DEFAULT_DELAYS) == SERVER_QUEUE_DELAYS_MS

@@ -199,7 +199,10 @@ def test_find_peak_reports_a_fraction_of_offline():
                            load={"scenario": "server", "find_peak": True, "p99_bound_ms": 50,
                                  "min_duration_s": 0.4}))
     peak = report.peak
-    assert peak is not None and len(peak["trials"]) == 6
+    # The bisection's six rates, then the edge run again (the last valid and first invalid).
+    assert peak is not None and len([t for t in peak["trials"] if not t.get("repeat")]) == 6
+    assert peak["edge_confirmed"] is not None and peak["repeats"]
+    assert all("phases" in t and "issue_lag_p99_ms" in t for t in peak["trials"])
     assert peak["offline_items_per_s"] > 0
     assert peak["peak_qps"] is not None
     assert 0 < peak["peak_fraction_of_offline"] <= 1.0

@@ -11,8 +11,6 @@ from infermux.models import ModelSpec
 from infermux.runtime import load_plan, run_plan, with_load
 from infermux.store import Store
 from infermux.tune import Constraints, TrialSettings, TuneRequest, run_tune
-from infermux.tune.evaluate import QUEUE_DELAY_MS
-from infermux.tune.run import QUEUE_DELAY_GAIN
 
 from .conftest import TINY, run_cli
 
@@ -67,7 +65,7 @@ def test_tune_server_scenario_holds_the_bound_and_finds_a_peak(tmp_path):
     # over a trial's few dozen queries the p99 is about the slowest one, and on a shared
     # 2-core host one scheduler stall of a few hundred ms must not decide it.
     req = request(scenario="server", constraints=Constraints(p99_bound_ms=1000.0),
-                  engines="torch", budget_s=60.0, batches=[1, 4], queue_delays_ms=(0.5,),
+                  engines="torch", budget_s=60.0, batches=[1, 4],
                   trial=TrialSettings(min_duration_s=0.3, min_queries=48, warmup_s=0.1))
     report = run_tune(req, out_path=tmp_path / "s.yaml")
     assert report.result.best is not None
@@ -75,21 +73,16 @@ def test_tune_server_scenario_holds_the_bound_and_finds_a_peak(tmp_path):
     data = yaml.safe_load((tmp_path / "s.yaml").read_text())
     assert data["load"]["scenario"] == "server" and data["load"]["p99_bound_ms"] == 1000.0
     assert report.server_peak is not None and report.server_peak["peak_qps"] is not None
-    # The plans' peaks at the search's queue delay, then the best one's at 0.5 ms.
+    # The plans' peaks, each with partial batches sized to the bound: no queue delay is swept.
     peaks = report.server_peaks
-    assert {row["queue_delay_ms"] for row in peaks} == {QUEUE_DELAY_MS, 0.5}
+    assert peaks and all(row["batching"] == "deadline" for row in peaks)
     assert sum(row["chosen"] for row in peaks) == 1
     chosen = next(row for row in peaks if row["chosen"])
-    searched = [row for row in peaks if row["queue_delay_ms"] == QUEUE_DELAY_MS]
-    best = max(searched, key=lambda row: row["peak_qps"] or 0)
-    swept = next(row for row in peaks if row["queue_delay_ms"] == 0.5)
-    assert swept["plan"] == best["plan"]
-    # The written plan is the one with the highest measured peak; another queue delay
-    # replaces the search's only by a clear margin.
-    assert chosen is (swept if (swept["peak_qps"] or 0) > best["peak_qps"] * QUEUE_DELAY_GAIN
-                      else best)
+    # The written plan is the one with the highest measured peak.
+    assert chosen["peak_qps"] == max(row["peak_qps"] or 0 for row in peaks)
     assert chosen["peak_qps"] == report.server_peak["peak_qps"]
-    assert data["dispatcher"]["max_queue_delay_ms"] == chosen["queue_delay_ms"]
+    assert data["dispatcher"].get("batching", "deadline") == "deadline"
+    assert report.server_peak["edge_confirmed"] is not None
     assert "(chosen)" in (tmp_path / "s.yaml").read_text()
 
 
@@ -124,7 +117,6 @@ def test_cli_tune_json_and_bad_input(tmp_path, db):
         (["--max-memory", "lots"], "--max-memory 'lots' is not a size"),
         (["--budget", "0s"], "--budget 0s must be positive"),
         (["--compile", "default,fast"], "--compile 'fast' is not a torch.compile mode"),
-        (["--queue-delays", "0.5,later"], "--queue-delays 'later' is not a duration"),
     ]:
         bad = run_cli("tune", "-m", MODEL, "--units", "cpu", "--db", str(db), *args)
         assert bad.returncode == 2, (args, bad.stderr)

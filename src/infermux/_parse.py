@@ -6,7 +6,7 @@ import re
 
 from infermux.errors import UsageError
 
-__all__ = ["parse_batches", "parse_bytes", "parse_delays_ms", "parse_duration_s", "parse_latency_ms",
+__all__ = ["parse_batches", "parse_bytes", "parse_duration_s", "parse_latency_ms",
            "parse_shape"]
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|min|h)?\s*$")
@@ -46,27 +46,6 @@ def parse_latency_ms(text: str | float, *, name: str = "--p99") -> float:
     if not value > 0:
         raise UsageError(f"{name} {text!r} must be above 0: a latency bound, e.g. 15ms")
     return value
-
-
-def parse_delays_ms(text: str, *, name: str = "--queue-delays") -> tuple[float, ...]:
-    """`"0.5,1,4ms"` → `(0.5, 1.0, 4.0)`: queue delays in ms (a bare number is ms), each ≥ 0.
-
-    `"none"` → `()`; repeats are dropped, the order kept.
-    """
-    if text.strip().lower() == "none":
-        return ()
-    delays: list[float] = []
-    for item in (p.strip() for p in text.split(",")):
-        if not item:
-            continue
-        value = _ms(item, name)
-        if not 0 <= value <= 60_000:
-            raise UsageError(f"{name} {item!r} must be between 0 and 60s: a queue delay, "
-                             "e.g. 0.5ms")
-        delays.append(value)
-    if not delays:
-        raise UsageError(f"{name} {text!r} lists no delay: pass e.g. 0.5,1,4 (ms), or none")
-    return tuple(dict.fromkeys(delays))
 
 
 _BARE_NUMBER = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*$")

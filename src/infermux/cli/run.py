@@ -140,7 +140,15 @@ def _print_peak(peak: dict[str, Any]) -> None:
               f" samples/s" + (f" ({frac:.0%} of offline)" if frac else ""))
     for t in peak["trials"]:
         out.print(f"  {t['rate_qps']:.1f} qps: p99 {num(t['p99_ms'], 2)} ms "
-                  f"{'valid' if t['valid'] else 'invalid'}")
+                  f"{'valid' if t['valid'] else 'invalid'}"
+                  + (" (repeat)" if t.get("repeat") else "")
+                  + (" (load generator lagged)" if t.get("load_generator_lag") else ""))
+    if peak.get("edge_confirmed") is not None:
+        spread = peak.get("p99_spread_ms")
+        out.print(f"  edge {'confirmed' if peak['edge_confirmed'] else 'not confirmed'} by "
+                  "repeats" + (f"; p99 spread {spread:.2f} ms" if spread is not None else ""))
+    for note in peak.get("notes") or []:
+        out.print(f"[yellow]note[/]: {escape(note)}", highlight=False)
     if peak.get("reason"):
         out.print(f"[yellow]no peak[/]: {escape(peak['reason'])}", highlight=False)
 

@@ -14,10 +14,6 @@ from infermux.cli.render import explain_table, num, pareto_table, pipelines_tabl
 
 __all__ = ["tune_command"]
 
-#: `--queue-delays`' default, the library's `SERVER_QUEUE_DELAYS_MS` (a test keeps them in step).
-_DEFAULT_DELAYS = "0.5,1,4"
-
-
 def _compile_modes(text: str) -> tuple[str, ...]:
     """`--compile`: a comma list of torch.compile modes, or none."""
     modes = tuple(m.strip() for m in text.split(",") if m.strip())
@@ -46,7 +42,6 @@ def tune_command(
     fresh: Annotated[bool, typer.Option("--fresh", help="Measure everything again; ignore stored trials.")] = False,
     no_fine_tune: Annotated[bool, typer.Option("--no-fine-tune", help="Stop after the ladders and combinations.")] = False,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the fine-tuning sampler.")] = 0,
-    queue_delays: Annotated[str, typer.Option("--queue-delays", help="Server: queue delays tried on the plan with the highest peak, beside the search's 2 ms, e.g. 0.5,1,4 (ms), or none; one is kept only if its peak is 5% higher.")] = _DEFAULT_DELAYS,
     pipelines: Annotated[bool, typer.Option("--pipelines/--no-pipelines", help="With 2+ CPU core sets or GPUs: measure the partitioner's best pipelines beside the replica plans.")] = True,
     db: DbOpt = "infermux.db",
     as_json: JsonOpt = False,
@@ -55,7 +50,6 @@ def tune_command(
     from infermux._parse import (
         parse_batches,
         parse_bytes,
-        parse_delays_ms,
         parse_duration_s,
         parse_latency_ms,
         parse_shape,
@@ -77,8 +71,7 @@ def tune_command(
         compile_modes=_compile_modes(compile_modes),
         trial=TrialSettings(min_duration_s=parse_duration_s(trial_duration, name="--trial-duration"),
                             min_queries=trial_queries, data=data),
-        fresh=fresh, seed=seed, fine_tune=not no_fine_tune, pipelines=pipelines,
-        queue_delays_ms=parse_delays_ms(queue_delays))
+        fresh=fresh, seed=seed, fine_tune=not no_fine_tune, pipelines=pipelines)
     path = out_file or f"tuned-{'-'.join(model_name(m) for m in model)}.yaml"
     store = open_store(db)
     command = "infermux " + shlex.join(sys.argv[1:])
@@ -120,7 +113,7 @@ def tune_command(
     if len(report.server_peaks) > 1:
         for row in report.server_peaks:
             mark = "[bold]chosen[/]" if row["chosen"] else "      "
-            out.print(f"  {mark} {escape(row['plan'])}, queue delay {row['queue_delay_ms']:g} ms: "
+            out.print(f"  {mark} {escape(row['plan'])}, {row['batching']} batching: "
                       f"offline {num(row['offline_items_per_s'])} items/s, "
                       f"peak {num(row['peak_qps'])} qps"
                       + (f" ({escape(str(row['reason']))})" if row["peak_qps"] is None and row["reason"] else ""))

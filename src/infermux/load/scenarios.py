@@ -425,7 +425,9 @@ class PeakResult:
     """The server peak search: every trial's rate, p99 and validity, and the best valid rate.
 
     Without a peak, `reason` says why (no throughput to search below, or no rate held the
-    bound) and what to do about it.
+    bound) and what to do about it. `repeats` are the rates run again to confirm the edge, with
+    every p99 each gave; `notes` what else the reader should know (a load generator that fell
+    behind, an edge that moved between runs).
     """
 
     bound_ms: float
@@ -433,14 +435,47 @@ class PeakResult:
     peak_qps: float | None
     offline_items_per_s: float | None
     reason: str | None = None
+    repeats: list[dict[str, Any]] = field(default_factory=list)
+    #: Whether the repeats agreed: the last valid rate valid again, the first invalid invalid.
+    edge_confirmed: bool | None = None
+    notes: list[str] = field(default_factory=list)
 
     def record(self) -> dict[str, Any]:
         """JSON-ready, with the peak as a fraction of offline throughput."""
         frac = (self.peak_qps / self.offline_items_per_s
                 if self.peak_qps and self.offline_items_per_s else None)
+        spreads = [r["p99_spread_ms"] for r in self.repeats if r.get("p99_spread_ms") is not None]
+        lagged = [t["rate_qps"] for t in self.trials if t.get("load_generator_lag")]
         return {"p99_bound_ms": self.bound_ms, "peak_qps": self.peak_qps,
                 "offline_items_per_s": self.offline_items_per_s,
-                "peak_fraction_of_offline": frac, "reason": self.reason, "trials": self.trials}
+                "peak_fraction_of_offline": frac, "reason": self.reason,
+                "edge_confirmed": self.edge_confirmed, "repeats": self.repeats,
+                "p99_spread_ms": max(spreads) if spreads else None,
+                "load_generator_lag_rates_qps": lagged, "notes": self.notes,
+                "trials": self.trials}
+
+
+#: A trial whose load generator issued its queries this late (p99, as a share of the bound)
+#: measured the host's lag as much as the plan: it is flagged.
+LAG_SHARE = 0.1
+
+
+def _trial_entry(rate: float, result: ScenarioResult, bound_ms: float) -> dict[str, Any]:
+    valid, notes = result.validity()
+    lat = result.latencies_ns()
+    lag = latency_summary_ms(result.issue_lag_ns()).get("p99_ms")
+    entry: dict[str, Any] = {
+        "rate_qps": rate, "p99_ms": result.summary_latency().get("p99_ms"), "valid": valid,
+        "notes": notes,
+        # LoadGen's early stopping judges the p99 by how many queries broke the bound against
+        # how many the query count allows; with ~1,000 queries one stall decides the trial.
+        "queries": len(lat), "over_bound": sum(1 for v in lat if v > bound_ms * 1e6),
+        "issue_lag_p99_ms": lag,
+        "load_generator_lag": lag is not None and lag > LAG_SHARE * bound_ms,
+    }
+    if result.interrupted:
+        entry["interrupted"] = True
+    return entry
 
 
 def find_peak(
@@ -450,38 +485,118 @@ def find_peak(
     bound_ms: float,
     iterations: int = 6,
     lower_qps: float = 0.0,
+    confirm: bool = False,
 ) -> PeakResult:
-    """The highest server rate whose run is valid, by bisection.
+    """The highest server rate whose runs are all valid: bisection, then the edge confirmed.
 
     Between `lower_qps` (assumed valid) and `upper_qps` (the offline throughput, which no server
-    rate can beat); the first trial is at half the upper bound. With no throughput to search
-    below, or no valid rate, the result has no peak and says why in `reason`.
+    rate can beat); the first trial is at half the upper bound. With `confirm`, the last valid
+    rate and the first invalid one are run again: on a noisy host one run of each does not
+    place the edge. The peak is the highest rate valid in every run; if the repeat of the last
+    valid rate fails, the next lower valid rate is repeated too and the peak falls to it if it
+    holds. The p99s each repeated rate gave are reported (their spread). A trial whose load
+    generator issued late (issue lag p99 over `LAG_SHARE` of the bound) is flagged and noted:
+    its p99 holds the host's lag, not the plan's alone. With no throughput to search below, or
+    no valid rate, the result has no peak and says why in `reason`.
     """
     trials: list[dict[str, Any]] = []
     if not upper_qps or upper_qps <= 0 or not math.isfinite(upper_qps):
         return PeakResult(bound_ms, trials, None, upper_qps or 0.0, reason=(
             f"the offline throughput is {upper_qps or 0:g} samples/s, so there is no server rate "
             "to search: make the offline scenario complete samples first (see its validity notes)"))
+
+    def run(rate: float, repeat: bool = False) -> dict[str, Any]:
+        entry = _trial_entry(rate, run_server(rate), bound_ms)
+        if repeat:
+            entry["repeat"] = True
+        trials.append(entry)
+        return entry
+
     lo, hi = lower_qps, upper_qps
     best: float | None = None
+    interrupted = False
     for _ in range(iterations):
         rate = (lo + hi) / 2 if best is not None or lo > 0 else hi * 0.5
-        result = run_server(rate)
-        valid, notes = result.validity()
-        p99 = result.summary_latency().get("p99_ms")
-        trials.append({"rate_qps": rate, "p99_ms": p99, "valid": valid, "notes": notes})
-        if result.interrupted:
-            trials[-1]["interrupted"] = True
+        entry = run(rate)
+        if entry.get("interrupted"):
+            interrupted = True
             break
-        if valid:
+        if entry["valid"]:
             best = rate if best is None else max(best, rate)
             lo = rate
         else:
             hi = rate
-    reason = None
-    if best is None and trials and not trials[-1].get("interrupted"):
+    result = PeakResult(bound_ms, trials, best, upper_qps)
+    if confirm and not interrupted and best is not None:
+        _confirm(result, run)
+    peak = result.peak_qps
+    if peak is None and best is not None:
+        tried = ", ".join(f"{r['rate_qps']:.3g}" for r in result.repeats if r["valid"][0])
+        result.reason = (f"no rate held p99 <= {bound_ms:g} ms in every run: {tried} qps passed "
+                         "once and failed when repeated, so this host's p99 moves more between "
+                         "runs than the bound allows; rerun on a quieter host, or with longer "
+                         "trials (--duration)")
+    elif peak is None and trials and not trials[-1].get("interrupted"):
         low = min(trials, key=lambda t: t["rate_qps"])
         p99 = low["p99_ms"]
-        reason = (f"no rate held p99 <= {bound_ms:g} ms: the lowest tried, {low['rate_qps']:.3g} qps, "
-                  f"gave p99 {'none' if p99 is None else f'{p99:.1f}'} ms")
-    return PeakResult(bound_ms, trials, best, upper_qps, reason=reason)
+        result.reason = (f"no rate held p99 <= {bound_ms:g} ms: the lowest tried, "
+                         f"{low['rate_qps']:.3g} qps, gave p99 "
+                         f"{'none' if p99 is None else f'{p99:.1f}'} ms")
+    lagged = [t for t in trials if t.get("load_generator_lag")]
+    if lagged:
+        worst = max(t["issue_lag_p99_ms"] for t in lagged)
+        rates = ", ".join(f"{t['rate_qps']:.0f}" for t in lagged)
+        result.notes.append(
+            f"the load generator fell behind its schedule at {rates} qps (issue lag p99 up to "
+            f"{worst:.1f} ms > {LAG_SHARE:g} of the {bound_ms:g} ms bound): those p99s hold this "
+            "host's lag as well as the plan's; it shares the interpreter with the workers, so "
+            "rerun on a quieter host or with fewer workers' threads before trusting that edge")
+    return result
+
+
+#: How many valid rates below the last one a failed confirmation repeats before giving up.
+_CONFIRM_DOWN = 3
+
+
+def _confirm(result: PeakResult, run: Callable[..., dict[str, Any]]) -> None:
+    """Repeat the last valid and the first invalid rate; move the peak down if it fails."""
+    trials = result.trials
+    best = result.peak_qps
+    assert best is not None
+    invalid = [t["rate_qps"] for t in trials if not t["valid"] and t["rate_qps"] > best]
+    first_bad = min(invalid) if invalid else None
+    valid_rates = sorted({t["rate_qps"] for t in trials if t["valid"]}, reverse=True)
+    runs: dict[float, list[dict[str, Any]]] = {}
+    for t in trials:
+        runs.setdefault(t["rate_qps"], []).append(t)
+
+    def again(rate: float) -> dict[str, Any]:
+        entry = run(rate, repeat=True)
+        runs[rate].append(entry)
+        return entry
+
+    # The last valid rate again; if it fails, the next lower valid rates in turn (a few at
+    # most), until one holds in every run.
+    peak: float | None = None
+    for rate in [r for r in valid_rates if r <= best][:_CONFIRM_DOWN + 1]:
+        if again(rate)["valid"]:
+            peak = rate
+            break
+    bad_again = again(first_bad) if first_bad is not None else None
+    result.peak_qps = peak
+    result.edge_confirmed = (peak == best
+                             and (bad_again is None or not bad_again["valid"]))
+    for rate, entries in sorted(runs.items()):
+        if len(entries) < 2:
+            continue
+        p99s = [e["p99_ms"] for e in entries]
+        known = [p for p in p99s if p is not None]
+        result.repeats.append({
+            "rate_qps": rate, "p99_ms": p99s, "valid": [e["valid"] for e in entries],
+            "p99_spread_ms": (max(known) - min(known)) if len(known) > 1 else None})
+    if not result.edge_confirmed:
+        said = "; ".join(f"{r['rate_qps']:.0f} qps: p99 "
+                         + ", ".join("none" if p is None else f"{p:.1f}" for p in r["p99_ms"])
+                         + " ms" for r in result.repeats)
+        result.notes.append(f"the edge moved between runs ({said}): the peak is the highest "
+                            "rate valid in every run")

@@ -3,12 +3,19 @@
 - **Pull (work stealing).** A worker that is free takes the oldest queued items of its model;
   a faster unit comes back sooner and so takes more. `round_robin` instead assigns every item
   to the next worker on arrival (each worker has its own queue): the blind baseline.
-- **Dynamic batching.** A worker takes up to its batch size; with fewer items queued it waits
-  until the oldest has waited `max_queue_delay_ms`, then takes what is there. After the load
-  generator's last query (`end()`) partial batches go at once. With `take_when_idle` (a
-  server's latency setting) a worker takes a partial batch at once when every worker of the
-  model is idle: waiting then only delays the request, since no batch is running whose end
-  the wait would have overlapped; under load workers are busy and batches fill as before.
+- **Dynamic batching, sized to the deadline.** A worker takes up to its batch size. With a
+  latency bound for the model (`deadline_ns`: the model's `latency_bound_ms`, else the load's
+  `p99_bound_ms`) fewer items wait as long as the oldest can still finish in time
+  (`deadline_take`): its deadline is its arrival plus `deadline_share` of the bound, the batch
+  starts when the worker frees up (the batch it is computing counts) and takes the worker's
+  measured launch overhead and the bucket's measured latency. A full largest bucket goes at
+  once; once waiting is no longer safe the largest bucket that still meets the deadline goes
+  (the rest waits for the next batch); a partial batch goes at once when no worker of the
+  model holds a batch (light load: no running batch's end to overlap, so a wait only adds
+  latency). Without a bound (or with `batching="queue_delay"`) it waits until the oldest has
+  waited `max_queue_delay_ms`, then takes what is there; there `take_when_idle` (a server's
+  latency setting) takes a partial batch at once when every worker of the model is idle.
+  After the load generator's last query (`end()`) partial batches go at once.
 - **SLO-aware placement.** With a model's `latency_bound_ms`, a worker whose expected
   completion (moving average of its batch latency) would break the oldest item's bound leaves
   the items when another worker can meet it once free (`placement.slo_take`).
@@ -53,7 +60,7 @@ from infermux.errors import first_line
 from infermux.load.base import CompletionFn, Query
 from infermux.runtime.placement import LatencyEstimate, WorkerView, slo_take, tail_take
 
-__all__ = ["Batch", "Dispatcher", "Item", "WorkerState", "batch_ready"]
+__all__ = ["Batch", "Dispatcher", "Item", "WorkerState", "batch_ready", "deadline_take"]
 
 #: `poll` returns this (seconds to wait) when only a new item or event can change anything.
 WAIT_FOREVER = float("inf")
@@ -139,6 +146,12 @@ class WorkerState:
     in_flight: int = 0
     own_queue: deque[Item] = field(default_factory=deque)
     last_served: str | None = None
+    #: Moving average of the time from when a batch could start (taken, and the worker's
+    #: previous batch ended) to its launch: the gather and the hand-over, ns. Deadline
+    #: batching adds it to a batch's expected latency, which counts from the launch only.
+    launch_ns: float = 0.0
+    #: When the worker's last finished batch ended (what `launch_ns` is measured from).
+    last_end_ns: int = 0
 
     @property
     def batch(self) -> int:
@@ -166,6 +179,36 @@ def batch_ready(queued: int, batch: int, oldest_ns: int, now_ns: int, max_delay_
     return False, due - now_ns
 
 
+def deadline_take(queued: int, buckets: Sequence[int], expected_ns: Callable[[int], float],
+                  now_ns: int, free_ns: int, deadline_ns: int, *, idle: bool,
+                  flush: bool) -> tuple[int, int]:
+    """(items to take now, else 0 and ns to wait) under deadline batching.
+
+    `expected_ns(bucket)` is a batch's time from its start to its completion (the worker's
+    launch overhead and the bucket's measured latency); the batch starts at
+    `max(now_ns, free_ns)`, when the worker is done with the batch it computes. A full largest
+    bucket, a flush, or a model whose workers are all `idle` take what is queued at once.
+    Otherwise waiting is safe while the batch as it stands would still meet `deadline_ns` (the
+    oldest item's) if it started later: wait until the latest such start. Once it is not, take
+    the largest batch (all queued, else a full smaller bucket) that meets the deadline; if none
+    does, take all queued (late is better than never, and a backlog needs the throughput).
+    """
+    top = buckets[-1]
+    if queued >= top:
+        return top, 0
+    if flush or idle:
+        return queued, 0
+    bucket = next(b for b in buckets if b >= queued)
+    latest_start = deadline_ns - int(expected_ns(bucket))
+    if now_ns < latest_start and free_ns < latest_start:
+        return 0, latest_start - now_ns
+    start = max(now_ns, free_ns)
+    for size in [queued] + [b for b in reversed(buckets) if b < queued]:
+        if start + expected_ns(next(b for b in buckets if b >= size)) <= deadline_ns:
+            return size, 0
+    return queued, 0
+
+
 class Dispatcher:
     """Per-model queues, pulled by workers; see the module docstring for the rules."""
 
@@ -175,6 +218,8 @@ class Dispatcher:
         *,
         max_queue_delay_ns: int,
         latency_bound_ns: dict[str, int | None] | None = None,
+        deadline_ns: dict[str, int | None] | None = None,
+        batching: str = "deadline",
         policy: str = "pull",
         max_retries: int = 2,
         dynamic: bool = False,
@@ -186,6 +231,16 @@ class Dispatcher:
         self.max_events = 10_000
         self.max_queue_delay_ns = max_queue_delay_ns
         self.latency_bound_ns = dict(latency_bound_ns or {})
+        #: Per model, the latency bound partial batches are sized to (`deadline_take`); a
+        #: model without one (or `batching="queue_delay"`) waits out `max_queue_delay_ns`.
+        self.deadline_ns = {m: v for m, v in (deadline_ns or {}).items() if v}
+        if batching not in ("deadline", "queue_delay"):
+            raise ValueError(f"batching {batching!r}: use 'deadline' or 'queue_delay'")
+        self.batching = batching
+        #: The share of the bound a batch is planned to finish within; the rest is left to
+        #: what the dispatcher does not see: the load generator's issue lag, the completion's
+        #: hand-over and a batch slower than its moving average (the bound is on the p99).
+        self.deadline_share = 0.8
         self.policy = policy
         self.max_retries = max_retries
         self.clock_ns = clock_ns
@@ -376,13 +431,19 @@ class Dispatcher:
         if not queue:
             return None if self._closed else WAIT_FOREVER
         oldest = queue[0].enqueued_ns
-        take_now, wait_ns = batch_ready(len(queue), w.batch, oldest, now, self.max_queue_delay_ns,
-                                        self._flush)
-        if not take_now and self.take_when_idle and not w.in_flight:
-            take_now = not any(o.in_flight for o in self._live(model))
-        if not take_now:
-            return wait_ns / 1e9
-        n = min(len(queue), w.batch)
+        bound = self.deadline_ns.get(model) if self.batching == "deadline" else None
+        if bound is not None and self.policy == "pull":
+            n, wait_ns = self._deadline_take(w, model, len(queue), oldest, now, bound)
+            if n == 0:
+                return wait_ns / 1e9
+        else:
+            take_now, wait_ns = batch_ready(len(queue), w.batch, oldest, now,
+                                            self.max_queue_delay_ns, self._flush)
+            if not take_now and self.take_when_idle and not w.in_flight:
+                take_now = not any(o.in_flight for o in self._live(model))
+            if not take_now:
+                return wait_ns / 1e9
+            n = min(len(queue), w.batch)
         if self._flush and self.policy == "pull":
             others = [o.view(model) for o in self._live(model) if o.id != w.id]
             if others and not tail_take(w.view(model), others, n, len(queue), now):
@@ -410,6 +471,20 @@ class Dispatcher:
                                     "unit": w.unit, "from": w.last_served, "to": model})
             w.last_served = model
         return Batch(model, items, bucket, now, ready)
+
+    def _deadline_take(self, w: WorkerState, model: str, queued: int, oldest_ns: int,
+                       now_ns: int, bound_ns: int) -> tuple[int, int]:
+        """`deadline_take` for worker `w`: its buckets, estimates and running batch."""
+        launch_ns = w.launch_ns
+
+        def expected(bucket: int) -> float:
+            return launch_ns + w.estimate.expected_ns(bucket, model)
+
+        idle = not w.in_flight and not any(o.in_flight for o in self._live(model))
+        free = w.busy_until_ns if w.in_flight else now_ns
+        deadline = oldest_ns + int(bound_ns * self.deadline_share)
+        return deadline_take(queued, w.buckets, expected, now_ns, free, deadline, idle=idle,
+                             flush=self._flush)
 
     def next_batch(self, w: WorkerState, *, block: bool = True) -> Batch | None:
         """Block until `poll` gives a batch, or None when the worker should exit.
@@ -457,6 +532,11 @@ class Dispatcher:
         """
         with self.cond:
             w.estimate.update(batch.bucket, end_ns - start_ns, batch.model)
+            # From when the batch could start (taken, the previous batch over) to its launch.
+            could_start = max(batch.taken_ns, w.last_end_ns)
+            if start_ns >= could_start:
+                w.launch_ns = _average(w.launch_ns, start_ns - could_start)
+            w.last_end_ns = end_ns
             stale = self._stale(batch.items)
             w.in_flight -= 1
             if w.in_flight == 0:
@@ -626,3 +706,7 @@ class Dispatcher:
                     give_up.append(item)
             self.cond.notify_all()
         self._fail_items(give_up, now)
+
+
+def _average(old: float, new: float, alpha: float = 0.2) -> float:
+    return float(new) if old <= 0 else old + alpha * (new - old)

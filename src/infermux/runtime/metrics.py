@@ -4,14 +4,23 @@ A batch record is the raw sample (who ran which items when); every figure is der
 records and the load generator's per-query timings. Each item's latency splits into
 - queueing: from arrival until a free worker of its model could take it,
 - batching wait: from then until its batch was taken (waiting for a fuller batch),
-- compute: from the take to the batch's completion (gather, copies, the run).
+- compute: from the take to the batch's completion (gather, copies, the run), itself split into
+  - launch: from the take to the batch's launch (the gather, and the wait for the worker's
+    running batch when it was taken ahead of that batch's end),
+  - run: from the launch to the outputs collected on the host,
+  - host_overhead: what of `run` the device did not account for (GPU runners time their copies
+    and compute with CUDA events): launch calls, the collecting thread's wake-up,
+- handoff: from the completion stamp to the worker handing the batch to the dispatcher (the
+  completion callback runs then; the latency stamp is the completion, not the hand-over).
+The load generator's own lateness is the scenario record's `issue_lag`.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -132,14 +141,20 @@ class BatchRecord:
     enqueued_ns: list[int]
     ready_ns: list[int]
     device_compute_ns: int = 0
+    #: The device's own time for the batch (copies and compute), 0 where not measured.
+    device_ns: int = 0
+    #: When the worker handed the finished batch to the dispatcher, 0 where not recorded.
+    handed_ns: int = 0
 
 
 class Recorder:
     """Collects batch records from worker threads (installed as the dispatcher's hook)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock_ns: Callable[[], int] = time.perf_counter_ns) -> None:
         self.records: list[BatchRecord] = []
         self._lock = threading.Lock()
+        #: The workers' clock: a batch's hand-over is stamped with it.
+        self.clock_ns = clock_ns
 
     def reset(self) -> None:
         """Forget everything (between the trials of a peak search)."""
@@ -153,20 +168,36 @@ class Recorder:
             w.name, w.unit, batch.model, len(batch.items), batch.bucket, batch.taken_ns,
             start_ns, end_ns, [it.enqueued_ns for it in batch.items], list(batch.ready_ns),
             int(getattr(timing, "compute_ns", 0) or 0),
+            sum(int(getattr(timing, k, 0) or 0) for k in ("h2d_ns", "compute_ns", "d2h_ns")),
+            self.clock_ns(),
         )
         with self._lock:
             self.records.append(rec)
 
 
 def _phases(records: Sequence[BatchRecord]) -> dict[str, dict[str, float]]:
-    queue, wait, compute = [], [], []
+    """Per-item phase percentiles (ms); see the module docstring for what each covers."""
+    queue, wait, compute, launch, run, overhead, handoff = [], [], [], [], [], [], []
     for r in records:
+        n = len(r.enqueued_ns)
         for enq, ready in zip(r.enqueued_ns, r.ready_ns, strict=True):
             queue.append(ready - enq)
             wait.append(max(0, r.taken_ns - ready))
-            compute.append(r.end_ns - r.taken_ns)
-    return {"queueing": latency_summary_ms(queue), "batching_wait": latency_summary_ms(wait),
-            "compute": latency_summary_ms(compute)}
+        compute += [r.end_ns - r.taken_ns] * n
+        launch += [max(0, r.start_ns - r.taken_ns)] * n
+        run += [r.end_ns - r.start_ns] * n
+        if r.device_ns:
+            overhead += [max(0, r.end_ns - r.start_ns - r.device_ns)] * n
+        if r.handed_ns:
+            handoff += [max(0, r.handed_ns - r.end_ns)] * n
+    out = {"queueing": latency_summary_ms(queue), "batching_wait": latency_summary_ms(wait),
+           "compute": latency_summary_ms(compute), "launch": latency_summary_ms(launch),
+           "run": latency_summary_ms(run)}
+    if overhead:
+        out["host_overhead"] = latency_summary_ms(overhead)
+    if handoff:
+        out["handoff"] = latency_summary_ms(handoff)
+    return out
 
 
 def _histogram(records: Sequence[BatchRecord]) -> dict[str, int]:

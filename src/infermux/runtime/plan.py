@@ -216,8 +216,14 @@ class DispatcherSettings(_Strict):
     #: `pull`: one queue per model, free workers pull (work stealing); `round_robin`: each
     #: query is assigned to the next worker on arrival (the blind baseline).
     policy: Literal["pull", "round_robin"] = "pull"
-    #: The longest a worker waits for a fuller batch after the oldest query arrived.
+    #: The longest a worker waits for a fuller batch after the oldest query arrived, where no
+    #: latency bound sizes the batch (`batching`).
     max_queue_delay_ms: float = Field(QUEUE_DELAY_MS, ge=0, le=60_000)
+    #: How long a partial batch waits. `deadline`: with a latency bound (the model's
+    #: `latency_bound_ms`, else `load.p99_bound_ms`), as long as its oldest query can still
+    #: finish in time, from the worker's measured batch latency and when it frees up; without
+    #: one, `max_queue_delay_ms`. `queue_delay`: always `max_queue_delay_ms`.
+    batching: Literal["deadline", "queue_delay"] = "deadline"
     #: Weight of the newest batch in the moving-average latency estimate of each worker.
     estimate_alpha: float = Field(0.2, gt=0, le=1)
     #: How CPU-unit workers are hosted: `process` (one pinned process each) or `thread`.
@@ -481,7 +487,8 @@ models:
       - {{unit: cpu:1, engine: torch, instances: 1, batch: 4}}
 dispatcher:
   policy: pull                     # pull: free workers pull (work stealing); round_robin
-  max_queue_delay_ms: {QUEUE_DELAY_MS:<13}# wait at most this long for a fuller batch
+  max_queue_delay_ms: {QUEUE_DELAY_MS:<13}# wait at most this long for a fuller batch (no bound)
+  batching: deadline               # with a p99 bound, partial batches wait while it holds
   estimate_alpha: 0.2              # moving average of batch latency (SLO-aware placement)
   cpu_workers: process             # CPU workers as pinned processes (measured) or threads
   cpu_in_flight: 2                 # batches in a CPU worker's process: the next waits there

@@ -204,6 +204,9 @@ class Worker:
         a fuller one was a moment away: under server load that was most of the tail. Waiting
         until two gathers (and a little slack) before the expected end keeps the gather
         overlapped with the device; a full batch waiting is taken at once (offline load).
+        Under deadline batching the take then asks the dispatcher, which counts this running
+        batch (`busy_until_ns`) in the oldest item's deadline: a partial batch that may still
+        wait stays queued (for this worker once it frees, or for an idle one).
         """
         d, w = self.dispatcher, self.state
         take_at = end_ns - 2 * gather_ns - _TAKE_SLACK_NS

@@ -38,15 +38,6 @@ from infermux.units import Unit
 __all__ = ["TuneReport", "TuneRequest", "build_space", "prepare", "run_tune"]
 
 SCENARIOS = ("offline", "server")
-#: Queue delays (ms) a server tune tries on the plan with the highest peak, beside the
-#: `QUEUE_DELAY_MS` every candidate ran with. Behind `infermux serve` on two CPU cores, one
-#: mobilenet_v3_small plan served more at 0.5 ms than at 2 ms on one machine and less on
-#: another (docs/benchmarks.md): it is measured per plan and machine.
-SERVER_QUEUE_DELAYS_MS = (0.5, 1.0, 4.0)
-#: A delay replaces the plan's only when its peak is this much higher, so a tie does not move
-#: the plan. It covers the few percent between find-peak runs on a quiet CPU, not the ±20%
-#: seen on some GPU hosts, where one sweep cannot tell delays apart (docs/benchmarks.md).
-QUEUE_DELAY_GAIN = 1.05
 
 
 @dataclass
@@ -71,9 +62,6 @@ class TuneRequest:
     #: With two or more CPU core sets or GPUs and one torch model: measure the partitioner's
     #: best predicted pipelines through the runtime beside the replica plans.
     pipelines: bool = True
-    #: Server scenario: queue delays (ms) tried on the plan with the highest peak; the one
-    #: whose peak is highest by `QUEUE_DELAY_GAIN` is written. Empty: no sweep.
-    queue_delays_ms: tuple[float, ...] = SERVER_QUEUE_DELAYS_MS
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -94,10 +82,6 @@ class TuneRequest:
         if unknown:
             raise UsageError(f"--compile {unknown[0]!r} is not a torch.compile mode: use "
                              f"{', '.join(COMPILE_MODES)}, a comma list of them, or none")
-        self.queue_delays_ms = tuple(float(d) for d in self.queue_delays_ms)
-        if any(not 0 <= d <= 60_000 for d in self.queue_delays_ms):
-            raise UsageError(f"--queue-delays {list(self.queue_delays_ms)} must lie between 0 and "
-                             "60000 ms, e.g. --queue-delays 0.5,1,4")
         names = [model_name(m.ref) for m in self.models]
         if len(set(names)) != len(names):
             raise UsageError(f"models {names} repeat a name: tune each model once")
@@ -113,7 +97,6 @@ class TuneRequest:
             "max_instances": self.max_instances, "compile_modes": list(self.compile_modes),
             "trial": self.trial.to_dict(), "fresh": self.fresh, "seed": self.seed,
             "fine_tune": self.fine_tune, "pipelines": self.pipelines,
-            "queue_delays_ms": list(self.queue_delays_ms),
         }
 
 
@@ -400,8 +383,9 @@ def _choose_by_server_peak(report: TuneReport, evaluator: LiveEvaluator, request
     The search ranks server candidates by offline throughput with each batch within half the
     bound, which does not rank their peaks: on an H100, ResNet50 b64 ×2 gave 20.9k images/s
     offline and 11.7k queries/s within p99 15 ms, b32 ×3 20.3k and 19.1k. A candidate whose
-    offline throughput is below the best peak so far cannot beat it and is not run. The plan
-    kept then runs at the request's other queue delays (`_sweep_queue_delay`).
+    offline throughput is below the best peak so far cannot beat it and is not run. Each plan
+    carries the bound, so its dispatcher sizes partial batches to it (deadline batching): no
+    queue delay is left to sweep.
     """
     result = report.result
     assert report.plan is not None and result.best is not None
@@ -431,56 +415,25 @@ def _choose_by_server_peak(report: TuneReport, evaluator: LiveEvaluator, request
         peak = _server_peak(evaluator, plan, progress) or {}
         peak_qps = peak.get("peak_qps")
         report.server_peaks.append({"plan": label, "offline_items_per_s": offline,
-                                    "queue_delay_ms": _queue_delay(plan), "peak_qps": peak_qps,
+                                    "batching": _batching(plan), "peak_qps": peak_qps,
                                     "reason": peak.get("reason"), "chosen": False})
         if i == 0:
             report.server_peak = peak or None
         if peak_qps is not None and (best is None or peak_qps > best[0]):
             best = (peak_qps, len(report.server_peaks) - 1, peak)
             report.plan = plan
-    if best is not None:
-        best = _sweep_queue_delay(report, evaluator, request, best, deadline=deadline,
-                                  progress=progress)
     row = best[1] if best is not None else 0
     report.server_peaks[row]["chosen"] = True
     if best is not None:
         report.server_peak = best[2]
 
 
-def _queue_delay(plan: dict[str, Any]) -> float:
-    return float(plan.get("dispatcher", {}).get("max_queue_delay_ms", QUEUE_DELAY_MS))
-
-
-def _sweep_queue_delay(report: TuneReport, evaluator: LiveEvaluator, request: TuneRequest,
-                       best: tuple[float, int, dict[str, Any]], *, deadline: float,
-                       progress: ProgressFn | None) -> tuple[float, int, dict[str, Any]]:
-    """The plan kept, measured at each other queue delay of the request; returns the best row.
-
-    How long the dispatcher waits for a fuller batch trades latency for batch size, and where
-    the peak lies depends on the engine's cost per batch against per item and on the server's
-    own cost per query, so it is measured, not guessed. Delays past a third of the p99 bound
-    are not tried (the wait alone would spend it), nor any once the budget is spent.
-    """
-    assert report.plan is not None
-    plan, row = report.plan, report.server_peaks[best[1]]
-    bound = request.constraints.p99_bound_ms
-    tried = {_queue_delay(plan)}
-    for delay in request.queue_delays_ms:
-        if delay in tried or (bound is not None and delay > bound / 3):
-            continue
-        if time.monotonic() >= deadline:
-            break
-        tried.add(delay)
-        candidate = {**plan, "dispatcher": {**plan.get("dispatcher", {}),
-                                            "max_queue_delay_ms": delay}}
-        peak = _server_peak(evaluator, candidate, progress) or {}
-        peak_qps = peak.get("peak_qps")
-        report.server_peaks.append({**row, "queue_delay_ms": delay, "peak_qps": peak_qps,
-                                    "reason": peak.get("reason"), "chosen": False})
-        if peak_qps is not None and peak_qps > best[0] * QUEUE_DELAY_GAIN:
-            best = (peak_qps, len(report.server_peaks) - 1, peak)
-            report.plan = candidate
-    return best
+def _batching(plan: dict[str, Any]) -> str:
+    """How the plan's dispatcher sizes partial batches, in words for the header and rows."""
+    d = plan.get("dispatcher", {})
+    if d.get("batching", "deadline") == "deadline" and plan.get("load", {}).get("p99_bound_ms"):
+        return "deadline"
+    return f"queue delay {float(d.get('max_queue_delay_ms', QUEUE_DELAY_MS)):g} ms"
 
 
 def _server_peak(evaluator: LiveEvaluator, plan: dict[str, Any],
@@ -517,7 +470,7 @@ def _plan_header(result: TuneResult, request: TuneRequest, pipelines: str | None
     for row in server_peaks or []:
         peak = row["peak_qps"]
         lines.append(f"# server peak within p99 {request.constraints.p99_bound_ms:g} ms: "
-                     f"{row['plan']}, queue delay {row['queue_delay_ms']:g} ms: "
+                     f"{row['plan']}, {row['batching']} batching: "
                      + (f"{peak:.1f} queries/s" if peak is not None else
                                           f"none ({row['reason']})")
                      + (" (chosen)" if row["chosen"] else ""))
