@@ -63,15 +63,15 @@ def _brief(record: dict[str, Any]) -> dict[str, Any]:
 
 def _one(rt: Any, rule: str, settings: dict[str, Any], shares: dict[str, float],
          bound: float) -> dict[str, Any]:
-    rt.dispatcher.batching = rule
+    rt.set_batching(rule)
     records: list[dict[str, Any]] = []
-    _, offline = rt.run_trial({**settings, "scenario": "offline"}, shares, None)
+    _, offline = rt.run_trial({**settings, "scenario": "offline"}, shares)
     records.append(_brief(offline))
     upper = offline.get("items_per_s") or 0.0
 
     def server(rate: float) -> Any:
         result, record = rt.run_trial({**settings, "scenario": "server", "rate_qps": rate},
-                                      shares, None)
+                                      shares)
         records.append(_brief(record))
         return result
 
@@ -126,7 +126,7 @@ def main() -> int:
                       f"{row['edge_confirmed']}  phases p99 at peak {p99s}", flush=True)
                 Path(args.json_path).write_text(json.dumps(out, indent=1))
     finally:
-        rt.shutdown(now=True)
+        rt.stop(drain=False)
     out["seconds"] = time.perf_counter() - started
     Path(args.json_path).write_text(json.dumps(out, indent=1))
     return 0

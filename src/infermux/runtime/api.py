@@ -25,6 +25,7 @@ from infermux.load.base import CompletionFn, Query
 from infermux.runtime.dispatcher import Batch, WorkerState
 
 if TYPE_CHECKING:
+    from infermux.load.scenarios import ScenarioResult
     from infermux.runtime.metrics import BatchRecord
     from infermux.runtime.plan import Plan
     from infermux.runtime.session import _Runtime
@@ -279,6 +280,11 @@ class LocalRuntime:
         with self._d.cond:
             self._d.take_when_idle = on
 
+    def set_batching(self, rule: str) -> None:
+        """How partial batches wait: `deadline` or `queue_delay` (`DispatcherSettings.batching`)."""
+        with self._d.cond:
+            self._d.batching = rule
+
     # -- a load generator's trial -----------------------------------------------------------
 
     def begin_trial(self) -> int:
@@ -290,6 +296,15 @@ class LocalRuntime:
     def end(self) -> None:
         """No more queries this trial: partial batches go at once."""
         self._d.end()
+
+    def run_trial(self, settings: dict[str, Any], shares: dict[str, float],
+                  ) -> tuple[ScenarioResult, dict[str, Any]]:
+        """One trial of a load generator on the built workers; (the result, its record).
+
+        `settings` is a `load:` section: what `run_plan` runs per trial, for a caller that
+        compares settings (the batching rule, say) on one build.
+        """
+        return self._rt.run_trial(settings, shares, None)
 
     def trial_counts(self) -> TrialCounts:
         """The trial's batch records, dispatcher events and retried/failed items."""
