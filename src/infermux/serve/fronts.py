@@ -273,16 +273,18 @@ class FrontHub:
                 gen.errors.append([rid, result.status, result.message, result.retry_after_s])
             else:  # the outputs are in the request's slots already
                 gen.done += rid.to_bytes(8, "little")
-        self._reply(gen)
+        # Written at once: this is already one wake-up per runtime batch, and a lone request
+        # would wait another loop turn for the link's own grouping.
+        self._reply(gen, now=True)
 
-    def _reply(self, gen: _Generation) -> None:
+    def _reply(self, gen: _Generation, *, now: bool = False) -> None:
         if gen.link is None:
             return
         if gen.done:
-            gen.link.send(Kind.DONE, gen.done)
+            gen.link.send(Kind.DONE, gen.done, now=now and not gen.errors)
             gen.done = bytearray()
         if gen.errors:
-            gen.link.send(Kind.ERROR, json.dumps(gen.errors).encode())
+            gen.link.send(Kind.ERROR, json.dumps(gen.errors).encode(), now=now)
             gen.errors = []
 
     def _on_lost(self, gen: _Generation) -> None:

@@ -117,17 +117,23 @@ class Link(asyncio.Protocol):
         self.transport = None
         self._on_lost()
 
-    def send(self, kind: int, payload: bytes | bytearray) -> None:
-        """Queue a frame; everything queued in this loop turn is written with one call."""
+    def send(self, kind: int, payload: bytes | bytearray, *, now: bool = False) -> None:
+        """Queue a frame; everything queued in this loop turn is written with one call.
+
+        `now`: write it (and what is queued before it) at once, for a caller that has already
+        gathered a loop turn's worth (a request waits on every turn it is held back).
+        """
         self._out.append(frame(kind, payload))
-        if not self._scheduled:
+        if now:
+            self._flush()
+        elif not self._scheduled:
             self._scheduled = True
             asyncio.get_running_loop().call_soon(self._flush)
 
     def _flush(self) -> None:
         self._scheduled = False
         out, self._out = self._out, []
-        if self.transport is not None and not self.transport.is_closing():
+        if out and self.transport is not None and not self.transport.is_closing():
             self.transport.write(b"".join(out))
 
 
@@ -267,7 +273,7 @@ class RuntimeProxy:
         self._scheduled = False
         batch, self._batch = self._batch, bytearray()
         if self.link is not None and batch:
-            self.link.send(Kind.INFER, batch)
+            self.link.send(Kind.INFER, batch, now=True)  # this turn's requests are all in it
 
     def on_frame(self, kind: int, payload: bytes) -> None:
         """A frame from the runtime."""
