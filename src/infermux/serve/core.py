@@ -533,6 +533,13 @@ class InferenceCore:
             self.runtime.submit(queries)
         return refused
 
+    def count_refused(self, info: ModelInfo, count: int) -> None:
+        """Requests of `info` a front process refused itself with 503 (its slab was full)."""
+        with self._lock:
+            info.stats.rejected += count
+        if self.metrics is not None:
+            self.metrics.rejected(info.name, count)
+
     def _refused(self, info: ModelInfo, count: bool) -> None:
         """One request refused with 503 before admission (full, not ready, shutting down).
 

@@ -41,6 +41,7 @@ from infermux.errors import UsageError
 from infermux.serve.core import BatchSink, ProtocolError
 from infermux.serve.proxy import (
     DTYPE_CODES,
+    REFUSALS,
     REQUEST,
     STATE_PERIOD_S,
     FrameReader,
@@ -238,6 +239,9 @@ class FrontHub:
                 gen.errors.extend([rid, e.status, e.message, e.retry_after_s]
                                   for rid, e in refused)
                 self._reply(gen)
+        elif kind == Kind.REFUSED:
+            for index, count in REFUSALS.iter_unpack(payload):
+                self.core.count_refused(self.models[index], count)
         elif kind == Kind.REGIONS:
             self._on_regions(gen, json.loads(payload))
         elif kind == Kind.READY:
