@@ -12,6 +12,11 @@ a load generator's queries: dynamic batching, replicas, pipelines, SLO-aware and
 placement all apply. Outputs come back per batch through the core's subscription, a row per
 item, and are written into the request's own arrays in order; failures come back as
 completions that are not ok. Every admitted request is answered.
+
+Two entries: `infer()`, one request awaited on the event loop (the in-process fronts), and
+`submit_many()`, every request of a front process's frame admitted under one lock and
+submitted in one call, their answers delivered per runtime batch to a `BatchSink` (no task,
+no future, no loop turn per request: serve/fronts.py, docs/architecture-serve.md).
 """
 
 from __future__ import annotations
@@ -313,9 +318,10 @@ class BatchSink:
 class InferenceCore:
     """Requests into the runtime's dispatcher and answers back; thread-safe where it must be.
 
-    `infer()` runs on the fronts' event loop; `_on_outputs`, `_on_complete` and `_on_batch`
-    (the core's subscription to the runtime) run on worker threads and hand results back
-    with `call_soon_threadsafe`.
+    `infer()` and `submit_many()` run on the fronts' event loop; `_on_outputs`, `_on_complete`
+    and `_on_batch` (the core's subscription to the runtime) run on worker threads and hand
+    results back with `call_soon_threadsafe` (per request for `infer()`, per runtime batch
+    for a `BatchSink`).
     """
 
     def __init__(self, runtime: Runtime, plan: Plan, *, max_queue_items: int | None = None,
@@ -530,7 +536,13 @@ class InferenceCore:
             for info in touched.values():
                 self.metrics.pending(info.name, info.in_flight_requests, info.in_flight_items)
         if queries:
-            self.runtime.submit(queries)
+            try:
+                self.runtime.submit(queries)
+            except Exception as exc:  # noqa: BLE001 - each request is answered, as infer() would
+                with self._lock:
+                    for q in queries:
+                        self._finish(q.id, None, f"the runtime did not take the request: {exc}",
+                                     status=500)
         return refused
 
     def count_refused(self, info: ModelInfo, count: int) -> None:
