@@ -23,6 +23,7 @@ buckets.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import importlib.util
 import json
@@ -94,14 +95,46 @@ def perf_analyzer_env(exe: str) -> None:
             [str(lib), *filter(None, [os.environ.get("LD_LIBRARY_PATH")])])
 
 
-def offline(plan: Path) -> dict[str, Any]:
-    """The plan's own figure: `infermux run --scenario offline` (the runtime, no server)."""
-    done = subprocess.run([*INFERMUX, "run", str(plan), "--scenario", "offline", "--json",
+def offline(plan: Path, scenario: str = "offline") -> dict[str, Any]:
+    """The plan's own figure: `infermux run --scenario offline` (the runtime, no server).
+
+    `scenario="single-stream"`: one query at a time, so its latency is the plan's batch-1
+    latency, the reference of the concurrency-1 rows.
+    """
+    done = subprocess.run([*INFERMUX, "run", str(plan), "--scenario", scenario, "--json",
                            "--no-store"], capture_output=True, text=True, env=ENV)
     if done.returncode != 0:
         return {"error": done.stderr[-500:]}
     result = json.loads(done.stdout)["result"]
-    return {"items_per_s": result["items_per_s"], "p99_ms": result["latency"]["p99_ms"]}
+    return {"items_per_s": result["items_per_s"], "p50_ms": result["latency"].get("p50_ms"),
+            "p99_ms": result["latency"]["p99_ms"]}
+
+
+_TICK_S = 1 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
+
+
+def cpu_s(pids: list[int]) -> float:
+    """CPU seconds (user + system) the processes have used, from /proc."""
+    total = 0.0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) * _TICK_S
+    return total
+
+
+def answered(ready: dict[str, Any], model: str) -> float:
+    """Requests the server has answered (its Prometheus counter, kept by the runtime process)."""
+    import urllib.request
+
+    url = f"http://127.0.0.1:{ready['metrics_port']}/metrics"
+    key = f'nv_inference_request_success_total{{model="{model}",version="1"}}'
+    for line in urllib.request.urlopen(url, timeout=10).read().decode().splitlines():
+        if line.startswith(key):
+            return float(line.rpartition(" ")[2])
+    return 0.0
 
 
 def start_server(plan: Path, out: Path, fronts: int) -> tuple[subprocess.Popen[str], dict[str, Any]]:
@@ -146,6 +179,17 @@ def perf_analyzer(exe: str, url: str, protocol: str, model: str, concurrency: in
         data = next(csv.DictReader(f))
     row.update(requests_per_s=float(data["Inferences/Second"]),
                p50_ms=float(data["p50 latency"]) / 1e3, p99_ms=float(data["p99 latency"]) / 1e3)
+    # Where a request's time went (µs, perf_analyzer's averages): the server's queue and
+    # compute (from its statistics), and the rest: protocol, fronts, link, runtime process.
+    with contextlib.suppress(KeyError, ValueError):
+        server = {k: float(data[f"Server {k.title()}"]) for k in
+                  ("queue", "compute input", "compute infer", "compute output")}
+        outside = float(data["Network+Server Send/Recv"])
+        client = float(data["Client Send"]) + float(data["Client Recv"])
+        row.update(avg_us=round(client + outside + sum(server.values()), 1),
+                   server_queue_us=server["queue"],
+                   server_compute_us=round(sum(server.values()) - server["queue"], 1),
+                   outside_us=outside)
     return row
 
 
@@ -229,6 +273,9 @@ def main() -> None:
         print(f"{name}: offline ...", flush=True)
         entry["offline"] = offline(plan_file)
         print(f"  {entry['offline']}", flush=True)
+        if 1 in levels:  # the concurrency-1 rows' reference
+            entry["single_stream"] = offline(plan_file, "single-stream")
+            print(f"  single-stream: {entry['single_stream']}", flush=True)
         ceiling = entry["offline"].get("items_per_s")
         for fronts in front_counts:
             if time.monotonic() - began > args.budget:
@@ -251,6 +298,9 @@ def main() -> None:
                                 report["skipped"].append(what)
                                 continue
                             url = f"127.0.0.1:{port}"
+                            fronts_pids = ready.get("front_pids") or []
+                            before = (cpu_s([proc.pid]), cpu_s(fronts_pids),
+                                      answered(ready, model))
                             row = perf_analyzer(
                                 exe, url, protocol, model, c, mode,
                                 work / f"{name}-f{fronts}-{protocol}-{mode}-c{c}.csv",
@@ -258,6 +308,14 @@ def main() -> None:
                                 args.stability) if exe else \
                                 load_client(url, protocol, model, shape, c)
                             row.update(fronts=fronts, protocol=protocol, shared_memory=mode)
+                            # CPU per answered request (warm-up and every trial included):
+                            # the runtime process's, and the front processes' together.
+                            served = answered(ready, model) - before[2]
+                            if served > 0:
+                                row["runtime_cpu_ms_per_request"] = round(
+                                    1e3 * (cpu_s([proc.pid]) - before[0]) / served, 4)
+                                row["fronts_cpu_ms_per_request"] = round(
+                                    1e3 * (cpu_s(fronts_pids) - before[1]) / served, 4)
                             if ceiling and "requests_per_s" in row:
                                 row["served_over_offline"] = round(row["requests_per_s"] / ceiling, 3)
                             entry["served"].append(row)

@@ -442,3 +442,135 @@ def test_cuda_shared_memory_inputs_and_outputs(net_file: Path, reference: Any) -
             cudashm.destroy_shared_memory_region(h)
         code, out = srv.stop()
         assert code == 0, out
+
+
+# -- a frame of requests at once: admission and accounting -------------------------------------
+
+
+def test_a_frame_of_requests_is_admitted_in_order_and_counted_like_single_requests() -> None:
+    """`InferenceCore.submit_many` on a real runtime: the admission limit holds across the
+    requests of one call, refusals are counted, and every admitted request is one success."""
+    import asyncio
+
+    from infermux.runtime import parse_plan, start_runtime
+    from infermux.serve.core import InferenceCore, ProtocolError
+    from infermux.serve.metrics import ServeMetrics
+    from tests.conftest import TINY
+
+    plan = parse_plan({
+        "name": "frame", "models": [{"name": "tiny", "model": f"{TINY}:tiny_cnn",
+                                     "replicas": [{"unit": "cpu:0", "batch": 4}]}],
+        "dispatcher": {"cpu_workers": "thread", "max_queue_delay_ms": 1}})
+    rt = start_runtime(plan)
+    rows = np.random.default_rng(3).standard_normal((8, 3, 32, 32)).astype(np.float32)
+    sizes = [1, 1, 1, 1, 2, 1, 1]  # 6 items fit the limit of 6; the last two do not
+
+    async def run() -> tuple[Any, ...]:
+        metrics = ServeMetrics(rt)
+        core = InferenceCore(rt, plan, max_queue_items=6, metrics=metrics)
+        info = core.models["tiny"]
+        expected = [await core.infer(info, rows[:n]) for n in (1, 2)]  # the single path
+        answers: list[tuple[int, Any]] = []
+        deliveries: list[int] = []
+        all_in = asyncio.Event()
+
+        def deliver(got: list[tuple[int, Any]]) -> None:
+            answers.extend(got)
+            deliveries.append(len(got))
+            if len(answers) == 5:
+                all_in.set()
+
+        sink = core.batch_sink(deliver)
+        outs = [[np.full((n, 10), np.nan, dtype=np.float32)] for n in sizes]
+        refused = core.submit_many([(info, rows[:n], outs[k], k) for k, n in
+                                    enumerate(sizes)], sink)
+        in_flight = info.in_flight_items
+        await asyncio.wait_for(all_in.wait(), 60)
+        return core, info, expected, answers, deliveries, outs, refused, in_flight, metrics
+
+    try:
+        core, info, expected, answers, deliveries, outs, refused, in_flight, metrics = \
+            asyncio.run(run())
+    finally:
+        rt.stop(drain=True)
+    assert [k for k, _ in refused] == [5, 6] and in_flight <= 6
+    assert all(isinstance(e, ProtocolError) and e.status == 503 and e.retry_after_s == 1.0
+               for _, e in refused)
+    assert sorted(k for k, _ in answers) == [0, 1, 2, 3, 4]
+    assert sum(deliveries) == 5 and len(deliveries) <= 5  # answers come per runtime batch
+    for k, result in answers:  # written into the arrays given, equal to the single path's
+        assert result[0] is outs[k][0]
+        np.testing.assert_allclose(result[0], expected[sizes[k] - 1][0], rtol=1e-5, atol=1e-6)
+    s = info.stats
+    assert (s.success.count, s.fail.count, s.rejected) == (5 + 2, 0, 2)
+    assert s.inference_count == 6 + 3 and info.in_flight_items == info.in_flight_requests == 0
+    assert core.summary()["tiny"]["requests_rejected"] == 2
+    text = metrics.text().decode()
+    assert 'nv_inference_request_success_total{model="tiny",version="1"} 7.0' in text
+    assert 'infermux_requests_rejected_total{model="tiny"} 2.0' in text
+    assert 'infermux_items_in_flight{model="tiny"} 0.0' in text
+
+
+def test_fronts_under_a_burst_count_every_request_once(net_file: Path) -> None:
+    """A burst past admission through two fronts: answered + refused = sent, in the v2
+    statistics, the Prometheus counters and the stored summary alike; never more items in
+    flight than the limit."""
+    srv = Server(net_file.parent, _plan("burst", f"{net_file}:slower", cpu_workers="thread"),
+                 "--max-queue", "6", "--fronts", "2")
+    codes: list[str] = []
+    errors: list[BaseException] = []
+    peak = [0.0]
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            with contextlib.suppress(OSError):
+                peak[0] = max(peak[0], srv.scrape().get('infermux_items_in_flight{model="net"}', 0))
+            time.sleep(0.01)
+
+    def one(k: int) -> None:
+        protocol = "http" if k % 2 else "grpc"
+        try:
+            _infer(protocol, srv, _x(1, seed=k))
+            codes.append("ok")
+        except InferenceServerException as exc:
+            codes.append(str(exc.status()))
+        except BaseException as exc:  # noqa: BLE001 - a reset or hang is what the test finds
+            errors.append(exc)
+
+    try:
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        threads = [threading.Thread(target=one, args=(k,)) for k in range(32)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        stop.set()
+        watcher.join(10)
+        assert not errors, errors
+        ok = codes.count("ok")
+        refused = len(codes) - ok
+        assert len(codes) == 32 and ok >= 1 and refused >= 1, codes
+        assert set(codes) <= {"ok", "503", "StatusCode.UNAVAILABLE"}, codes
+        assert peak[0] <= 6
+        metrics = srv.scrape()
+        assert metrics['nv_inference_request_success_total{model="net",version="1"}'] == ok
+        assert metrics['infermux_requests_rejected_total{model="net"}'] == refused
+        # Items run: each answered request's one, and the item that probed the outputs.
+        assert metrics['nv_inference_count_total{model="net",version="1"}'] == ok + 1
+        deadline = time.monotonic() + 10  # the fronts' statistics are pushed periodically
+        while True:
+            stats = thttp.InferenceServerClient(srv.http).get_inference_statistics("net")
+            inference = stats["model_stats"][0]["inference_stats"]
+            if inference["success"]["count"] >= ok or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert (inference["success"]["count"], inference["fail"]["count"]) == (ok, 0)
+        assert stats["model_stats"][0]["inference_count"] == ok + 1
+    finally:
+        code, out = srv.stop()
+    assert code == 0, out
+    summary = json.loads(out[out.index("{"):])["models"]["net"]
+    assert (summary["requests_ok"], summary["requests_rejected"],
+            summary["requests_failed"]) == (ok, refused, 0)

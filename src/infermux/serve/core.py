@@ -12,6 +12,11 @@ a load generator's queries: dynamic batching, replicas, pipelines, SLO-aware and
 placement all apply. Outputs come back per batch through the core's subscription, a row per
 item, and are written into the request's own arrays in order; failures come back as
 completions that are not ok. Every admitted request is answered.
+
+Two entries: `infer()`, one request awaited on the event loop (the in-process fronts), and
+`submit_many()`, every request of a front process's frame admitted under one lock and
+submitted in one call, their answers delivered per runtime batch to a `BatchSink` (no task,
+no future, no loop turn per request: serve/fronts.py, docs/architecture-serve.md).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import math
 import re
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +42,9 @@ from infermux.runtime.plan import ModelEntry, Plan
 
 __all__ = [
     "DATATYPES",
+    "BatchAnswer",
+    "BatchRequest",
+    "BatchSink",
     "InferenceCore",
     "ModelInfo",
     "ProtocolError",
@@ -241,20 +249,79 @@ def tensor_from_list(name: str, datatype: str, shape: tuple[int, ...], data: Any
 @dataclass
 class _Pending:
     loop: asyncio.AbstractEventLoop
-    future: asyncio.Future[list[np.ndarray]]
+    future: asyncio.Future[list[np.ndarray]] | None
     model: ModelInfo
     items: int
     admitted_ns: int
     left: int
     outputs: list[np.ndarray] | None = None
+    #: Requests admitted by `submit_many`: where the answer goes, and the caller's token.
+    sink: BatchSink | None = None
+    token: Any = None
+
+
+#: A request for `InferenceCore.submit_many`: (model, input rows, output arrays to fill or
+#: None, the caller's token).
+BatchRequest = tuple["ModelInfo", np.ndarray, "list[np.ndarray] | None", Any]
+#: One answer of a `BatchSink`: (token, the outputs or the error).
+BatchAnswer = tuple[Any, "list[np.ndarray] | ProtocolError"]
+
+
+class BatchSink:
+    """Where the answers of `InferenceCore.submit_many` go, on the caller's event loop.
+
+    The runtime's callbacks (worker threads) add answers under the core's lock; the first one
+    added since the last delivery schedules one wake-up of the loop, which hands every answer
+    gathered by then to `deliver` in one call, and records their Prometheus figures in one
+    update per model. So a runtime batch costs the loop one wake-up, whatever its size.
+    """
+
+    def __init__(self, core: InferenceCore, loop: asyncio.AbstractEventLoop,
+                 deliver: Callable[[list[BatchAnswer]], None]) -> None:
+        self.core = core
+        self.loop = loop
+        self._deliver = deliver
+        self._answers: list[BatchAnswer] = []
+        #: (model, ok, request ns) of each answer, for the metrics.
+        self._timings: list[tuple[ModelInfo, bool, int]] = []
+        self._scheduled = False
+
+    def _add(self, token: Any, result: list[np.ndarray] | ProtocolError, info: ModelInfo,
+             ok: bool, took_ns: int) -> None:
+        """One answer (called with the core's lock held, on any thread)."""
+        self._answers.append((token, result))
+        self._timings.append((info, ok, took_ns))
+        if not self._scheduled:
+            self._scheduled = True
+            self.loop.call_soon_threadsafe(self._flush)
+
+    def _flush(self) -> None:
+        with self.core._lock:
+            answers, self._answers = self._answers, []
+            timings, self._timings = self._timings, []
+            self._scheduled = False
+        metrics = self.core.metrics
+        if metrics is not None and timings:
+            by_model: dict[tuple[str, bool], list[int]] = {}
+            touched: dict[str, ModelInfo] = {}
+            for info, ok, took in timings:
+                by_model.setdefault((info.name, ok), []).append(took)
+                touched[info.name] = info
+            for (name, ok), durations in by_model.items():
+                metrics.requests(name, ok, durations)
+            for info in touched.values():
+                metrics.pending(info.name, info.in_flight_requests, info.in_flight_items)
+        if answers:
+            self._deliver(answers)
 
 
 class InferenceCore:
     """Requests into the runtime's dispatcher and answers back; thread-safe where it must be.
 
-    `infer()` runs on the fronts' event loop; `_on_outputs`, `_on_complete` and `_on_batch`
-    (the core's subscription to the runtime) run on worker threads and hand results back
-    with `call_soon_threadsafe`.
+    `infer()` and `submit_many()` run on the fronts' event loop; `_on_outputs`, `_on_complete`
+    and `_on_batch` (the core's subscription to the runtime) run on worker threads and hand
+    results back with `call_soon_threadsafe` (per request for `infer()`, per runtime batch
+    for a `BatchSink`).
     """
 
     def __init__(self, runtime: Runtime, plan: Plan, *, max_queue_items: int | None = None,
@@ -379,23 +446,11 @@ class InferenceCore:
         loop = asyncio.get_running_loop()
         now = time.perf_counter_ns()
         with self._lock:
-            if self._closing:
-                self._refused(info, count)
-                raise ProtocolError(503, "the server is shutting down and takes no new requests",
-                                    retry_after_s=1.0)
-            if info.in_flight_items + n > info.max_queue_items:
-                self._refused(info, True)
-                raise ProtocolError(
-                    503, f"model {info.name!r} has {info.in_flight_items} items in flight, its "
-                         f"admission limit is {info.max_queue_items}: retry later",
-                    retry_after_s=1.0)
-            if not self.model_ready(info.name):
-                self._refused(info, count)
-                restarting = any(s.restarting for s in self.runtime.workers()
-                                 if s.model == info.name)
-                raise ProtocolError(503, f"model {info.name!r} is not ready: no live worker "
-                                         f"serves it ({self._last_error(info.name)})",
-                                    retry_after_s=1.0 if restarting else None)
+            refusal = self._refusal(info, n, self.model_ready(info.name))
+            if refusal is not None:
+                # A full model's refusal is counted even for the probe: it never is one.
+                self._refused(info, count or isinstance(refusal, _FullError))
+                raise refusal
             qid = next(self._ids)
             pending = _Pending(loop, loop.create_future(), info, n, now, n)
             self._pending[qid] = pending
@@ -403,12 +458,99 @@ class InferenceCore:
             info.in_flight_requests += 1
             if self.metrics is not None:
                 self.metrics.pending(info.name, info.in_flight_requests, info.in_flight_items)
-        pending.future.add_done_callback(lambda f: f.exception())  # never "never retrieved"
+        future = pending.future
+        assert future is not None
+        future.add_done_callback(lambda f: f.exception())  # never "never retrieved"
         self.runtime.submit([Query(qid, info.name, tuple(range(n)), inputs)])
-        outputs = await pending.future
+        outputs = await future
         if count:
             self._request_done(info, ok=True, started_ns=now)
         return outputs
+
+    def _refusal(self, info: ModelInfo, n: int, ready: bool) -> ProtocolError | None:
+        """Why a request of `n` items of `info` is refused now (503), or None: admit it.
+
+        Called with `_lock` held. `ready`: the model has a live worker (`model_ready`).
+        """
+        if self._closing:
+            return ProtocolError(503, "the server is shutting down and takes no new requests",
+                                 retry_after_s=1.0)
+        if info.in_flight_items + n > info.max_queue_items:
+            return _FullError(503, f"model {info.name!r} has {info.in_flight_items} items in "
+                              f"flight, its admission limit is {info.max_queue_items}: retry "
+                              "later", retry_after_s=1.0)
+        if not ready:
+            restarting = any(s.restarting for s in self.runtime.workers()
+                             if s.model == info.name)
+            return ProtocolError(503, f"model {info.name!r} is not ready: no live worker "
+                                      f"serves it ({self._last_error(info.name)})",
+                                 retry_after_s=1.0 if restarting else None)
+        return None
+
+    def batch_sink(self, deliver: Callable[[list[BatchAnswer]], None]) -> BatchSink:
+        """A sink for `submit_many` whose answers `deliver` gets on this event loop."""
+        return BatchSink(self, asyncio.get_running_loop(), deliver)
+
+    def submit_many(self, requests: Sequence[BatchRequest], sink: BatchSink,
+                    ) -> list[tuple[Any, ProtocolError]]:
+        """Admit several requests at once and submit them to the runtime together.
+
+        For a caller that has many requests in hand (a front process's frame of descriptors):
+        one lock acquisition admits or refuses them all, in order, against each model's
+        admission limit; the admitted ones go to the runtime in one `submit`; refusals are
+        counted and returned at once as (token, 503 error). Each admitted request's answer
+        reaches `sink` (see `BatchSink`): its outputs, written into the arrays given with it
+        (or new ones), or its error. The statistics are those of `infer()`: a request is a
+        success, a failure or a refusal, with the time from admission to its answer.
+        """
+        now = time.perf_counter_ns()
+        refused: list[tuple[Any, ProtocolError]] = []
+        queries: list[Query] = []
+        rejected: dict[str, int] = {}
+        touched: dict[str, ModelInfo] = {}
+        with self._lock:
+            ready: dict[str, bool] = {}
+            for info, inputs, out, token in requests:
+                n = len(inputs)
+                is_ready = ready.get(info.name)
+                if is_ready is None:
+                    is_ready = ready[info.name] = self.model_ready(info.name)
+                refusal = self._refusal(info, n, is_ready)
+                if refusal is not None:
+                    info.stats.rejected += 1
+                    rejected[info.name] = rejected.get(info.name, 0) + 1
+                    refused.append((token, refusal))
+                    continue
+                qid = next(self._ids)
+                self._pending[qid] = _Pending(sink.loop, None, info, n, now, n, out, sink,
+                                              token)
+                info.in_flight_items += n
+                info.in_flight_requests += 1
+                touched[info.name] = info
+                if inputs.dtype not in (np.float32, np.float16):
+                    inputs = inputs.astype(np.float32)
+                queries.append(Query(qid, info.name, tuple(range(n)), inputs))
+        if self.metrics is not None:
+            for name, count in rejected.items():
+                self.metrics.rejected(name, count)
+            for info in touched.values():
+                self.metrics.pending(info.name, info.in_flight_requests, info.in_flight_items)
+        if queries:
+            try:
+                self.runtime.submit(queries)
+            except Exception as exc:  # noqa: BLE001 - each request is answered, as infer() would
+                with self._lock:
+                    for q in queries:
+                        self._finish(q.id, None, f"the runtime did not take the request: {exc}",
+                                     status=500)
+        return refused
+
+    def count_refused(self, info: ModelInfo, count: int) -> None:
+        """Requests of `info` a front process refused itself with 503 (its slab was full)."""
+        with self._lock:
+            info.stats.rejected += count
+        if self.metrics is not None:
+            self.metrics.rejected(info.name, count)
 
     def _refused(self, info: ModelInfo, count: bool) -> None:
         """One request refused with 503 before admission (full, not ready, shutting down).
@@ -446,6 +588,27 @@ class InferenceCore:
         info = pending.model
         info.in_flight_items -= pending.items
         info.in_flight_requests -= 1
+        if pending.sink is not None:
+            # Accounted here, under the lock already held; the sink's one wake-up of the loop
+            # delivers it and updates the metrics for all the answers gathered by then.
+            ok = error is None and outputs is not None
+            took = time.perf_counter_ns() - pending.admitted_ns
+            (info.stats.success if ok else info.stats.fail).add(took)
+            info.stats.last_inference_ms = int(time.time() * 1000)
+            result: list[np.ndarray] | ProtocolError = (
+                outputs if ok and outputs is not None
+                else ProtocolError(status, error or "inference failed"))
+            pending.sink._add(pending.token, result, info, ok, took)
+        else:
+            self._answer(pending, outputs, error, status)
+        if self._closing and not self._pending and self._drained is not None:
+            pending.loop.call_soon_threadsafe(self._drained.set)
+
+    def _answer(self, pending: _Pending, outputs: list[np.ndarray] | None, error: str | None,
+                status: int) -> None:
+        """Hand an `infer()` request's answer to its awaiting coroutine (`_lock` held)."""
+        info = pending.model
+        assert pending.future is not None  # an `infer()` request
         if self.metrics is not None:
             self.metrics.pending(info.name, info.in_flight_requests, info.in_flight_items)
         if error is None and outputs is not None:
@@ -455,8 +618,6 @@ class InferenceCore:
             pending.loop.call_soon_threadsafe(_set_exception, pending.future, exc)
             pending.loop.call_soon_threadsafe(functools.partial(
                 self._request_done, pending.model, ok=False, started_ns=pending.admitted_ns))
-        if self._closing and not self._pending and self._drained is not None:
-            pending.loop.call_soon_threadsafe(self._drained.set)
 
     # -- the runtime's callbacks (worker threads) ----------------------------------------------
 
@@ -572,6 +733,10 @@ def _input_datatype(entry: ModelEntry) -> str:
     """
     modes = {r.unit.rpartition("/")[2] if "/" in r.unit else "" for r in entry.replicas}
     return "FP16" if modes == {"fp16"} else "FP32"
+
+
+class _FullError(ProtocolError):
+    """A refusal because the model's admission limit is reached."""
 
 
 def _set_result(future: asyncio.Future[Any], value: Any) -> None:

@@ -37,12 +37,11 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import numpy as np
-
 from infermux.errors import UsageError
-from infermux.serve.core import ProtocolError
+from infermux.serve.core import BatchSink, ProtocolError
 from infermux.serve.proxy import (
     DTYPE_CODES,
+    REFUSALS,
     REQUEST,
     STATE_PERIOD_S,
     FrameReader,
@@ -102,7 +101,8 @@ class _Generation:
     in_flight: int = 0
     done: bytearray = field(default_factory=bytearray)
     errors: list[list[Any]] = field(default_factory=list)
-    scheduled: bool = False
+    #: Where the core delivers the answers of this front's requests.
+    sink: BatchSink | None = None
     started_s: float = field(default_factory=time.monotonic)
 
 
@@ -172,6 +172,7 @@ class FrontHub:
         segments = [Segment.new(f"infermux-front{slot}-{m.name}", n * lay.slot_bytes)
                     for m, n, lay in zip(self.models, self.slots, self.layouts, strict=True)]
         gen = _Generation(slot, segments)
+        gen.sink = self.core.batch_sink(functools.partial(self._answered, gen))
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         loop = asyncio.get_running_loop()
         init = {"models": self.models,
@@ -223,14 +224,24 @@ class FrontHub:
 
     def _on_frame(self, gen: _Generation, kind: int, payload: bytes) -> None:
         if kind == Kind.INFER:
-            loop = asyncio.get_running_loop()
+            # A frame's requests are admitted and submitted together (one lock, one submit);
+            # their outputs are written by the runtime's callback straight into their slots.
+            requests = []
             for rid, index, code, start, n in REQUEST.iter_unpack(payload):
-                info, layout = self.models[index], self.layouts[index]
-                rows = layout.inputs(gen.segments[index].map, start, n, DTYPE_CODES[code])
-                gen.in_flight += 1
-                task = loop.create_task(self.core.infer(info, rows))
-                task.add_done_callback(functools.partial(self._answered, gen, rid, index,
-                                                         start, n))
+                layout, segment = self.layouts[index], gen.segments[index]
+                requests.append((self.models[index],
+                                 layout.inputs(segment.map, start, n, DTYPE_CODES[code]),
+                                 layout.outputs(segment.map, start, n), rid))
+            assert gen.sink is not None
+            refused = self.core.submit_many(requests, gen.sink)
+            gen.in_flight += len(requests) - len(refused)
+            if refused:
+                gen.errors.extend([rid, e.status, e.message, e.retry_after_s]
+                                  for rid, e in refused)
+                self._reply(gen)
+        elif kind == Kind.REFUSED:
+            for index, count in REFUSALS.iter_unpack(payload):
+                self.core.count_refused(self.models[index], count)
         elif kind == Kind.REGIONS:
             self._on_regions(gen, json.loads(payload))
         elif kind == Kind.READY:
@@ -258,34 +269,26 @@ class FrontHub:
         if gen.link is not None:
             gen.link.send(Kind.ACK, json.dumps({"id": op.get("id"), "error": error}).encode())
 
-    def _answered(self, gen: _Generation, rid: int, index: int, start: int, n: int,
-                  task: asyncio.Task[list[np.ndarray]]) -> None:
-        gen.in_flight -= 1
-        if task.cancelled():
-            gen.errors.append([rid, 503, "the request was cancelled", None])
-        elif (exc := task.exception()) is not None:
-            if isinstance(exc, ProtocolError):
-                gen.errors.append([rid, exc.status, exc.message, exc.retry_after_s])
-            else:
-                gen.errors.append([rid, 500, f"inference failed: {exc}", None])
-        else:
-            views = self.layouts[index].outputs(gen.segments[index].map, start, n)
-            for dst, y in zip(views, task.result(), strict=True):
-                dst[...] = y
-            gen.done += rid.to_bytes(8, "little")
-        if not gen.scheduled:
-            gen.scheduled = True
-            asyncio.get_running_loop().call_soon(self._reply, gen)
+    def _answered(self, gen: _Generation, answers: list[tuple[int, Any]]) -> None:
+        """Answers of the runtime (one wake-up of this loop per runtime batch): to the front."""
+        gen.in_flight -= len(answers)
+        for rid, result in answers:
+            if isinstance(result, ProtocolError):
+                gen.errors.append([rid, result.status, result.message, result.retry_after_s])
+            else:  # the outputs are in the request's slots already
+                gen.done += rid.to_bytes(8, "little")
+        # Written at once: this is already one wake-up per runtime batch, and a lone request
+        # would wait another loop turn for the link's own grouping.
+        self._reply(gen, now=True)
 
-    def _reply(self, gen: _Generation) -> None:
-        gen.scheduled = False
+    def _reply(self, gen: _Generation, *, now: bool = False) -> None:
         if gen.link is None:
             return
         if gen.done:
-            gen.link.send(Kind.DONE, gen.done)
+            gen.link.send(Kind.DONE, gen.done, now=now and not gen.errors)
             gen.done = bytearray()
         if gen.errors:
-            gen.link.send(Kind.ERROR, json.dumps(gen.errors).encode())
+            gen.link.send(Kind.ERROR, json.dumps(gen.errors).encode(), now=now)
             gen.errors = []
 
     def _on_lost(self, gen: _Generation) -> None:

@@ -97,10 +97,21 @@ class ServeMetrics:
         else:
             self._failure.labels(model, "1", "BACKEND").inc()
 
-    def rejected(self, model: str) -> None:
-        """One request refused with 503 before admission (full, not ready, shutting down)."""
-        self._failure.labels(model, "1", "REJECTED").inc()
-        self._rejected.labels(model).inc()
+    def requests(self, model: str, ok: bool, durations_ns: list[int]) -> None:
+        """Several requests answered (ok) or failed: one update per counter."""
+        if ok:
+            self._success.labels(model, "1").inc(len(durations_ns))
+            self._request_us.labels(model, "1").inc(sum(durations_ns) / 1e3)
+            latency = self._latency.labels(model)
+            for ns in durations_ns:
+                latency.observe(ns / 1e9)
+        else:
+            self._failure.labels(model, "1", "BACKEND").inc(len(durations_ns))
+
+    def rejected(self, model: str, count: int = 1) -> None:
+        """Requests refused with 503 before admission (full, not ready, shutting down)."""
+        self._failure.labels(model, "1", "REJECTED").inc(count)
+        self._rejected.labels(model).inc(count)
 
     def pending(self, model: str, requests: int, items: int) -> None:
         """Requests and items admitted and not yet answered."""

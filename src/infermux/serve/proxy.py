@@ -33,6 +33,7 @@ from infermux.serve.shm import Segment, SharedMemoryRegions, SlabLayout, SlotAll
 
 __all__ = [
     "DTYPE_CODES",
+    "REFUSALS",
     "REQUEST",
     "STATE_PERIOD_S",
     "FrameReader",
@@ -48,6 +49,8 @@ _HEADER = struct.Struct("<IB")
 #: A request's descriptor: id, model index, input dtype code, first slot, items.
 REQUEST = struct.Struct("<QHBxII")
 _ID = struct.Struct("<Q")
+#: Requests of one model a front refused itself (its slab full, shutting down): index, count.
+REFUSALS = struct.Struct("<HI")
 #: Input dtypes a descriptor names by code (FP16 rows go as they are; the runner converts).
 DTYPE_CODES: tuple[np.dtype, ...] = (np.dtype("<f4"), np.dtype("<f2"))
 
@@ -64,6 +67,7 @@ class Kind:
     DRAIN = 7     # runtime → front: stop accepting, answer what is admitted, exit
     REGIONS = 8   # front → runtime: JSON {id, op, ...}: a client (un)registered shared memory
     ACK = 9       # runtime → front: JSON {id, error}: every front has been told
+    REFUSED = 10  # front → runtime: REFUSALS (model index, requests) the front answered 503
 
 
 def frame(kind: int, payload: bytes | bytearray) -> bytes:
@@ -117,17 +121,23 @@ class Link(asyncio.Protocol):
         self.transport = None
         self._on_lost()
 
-    def send(self, kind: int, payload: bytes | bytearray) -> None:
-        """Queue a frame; everything queued in this loop turn is written with one call."""
+    def send(self, kind: int, payload: bytes | bytearray, *, now: bool = False) -> None:
+        """Queue a frame; everything queued in this loop turn is written with one call.
+
+        `now`: write it (and what is queued before it) at once, for a caller that has already
+        gathered a loop turn's worth (a request waits on every turn it is held back).
+        """
         self._out.append(frame(kind, payload))
-        if not self._scheduled:
+        if now:
+            self._flush()
+        elif not self._scheduled:
             self._scheduled = True
             asyncio.get_running_loop().call_soon(self._flush)
 
     def _flush(self) -> None:
         self._scheduled = False
         out, self._out = self._out, []
-        if self.transport is not None and not self.transport.is_closing():
+        if out and self.transport is not None and not self.transport.is_closing():
             self.transport.write(b"".join(out))
 
 
@@ -182,6 +192,7 @@ class RuntimeProxy:
         self._ids = itertools.count(1)
         self._state: dict[str, Any] = {"closing": False, "models": {}}
         self._batch = bytearray()
+        self._refusals: dict[int, int] = {}
         self._scheduled = False
         self._idle: asyncio.Event | None = None
         self.runtime_gone = asyncio.Event()
@@ -231,14 +242,16 @@ class RuntimeProxy:
 
     async def infer(self, info: ModelInfo, inputs: np.ndarray) -> list[np.ndarray]:
         """Serve one request through the runtime process; outputs, a row per item, in order."""
+        slab = self._slabs[info.name]
         if self._state["closing"] or self.runtime_gone.is_set():
+            self._refuse(slab.index)
             raise ProtocolError(503, "the server is shutting down and takes no new requests",
                                 retry_after_s=1.0)
-        slab = self._slabs[info.name]
         code = 1 if inputs.dtype == np.float16 else 0
         n = len(inputs)
         start = slab.allocator.take(n)
         if start is None:
+            self._refuse(slab.index)
             raise ProtocolError(503, f"this front holds its most items of model {info.name!r} "
                                      f"({slab.allocator.slots}) unanswered: retry later",
                                 retry_after_s=1.0)
@@ -248,10 +261,18 @@ class RuntimeProxy:
         future: asyncio.Future[list[np.ndarray]] = asyncio.get_running_loop().create_future()
         self._pending[rid] = _Waiting(future, slab, start, n)
         self._batch += REQUEST.pack(rid, slab.index, code, start, n)
+        self._schedule()
+        return await future
+
+    def _refuse(self, index: int) -> None:
+        """Count a request this front refused itself: the runtime's statistics include it."""
+        self._refusals[index] = self._refusals.get(index, 0) + 1
+        self._schedule()
+
+    def _schedule(self) -> None:
         if not self._scheduled:
             self._scheduled = True
             asyncio.get_running_loop().call_soon(self._send_batch)
-        return await future
 
     async def _publish(self, op: dict[str, Any]) -> None:
         """Tell the runtime process (and so every front) of a region change; wait until told."""
@@ -266,8 +287,12 @@ class RuntimeProxy:
     def _send_batch(self) -> None:
         self._scheduled = False
         batch, self._batch = self._batch, bytearray()
+        if self.link is not None and self._refusals:
+            self.link.send(Kind.REFUSED, b"".join(REFUSALS.pack(index, count) for index, count
+                                                  in self._refusals.items()))
+        self._refusals = {}
         if self.link is not None and batch:
-            self.link.send(Kind.INFER, batch)
+            self.link.send(Kind.INFER, batch, now=True)  # this turn's requests are all in it
 
     def on_frame(self, kind: int, payload: bytes) -> None:
         """A frame from the runtime."""
