@@ -107,7 +107,7 @@ class PreparedStudy:
         lines = [f"units: {', '.join(self.choice.ids)} — {self.choice.why}",
                  f"budget {self.config.budget_s:g} s: {b['central_points']} central points "
                  f"at {b['duration_s']:.2f} s a trial (about {b['estimate_s']:.0f} s), CPU "
-                 f"workers as {self.config.cpu_workers}s"]
+                 f"workers as {'processes' if self.config.cpu_workers == 'process' else 'threads'}"]
         if b["other_points"]:
             lines.append(f"{b['other_points_that_fit']} of {b['other_points']} further points "
                          "(more instances) fit after them; the rest are skipped for the budget")
