@@ -29,6 +29,7 @@ from infermux.runtime.plan import Plan, Replica, options_for_bucket, parse_plan
 from infermux.runtime.worker import ProcessHost, RunnerSpec, Worker
 from infermux.store import Recording, Store, recording
 from infermux.units import Discovery, Unit, discover, select_units
+from infermux.units.cpu import split_cores
 
 __all__ = ["RunReport", "RuntimeSUT", "WorkerPlan", "bucket_options", "layout_workers", "run_plan",
            "start_runtime", "with_load"]
@@ -50,16 +51,6 @@ class WorkerPlan:
     unit: Unit
     cores: tuple[int, ...]
     hosting: str  # thread | process
-
-
-def _split(cores: tuple[int, ...], parts: int) -> list[tuple[int, ...]]:
-    size, extra = divmod(len(cores), parts)
-    out, at = [], 0
-    for i in range(parts):
-        n = size + (1 if i < extra else 0)
-        out.append(cores[at:at + n])
-        at += n
-    return out
 
 
 def layout_workers(plan: Plan, found: Discovery) -> list[WorkerPlan]:
@@ -91,7 +82,7 @@ def layout_workers(plan: Plan, found: Discovery) -> list[WorkerPlan]:
                         f"plan field {where}.instances: {rep.instances} instances on {unit.id} "
                         f"({len(unit.cores)} usable cores) would oversubscribe it"
                     )
-                shares = _split(unit.cores, rep.instances)
+                shares = split_cores(unit.cores, rep.instances)
             else:
                 shares = [()] * rep.instances
             for i, cores in enumerate(shares):

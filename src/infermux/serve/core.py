@@ -29,7 +29,7 @@ import math
 import re
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +49,7 @@ __all__ = [
     "ModelInfo",
     "ProtocolError",
     "TensorSpec",
+    "find_model",
     "tensor_from_bytes",
     "tensor_from_list",
 ]
@@ -315,6 +316,19 @@ class BatchSink:
             self._deliver(answers)
 
 
+def find_model(models: Mapping[str, ModelInfo], name: str, version: str | None = None,
+               ) -> ModelInfo:
+    """The model called `name` (and `version`, if given), or a 400 naming what exists."""
+    info = models.get(name)
+    if info is None:
+        raise ProtocolError(400, f"model {name!r} is not served here; models: "
+                                 f"{', '.join(models)}")
+    if version not in (None, "", info.version):
+        raise ProtocolError(400, f"model {name!r} has no version {version!r}; versions: "
+                                 f"{info.version}")
+    return info
+
+
 class InferenceCore:
     """Requests into the runtime's dispatcher and answers back; thread-safe where it must be.
 
@@ -389,14 +403,7 @@ class InferenceCore:
 
     def model(self, name: str, version: str | None = None) -> ModelInfo:
         """The model called `name` (and `version`, if given), or a 400 naming what exists."""
-        info = self.models.get(name)
-        if info is None:
-            raise ProtocolError(400, f"model {name!r} is not served here; models: "
-                                     f"{', '.join(self.models)}")
-        if version not in (None, "", info.version):
-            raise ProtocolError(400, f"model {name!r} has no version {version!r}; versions: "
-                                     f"{info.version}")
-        return info
+        return find_model(self.models, name, version)
 
     def live(self) -> bool:
         """The process is up (the fronts answer)."""

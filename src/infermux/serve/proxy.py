@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from infermux.serve.core import ModelInfo, ProtocolError
+from infermux.serve.core import ModelInfo, ProtocolError, find_model
 from infermux.serve.shm import Segment, SharedMemoryRegions, SlabLayout, SlotAllocator
 
 __all__ = [
@@ -201,14 +201,7 @@ class RuntimeProxy:
 
     def model(self, name: str, version: str | None = None) -> ModelInfo:
         """The model called `name` (and `version`), or a 400 naming what exists."""
-        info = self.models.get(name)
-        if info is None:
-            raise ProtocolError(400, f"model {name!r} is not served here; models: "
-                                     f"{', '.join(self.models)}")
-        if version not in (None, "", info.version):
-            raise ProtocolError(400, f"model {name!r} has no version {version!r}; versions: "
-                                     f"{info.version}")
-        return info
+        return find_model(self.models, name, version)
 
     def live(self) -> bool:
         """The front answers (and its runtime is there)."""

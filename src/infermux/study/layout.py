@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from infermux.units import Discovery, Unit, select_units
+from infermux.units.cpu import split_cores
 
 __all__ = ["UnitChoice", "choose_units", "core_set_id"]
 
@@ -44,16 +45,6 @@ def core_set_id(cores: tuple[int, ...] | list[int]) -> str:
     return "cpu:" + "+".join(ranges)
 
 
-def _split(cores: tuple[int, ...], parts: int) -> list[tuple[int, ...]]:
-    size, extra = divmod(len(cores), parts)
-    out, at = [], 0
-    for i in range(parts):
-        n = size + (1 if i < extra else 0)
-        out.append(cores[at:at + n])
-        at += n
-    return out
-
-
 def choose_units(name: str, spec: str, found: Discovery, models: int) -> UnitChoice:
     """The units of study `name` for `--units spec` (`auto`, or ids and globs) on this machine."""
     if spec.strip() != "auto":
@@ -81,7 +72,7 @@ def choose_units(name: str, spec: str, found: Discovery, models: int) -> UnitCho
             "a CPU-only host with one usable core: there are no core sets to split, so only "
             "what runs on that core is compared"))
     parts = min(len(usable), max(2, models) if name == "multi-tenancy" else 2)
-    sets = [select_units([core_set_id(c)], found)[0] for c in _split(usable, parts)]
+    sets = [select_units([core_set_id(c)], found)[0] for c in split_cores(usable, parts)]
     if name == "multi-tenancy":
         why = (f"a CPU-only host ({len(usable)} cores) split into {parts} core sets: each model "
                "alone and CME on all of them (one worker per set; CME's models share the "

@@ -7,7 +7,7 @@ import platform
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ISA_FLAGS", "read_cpu_info"]
+__all__ = ["ISA_FLAGS", "read_cpu_info", "split_cores"]
 
 #: Flags worth reporting: vector widths and matrix extensions that inference kernels use.
 ISA_FLAGS = (
@@ -51,3 +51,14 @@ def read_cpu_info(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict[str, Any]:
         "sockets": max(1, len(sockets)),
         "isa": [f for f in ISA_FLAGS if f in flags],
     }
+
+
+def split_cores(cores: tuple[int, ...], parts: int) -> list[tuple[int, ...]]:
+    """`cores` in `parts` contiguous sets, as even as they divide (the first ones one larger)."""
+    size, extra = divmod(len(cores), parts)
+    out, at = [], 0
+    for i in range(parts):
+        n = size + (1 if i < extra else 0)
+        out.append(cores[at:at + n])
+        at += n
+    return out
