@@ -151,13 +151,13 @@ def test_deadline_take_late_takes_everything_queued():
                          flush=True) == (2, 0)
 
 
-def test_a_plan_chooses_the_rule_deadline_by_default():
+def test_a_plan_waits_its_queue_delay_by_default_and_may_ask_for_deadline_batching():
     base = {"name": "p", "models": [{"name": "m", "model": "mobilenet_v3_small",
                                      "replicas": [{"unit": "cpu:0", "batch": 8}]}],
             "load": {"scenario": "server", "p99_bound_ms": 50}}
-    assert parse_plan(base).dispatcher.batching == "deadline"
-    old = parse_plan({**base, "dispatcher": {"batching": "queue_delay"}})
-    assert old.dispatcher.batching == "queue_delay"
+    assert parse_plan(base).dispatcher.batching == "queue_delay"
+    new = parse_plan({**base, "dispatcher": {"batching": "deadline"}})
+    assert new.dispatcher.batching == "deadline"
     with pytest.raises(Exception, match="batching"):
         parse_plan({**base, "dispatcher": {"batching": "soon"}})
 

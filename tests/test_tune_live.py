@@ -73,15 +73,15 @@ def test_tune_server_scenario_holds_the_bound_and_finds_a_peak(tmp_path):
     data = yaml.safe_load((tmp_path / "s.yaml").read_text())
     assert data["load"]["scenario"] == "server" and data["load"]["p99_bound_ms"] == 1000.0
     assert report.server_peak is not None and report.server_peak["peak_qps"] is not None
-    # The plans' peaks, each with partial batches sized to the bound: no queue delay is swept.
+    # The plans' peaks, each under the queue delay (deadline batching is a plan's opt-in).
     peaks = report.server_peaks
-    assert peaks and all(row["batching"] == "deadline" for row in peaks)
+    assert peaks and all(row["batching"] == "queue delay 2 ms" for row in peaks)
     assert sum(row["chosen"] for row in peaks) == 1
     chosen = next(row for row in peaks if row["chosen"])
     # The written plan is the one with the highest measured peak.
     assert chosen["peak_qps"] == max(row["peak_qps"] or 0 for row in peaks)
     assert chosen["peak_qps"] == report.server_peak["peak_qps"]
-    assert data["dispatcher"].get("batching", "deadline") == "deadline"
+    assert data["dispatcher"].get("batching", "queue_delay") == "queue_delay"
     assert report.server_peak["edge_confirmed"] is not None
     assert "(chosen)" in (tmp_path / "s.yaml").read_text()
 

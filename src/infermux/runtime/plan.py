@@ -222,8 +222,11 @@ class DispatcherSettings(_Strict):
     #: How long a partial batch waits. `deadline`: with a latency bound (the model's
     #: `latency_bound_ms`, else `load.p99_bound_ms`), as long as its oldest query can still
     #: finish in time, from the worker's measured batch latency and when it frees up; without
-    #: one, `max_queue_delay_ms`. `queue_delay`: always `max_queue_delay_ms`.
-    batching: Literal["deadline", "queue_delay"] = "deadline"
+    #: one, `max_queue_delay_ms`. `queue_delay`: always `max_queue_delay_ms`. The default is
+    #: `queue_delay`: alternated on three H200 hosts (ResNet50 fp16 b64 ×2, p99 15 ms), the
+    #: deadline rule's peaks were 0.50–0.73 of offline and the queue delay's 0.50–0.80 (means
+    #: 0.63 and 0.71; docs/benchmarks.md), so the deadline rule is opt-in until it wins.
+    batching: Literal["deadline", "queue_delay"] = "queue_delay"
     #: Weight of the newest batch in the moving-average latency estimate of each worker.
     estimate_alpha: float = Field(0.2, gt=0, le=1)
     #: How CPU-unit workers are hosted: `process` (one pinned process each) or `thread`.
@@ -488,7 +491,7 @@ models:
 dispatcher:
   policy: pull                     # pull: free workers pull (work stealing); round_robin
   max_queue_delay_ms: {QUEUE_DELAY_MS:<13}# wait at most this long for a fuller batch (no bound)
-  batching: deadline               # with a p99 bound, partial batches wait while it holds
+  batching: queue_delay            # deadline: with a p99 bound, wait while it holds
   estimate_alpha: 0.2              # moving average of batch latency (SLO-aware placement)
   cpu_workers: process             # CPU workers as pinned processes (measured) or threads
   cpu_in_flight: 2                 # batches in a CPU worker's process: the next waits there

@@ -384,8 +384,8 @@ def _choose_by_server_peak(report: TuneReport, evaluator: LiveEvaluator, request
     bound, which does not rank their peaks: on an H100, ResNet50 b64 ×2 gave 20.9k images/s
     offline and 11.7k queries/s within p99 15 ms, b32 ×3 20.3k and 19.1k. A candidate whose
     offline throughput is below the best peak so far cannot beat it and is not run. Each plan
-    carries the bound, so its dispatcher sizes partial batches to it (deadline batching): no
-    queue delay is left to sweep.
+    carries the bound; its dispatcher waits `max_queue_delay_ms` for a fuller batch unless the
+    plan asks for deadline batching.
     """
     result = report.result
     assert report.plan is not None and result.best is not None
@@ -431,7 +431,7 @@ def _choose_by_server_peak(report: TuneReport, evaluator: LiveEvaluator, request
 def _batching(plan: dict[str, Any]) -> str:
     """How the plan's dispatcher sizes partial batches, in words for the header and rows."""
     d = plan.get("dispatcher", {})
-    if d.get("batching", "deadline") == "deadline" and plan.get("load", {}).get("p99_bound_ms"):
+    if d.get("batching", "queue_delay") == "deadline" and plan.get("load", {}).get("p99_bound_ms"):
         return "deadline"
     return f"queue delay {float(d.get('max_queue_delay_ms', QUEUE_DELAY_MS)):g} ms"
 
