@@ -390,7 +390,7 @@ def _read_init(sock: socket.socket) -> dict[str, Any]:
 
 
 async def _front(sock: socket.socket, init: dict[str, Any]) -> int:
-    from infermux.serve.server import InferenceServer
+    from infermux.serve.server import InferenceServer, drain_fronts
 
     settings = init["settings"]
     settings = replace(settings, http_port=init["http_port"], grpc_port=init["grpc_port"])
@@ -418,13 +418,7 @@ async def _front(sock: socket.socket, init: dict[str, Any]) -> int:
     grpc_server, _ = await server._start_grpc(proxy)
     link.send(Kind.READY, json.dumps({"pid": os.getpid()}).encode())
     await drain.wait()
-    proxy.begin_close()
-    http.should_exit = True
-    await asyncio.gather(grpc_server.stop(settings.drain_timeout_s),
-                         proxy.drain(settings.drain_timeout_s))
-    with contextlib.suppress(asyncio.TimeoutError):
-        await asyncio.wait_for(http_task, settings.drain_timeout_s + 5)
-    left = await proxy.drain(0)
+    left = await drain_fronts(proxy, http, http_task, grpc_server, settings.drain_timeout_s)
     http_sock.close()
     proxy.close()
     return 0 if left == 0 else 1

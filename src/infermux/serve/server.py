@@ -31,7 +31,7 @@ from infermux.errors import UsageError
 from infermux.runtime.plan import Plan
 from infermux.store import Store
 
-__all__ = ["InferenceServer", "ServeSettings", "serve_plan"]
+__all__ = ["InferenceServer", "ServeSettings", "drain_fronts", "serve_plan"]
 
 #: Samples per model the runtime keeps for its own warm-up (a server's data comes in requests).
 _SERVE_SAMPLE_POOL = 4
@@ -248,13 +248,7 @@ class InferenceServer:
                 on_ready(self.ready_info(runtime))
             await self._stop.wait()
             # Stop accepting; what was admitted is answered (new requests meanwhile: 503).
-            core.begin_close()
-            http.should_exit = True
-            await asyncio.gather(grpc_server.stop(s.drain_timeout_s),
-                                 core.drain(s.drain_timeout_s))
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(http_task, s.drain_timeout_s + 5)
-            left = await core.drain(0)
+            left = await drain_fronts(core, http, http_task, grpc_server, s.drain_timeout_s)
             if left:
                 core.fail_pending("the server stopped before the request was served")
                 status, error = "interrupted", f"{left} requests unanswered at shutdown"
@@ -406,6 +400,21 @@ def _check_admission(core: Any) -> None:
                 f"--max-queue {info.max_queue_items} is below model {info.name!r}'s largest "
                 f"batch of {info.max_batch_size} items: its largest requests could never be "
                 f"admitted; use --max-queue {info.max_batch_size} or more")
+
+
+async def drain_fronts(core: Any, http: Any, http_task: asyncio.Task[Any], grpc_server: Any,
+                       timeout_s: float) -> int:
+    """Stop accepting, answer what `core` admitted within `timeout_s`; the requests left.
+
+    New requests meanwhile get 503. `core` is the server's `InferenceCore` or a front process's
+    proxy: both close, drain and count alike.
+    """
+    core.begin_close()
+    http.should_exit = True
+    await asyncio.gather(grpc_server.stop(timeout_s), core.drain(timeout_s))
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(http_task, timeout_s + 5)
+    return int(await core.drain(0))
 
 
 async def _accepting(host: str, ports: dict[str, int], timeout_s: float = 30.0) -> None:
