@@ -142,6 +142,9 @@ class SleepDevice(Runner):
         self._launched_at = time.perf_counter()
         self._done_at = self._launched_at + self.device_s
 
+    def done(self) -> bool:
+        return time.perf_counter() >= self._done_at
+
     def collect(self) -> BatchTiming:
         left = self._done_at - time.perf_counter()
         if left > 0:
@@ -274,3 +277,44 @@ def test_a_just_in_time_worker_takes_its_next_batch_when_the_running_one_ends(ju
         assert sizes[1:] == [5], sizes
     else:
         assert len(sizes) >= 3 and sizes[1] < 5, sizes  # taken at the first launch
+
+
+def test_a_batch_that_ends_before_its_estimate_is_answered_when_it_ends():
+    """A just-in-time worker waiting to take its next batch notices the running one is over:
+    its answers go out then, not at the (stale, far larger) estimate, while a partial batch
+    waits in the queue."""
+    device_s, estimate_s = 0.03, 0.6
+    d = Dispatcher(["m"], max_queue_delay_ns=0)
+    state = WorkerState(0, "gpu#0", "cuda:0/fp16", "m", [8], {"m"}, LatencyEstimate(), depth=2)
+    state.estimate.update(8, estimate_s * 1e9, "m")  # measured once under a slow moment
+    d.add_worker(state)
+    spans: list[tuple[int, int, int]] = []
+    d.on_batch_done = lambda w, b, start, end, timing: spans.append((len(b.items), start, end))
+    answered: dict[int, float] = {}
+    done = threading.Event()
+
+    def on_complete(pairs, ok, t):
+        for q, _ in pairs:
+            answered[q] = time.perf_counter()
+        if len(answered) >= 3:
+            done.set()
+
+    d.set_completion(on_complete)
+    worker = Worker(state, {"m": {8: SleepDevice(8, device_s, 0.0)}},
+                    {"m": np.zeros((8, 1), np.float32)}, d, just_in_time=True)
+    worker.start()
+    submitted = time.perf_counter()
+    d.submit([Query(0, "m", (0,))])
+    time.sleep(0.01)
+    d.submit([Query(1, "m", (1,)), Query(2, "m", (2,))])  # queued behind the running batch
+    assert done.wait(30)
+    d.close()
+    worker.join(10)
+    first_ms = (answered[0] - submitted) * 1e3
+    assert first_ms < 0.5 * estimate_s * 1e3, f"answered after {first_ms:.0f} ms"
+    # The batch's measured latency is its device time, so the estimate comes down with it.
+    _, start, end = spans[0]
+    assert (end - start) / 1e6 < 0.5 * estimate_s * 1e3
+    assert state.estimate.expected_ns(8, "m") < estimate_s * 1e9
+    # The queued two still ran together, after it.
+    assert [n for n, _, _ in spans] == [1, 2], spans

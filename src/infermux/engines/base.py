@@ -155,6 +155,15 @@ class Runner(ABC):
         """Wait for the launched batch and return its timing."""
         return self._launched
 
+    def done(self) -> bool:
+        """Whether the launched batch is over, so `collect()` returns without waiting.
+
+        The default's `launch` runs the batch to completion. An asynchronous runner answers
+        from its device (an event query), without blocking: a worker waiting to take its next
+        batch asks it, so a batch that ends early is answered at once, not at its estimate.
+        """
+        return True
+
     def compute(self, x: Any) -> list[Any]:
         """Run one batch from torch tensor `x`; return its outputs as torch tensors.
 

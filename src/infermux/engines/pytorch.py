@@ -282,6 +282,12 @@ class TorchRunner(Runner):
             torch.cuda.set_stream(previous)
         self._in_flight = True
 
+    def done(self) -> bool:
+        """Whether the launched batch's last copy has finished on the device (no waiting)."""
+        if not self._on_gpu or not self._in_flight:
+            return True
+        return bool(self._events[3].query())
+
     def collect(self) -> BatchTiming:
         """Wait for the launched batch; its host latency and device phases."""
         if not self._on_gpu:
