@@ -20,11 +20,19 @@ from .conftest import TINY, run_cli
 VERDICTS = {"held", "did not hold", "not measurable here"}
 
 
-def _defaults(name: str, models: list[str], **kw) -> StudyConfig:
+def _defaults(name: str, models: list[str], budget_s: float) -> StudyConfig:
+    """The study's defaults as the CLI sets them, but for a tiny model and a short run."""
     d = STUDIES[name]
     return StudyConfig(name, models, batches=list(d["batches"]),
-                       instances=list(d["instances"]), duration_s=0.3, min_queries=16,
-                       cpu_workers="thread", **kw)
+                       instances=list(d["instances"]), duration_s=0.3, budget_s=budget_s)
+
+
+def _claims(head: dict, expected: set[str]) -> dict[str, dict]:
+    """The paper's claims, one line each, every one with a verdict and what was measured."""
+    claims = {c["claim"]: c for c in head["claims"]}
+    assert expected <= set(claims), claims
+    assert all(c["verdict"] in VERDICTS and c["here"] and c["paper"] for c in claims.values())
+    return claims
 
 
 def _shared_plan(**extra) -> dict:
@@ -55,8 +63,7 @@ def test_ordinary_plans_keep_disjoint_core_sets_and_studies_opt_into_sharing(tmp
 
 def test_multi_tenancy_defaults_measure_every_mode_offline_and_under_server_load(tmp_path):
     db = tmp_path / "mt.db"
-    config = _defaults("multi-tenancy", [f"{TINY}:tiny_cnn", f"{TINY}:wide_cnn"],
-                       budget_s=150, p99_ms=500)
+    config = _defaults("multi-tenancy", [f"{TINY}:tiny_cnn", f"{TINY}:wide_cnn"], budget_s=150)
     ready = prepare_study(config)
     # auto on a CPU-only host: a core set per model.
     assert ready.choice.ids == ["cpu:0", "cpu:1"]
@@ -86,21 +93,18 @@ def test_multi_tenancy_defaults_measure_every_mode_offline_and_under_server_load
     assert all(r["cells"]["1"]["items_per_s"] and r["cells"]["8"]["items_per_s"]
                for r in rows.values())
     assert all(s["peak_qps"] for s in head["server"]), head["server"]
-    claims = {c["claim"]: c for c in head["claims"]}
-    assert {"batching", "CME", "DMP", "clusters"} <= set(claims)
-    assert all(c["verdict"] in VERDICTS for c in claims.values())
+    claims = _claims(head, {"batching", "CME", "DMP", "clusters"})
+    assert claims["DMP"]["verdict"] != "not measurable here"
     assert claims["CME"]["verdict"] != "not measurable here"
     assert claims["clusters"]["verdict"] == "not measurable here"
     # The budget is split over the points: each ran with its share of it.
     assert all(0 < p["params"]["duration_s"] <= 0.3 for p in study.points)
 
 
-def test_multi_instance_and_pipeline_defaults_report_their_central_comparison(tmp_path):
+def test_multi_instance_defaults_report_every_combination_at_every_batch(tmp_path):
     with Store(tmp_path / "mi.db") as store:
         mi = run_study(_defaults("multi-instance", [f"{TINY}:tiny_cnn"], budget_s=120),
                        store=store)
-        pipe = run_study(_defaults("pipeline", [f"{TINY}:tiny_cnn"], engine="torch",
-                                   budget_s=120), store=store)
     central = [p for p in mi.points if p["params"]["instances"] == 1]
     assert {p["variant"] for p in central} == {"cpu:0", "cpu:1", "cpu:0 + cpu:1"}
     assert {p["params"]["batch"] for p in central} == {1, 8, 64}
@@ -108,19 +112,51 @@ def test_multi_instance_and_pipeline_defaults_report_their_central_comparison(tm
     # Two instances do not fit a one-core set: refused before the budget was planned.
     assert all("oversubscribe" in p["error"] for p in mi.points if p["params"]["instances"] == 2)
     assert mi.headline["best_combination"] and mi.headline["best_single"]
-    mi_claims = {c["claim"]: c for c in mi.headline["claims"]}
+    mi_claims = _claims(mi.headline, {"large batch", "small batch", "all units"})
     assert mi_claims["large batch"]["verdict"] in ("held", "did not hold")
+    assert mi_claims["small batch"]["verdict"] in ("held", "did not hold")
     assert mi_claims["all units"]["verdict"] == "not measurable here"
+
+
+def test_pipeline_defaults_report_the_pipeline_against_each_unit_alone(tmp_path):
+    with Store(tmp_path / "pipe.db") as store:
+        pipe = run_study(_defaults("pipeline", [f"{TINY}:tiny_cnn"], budget_s=120),
+                         store=store)
+        partitions = store.connection.execute(
+            "SELECT COUNT(*) FROM runs WHERE kind = 'partition'").fetchone()[0]
+    # The central comparison (each unit alone, the pipeline) first; replicas after it.
+    assert [p["params"]["mode"] for p in pipe.points] == ["single", "single", "pipeline",
+                                                          "replicas"]
     modes = {(p["params"]["mode"], tuple(p["params"]["units"])): p for p in pipe.points}
     assert set(modes) == {("single", ("cpu:0",)), ("single", ("cpu:1",)),
                           ("replicas", ("cpu:0", "cpu:1")), ("pipeline", ("cpu:0", "cpu:1"))}
     assert all(p["status"] == "ok" for p in pipe.points), [(p["variant"], p["error"])
                                                             for p in pipe.points]
+    pipeline = next(p for p in pipe.points if p["params"]["mode"] == "pipeline")
+    assert "|" in pipeline["params"]["stages"] and partitions == 1
     [row] = pipe.headline["rows"]
     assert row["pipeline_over_single"] and row["pipeline_over_replicas"]
-    p_claims = {c["claim"]: c for c in pipe.headline["claims"]}
+    p_claims = _claims(pipe.headline, {"throughput", "energy"})
     assert p_claims["throughput"]["verdict"] in ("held", "did not hold")
     assert p_claims["energy"]["verdict"] in VERDICTS
+
+
+def test_without_a_model_each_study_takes_its_default_for_the_units_chosen():
+    from infermux.study import default_models
+
+    # ResNet50, the papers' network, where a GPU is among the units; lighter on CPU core sets.
+    assert default_models("multi-instance", gpu=True)[0] == ["resnet50"]
+    assert default_models("pipeline", gpu=True)[0][0] == "resnet50"
+    for name in ("multi-instance", "pipeline"):
+        models, why = default_models(name, gpu=False)
+        assert "resnet50" not in models and "ResNet50" in why
+    assert default_models("multi-tenancy", gpu=False) == default_models("multi-tenancy", True)
+    ready = prepare_study(StudyConfig("multi-instance", [], units="cpu:0,cpu:1",
+                                      batches=[1], instances=[1]))
+    assert ready.config.models == ["mobilenet_v3_small"]
+    assert ready.header()[1].startswith("models: mobilenet_v3_small — the default on CPU")
+    with pytest.raises(UsageError, match="takes one model"):
+        prepare_study(StudyConfig("multi-instance", ["resnet18", "resnet50"]))
 
 
 def test_a_budget_too_small_is_refused_before_anything_runs_and_says_what_fits(tmp_path):
@@ -163,6 +199,7 @@ def test_without_plotly_the_study_says_so_first_and_still_prints_and_stores_its_
     assert r.returncode == 0, r.stderr
     assert "report skipped" in r.stdout and "plotly" in r.stdout
     assert "every point" in r.stdout and "cpu:0 + cpu:1" in r.stdout
+    assert "models: tests/tiny_models.py:tiny_cnn — as given by --model" in r.stdout
     assert "large batch" in r.stdout and "not measurable here" in r.stdout
     assert "report →" not in r.stdout
     with Store(db) as store:

@@ -15,7 +15,7 @@ __all__ = ["study_command"]
 @app.command("study")
 def study_command(
     name: Annotated[str, typer.Argument(help="multi-instance, multi-tenancy or pipeline.")],
-    model: Annotated[list[str] | None, typer.Option("--model", "-m", help="Model; repeat for several (default: multi-instance resnet50; multi-tenancy mobilenet_v3_small, resnet18; pipeline resnet50, mobilenet_v3_small, resnet18).")] = None,
+    model: Annotated[list[str] | None, typer.Option("--model", "-m", help="Model; repeat for several (default: multi-instance resnet50, mobilenet_v3_small on CPU units only; multi-tenancy mobilenet_v3_small, resnet18; pipeline resnet50, mobilenet_v3_small, resnet18, mobilenet_v3_small on CPU units only).")] = None,
     units: Annotated[str, typer.Option("--units", "-u", help="Units or globs, comma-separated, or auto.")] = "auto",
     budget: Annotated[str, typer.Option("--budget", help="Wall-time budget, e.g. 10m; points that would not fit are skipped.")] = "10m",
     batch: Annotated[str | None, typer.Option("--batch", "-b", help="Batch sizes (default: multi-instance 1,8,64; multi-tenancy 1,8; pipeline 8).")] = None,
@@ -40,7 +40,7 @@ def study_command(
         raise UsageError(f"study {name!r} unknown: use {', '.join(list_studies())}")
     defaults = STUDIES[name]
     config = StudyConfig(
-        name=name, models=model or list(defaults["models"]), units=units,
+        name=name, models=list(model or []), units=units,
         batches=parse_batches(batch) if batch else list(defaults["batches"]),
         instances=parse_batches(instances) if instances else list(defaults["instances"]),
         engine=engine, budget_s=parse_duration_s(budget, name="--budget"),
