@@ -151,6 +151,29 @@ def test_every_request_is_traced_through_both_fronts_and_summarized(net_file: Pa
     assert summarize(str(trace))["requests"] == sent
 
 
+def test_the_in_process_fronts_trace_from_admission_to_the_resumed_handler(net_file: Path,
+                                                                         ) -> None:
+    trace = net_file.parent / "inproc.jsonl"
+    srv = Server(net_file.parent, _plan("inproc", f"{net_file}:build", cpu_workers="thread"),
+                 "--fronts", "1", "--trace-requests", "2", "--trace-file", str(trace))
+    try:
+        client = tgrpc.InferenceServerClient(srv.grpc)
+        for k in range(4):
+            inp = tgrpc.InferInput("input", [1, 3, 16, 16], "FP32")
+            inp.set_data_from_numpy(_x(1, seed=k))
+            client.infer("net", [inp])
+        client.close()
+    finally:
+        code, out = srv.stop()
+    assert code == 0, out
+    traced = json.loads(out[out.index("{"):])["trace"]
+    # Every 2nd request (the start-up probe took no number of its own: 4 sent, 2 traced).
+    assert traced["requests"] == 2
+    gaps = list(traced["gaps"])
+    assert gaps[0] == "admitted->enqueued" and gaps[-1] == "answer_queued->written", gaps
+    assert "enqueued->taken" in gaps and "launch->collect" in gaps
+
+
 def test_a_negative_trace_rate_is_refused_in_one_line(net_file: Path, tmp_path: Path) -> None:
     import os
     import subprocess

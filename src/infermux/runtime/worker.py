@@ -396,7 +396,7 @@ class Worker:
             if alone:
                 self.relay_ns = _average(self.relay_ns, max(0, end - sent - timing.latency_ns))
             start, last_end = max(sent, last_end), end
-            done.stamps.update(launch=sent, collect=end, reported=self.clock_ns())
+            done.stamps.update(launch=start, collect=end, reported=self.clock_ns())
             d.finished(w, done, start, end, timing, outputs)
 
     def _relayed_input_fault(self, host: ProcessHost,

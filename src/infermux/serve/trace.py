@@ -84,11 +84,12 @@ def _records(paths: Iterable[str]) -> list[dict[str, Any]]:
     return out
 
 
-def summarize(path: str) -> dict[str, Any]:
+def summarize(path: str, window_ns: tuple[int, int] | None = None) -> dict[str, Any]:
     """p50/p99 (ms) of each gap between consecutive stages, over the traced requests.
 
     Reads `path` (the runtime's lines) and `path.<pid>` (each front's), joined by (front pid,
     request id). A gap is named `from->to` between the stages a request has, in `STAGES` order.
+    `window_ns`: only the requests whose first stage falls in [begin, end) (clock ns).
     """
     runtime = _records([path] if os.path.exists(path) else [])
     front = _records(p for p in glob.glob(glob.escape(path) + ".*") if p[len(path) + 1:].isdigit())
@@ -101,8 +102,13 @@ def summarize(path: str) -> dict[str, Any]:
             joined[key].update({k: v for k, v in r.items() if k in STAGES})
     gaps: dict[str, list[float]] = {}
     totals: list[float] = []
+    kept = 0
     for stamps in joined.values():
         have = [s for s in STAGES if s in stamps]
+        if not have or (window_ns is not None
+                        and not window_ns[0] <= stamps[have[0]] < window_ns[1]):
+            continue
+        kept += 1
         for a, b in itertools.pairwise(have):
             gaps.setdefault(f"{a}->{b}", []).append((stamps[b] - stamps[a]) / 1e6)
         if len(have) > 1:
@@ -116,7 +122,7 @@ def summarize(path: str) -> dict[str, Any]:
                 "mean_ms": round(float(arr.mean()), 4), "count": len(values)}
 
     return {
-        "requests": len(joined),
+        "requests": kept,
         "total": stats(totals) if totals else None,
         "gaps": {name: stats(gaps[name]) for name in sorted(gaps, key=order.__getitem__)},
     }
