@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from infermux.serve.trace import summarize
 
 _DEFAULT_CASES = "resnet50:8:64,resnet50:8:256,digits:8:256"
+_PA_TIMEOUT_S = 100
 
 
 def _stats(http_port: int, model: str) -> dict[str, Any]:
@@ -103,8 +104,12 @@ def _perf_analyzer(exe: str, port: int, model: str, concurrency: int, shm: str,
            "--concurrency-range", f"{concurrency}:{concurrency}",
            "--measurement-interval", str(interval_ms), "--stability-percentage", "30",
            "--max-trials", "5", "--shared-memory", shm, "-f", str(csv_file)]
-    done = subprocess.run(cmd, capture_output=True, text=True)
     row: dict[str, Any] = {"command": " ".join(cmd)}
+    try:  # a server that never lets it stabilise must not eat the whole run
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=_PA_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        row["error"] = f"perf_analyzer did not finish within {_PA_TIMEOUT_S} s"
+        return row
     if done.returncode != 0 or not csv_file.exists():
         row["error"] = (done.stdout + done.stderr)[-400:]
         return row
