@@ -120,6 +120,12 @@ def serve_command(
             out.print(f"{name}: {m['requests_ok']} answered, {m['requests_failed']} failed, "
                       f"{m['requests_rejected']} rejected (503), {m['items']} items in "
                       f"{m['batches']} batches")
+        trace = summary.get("trace")
+        if trace:
+            worst = sorted(trace["gaps"].items(), key=lambda kv: -kv[1]["mean_ms"])[:3]
+            out.print(f"trace: {trace['requests']} requests in {trace['path']}; largest gaps "
+                      + ", ".join(f"{k} {v['mean_ms']:.2f} ms (p99 {v['p99_ms']:.2f})"
+                                  for k, v in worst))
         if summary.get("run_id") is not None:
             out.print(f"[dim]stored as run {summary['run_id']} in {db}[/]")
     if summary.get("status") != "complete":
