@@ -223,7 +223,10 @@ class Worker:
     def _loop_pipelined(self) -> None:
         """Gather batch k+1 while batch k runs on the device, then collect k and launch k+1.
 
-        k's completion is stamped the moment `collect()` returns, never after k+1's gather.
+        k's completion is stamped the moment `collect()` returns, never after k+1's gather,
+        and reported then too unless k+1 was gathered already (then k+1 launches first).
+        k is expected to end at its launch plus the runner's measured device time for its
+        bucket (the worker's latency estimate until one was collected).
         Where k+1's gather goes depends on what is expected to remain of k (its latency
         estimate): nothing (the device idles) — collect k first, then gather; more than twice
         the gather — gather here, then collect (which still waits for k: the stamp is exact,
@@ -294,9 +297,9 @@ class Worker:
                             # The next launch waits for a gather: k's answer must not (it
                             # did, a gather and a launch per batch, before it was reported).
                             # On the helper the gather goes on meanwhile.
+                            held = [batch] if batch is not None else []
                             self._report(done)
                             done = None
-                            held = [batch] if batch is not None else []
                     if where == "after":
                         assert batch is not None
                         took = self.clock_ns()
