@@ -13,7 +13,8 @@ between stages for the requests of that row's window. One JSON file (`--json`).
     python bench/serve_trace.py --device cpu --cases digits:2:16,digits:2:128 --json cpu.json
 
 `--cases` lists model:fronts:concurrency rows (rows of one model and front count share a
-server, started once, in the order given).
+server, started once, in the order given). `--baseline-src DIR` (another checkout's `src/`)
+serves the same rows with that code first, untraced, for a before/after in one run.
 """
 
 from __future__ import annotations
@@ -68,14 +69,16 @@ def _split(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
             "avg_batch": round(delta("inference_count") / executions, 2) if executions else None}
 
 
-def _start(plan: Path, out: Path, fronts: int, trace: Path) -> tuple[subprocess.Popen[str],
-                                                                   dict[str, Any]]:
-    log = (out / f"serve-{plan.stem}-f{fronts}.log").open("w")
+def _start(plan: Path, out: Path, fronts: int, trace: Path | None, src: str | None,
+           ) -> tuple[subprocess.Popen[str], dict[str, Any]]:
+    """The server, traced; or with the code of checkout `src`, untraced (a baseline)."""
+    log = (out / f"serve-{plan.stem}-f{fronts}{'-baseline' if src else ''}.log").open("w")
+    traced = ["--trace-requests", "8", "--trace-file", str(trace)] if trace else []
+    env = ENV if src is None else dict(ENV, PYTHONPATH=os.path.abspath(src))
     proc = subprocess.Popen([*INFERMUX, "serve", str(plan), "--http-port", "0", "--grpc-port", "0",
                              "--metrics-port", "0", "--json", "--fronts", str(fronts),
-                             "--no-store", "--telemetry", "off", "--trace-requests", "8",
-                             "--trace-file", str(trace)],
-                            stdout=subprocess.PIPE, stderr=log, text=True, env=ENV)
+                             "--no-store", "--telemetry", "off", *traced],
+                            stdout=subprocess.PIPE, stderr=log, text=True, env=env)
     assert proc.stdout is not None
     line = proc.stdout.readline()
     if not line:
@@ -131,6 +134,7 @@ def main() -> None:
                    help="perf_analyzer's measurement interval")
     p.add_argument("--perf-analyzer", help="path of perf_analyzer (its lib/ beside it is used)")
     p.add_argument("--wheels", help="folder of wheels to install the serve extra from, offline")
+    p.add_argument("--baseline-src", help="another checkout's src/ to serve the rows with first")
     args = p.parse_args()
     ensure_serve_extra(args.wheels)
     began = time.monotonic()
@@ -158,12 +162,19 @@ def main() -> None:
         else:
             groups.append((model, fronts, [c]))
     all_plans = plans(args.device)
-    for name, fronts, levels in groups:
+    variants = ([args.baseline_src] if args.baseline_src else []) + [None]
+    for (name, fronts, levels), src in [(g, v) for g in groups for v in variants]:
+        variant = "baseline" if src else "this"
         plan_file = work / f"{name}.json"
         plan_file.write_text(json.dumps(all_plans[name], indent=2))
-        trace = work / f"trace-{name}-f{fronts}.jsonl"
-        print(f"{name} --fronts {fronts}: starting", flush=True)
-        proc, ready = _start(plan_file, work, fronts, trace)
+        trace = None if src else work / f"trace-{name}-f{fronts}.jsonl"
+        print(f"{name} --fronts {fronts} ({variant}): starting", flush=True)
+        try:
+            proc, ready = _start(plan_file, work, fronts, trace, src)
+        except RuntimeError as exc:
+            report["servers"].append({"model": name, "fronts": fronts, "variant": variant,
+                                      "error": str(exc)})
+            continue
         model = ready["models"][0]["name"]
         windows: list[tuple[dict[str, Any], tuple[int, int]]] = []
         try:
@@ -172,10 +183,11 @@ def main() -> None:
                 s0, t0 = _stats(ready["http_port"], model), time.perf_counter_ns()
                 cpu0 = [cpu_s([pid]) for pid in pids]
                 row = _perf_analyzer(exe, ready["grpc_port"], model, c, args.shared_memory,
-                                     args.interval_ms, work / f"{name}-f{fronts}-c{c}.csv")
+                                     args.interval_ms,
+                                     work / f"{name}-f{fronts}-c{c}-{variant}.csv")
                 t1 = time.perf_counter_ns()
                 time.sleep(0.3)  # the fronts answer statistics the runtime pushes every 0.1 s
-                row.update(model=name, fronts=fronts, concurrency=c, protocol="grpc",
+                row.update(model=name, fronts=fronts, concurrency=c, protocol="grpc", variant=variant,
                            shared_memory=args.shared_memory,
                            server=_split(s0, _stats(ready["http_port"], model)))
                 wall_s = (t1 - t0) / 1e9
@@ -190,8 +202,10 @@ def main() -> None:
                 print(f"  c{c}: {figure}", flush=True)
                 save()
         finally:
-            report["servers"].append({"model": name, "fronts": fronts, **_stop(proc)})
-        for row, window in windows:  # the trace files are complete once the server stopped
+            report["servers"].append({"model": name, "fronts": fronts, "variant": variant,
+                                      **_stop(proc)})
+        # The trace files are complete once the server stopped.
+        for row, window in windows if trace is not None else []:
             row["trace"] = summarize(str(trace), window)
             gaps = row["trace"]["gaps"]
             worst = sorted(gaps.items(), key=lambda kv: -kv[1]["mean_ms"])[:4]
