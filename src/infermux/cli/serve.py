@@ -41,6 +41,8 @@ def serve_command(
     drain_timeout: Annotated[str, typer.Option("--drain-timeout", help="On SIGTERM/Ctrl-C, how long admitted requests may take to finish.")] = "30s",
     telemetry: Annotated[str, typer.Option("--telemetry", help="Sampler period for the hardware metrics (e.g. 1s) or off.")] = "1s",
     fronts: Annotated[int | None, typer.Option("--fronts", help="Front processes serving HTTP and gRPC on the same ports, tensors passed to the runtime process through shared memory (default: half the usable cores, at most 8; 0 or 1: in the server process).")] = None,
+    trace_requests: Annotated[int, typer.Option("--trace-requests", help="Trace every Nth request's stages (front, queue, gather, launch, answer) with one host clock, 1: every request, 0: off; the p50/p99 of each gap go in the summary (--json).")] = 0,
+    trace_file: Annotated[str, typer.Option("--trace-file", help="Where --trace-requests writes its JSON lines (each front process adds FILE.<pid>).")] = "serve-trace.jsonl",
     cluster: Annotated[str | None, typer.Option("--cluster", help="Serve from a Ray cluster: ray://HOST:PORT, HOST:PORT, auto, or local:N. PLAN is a cluster plan, or a local plan run on every node; requests are routed to the nodes.")] = None,
     db: DbOpt = "infermux.db",
     no_store: Annotated[bool, typer.Option("--no-store", help="Do not write the results database.")] = False,
@@ -79,7 +81,8 @@ def serve_command(
         restart_window_s=parse_duration_s(restart_window, name="--restart-window"),
         api_key=api_key or os.environ.get("INFERMUX_API_KEY") or None,
         drain_timeout_s=parse_duration_s(drain_timeout, name="--drain-timeout"),
-        telemetry_interval_s=interval, fronts=fronts)
+        telemetry_interval_s=interval, fronts=fronts, trace_requests=trace_requests,
+        trace_path=trace_file)
     if cluster is None:
         settings.check_plan(plan)  # before anything is built
     store = None if no_store else open_store(db)
@@ -117,6 +120,12 @@ def serve_command(
             out.print(f"{name}: {m['requests_ok']} answered, {m['requests_failed']} failed, "
                       f"{m['requests_rejected']} rejected (503), {m['items']} items in "
                       f"{m['batches']} batches")
+        trace = summary.get("trace")
+        if trace:
+            worst = sorted(trace["gaps"].items(), key=lambda kv: -kv[1]["mean_ms"])[:3]
+            out.print(f"trace: {trace['requests']} requests in {trace['path']}; largest gaps "
+                      + ", ".join(f"{k} {v['mean_ms']:.2f} ms (p99 {v['p99_ms']:.2f})"
+                                  for k, v in worst))
         if summary.get("run_id") is not None:
             out.print(f"[dim]stored as run {summary['run_id']} in {db}[/]")
     if summary.get("status") != "complete":

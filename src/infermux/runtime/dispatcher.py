@@ -93,6 +93,9 @@ class Batch:
     bucket: int
     taken_ns: int
     ready_ns: list[int]
+    #: When the worker gathered, launched, collected and reported it (clock ns; the served
+    #: requests' stage trace reads them: serve/trace.py).
+    stamps: dict[str, int] = field(default_factory=dict)
 
     @property
     def samples(self) -> list[int]:

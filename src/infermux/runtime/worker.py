@@ -158,9 +158,11 @@ class Worker:
                 runner = self._runner(batch)
                 start = self.clock_ns()
                 runner.gather_input(*self._source(runner, batch))
+                batch.stamps["gather_begin"] = start
+                batch.stamps["gather_end"] = batch.stamps["launch"] = self.clock_ns()
                 runner.launch()
                 timing = runner.collect()
-                end = self.clock_ns()
+                end = batch.stamps["collect"] = self.clock_ns()
                 outputs = self._outputs(runner, batch)
             except Exception as exc:  # noqa: BLE001 - the input's fault, or the worker's
                 if self._input_fault([batch], exc):
@@ -168,6 +170,7 @@ class Worker:
                     continue
                 d.failed(w, [batch], _translate(exc, w))
                 return
+            batch.stamps["reported"] = self.clock_ns()
             d.finished(w, batch, start, end, timing, outputs)
 
     def _input_fault(self, batches: Sequence[Batch], exc: BaseException) -> bool:
@@ -231,7 +234,10 @@ class Worker:
     def _loop_pipelined(self) -> None:
         """Gather batch k+1 while batch k runs on the device, then collect k and launch k+1.
 
-        k's completion is stamped the moment `collect()` returns, never after k+1's gather.
+        k's completion is stamped the moment `collect()` returns, never after k+1's gather,
+        and reported then too unless k+1 was gathered already (then k+1 launches first).
+        k is expected to end at its launch plus the runner's measured device time for its
+        bucket (the worker's latency estimate until one was collected).
         Where k+1's gather goes depends on what is expected to remain of k (its latency
         estimate): nothing (the device idles) — collect k first, then gather; more than twice
         the gather — gather here, then collect (which still waits for k: the stamp is exact,
@@ -250,6 +256,14 @@ class Worker:
         pending: tuple[Batch, Runner, int, float] | None = None
         helper: _Helper | None = None
         gather_ns = 0.0  # moving average of one gather's duration
+        # Moving average of a batch's time on the device by (model, bucket), from the
+        # runner's own device timing. A pending batch's expected end comes from it, not from
+        # the worker's latency estimate: that one learns launch → collect on the host, which
+        # includes this loop's own wait to take the next batch (`_wait_to_take` waits until
+        # the expected end), so any late wake-up (a busy interpreter lock under server load)
+        # lengthened the next wait, and finished batches sat on the device uncollected while
+        # the worker waited for a full batch (docs/architecture-serve.md, hidden waits).
+        device_ns: dict[tuple[str, int], float] = {}
         try:
             while True:
                 if pending is not None and self.just_in_time and self._wait_to_take(
@@ -287,7 +301,9 @@ class Worker:
                         if where == "here":
                             took = self.clock_ns()
                             runner.gather_input(pool, rows)
-                            gather_ns = _average(gather_ns, self.clock_ns() - took)
+                            ended = self.clock_ns()
+                            gather_ns = _average(gather_ns, ended - took)
+                            batch.stamps.update(gather_begin=took, gather_end=ended)
                         elif where == "helper":
                             helper = helper or _Helper(f"infermux-{w.name}-gather", self.cores,
                                                        self.clock_ns)
@@ -296,25 +312,41 @@ class Worker:
                     if pending is not None:
                         p_batch, p_runner, p_start, _ = pending
                         timing = p_runner.collect()
+                        p_batch.stamps["collect"] = p_end = self.clock_ns()
+                        on_device = timing.h2d_ns + timing.compute_ns + timing.d2h_ns
+                        if on_device > 0:
+                            key = (p_batch.model, p_batch.bucket)
+                            device_ns[key] = _average(device_ns.get(key, 0.0), on_device)
                         # Read before the next launch, which may reuse the output buffers.
-                        done = (p_batch, p_start, self.clock_ns(), timing,
+                        done = (p_batch, p_start, p_end, timing,
                                 self._outputs(p_runner, p_batch))
+                        if where in ("after", "helper"):
+                            # The next launch waits for a gather: k's answer must not (it
+                            # did, a gather and a launch per batch, before it was reported).
+                            # On the helper the gather goes on meanwhile.
+                            held = [batch] if batch is not None else []
+                            self._report(done)
+                            done = None
                     if where == "after":
                         assert batch is not None
                         took = self.clock_ns()
                         runner.gather_input(pool, rows)
-                        gather_ns = _average(gather_ns, self.clock_ns() - took)
+                        ended = self.clock_ns()
+                        gather_ns = _average(gather_ns, ended - took)
+                        batch.stamps.update(gather_begin=took, gather_end=ended)
                     elif on_helper:
-                        assert helper is not None
+                        assert helper is not None and batch is not None
                         on_helper = False
                         _, began, ended = helper.result()
                         gather_ns = _average(gather_ns, ended - began)
+                        batch.stamps.update(gather_begin=began, gather_end=ended)
                     pending = None
                     if batch is not None:
-                        start = self.clock_ns()
+                        start = batch.stamps["launch"] = self.clock_ns()
                         runner.launch()
-                        pending = (batch, runner, start,
-                                   start + w.estimate.expected_ns(batch.bucket, batch.model))
+                        expected = (device_ns.get((batch.model, batch.bucket))
+                                    or w.estimate.expected_ns(batch.bucket, batch.model))
+                        pending = (batch, runner, start, start + expected)
                 except Exception as exc:  # noqa: BLE001 - the inputs' fault, or the worker's
                     if on_helper and helper is not None:
                         with contextlib.suppress(Exception):  # it must not write on, unseen
@@ -326,10 +358,16 @@ class Worker:
                     d.failed(w, held, _translate(exc, w))
                     return
                 if done is not None:
-                    d.finished(w, done[0], done[1], done[2], done[3], done[4])
+                    self._report(done)
         finally:
             if helper is not None:
                 helper.close()
+
+    def _report(self, done: tuple[Batch, int, int, BatchTiming, Any]) -> None:
+        """`Dispatcher.finished` for a collected batch (batch, start, end, timing, outputs)."""
+        batch, start, end, timing, outputs = done
+        batch.stamps["reported"] = self.clock_ns()
+        self.dispatcher.finished(self.state, batch, start, end, timing, outputs)
 
     def _loop_relayed(self, host: ProcessHost) -> None:
         """A process-hosted worker: keep the next batch in the child's pipe while it runs one.
@@ -388,6 +426,7 @@ class Worker:
             if alone:
                 self.relay_ns = _average(self.relay_ns, max(0, end - sent - timing.latency_ns))
             start, last_end = max(sent, last_end), end
+            done.stamps.update(launch=start, collect=end, reported=self.clock_ns())
             d.finished(w, done, start, end, timing, outputs)
 
     def _relayed_input_fault(self, host: ProcessHost,

@@ -39,6 +39,7 @@ from infermux.load.base import Query
 from infermux.runtime.api import Runtime
 from infermux.runtime.dispatcher import Batch, WorkerState
 from infermux.runtime.plan import ModelEntry, Plan
+from infermux.serve.trace import RequestTrace
 
 __all__ = [
     "DATATYPES",
@@ -259,6 +260,8 @@ class _Pending:
     #: Requests admitted by `submit_many`: where the answer goes, and the caller's token.
     sink: BatchSink | None = None
     token: Any = None
+    #: The request's stage stamps when it is traced (serve/trace.py), else None.
+    trace: dict[str, int] | None = None
 
 
 #: A request for `InferenceCore.submit_many`: (model, input rows, output arrays to fill or
@@ -285,13 +288,17 @@ class BatchSink:
         self._answers: list[BatchAnswer] = []
         #: (model, ok, request ns) of each answer, for the metrics.
         self._timings: list[tuple[ModelInfo, bool, int]] = []
+        #: Stage records of the traced answers gathered since the last delivery.
+        self._traced: list[dict[str, int]] = []
         self._scheduled = False
 
     def _add(self, token: Any, result: list[np.ndarray] | ProtocolError, info: ModelInfo,
-             ok: bool, took_ns: int) -> None:
+             ok: bool, took_ns: int, trace: dict[str, int] | None = None) -> None:
         """One answer (called with the core's lock held, on any thread)."""
         self._answers.append((token, result))
         self._timings.append((info, ok, took_ns))
+        if trace is not None:
+            self._traced.append(trace)
         if not self._scheduled:
             self._scheduled = True
             self.loop.call_soon_threadsafe(self._flush)
@@ -300,7 +307,12 @@ class BatchSink:
         with self.core._lock:
             answers, self._answers = self._answers, []
             timings, self._timings = self._timings, []
+            traced, self._traced = self._traced, []
             self._scheduled = False
+        if traced:
+            now = time.perf_counter_ns()
+            for record in traced:
+                record["delivered"] = now
         metrics = self.core.metrics
         if metrics is not None and timings:
             by_model: dict[tuple[str, bool], list[int]] = {}
@@ -312,6 +324,12 @@ class BatchSink:
                 metrics.requests(name, ok, durations)
             for info in touched.values():
                 metrics.pending(info.name, info.in_flight_requests, info.in_flight_items)
+        trace = self.core.trace
+        if traced and trace is not None:
+            now = time.perf_counter_ns()  # `deliver` writes them out at once (before the
+            for record in traced:         # front can read them: stamped first)
+                record["written"] = now
+                trace.add(record)
         if answers:
             self._deliver(answers)
 
@@ -354,6 +372,8 @@ class InferenceCore:
         #: Set by the server once every front it opened accepts connections: not ready before.
         self.fronts_up = False
         self.started_ns = time.perf_counter_ns()
+        #: The per-request stage trace (`serve --trace-requests`), or None: off.
+        self.trace: RequestTrace | None = None
         self._subscription = runtime.subscribe(outputs=self._on_outputs,
                                                completions=self._on_complete,
                                                batches=self._on_batch,
@@ -460,6 +480,8 @@ class InferenceCore:
                 raise refusal
             qid = next(self._ids)
             pending = _Pending(loop, loop.create_future(), info, n, now, n)
+            if self.trace is not None and count and self.trace.wants(qid):
+                pending.trace = {"front": 0, "id": qid, "admitted": now}
             self._pending[qid] = pending
             info.in_flight_items += n
             info.in_flight_requests += 1
@@ -470,6 +492,9 @@ class InferenceCore:
         future.add_done_callback(lambda f: f.exception())  # never "never retrieved"
         self.runtime.submit([Query(qid, info.name, tuple(range(n)), inputs)])
         outputs = await future
+        if pending.trace is not None and self.trace is not None:
+            pending.trace["written"] = time.perf_counter_ns()  # the handler resumed
+            self.trace.add(pending.trace)
         if count:
             self._request_done(info, ok=True, started_ns=now)
         return outputs
@@ -499,6 +524,7 @@ class InferenceCore:
         return BatchSink(self, asyncio.get_running_loop(), deliver)
 
     def submit_many(self, requests: Sequence[BatchRequest], sink: BatchSink,
+                    traces: dict[Any, dict[str, int]] | None = None,
                     ) -> list[tuple[Any, ProtocolError]]:
         """Admit several requests at once and submit them to the runtime together.
 
@@ -509,6 +535,7 @@ class InferenceCore:
         reaches `sink` (see `BatchSink`): its outputs, written into the arrays given with it
         (or new ones), or its error. The statistics are those of `infer()`: a request is a
         success, a failure or a refusal, with the time from admission to its answer.
+        `traces`: the stage records of the traced requests, by token (serve/trace.py).
         """
         now = time.perf_counter_ns()
         refused: list[tuple[Any, ProtocolError]] = []
@@ -529,8 +556,11 @@ class InferenceCore:
                     refused.append((token, refusal))
                     continue
                 qid = next(self._ids)
-                self._pending[qid] = _Pending(sink.loop, None, info, n, now, n, out, sink,
-                                              token)
+                pending = self._pending[qid] = _Pending(sink.loop, None, info, n, now, n, out,
+                                                        sink, token)
+                if traces and token in traces:
+                    pending.trace = traces[token]
+                    pending.trace["admitted"] = now
                 info.in_flight_items += n
                 info.in_flight_requests += 1
                 touched[info.name] = info
@@ -605,7 +635,9 @@ class InferenceCore:
             result: list[np.ndarray] | ProtocolError = (
                 outputs if ok and outputs is not None
                 else ProtocolError(status, error or "inference failed"))
-            pending.sink._add(pending.token, result, info, ok, took)
+            if pending.trace is not None:
+                pending.trace["answer_queued"] = pending.admitted_ns + took
+            pending.sink._add(pending.token, result, info, ok, took, pending.trace)
         else:
             self._answer(pending, outputs, error, status)
         if self._closing and not self._pending and self._drained is not None:
@@ -616,6 +648,8 @@ class InferenceCore:
         """Hand an `infer()` request's answer to its awaiting coroutine (`_lock` held)."""
         info = pending.model
         assert pending.future is not None  # an `infer()` request
+        if pending.trace is not None:
+            pending.trace["answer_queued"] = time.perf_counter_ns()
         if self.metrics is not None:
             self.metrics.pending(info.name, info.in_flight_requests, info.in_flight_items)
         if error is None and outputs is not None:
@@ -640,6 +674,8 @@ class InferenceCore:
                 for dst, y in zip(pending.outputs, outputs, strict=True):
                     dst[item.sample] = y[i]
                 pending.left -= 1
+                if pending.trace is not None:
+                    _stamp(pending.trace, item.enqueued_ns, batch)
                 if pending.left == 0:
                     self._finish(item.query, pending.outputs, None)
 
@@ -740,6 +776,14 @@ def _input_datatype(entry: ModelEntry) -> str:
     """
     modes = {r.unit.rpartition("/")[2] if "/" in r.unit else "" for r in entry.replicas}
     return "FP16" if modes == {"fp16"} else "FP32"
+
+
+def _stamp(trace: dict[str, int], enqueued_ns: int, batch: Batch) -> None:
+    """A traced request's runtime stages: its first item's queueing, its last item's batch."""
+    trace.setdefault("enqueued", enqueued_ns)
+    trace["taken"] = batch.taken_ns
+    trace.update(batch.stamps)
+    trace["outputs_written"] = time.perf_counter_ns()
 
 
 class _FullError(ProtocolError):

@@ -226,14 +226,19 @@ class FrontHub:
         if kind == Kind.INFER:
             # A frame's requests are admitted and submitted together (one lock, one submit);
             # their outputs are written by the runtime's callback straight into their slots.
+            read_ns = time.perf_counter_ns()
+            trace = self.core.trace
+            traces: dict[int, dict[str, int]] = {}
             requests = []
             for rid, index, code, start, n in REQUEST.iter_unpack(payload):
                 layout, segment = self.layouts[index], gen.segments[index]
                 requests.append((self.models[index],
                                  layout.inputs(segment.map, start, n, DTYPE_CODES[code]),
                                  layout.outputs(segment.map, start, n), rid))
+                if trace is not None and trace.wants(rid):
+                    traces[rid] = {"front": gen.pid, "id": rid, "frame_read": read_ns}
             assert gen.sink is not None
-            refused = self.core.submit_many(requests, gen.sink)
+            refused = self.core.submit_many(requests, gen.sink, traces)
             gen.in_flight += len(requests) - len(refused)
             if refused:
                 gen.errors.extend([rid, e.status, e.message, e.retry_after_s]

@@ -21,7 +21,9 @@ import contextlib
 import dataclasses
 import itertools
 import json
+import os
 import struct
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +32,7 @@ import numpy as np
 
 from infermux.serve.core import ModelInfo, ProtocolError, find_model
 from infermux.serve.shm import Segment, SharedMemoryRegions, SlabLayout, SlotAllocator
+from infermux.serve.trace import RequestTrace
 
 __all__ = [
     "DTYPE_CODES",
@@ -155,6 +158,8 @@ class _Waiting:
     slab: _Slab
     start: int
     items: int
+    #: The request's stage stamps when it is traced (serve/trace.py), else None.
+    trace: dict[str, int] | None = None
 
 
 @dataclass
@@ -196,6 +201,14 @@ class RuntimeProxy:
         self._scheduled = False
         self._idle: asyncio.Event | None = None
         self.runtime_gone = asyncio.Event()
+        #: This front's part of the stage trace (`serve --trace-requests`), or None: off.
+        self.trace: RequestTrace | None = None
+        settings = init.get("settings")
+        if settings is not None and settings.trace_requests:
+            self.trace = RequestTrace(f"{settings.trace_path}.{os.getpid()}",
+                                      settings.trace_requests)
+        #: Traced records whose descriptors are in `_batch`, not yet sent.
+        self._tracing: list[dict[str, int]] = []
 
     # -- what the handlers read -------------------------------------------------------------------
 
@@ -235,6 +248,7 @@ class RuntimeProxy:
 
     async def infer(self, info: ModelInfo, inputs: np.ndarray) -> list[np.ndarray]:
         """Serve one request through the runtime process; outputs, a row per item, in order."""
+        received_ns = time.perf_counter_ns()
         slab = self._slabs[info.name]
         if self._state["closing"] or self.runtime_gone.is_set():
             self._refuse(slab.index)
@@ -252,10 +266,17 @@ class RuntimeProxy:
         slab.layout.inputs(slab.segment.map, start, n, DTYPE_CODES[code])[...] = inputs
         rid = next(self._ids)
         future: asyncio.Future[list[np.ndarray]] = asyncio.get_running_loop().create_future()
-        self._pending[rid] = _Waiting(future, slab, start, n)
+        waiting = self._pending[rid] = _Waiting(future, slab, start, n)
         self._batch += REQUEST.pack(rid, slab.index, code, start, n)
         self._schedule()
-        return await future
+        if self.trace is None or not self.trace.wants(rid):
+            return await future
+        record = waiting.trace = {"front": os.getpid(), "id": rid, "front_received": received_ns}
+        self._tracing.append(record)
+        outputs = await future
+        record["front_resumed"] = time.perf_counter_ns()
+        self.trace.add(record)
+        return outputs
 
     def _refuse(self, index: int) -> None:
         """Count a request this front refused itself: the runtime's statistics include it."""
@@ -284,6 +305,11 @@ class RuntimeProxy:
             self.link.send(Kind.REFUSED, b"".join(REFUSALS.pack(index, count) for index, count
                                                   in self._refusals.items()))
         self._refusals = {}
+        if self._tracing:  # stamped before the write: the runtime may read it at once
+            now = time.perf_counter_ns()
+            for record in self._tracing:
+                record["front_sent"] = now
+            self._tracing = []
         if self.link is not None and batch:
             self.link.send(Kind.INFER, batch, now=True)  # this turn's requests are all in it
 
@@ -294,6 +320,8 @@ class RuntimeProxy:
                 waiting = self._pending.pop(rid, None)
                 if waiting is None:
                     continue
+                if waiting.trace is not None:
+                    waiting.trace["front_got"] = time.perf_counter_ns()
                 s = waiting.slab
                 outputs = [y.copy() for y in s.layout.outputs(s.segment.map, waiting.start,
                                                                waiting.items)]
@@ -356,7 +384,9 @@ class RuntimeProxy:
         return len(self._pending)
 
     def close(self) -> None:
-        """Unmap the slabs and the clients' regions."""
+        """Unmap the slabs and the clients' regions; write this front's trace lines."""
+        if self.trace is not None:
+            self.trace.close()
         for slab in self._slabs.values():
             slab.segment.close()
         self.shared_memory.close()

@@ -65,6 +65,10 @@ class ServeSettings:
     #: Front processes serving HTTP and gRPC on shared ports (serve/fronts.py); 0 or 1: the
     #: fronts run in the server process; None: `fronts.default_fronts` of the usable cores.
     fronts: int | None = None
+    #: Trace every Nth request's stages (serve/trace.py; 1: all, 0: off) into `trace_path`
+    #: (the runtime's lines) and `trace_path.<pid>` (each front process's).
+    trace_requests: int = 0
+    trace_path: str = "serve-trace.jsonl"
 
     def __post_init__(self) -> None:
         for flag, port in (("--http-port", self.http_port), ("--grpc-port", self.grpc_port),
@@ -82,6 +86,9 @@ class ServeSettings:
                              "process)")
         if self.api_key is not None and not self.api_key.strip():
             raise UsageError("--api-key is empty: give a key, or leave the option out")
+        if self.trace_requests < 0:
+            raise UsageError(f"--trace-requests {self.trace_requests} must be 0 (off), 1 (every "
+                             "request) or N (every Nth)")
         if self.restart_window_s <= 0:
             raise UsageError(f"--restart-window {self.restart_window_s:g}s must be positive")
 
@@ -219,6 +226,8 @@ class InferenceServer:
             self.core = core = InferenceCore(runtime, runtime.plan,
                                              max_queue_items=s.max_queue_items,
                                              metrics=metrics, supervisor=supervisor)
+            if s.trace_requests:
+                core.trace = _start_trace(s)
             _check_admission(core)
             if supervisor is not None:
                 supervisor.start()
@@ -282,6 +291,13 @@ class InferenceServer:
                        "restarts": supervisor.summary() if supervisor is not None else {}}
             if self.front_hub is not None:
                 summary.update(self.front_hub.summary())
+            if self.core is not None and self.core.trace is not None:
+                from infermux.serve.trace import summarize
+
+                # The front processes wrote their lines as they exited (drained above).
+                self.core.trace.close()
+                summary["trace"] = {"path": s.trace_path, "every": s.trace_requests,
+                                    **summarize(s.trace_path)}
             if runtime is not None and hasattr(runtime, "nodes"):
                 summary["nodes"] = runtime.nodes()
             rec.status, rec.summary = status, summary
@@ -355,6 +371,19 @@ def _keep_off_worker_cores(host_cores: list[int]) -> None:
     if host_cores and hasattr(os, "sched_setaffinity"):
         with contextlib.suppress(OSError):
             os.sched_setaffinity(0, host_cores)
+
+
+def _start_trace(s: ServeSettings) -> Any:
+    """The runtime's trace writer, the files of an earlier trace at the same path removed."""
+    import glob
+
+    from infermux.serve.trace import RequestTrace
+
+    for old in [s.trace_path, *glob.glob(glob.escape(s.trace_path) + ".*")]:
+        if old == s.trace_path or old[len(s.trace_path) + 1:].isdigit():
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(old)
+    return RequestTrace(s.trace_path, s.trace_requests)
 
 
 def _grpc_host(host: str) -> str:

@@ -1,0 +1,128 @@
+"""Per-request stage traces of `infermux serve --trace-requests N`: where a request waits.
+
+A traced request (every Nth) is stamped with `time.perf_counter_ns` (CLOCK_MONOTONIC on Linux:
+one clock for every process of the host, so a front's stamps and the runtime's compare) at each
+hand-over on its way: the front received it and sent its descriptor; the runtime read the
+frame, admitted and queued it; a worker took its batch, gathered, launched and collected it; its
+outputs were written, its answer queued for the event loop, delivered by the loop and written
+to the front; the front got it and resumed the request's handler. Each process appends its own
+JSON lines (the runtime to the trace file, a front process to `<file>.<pid>`), buffered and
+written at exit, so tracing costs nothing when off and a few dict writes per traced request
+when on. `summarize` joins the lines by (front, request) and gives the p50/p99 of every gap
+between consecutive stages; the server puts it in its summary (`--json`).
+
+Which gap grows with load says where requests wait: the dispatcher's queue (`enqueued` →
+`taken`) is the only wait that should.
+"""
+
+from __future__ import annotations
+
+import glob
+import itertools
+import json
+import os
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+__all__ = ["STAGES", "RequestTrace", "summarize"]
+
+#: The stages in the order a request passes them (a record holds those that apply to it: an
+#: in-process front's requests have no front stages).
+STAGES = (
+    "front_received",   # a front process's handler called the runtime proxy
+    "front_sent",       # its descriptor handed to the link (written in the same turn)
+    "frame_read",       # the runtime process read the frame holding it
+    "admitted",         # admitted (InferenceCore: the request span's start)
+    "enqueued",         # its items in the dispatcher's queue
+    "taken",            # a worker took the batch holding it
+    "gather_begin",     # the batch's rows started into the input buffer
+    "gather_end",
+    "launch",           # the batch launched on the device
+    "collect",          # the batch's end (outputs ready on the host)
+    "reported",         # the worker reported the batch (`Dispatcher.finished`)
+    "outputs_written",  # the request's outputs written (its last item's batch)
+    "answer_queued",    # its answer handed to the event loop (the request span's end)
+    "delivered",        # the event loop took it
+    "written",          # handed to the front's link (or the in-process handler resumed)
+    "front_got",        # the front process read the answer
+    "front_resumed",    # the request's handler resumed with it
+)
+
+
+class RequestTrace:
+    """One process's trace lines: chooses the traced requests, buffers, appends at `close`."""
+
+    def __init__(self, path: str, every: int) -> None:
+        self.path = path
+        self.every = max(1, int(every))
+        self._lines: list[dict[str, Any]] = []
+
+    def wants(self, request_id: int) -> bool:
+        """Whether the request numbered `request_id` (1, 2, ...) is traced."""
+        return request_id % self.every == 0
+
+    def add(self, record: dict[str, Any]) -> None:
+        """Keep one request's record (stage → ns, and its ids)."""
+        self._lines.append(record)
+
+    def close(self) -> int:
+        """Append the records to the file; how many."""
+        lines, self._lines = self._lines, []
+        if lines:
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write("".join(json.dumps(r, separators=(",", ":")) + "\n" for r in lines))
+        return len(lines)
+
+
+def _records(paths: Iterable[str]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            out.extend(json.loads(line) for line in f if line.strip())
+    return out
+
+
+def summarize(path: str, window_ns: tuple[int, int] | None = None) -> dict[str, Any]:
+    """p50/p99 (ms) of each gap between consecutive stages, over the traced requests.
+
+    Reads `path` (the runtime's lines) and `path.<pid>` (each front's), joined by (front pid,
+    request id). A gap is named `from->to` between the stages a request has, in `STAGES` order.
+    `window_ns`: only the requests whose first stage falls in [begin, end) (clock ns).
+    """
+    runtime = _records([path] if os.path.exists(path) else [])
+    front = _records(p for p in glob.glob(glob.escape(path) + ".*") if p[len(path) + 1:].isdigit())
+    joined: dict[tuple[int, int], dict[str, int]] = {}
+    for r in runtime:
+        joined[(r.get("front", 0), r["id"])] = {k: v for k, v in r.items() if k in STAGES}
+    for r in front:
+        key = (r["front"], r["id"])
+        if key in joined:
+            joined[key].update({k: v for k, v in r.items() if k in STAGES})
+    gaps: dict[str, list[float]] = {}
+    totals: list[float] = []
+    kept = 0
+    for stamps in joined.values():
+        have = [s for s in STAGES if s in stamps]
+        if not have or (window_ns is not None
+                        and not window_ns[0] <= stamps[have[0]] < window_ns[1]):
+            continue
+        kept += 1
+        for a, b in itertools.pairwise(have):
+            gaps.setdefault(f"{a}->{b}", []).append((stamps[b] - stamps[a]) / 1e6)
+        if len(have) > 1:
+            totals.append((stamps[have[-1]] - stamps[have[0]]) / 1e6)
+    order = {f"{a}->{b}": (STAGES.index(a), STAGES.index(b)) for a in STAGES for b in STAGES}
+
+    def stats(values: list[float]) -> dict[str, float]:
+        arr = np.asarray(values)
+        return {"p50_ms": round(float(np.percentile(arr, 50)), 4),
+                "p99_ms": round(float(np.percentile(arr, 99)), 4),
+                "mean_ms": round(float(arr.mean()), 4), "count": len(values)}
+
+    return {
+        "requests": kept,
+        "total": stats(totals) if totals else None,
+        "gaps": {name: stats(gaps[name]) for name in sorted(gaps, key=order.__getitem__)},
+    }
