@@ -274,7 +274,7 @@ class Worker:
                     pending = None
                     try:
                         timing = p_runner.collect()
-                        ended = self.clock_ns()
+                        ended = p_batch.stamps["collect"] = self.clock_ns()
                         outputs = self._outputs(p_runner, p_batch)
                     except Exception as exc:  # noqa: BLE001 - the inputs' fault, or the worker's
                         if self._input_fault([p_batch], exc):
@@ -282,7 +282,11 @@ class Worker:
                             continue
                         d.failed(w, [p_batch], _translate(exc, w))
                         return
-                    d.finished(w, p_batch, p_start, ended, timing, outputs)
+                    on_device = timing.h2d_ns + timing.compute_ns + timing.d2h_ns
+                    if on_device > 0:
+                        key = (p_batch.model, p_batch.bucket)
+                        device_ns[key] = _average(device_ns.get(key, 0.0), on_device)
+                    self._report((p_batch, p_start, ended, timing, outputs))
                     continue
                 batch = d.next_batch(w, block=pending is None)
                 if batch is None and pending is None:
