@@ -386,7 +386,12 @@ class TorchRunner(Runner):
     def _copy_rows(self, rows: list[np.ndarray]) -> None:
         """Copy served rows into the host input buffer, converting; large batches on threads.
 
-        `copy_` releases the GIL, so the event loop keeps reading requests meanwhile.
+        One call copies a thread's share of rows (`_foreach_copy_`), so the interpreter lock
+        is released once per share, not once per row: a copy per row gave the lock back and
+        waited to take it again after each row, behind the event loop's thread, which may keep
+        it for the switch interval (5 ms). Traced on an H200 host serving through 8 fronts, a
+        gather of 61 ResNet50 rows took 17 ms that way, and one of 58 digits rows (2 KB each)
+        7.7 ms: almost all of it waiting for the lock.
         """
         import torch
 
@@ -395,8 +400,8 @@ class TorchRunner(Runner):
         dst = self._x_host.narrow(0, 0, len(rows))
 
         def copy(a: int, b: int) -> None:
-            for i in range(a, b):
-                dst[i].copy_(torch.from_numpy(rows[i]))
+            sources = [torch.from_numpy(rows[i]) for i in range(a, b)]
+            torch._foreach_copy_(list(dst.narrow(0, a, b - a).unbind(0)), sources)
 
         n = len(rows)
         parts = min(_GATHER_THREADS, n, int(dst.nbytes // _GATHER_BYTES_PER_THREAD))
