@@ -7,6 +7,7 @@ builds every worker once; a peak search reuses them for all its trials.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 import time
@@ -22,6 +23,7 @@ from infermux.models import LoadedModel, ModelSpec, load_model
 from infermux.progress import ProgressFn
 from infermux.runtime.api import LocalRuntime
 from infermux.runtime.dispatcher import Dispatcher, WorkerState, failure_kind
+from infermux.runtime.inputs import build_bucket_runners
 from infermux.runtime.metrics import Recorder, TrialSummary, summarise
 from infermux.runtime.pipelined import PipelineWorker, build_pipeline, pipeline_buckets
 from infermux.runtime.placement import LatencyEstimate, ModelLoad, rebalance
@@ -97,6 +99,22 @@ def layout_workers(plan: Plan, found: Discovery) -> list[WorkerPlan]:
                     tuple(cores), hosting,
                 ))
     return workers
+
+
+def _sample_library(plan: Plan, index: int, model: LoadedModel) -> QuerySampleLibrary:
+    """Model `index`'s sample library (`runtime.inputs.sample_library`), checked against the plan."""
+    from infermux.runtime.inputs import check_declared_inputs, sample_library
+
+    entry = plan.models[index]
+    where = f"models[{index}]"
+    if entry.inputs is not None:
+        check_declared_inputs(model.spec_io, entry.inputs, where)
+    if entry.stages and not model.spec_io.simple:
+        raise UsageError(f"plan field {where}.stages: {entry.model!r} takes several inputs "
+                         f"({', '.join(t.name for t in model.spec_io.inputs)}); pipeline stages "
+                         "run models of one float input: use replicas")
+    return sample_library(entry.name, model, plan.load.sample_pool, plan.load.seed,
+                          entry.seq_buckets, plan.load.lengths, where)
 
 
 def bucket_options(replica: Replica, bucket: int) -> dict[str, Any]:
@@ -232,15 +250,7 @@ class _Runtime:
                     tuple(entry.input_shape) if entry.input_shape else None))
             except UsageError as exc:
                 raise UsageError(f"plan field models[{mi}].model: {exc}") from None
-            if not self.models[entry.name].spec_io.simple:
-                # Queries carry one float sample per item; several inputs need their own path.
-                raise UsageError(
-                    f"plan field models[{mi}].model: {entry.model!r} takes "
-                    f"{', '.join(t.text() for t in self.models[entry.name].spec_io.inputs)}; "
-                    "plans run models of one float input: measure it with infermux bench")
-            self.qsl[entry.name] = QuerySampleLibrary(
-                entry.name, self.models[entry.name].input_shape, plan.load.sample_pool,
-                plan.load.seed)
+            self.qsl[entry.name] = _sample_library(plan, mi, self.models[entry.name])
         dynamic = plan.placement == "dynamic"
         # Child processes first: they build in parallel with this process's runners.
         for wp in layout:
@@ -276,11 +286,10 @@ class _Runtime:
                                                  create_engine(wp.replica.engine))
                 for name in sorted(serves):
                     try:
-                        runners[name] = {
-                            b: engine.build(self.models[name], wp.unit, b,
-                                            bucket_options(wp.replica, b),
-                                            data=plan.load.data, instance=wp.id)
-                            for b in wp.replica.buckets()}
+                        runners[name] = build_bucket_runners(
+                            engine, self.models[name], wp.unit, wp.replica.buckets(),
+                            functools.partial(bucket_options, wp.replica), plan.load.data,
+                            wp.id, self.qsl[name].seq_lengths)
                     except UsageError:
                         raise
                     except InfermuxError as exc:
@@ -332,7 +341,9 @@ class _Runtime:
         return [RunnerSpec(
             m.name, m.model, m.weights, tuple(m.input_shape) if m.input_shape else None,
             wp.replica.engine, wp.unit.id, tuple(wp.replica.buckets()), wp.replica.options,
-            plan.load.data, wp.id, plan.load.sample_pool, plan.load.seed) for m in entries]
+            plan.load.data, wp.id, plan.load.sample_pool, plan.load.seed,
+            tuple(m.seq_buckets) if m.seq_buckets else None, plan.load.lengths)
+            for m in entries]
 
     def can_restart(self, worker_id: int) -> bool:
         """Whether `restart_worker` can bring this worker back (replicas and pipelines)."""

@@ -1,0 +1,187 @@
+"""Networks of several inputs through plans: the runtime, `run`, LoadGen and `serve`.
+
+A two-input ONNX file (float features and int64 ids, exported from a ten-line torch module) and
+a two-layer BERT built from a config folder run through plans with sequence-length buckets: a
+query padded to its bucket gives the outputs of its unpadded run, every worker hosting (threads,
+processes) feeds every input, and a plan or request whose input does not fit is one line.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from infermux.errors import UsageError
+from infermux.iospec import IOSpec, TensorSpec
+from infermux.load.base import Query
+from infermux.load.samples import IOSamples, parse_lengths
+from infermux.models import load_model
+from infermux.runtime import parse_plan, run_plan, start_runtime
+
+from .test_iospec import TWO_INPUTS
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory, module_cache_dir):
+    """(factory reference, ONNX file exported from it with a dynamic batch and sequence)."""
+    folder = tmp_path_factory.mktemp("two")
+    (folder / "two.py").write_text(TWO_INPUTS)
+    factory = f"{folder / 'two.py'}:build"
+    module = load_model(factory).module
+    onnx_path = folder / "two.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(module, (torch.zeros(2, 16), torch.zeros(2, 8, dtype=torch.long)),
+                          str(onnx_path), input_names=["features", "ids"],
+                          output_names=["scores"], dynamo=False,
+                          dynamic_axes={"features": {0: "batch"}, "ids": {0: "batch", 1: "seq"},
+                                        "scores": {0: "batch"}})
+    return factory, str(onnx_path)
+
+
+@pytest.fixture(scope="module")
+def bert(tmp_path_factory, module_cache_dir):
+    """A two-layer BERT's config folder (random weights, nothing downloaded): `hf:FOLDER`."""
+    transformers = pytest.importorskip("transformers")
+    folder = tmp_path_factory.mktemp("tinybert")
+    transformers.BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2,
+                            intermediate_size=64, vocab_size=100).save_pretrained(str(folder))
+    return f"hf:{folder}"
+
+
+def _plan(ref, *, engine="torch", hosting="thread", seq_buckets=None, lengths=None, batch=4,
+          **entry):
+    model = {"name": "m", "model": ref, "replicas": [{"unit": "cpu:0", "engine": engine,
+                                                      "batch": batch}], **entry}
+    if seq_buckets is not None:
+        model["seq_buckets"] = seq_buckets
+    load = {"scenario": "offline", "min_duration_s": 0.3, "min_queries": 16, "sample_pool": 32}
+    if lengths is not None:
+        load["lengths"] = lengths
+    return parse_plan({"models": [model], "dispatcher": {"cpu_workers": hosting}, "load": load})
+
+
+def _served(rt, model, items):
+    """Submit one query per item (every input given) and wait for each one's output rows."""
+    got: dict[int, list[np.ndarray]] = {}
+    done = threading.Event()
+
+    def on_outputs(batch, outputs):
+        for i, item in enumerate(batch.items):
+            got[item.query] = [y[i] for y in outputs]
+        if len(got) == len(items):
+            done.set()
+
+    sub = rt.subscribe(outputs=on_outputs)
+    try:
+        rt.submit([Query(i + 1, model, (0,), inputs=[item]) for i, item in enumerate(items)])
+        assert done.wait(120), f"{len(got)} of {len(items)} answered"
+    finally:
+        sub.cancel()
+    return [got[i + 1] for i in range(len(items))]
+
+
+# -- step 1: the runtime ---------------------------------------------------------------------
+
+
+def test_samples_are_padded_past_their_length_and_lengths_parse():
+    spec = IOSpec((TensorSpec("input_ids", "int64", ("seq",), high=50),
+                   TensorSpec("attention_mask", "int64", ("seq",), values="ones")))
+    samples = IOSamples.generate(spec, "m", 64, 0, 32, parse_lengths("uniform:4-20"))
+    assert samples.lengths is not None and 4 <= samples.lengths.min() <= samples.lengths.max() <= 20
+    ids, mask = samples.arrays
+    assert ids.shape == mask.shape == (64, 32)
+    for s in range(64):
+        n = samples.lengths[s]
+        assert mask[s, :n].all() and not mask[s, n:].any() and not ids[s, n:].any()
+    again = IOSamples.generate(spec, "m", 64, 0, 32, parse_lengths("uniform:4-20"))
+    assert np.array_equal(again.arrays[0], ids)  # seeded: the same in every process
+    assert parse_lengths(128).mean == 128 and parse_lengths("32,64").choices == (32, 64)
+    for bad in ("uniform:0-5", "normal:3", "12,x", "uniform:9-3"):
+        with pytest.raises(UsageError) as caught:
+            parse_lengths(bad)
+        assert bad in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_a_padded_query_gives_its_unpadded_outputs_on_a_tiny_bert(bert):
+    """A query of 11 tokens runs in the 16 bucket, one of 23 in the 32 bucket, batched
+    together with others: each item's pooled output and its own positions of the last hidden
+    state equal those of the network run on it alone, unpadded."""
+    model = load_model(bert)
+    names = [t.name for t in model.spec_io.inputs]
+    rng = np.random.default_rng(1)
+    items = []
+    for n in (11, 23, 5, 16):
+        ids = rng.integers(1, 100, size=n)
+        items.append([ids, np.ones(n, np.int64), np.zeros(n, np.int64)][:len(names)])
+    rt = start_runtime(_plan(bert, seq_buckets=[16, 32]))
+    try:
+        served = _served(rt, "m", items)
+    finally:
+        rt.stop(drain=False)
+    out_names = [t.name for t in model.spec_io.outputs]
+    for item, outs in zip(items, served, strict=True):
+        with torch.inference_mode():
+            alone = model.module(*[torch.from_numpy(np.asarray(a)[None]) for a in item])
+        ref = dict(zip(out_names, [t[0].numpy() for t in alone], strict=True))
+        got = dict(zip(out_names, outs, strict=True))
+        n = len(item[0])
+        np.testing.assert_allclose(got["pooler_output"], ref["pooler_output"], atol=1e-5)
+        np.testing.assert_allclose(got["last_hidden_state"][:n], ref["last_hidden_state"],
+                                   atol=1e-5)
+
+
+@pytest.mark.parametrize("hosting", ["thread", "process"])
+def test_a_two_input_onnx_file_runs_a_plan_on_onnxruntime(two, hosting):
+    report = run_plan(_plan(two[1], engine="onnxruntime", hosting=hosting, seq_buckets=[4, 8],
+                            lengths="uniform:2-8"))
+    final = report.final
+    assert report.status == "complete", report.error
+    assert final["valid"] and final["items_per_s"] > 0 and not final["failed"], final
+
+
+def test_a_tiny_bert_plan_on_torch_process_workers_serves_rows(bert):
+    """A process-hosted worker's child builds every (batch, length) runner and runs served
+    items of every input; its outputs match the thread worker's."""
+    items = [[np.arange(1, 1 + n) % 100, np.ones(n, np.int64), np.zeros(n, np.int64)]
+             for n in (3, 9)]
+    answers = []
+    for hosting in ("thread", "process"):
+        rt = start_runtime(_plan(bert, hosting=hosting, seq_buckets=[8, 16], batch=2))
+        try:
+            answers.append(_served(rt, "m", items))
+        finally:
+            rt.stop(drain=False)
+    for a, b in zip(*answers, strict=True):
+        for x, y in zip(a, b, strict=True):
+            np.testing.assert_allclose(x, y, atol=1e-5)
+
+
+@pytest.mark.parametrize(("inputs", "message"), [
+    ([{"name": "features", "dtype": "float32", "shape": [16]}],
+     "plan field models[0].inputs: input 'ids' is missing: the model takes ids: int64[batch, seq]"),
+    ([{"name": "features", "dtype": "float32", "shape": [16]},
+      {"name": "ids", "dtype": "int32", "shape": ["seq"]}],
+     "plan field models[0].inputs[1]: input 'ids' is given as ids: int32[batch, seq], the "
+     "model takes ids: int64[batch, seq] < 50"),
+    ([{"name": "features", "dtype": "float32", "shape": [16]},
+      {"name": "tokens", "dtype": "int64", "shape": ["seq"]}],
+     "plan field models[0].inputs[1]: input 'tokens' is not one the model takes"),
+])
+def test_a_plan_input_that_does_not_fit_is_one_line(two, inputs, message):
+    with pytest.raises(UsageError) as caught:
+        run_plan(_plan(two[0], inputs=inputs))
+    assert str(caught.value).startswith(message), str(caught.value)
+    assert "\n" not in str(caught.value)
+
+
+def test_lengths_past_the_buckets_and_buckets_without_a_length_are_refused(two, tmp_path):
+    with pytest.raises(UsageError, match=r"load.lengths uniform:2-64 go past "
+                                         r"models\[0\].seq_buckets \[4, 8\]"):
+        _plan(two[0], seq_buckets=[4, 8], lengths="uniform:2-64")
+    with pytest.raises(UsageError, match=r"seq_buckets: the model has no dynamic dimension"):
+        run_plan(_plan("tests/tiny_models.py:tiny_cnn", seq_buckets=[8]))
