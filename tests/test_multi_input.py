@@ -185,3 +185,50 @@ def test_lengths_past_the_buckets_and_buckets_without_a_length_are_refused(two, 
         _plan(two[0], seq_buckets=[4, 8], lengths="uniform:2-64")
     with pytest.raises(UsageError, match=r"seq_buckets: the model has no dynamic dimension"):
         run_plan(_plan("tests/tiny_models.py:tiny_cnn", seq_buckets=[8]))
+
+
+# -- step 2: `infermux run` and LoadGen ------------------------------------------------------
+
+
+def test_run_takes_query_lengths_and_reports_tokens_per_second(two, tmp_path):
+    """`infermux run --lengths uniform:2-8` on a two-input ONNX file: queries are generated from
+    its spec at lengths 2 to 8, and tokens/s (each query at its own length) is in the output,
+    the JSON and the store."""
+    import json
+    import sqlite3
+
+    import yaml
+
+    from .conftest import run_cli
+
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump({
+        "models": [{"name": "two", "model": two[1], "seq_buckets": [4, 8],
+                    "replicas": [{"unit": "cpu:0", "engine": "onnxruntime", "batch": 4}]}],
+        "dispatcher": {"cpu_workers": "thread"},
+        "load": {"min_duration_s": 0.3, "min_queries": 32, "sample_pool": 64}}))
+    db = tmp_path / "runs.db"
+    run = run_cli("run", str(path), "--lengths", "uniform:2-8", "--json", "--db", str(db))
+    assert run.returncode == 0, run.stderr
+    result = json.loads(run.stdout)["result"]
+    model = result["models"]["two"]
+    assert 2 <= model["mean_length"] <= 8, model
+    assert model["tokens_per_s"] == pytest.approx(model["items_per_s"] * model["mean_length"])
+    assert result["tokens_per_s"] == pytest.approx(model["tokens_per_s"])
+    with sqlite3.connect(db) as con:
+        stored = json.loads(con.execute("SELECT record_json FROM run_trials").fetchone()[0])
+    assert stored["tokens_per_s"] == pytest.approx(result["tokens_per_s"])
+    text = run_cli("run", str(path), "--lengths", "6", "--no-store")
+    assert text.returncode == 0, text.stderr
+    assert "tok/s" in text.stdout
+    bad = run_cli("run", str(path), "--lengths", "uniform:2-64", "--no-store")
+    lines = [line for line in bad.stderr.splitlines() if line.strip()]
+    assert bad.returncode == 2 and len(lines) == 1, bad.stderr
+    assert "uniform:2-64" in lines[0] and "seq_buckets" in lines[0]
+
+
+def test_fixed_lengths_run_at_their_bucket(bert):
+    """Queries of 5 tokens run in the 8 bucket; tokens count their own length, not the bucket's."""
+    report = run_plan(_plan(bert, seq_buckets=[8, 32], lengths=5, batch=2))
+    model = report.final["models"]["m"]
+    assert report.status == "complete" and model["mean_length"] == 5, model

@@ -22,8 +22,8 @@ from infermux.load.scenarios import LoadGenerator, ScenarioResult, find_peak
 from infermux.models import LoadedModel, ModelSpec, load_model
 from infermux.progress import ProgressFn
 from infermux.runtime.api import LocalRuntime
-from infermux.runtime.dispatcher import Dispatcher, WorkerState, failure_kind
-from infermux.runtime.inputs import build_bucket_runners
+from infermux.runtime.dispatcher import Batch, Dispatcher, WorkerState, failure_kind
+from infermux.runtime.inputs import build_bucket_runners, item_length
 from infermux.runtime.metrics import Recorder, TrialSummary, summarise
 from infermux.runtime.pipelined import PipelineWorker, build_pipeline, pipeline_buckets
 from infermux.runtime.placement import LatencyEstimate, ModelLoad, rebalance
@@ -251,6 +251,8 @@ class _Runtime:
             except UsageError as exc:
                 raise UsageError(f"plan field models[{mi}].model: {exc}") from None
             self.qsl[entry.name] = _sample_library(plan, mi, self.models[entry.name])
+        if any(q.io is not None and q.max_length is not None for q in self.qsl.values()):
+            self.recorder.tokens_of = self._tokens
         dynamic = plan.placement == "dynamic"
         # Child processes first: they build in parallel with this process's runners.
         for wp in layout:
@@ -333,6 +335,16 @@ class _Runtime:
                              "buckets": s.buckets, "error": s.error}
                             for s, wp in zip(self.states, layout, strict=False)] + pipe_rows,
                 "host_cores": list(host_cores)}
+
+    def _tokens(self, batch: Batch) -> int:
+        """Tokens of a batch's items at their own lengths (0 for a model without a length)."""
+        qsl = self.qsl.get(batch.model)
+        if qsl is None or qsl.io is None or qsl.max_length is None:
+            return 0
+        rows = batch.rows()
+        if rows is None:
+            return int(qsl.data.tokens(batch.samples))
+        return sum(item_length(qsl.io, row) or 0 for row in rows)
 
     def _specs(self, wp: WorkerPlan) -> list[RunnerSpec]:
         """What a process-hosted worker's child builds: its model (every model, dynamic)."""
