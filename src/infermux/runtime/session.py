@@ -344,7 +344,10 @@ class _Runtime:
         rows = batch.rows()
         if rows is None:
             return int(qsl.data.tokens(batch.samples))
-        return sum(item_length(qsl.io, row) or 0 for row in rows)
+        total = 0
+        for row in rows:  # a served item: one array per input
+            total += item_length(qsl.io, list(row)) or 0
+        return total
 
     def _specs(self, wp: WorkerPlan) -> list[RunnerSpec]:
         """What a process-hosted worker's child builds: its model (every model, dynamic)."""
