@@ -232,3 +232,116 @@ def test_fixed_lengths_run_at_their_bucket(bert):
     report = run_plan(_plan(bert, seq_buckets=[8, 32], lengths=5, batch=2))
     model = report.final["models"]["m"]
     assert report.status == "complete" and model["mean_length"] == 5, model
+
+
+# -- step 3: `serve` -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bert_server(bert, tmp_path_factory):
+    """`infermux serve` of the tiny BERT (lengths 8 and 16 compiled) on a process worker."""
+    from .test_serve import Server
+
+    plan = {"name": "bert", "models": [{"name": "bert", "model": bert, "seq_buckets": [8, 16],
+                                        "replicas": [{"unit": "cpu:0", "batch": 4}]}],
+            "dispatcher": {"max_queue_delay_ms": 1}}
+    srv = Server(tmp_path_factory.mktemp("serve_bert"), plan, "--fronts", "1")
+    yield srv
+    code, out = srv.stop()
+    assert code == 0, out
+
+
+def _bert_request(n, length, seed=0):
+    rng = np.random.default_rng(seed)
+    return {"input_ids": rng.integers(1, 100, size=(n, length)),
+            "attention_mask": np.ones((n, length), np.int64),
+            "token_type_ids": np.zeros((n, length), np.int64)}
+
+
+def _bert_reference(bert, request):
+    module = load_model(bert).module
+    with torch.inference_mode():
+        outs = module(*[torch.from_numpy(request[k]) for k in
+                        ("input_ids", "attention_mask", "token_type_ids")])
+    return {"last_hidden_state": outs[0].numpy(), "pooler_output": outs[1].numpy()}
+
+
+def test_serve_describes_every_input_and_output(bert_server):
+    tgrpc = pytest.importorskip("tritonclient.grpc")
+    thttp = pytest.importorskip("tritonclient.http")
+    meta = thttp.InferenceServerClient(bert_server.http).get_model_metadata("bert")
+    assert [(t["name"], t["datatype"], t["shape"]) for t in meta["inputs"]] == [
+        ("input_ids", "INT64", [-1, -1]), ("attention_mask", "INT64", [-1, -1]),
+        ("token_type_ids", "INT64", [-1, -1])]
+    assert [(t["name"], t["shape"]) for t in meta["outputs"]] == [
+        ("last_hidden_state", [-1, -1, 32]), ("pooler_output", [-1, 32])]
+    config = tgrpc.InferenceServerClient(bert_server.grpc).get_model_config("bert", as_json=True)
+    assert [i["name"] for i in config["config"]["input"]] == [
+        "input_ids", "attention_mask", "token_type_ids"]
+
+
+@pytest.mark.parametrize(("protocol", "n", "length"), [("http", 2, 5), ("grpc", 3, 12)])
+def test_serve_answers_int64_inputs_with_every_output(bert, bert_server, protocol, n, length):
+    """Three INT64 inputs in, both outputs back at the request's own length, equal to the
+    network's unpadded run (the batch ran padded to its length bucket)."""
+    client_mod = pytest.importorskip(f"tritonclient.{protocol}")
+    url = bert_server.http if protocol == "http" else bert_server.grpc
+    client = client_mod.InferenceServerClient(url)
+    request = _bert_request(n, length)
+    inputs = []
+    for name, array in request.items():
+        tensor = client_mod.InferInput(name, list(array.shape), "INT64")
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    result = client.infer("bert", inputs)
+    ref = _bert_reference(bert, request)
+    for name in ("last_hidden_state", "pooler_output"):
+        got = result.as_numpy(name)
+        assert got.shape == ref[name].shape, (name, got.shape)
+        np.testing.assert_allclose(got, ref[name], atol=1e-4)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"input_ids": ("FP32", None)}, "input 'input_ids' datatype: FP32 is not accepted; the "
+                                    "model takes INT64"),
+    ({"attention_mask": ("INT64", (1, 6))}, "input 'attention_mask': seq is 6, another input "
+                                            "has seq 5"),
+    ({"all": ("INT64", (1, 20))}, "input 'input_ids': sequence length 20 given, the model takes "
+                                  "at most 16"),
+])
+def test_serve_refuses_a_mistyped_or_misshapen_input_naming_it(bert_server, change, message):
+    tgrpc = pytest.importorskip("tritonclient.grpc")
+    thttp = pytest.importorskip("tritonclient.http")
+    from tritonclient.utils import InferenceServerException
+
+    for client_mod, url in ((thttp, bert_server.http), (tgrpc, bert_server.grpc)):
+        inputs = []
+        for name, array in _bert_request(1, 5).items():
+            datatype, shape = change.get(name, change.get("all", ("INT64", None)))
+            if shape is not None:
+                array = np.ones(shape, np.int64)
+            if datatype == "FP32":
+                array = array.astype(np.float32)
+            tensor = client_mod.InferInput(name, list(array.shape), datatype)
+            tensor.set_data_from_numpy(array)
+            inputs.append(tensor)
+        with pytest.raises(InferenceServerException) as caught:
+            client_mod.InferenceServerClient(url).infer("bert", inputs)
+        assert message in str(caught.value), str(caught.value)
+
+
+def test_serve_with_front_processes_says_it_cannot_pass_several_inputs(two, tmp_path):
+    import json
+
+    from .conftest import run_cli
+
+    plan = tmp_path / "two.json"
+    plan.write_text(json.dumps({"name": "two", "models": [{"name": "two", "model": two[1],
+        "seq_buckets": [8], "replicas": [{"unit": "cpu:0", "engine": "onnxruntime",
+                                          "batch": 2}]}]}))
+    run = run_cli("serve", str(plan), "--fronts", "2", "--http-port", "0", "--grpc-port", "0",
+                  "--metrics-port", "0", "--no-store", "--telemetry", "off")
+    lines = [line for line in run.stderr.splitlines() if line.startswith("error")]
+    assert run.returncode == 2 and len(lines) == 1, run.stderr
+    assert "Traceback" not in run.stderr, run.stderr
+    assert "--fronts 2" in lines[0] and "several inputs" in lines[0]
