@@ -135,6 +135,27 @@ def test_a_padded_query_gives_its_unpadded_outputs_on_a_tiny_bert(bert):
                                    atol=1e-5)
 
 
+def test_a_batch_takes_the_oldest_items_length_bucket_and_keeps_the_others_in_order():
+    """Queries of lengths 10, 100, 12, 90, 11 (buckets 16 and 128): the first batch of 4 takes
+    the three short ones, the next the two long ones, in arrival order."""
+    from infermux.runtime import Dispatcher, LatencyEstimate, WorkerState
+
+    from .conftest import Clock
+
+    lengths = [10, 100, 12, 90, 11]
+    clock = Clock()
+    d = Dispatcher(["m"], max_queue_delay_ns=0, clock_ns=clock)
+    d.group_of["m"] = lambda sample, data: int(lengths[sample] > 16)
+    w = WorkerState(0, "w0", "cpu:0", "m", [1, 2, 4], {"m"}, LatencyEstimate(0.5))
+    d.add_worker(w)
+    d.submit([Query(i, "m", (i,)) for i in range(5)])
+    first = d.poll(w)
+    assert [it.sample for it in first.items] == [0, 2, 4] and first.bucket == 4
+    w.in_flight = 0
+    second = d.poll(w)
+    assert [it.sample for it in second.items] == [1, 3] and second.bucket == 2
+
+
 @pytest.mark.parametrize("hosting", ["thread", "process"])
 def test_a_two_input_onnx_file_runs_a_plan_on_onnxruntime(two, hosting):
     report = run_plan(_plan(two[1], engine="onnxruntime", hosting=hosting, seq_buckets=[4, 8],

@@ -23,7 +23,7 @@ from infermux.models import LoadedModel, ModelSpec, load_model
 from infermux.progress import ProgressFn
 from infermux.runtime.api import LocalRuntime
 from infermux.runtime.dispatcher import Batch, Dispatcher, WorkerState, failure_kind
-from infermux.runtime.inputs import build_bucket_runners, item_length
+from infermux.runtime.inputs import build_bucket_runners, item_length, length_group
 from infermux.runtime.metrics import Recorder, TrialSummary, summarise
 from infermux.runtime.pipelined import PipelineWorker, build_pipeline, pipeline_buckets
 from infermux.runtime.placement import LatencyEstimate, ModelLoad, rebalance
@@ -253,6 +253,10 @@ class _Runtime:
             self.qsl[entry.name] = _sample_library(plan, mi, self.models[entry.name])
         if any(q.io is not None and q.max_length is not None for q in self.qsl.values()):
             self.recorder.tokens_of = self._tokens
+        for name, qsl in self.qsl.items():
+            group = length_group(qsl)
+            if group is not None:
+                self.dispatcher.group_of[name] = group
         dynamic = plan.placement == "dynamic"
         # Child processes first: they build in parallel with this process's runners.
         for wp in layout:
