@@ -16,7 +16,9 @@ downloaded (the network is BertConfig's defaults with random weights).
   runners, batches 32 and 128, one or two instances): the best plan / the best eager plan;
 - mixed lengths: the best plan's batch with `seq_buckets: [32, 64, 128, 256]` and queries of
   `uniform:16-256` tokens, in tokens/s, against the same plan at the fixed mean length (136,
-  compiled at 136), so the ratio is what padding to buckets costs;
+  compiled at 136), both with pow2 batch buckets, so the ratio is what padding to buckets
+  costs;
+- `--only-mixed`: the mixed-lengths pair alone, at `--batches`' first batch (CUDA graphs).
 - with `--perf-analyzer PATH`, the best plan served (`infermux serve --fronts 1`) over gRPC,
   perf_analyzer sending every input (INT64 ids, masks of zeros: `--input-data zero`) at
   sequence 128 and rising concurrency: the highest requests/s whose p99 holds 50 ms, against
@@ -144,7 +146,12 @@ def runtime_main(args: argparse.Namespace) -> dict[str, Any]:
         "graph b64 x2": (64, {"cuda_graph": True}, 2),
     }
     plans: dict[str, Any] = {}
+    if args.only_mixed:
+        space = {"given": (int(args.batches.split(",")[0]), {}, 1)}
     for name, (batch, options, instances) in space.items():
+        if args.only_mixed:
+            plans[name] = {"items_per_s": 1.0}
+            continue
         plans[name] = _offline(_plan(args.model, args.unit, batch, options, instances=instances,
                                      seq_buckets=[seq], lengths=seq,
                                      duration_s=args.min_duration))
@@ -158,11 +165,13 @@ def runtime_main(args: argparse.Namespace) -> dict[str, Any]:
     batch, options, instances = space[best_name]
     low, high = 16, 256
     mean = (low + high) // 2
+    # pow2 batch buckets in both: a length bucket's partial batch runs in a smaller runner.
     mixed = _offline(_plan(args.model, args.unit, batch, options, instances=instances,
                            seq_buckets=[32, 64, 128, 256], lengths=f"uniform:{low}-{high}",
-                           duration_s=args.min_duration))
+                           duration_s=args.min_duration, buckets="pow2"))
     fixed = _offline(_plan(args.model, args.unit, batch, options, instances=instances,
-                           seq_buckets=[mean], lengths=mean, duration_s=args.min_duration))
+                           seq_buckets=[mean], lengths=mean, duration_s=args.min_duration,
+                           buckets="pow2"))
     for name, p in (("mixed", mixed), (f"fixed {mean}", fixed)):
         print(f"{name:19s} {p.get('items_per_s') or 0:10.1f} items/s "
               f"{p.get('tokens_per_s') or 0:12.0f} tok/s mean length {p.get('mean_length')} "
@@ -198,6 +207,8 @@ def main() -> None:
                         help="measure plans through the runtime (and serve) instead")
     parser.add_argument("--perf-analyzer", help="with --runtime: serve the best plan and "
                         "drive it with this perf_analyzer over gRPC")
+    parser.add_argument("--only-mixed", action="store_true",
+                        help="with --runtime: only the mixed-lengths pair")
     parser.add_argument("--concurrency", default="16,64,128,256")
     parser.add_argument("--p99-ms", type=float, default=50.0)
     args = parser.parse_args()

@@ -132,8 +132,11 @@ def with_load(plan: Plan, **changes: Any) -> Plan:
 class RuntimeSUT:
     """The runtime as a LoadGen system under test: queries in, completions out."""
 
-    def __init__(self, dispatcher: Dispatcher) -> None:
+    def __init__(self, dispatcher: Dispatcher, groups: dict[str, int] | None = None) -> None:
         self.dispatcher = dispatcher
+        #: Length buckets per model batched by length: the backlog holds that many times more,
+        #: so each bucket's batches can fill (batches take one bucket's items).
+        self.groups = groups or {}
 
     def start(self, on_complete: CompletionFn) -> None:
         """Report completions to the load generator."""
@@ -145,8 +148,9 @@ class RuntimeSUT:
 
     def capacity_items(self, model: str) -> int:
         """Items the live workers of `model` can hold at once."""
-        return sum(w.batch * w.depth for w in self.dispatcher.workers.values()
-                   if w.alive and (w.model == model or model in w.serves))
+        return self.groups.get(model, 1) * sum(
+            w.batch * w.depth for w in self.dispatcher.workers.values()
+            if w.alive and (w.model == model or model in w.serves))
 
     def end(self) -> None:
         """Flush partial batches: no more queries will come."""
@@ -535,7 +539,9 @@ class _Runtime:
         gen = LoadGenerator(settings, shares, mix=mix, progress=self.progress,
                             id_base=self.dispatcher.trial << _TRIAL_ID_BITS)
         pools = {m: q.count for m, q in self.qsl.items()}
-        result = gen.run(RuntimeSUT(self.dispatcher), pools)
+        groups = {m: len(q.seq_lengths) for m, q in self.qsl.items()
+                  if m in self.dispatcher.group_of}
+        result = gen.run(RuntimeSUT(self.dispatcher, groups), pools)
         record = summarise(result, list(self.recorder.records), self.states, {},
                            events=list(self.dispatcher.events))
         record["settings"] = settings

@@ -171,6 +171,10 @@ class ModelInfo:
 
         io: IOSpec = self.io
         arrays = [tensors[t.name] for t in io.inputs]
+        sizes = {t.name: len(a) for t, a in zip(io.inputs, arrays, strict=True)}
+        if len(set(sizes.values())) > 1:
+            raise ProtocolError(400, f"inputs have different batch sizes {sizes}: give every "
+                                     "input the same first dimension")
         try:
             dims = io.check_item([a[0] for a in arrays])
         except UsageError as exc:
