@@ -150,7 +150,7 @@ def runtime_main(args: argparse.Namespace) -> dict[str, Any]:
         space = {"given": (int(args.batches.split(",")[0]), {}, 1)}
     for name, (batch, options, instances) in space.items():
         if args.only_mixed:
-            plans[name] = {"items_per_s": 1.0}
+            plans[name] = {"skipped": "--only-mixed"}
             continue
         plans[name] = _offline(_plan(args.model, args.unit, batch, options, instances=instances,
                                      seq_buckets=[seq], lengths=seq,
