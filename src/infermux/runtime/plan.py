@@ -513,6 +513,7 @@ models:
     model: mobilenet_v3_small      # torchvision/timm name, timm:NAME, file.py:function, x.onnx
     # weights: cnn.pt              # state dict; without it the weights are random (timings hold)
     # input_shape: [3, 224, 224]   # one item, without the batch axis
+    # seq_buckets: [32, 64, 128]   # a model with a sequence length: the lengths compiled
     latency_bound_ms: null         # SLO: keep queries off units that would break this bound
     share: 1.0                     # share of the queries (normalised over the models)
     replicas:
@@ -550,6 +551,7 @@ load:
   sample_pool: 256                 # distinct samples per model held in memory
   seed: 0                          # arrivals and model choice are reproducible
   data: host                       # host: copies timed; device: samples pre-staged
+  # lengths: uniform:16-256        # query lengths of models with a sequence length
   # mix:                           # shift the load between models mid-run
   #   - {{at_s: 0, shares: {{cnn: 0.9, resnet: 0.1}}}}
   #   - {{at_s: 5, shares: {{cnn: 0.1, resnet: 0.9}}}}
