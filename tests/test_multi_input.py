@@ -260,12 +260,13 @@ def test_fixed_lengths_run_at_their_bucket(bert):
 
 @pytest.fixture(scope="module")
 def bert_server(bert, tmp_path_factory):
-    """`infermux serve` of the tiny BERT (lengths 8 and 16 compiled) on a process worker."""
+    """`infermux serve` of the tiny BERT (lengths 8 and 16 compiled) on a thread worker (the
+    process path of served items is the plan test's above)."""
     from .test_serve import Server
 
     plan = {"name": "bert", "models": [{"name": "bert", "model": bert, "seq_buckets": [8, 16],
                                         "replicas": [{"unit": "cpu:0", "batch": 4}]}],
-            "dispatcher": {"max_queue_delay_ms": 1}}
+            "dispatcher": {"max_queue_delay_ms": 1, "cpu_workers": "thread"}}
     srv = Server(tmp_path_factory.mktemp("serve_bert"), plan, "--fronts", "1")
     yield srv
     code, out = srv.stop()
