@@ -10,14 +10,34 @@ downloaded (the network is BertConfig's defaults with random weights).
 
     python bench/transformers_gpu.py out.json
     python bench/transformers_gpu.py out.json --model hf:distilbert --batches 1,32 --seq 128
+
+`--runtime` measures through plans (`run_plan`) instead, side by side in one process:
+- a small space of plans at sequence 128 offline (plain eager fp16 against CUDA-graphed
+  runners, batches 32 and 128, one or two instances): the best plan / the best eager plan;
+- mixed lengths: the best plan's batch with `seq_buckets: [32, 64, 128, 256]` and queries of
+  `uniform:16-256` tokens, in tokens/s, against the same plan at the fixed mean length (136,
+  compiled at 136), both with pow2 batch buckets, so the ratio is what padding to buckets
+  costs;
+- `--only-mixed`: the mixed-lengths pair alone, at `--batches`' first batch (CUDA graphs).
+- with `--perf-analyzer PATH`, the best plan served (`infermux serve --fronts 1`) over gRPC,
+  perf_analyzer sending every input (INT64 ids, masks of zeros: `--input-data zero`) at
+  sequence 128 and rising concurrency: the highest requests/s whose p99 holds 50 ms, against
+  the plan's offline items/s.
+
+    python bench/transformers_gpu.py out.json --runtime --perf-analyzer /tmp/opt/perf_analyzer
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 from infermux.bench import BenchConfig, run_bench
@@ -30,6 +50,150 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
+def _plan(model: str, unit: str, batch: int, options: dict[str, Any], *, instances: int = 1,
+          seq_buckets: list[int], lengths: str | int, duration_s: float,
+          buckets: str = "none") -> dict[str, Any]:
+    return {"name": "bert", "models": [{"name": "bert", "model": model, "seq_buckets": seq_buckets,
+            "replicas": [{"unit": unit, "engine": "torch", "instances": instances,
+                          "batch": batch, "batch_buckets": buckets, "options": options}]}],
+            "load": {"scenario": "offline", "min_duration_s": duration_s, "min_queries": 1024,
+                     "lengths": lengths}}
+
+
+def _offline(plan: dict[str, Any]) -> dict[str, Any]:
+    from infermux.runtime import parse_plan, run_plan
+
+    t0 = time.perf_counter()
+    try:
+        report = run_plan(parse_plan(plan))
+    except Exception as exc:  # noqa: BLE001 - one plan's failure is its row, the rest run on
+        return {"error": f"{type(exc).__name__}: {exc}", "wall_s": time.perf_counter() - t0}
+    final = report.final or {}
+    model = (final.get("models") or {}).get("bert", {})
+    return {"items_per_s": final.get("items_per_s"), "tokens_per_s": final.get("tokens_per_s"),
+            "mean_length": model.get("mean_length"), "valid": final.get("valid"),
+            "p99_ms": (final.get("latency") or {}).get("p99_ms"), "status": report.status,
+            "build_s": report.build.get("build_s"), "wall_s": time.perf_counter() - t0}
+
+
+def _served(args: argparse.Namespace, plan: dict[str, Any], offline_items_per_s: float | None,
+            ) -> dict[str, Any]:
+    """The plan behind `infermux serve --fronts 1`, perf_analyzer over gRPC at sequence 128."""
+    import csv
+
+    exe = args.perf_analyzer
+    lib = Path(exe).resolve().parent / "lib"
+    env = dict(os.environ)
+    if lib.is_dir():
+        env["LD_LIBRARY_PATH"] = os.pathsep.join([str(lib), env.get("LD_LIBRARY_PATH", "")])
+    tmp = Path(tempfile.mkdtemp(prefix="infermux-bert-serve-"))
+    plan_file = tmp / "bert.json"
+    plan_file.write_text(json.dumps(plan))
+    log = (tmp / "serve.log").open("w")
+    proc = subprocess.Popen([sys.executable, "-m", "infermux", "serve", str(plan_file),
+                             "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0",
+                             "--json", "--fronts", "1", "--no-store", "--telemetry", "off"],
+                            stdout=subprocess.PIPE, stderr=log, text=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line:
+        return {"error": f"the server did not start: see {log.name}"}
+    ready = json.loads(line)
+    rows = []
+    try:
+        for concurrency in [int(c) for c in args.concurrency.split(",")]:
+            csv_file = tmp / f"pa-{concurrency}.csv"
+            cmd = [exe, "-m", "bert", "-u", f"127.0.0.1:{ready['grpc_port']}", "-i", "grpc",
+                   "--concurrency-range", f"{concurrency}:{concurrency}",
+                   "--measurement-interval", "4000", "--stability-percentage", "20",
+                   "--max-trials", "5", "--input-data", "zero", "-f", str(csv_file)]
+            for name in ("input_ids", "attention_mask", "token_type_ids"):
+                cmd += ["--shape", f"{name}:{args.seq}"]
+            done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            row: dict[str, Any] = {"concurrency": concurrency, "command": " ".join(cmd)}
+            if done.returncode != 0 or not csv_file.exists():
+                row["error"] = (done.stdout + done.stderr)[-400:]
+            else:
+                with csv_file.open() as f:
+                    data = next(csv.DictReader(f))
+                row.update(requests_per_s=float(data["Inferences/Second"]),
+                           p50_ms=float(data["p50 latency"]) / 1e3,
+                           p99_ms=float(data["p99 latency"]) / 1e3)
+            print(f"served c{concurrency:<4d} {row.get('requests_per_s') or 0:10.1f} req/s "
+                  f"p99 {row.get('p99_ms') or 0:7.2f} ms {row.get('error', '')}", flush=True)
+            rows.append(row)
+    finally:
+        import signal
+
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=120)
+    held = [r for r in rows if r.get("p99_ms") is not None and r["p99_ms"] <= args.p99_ms]
+    best = max(held, key=lambda r: r["requests_per_s"], default=None)
+    return {"rows": rows, "p99_bound_ms": args.p99_ms,
+            "best_within_bound": best,
+            "served_vs_offline": (best["requests_per_s"] / offline_items_per_s
+                                  if best and offline_items_per_s else None)}
+
+
+def runtime_main(args: argparse.Namespace) -> dict[str, Any]:
+    """Plans through the runtime: the best of a small space vs eager, mixed lengths, served."""
+    seq = args.seq
+    space = {
+        "eager b32": (32, {"cuda_graph": False}, 1),
+        "eager b128": (128, {"cuda_graph": False}, 1),
+        "graph b32": (32, {"cuda_graph": True}, 1),
+        "graph b128": (128, {"cuda_graph": True}, 1),
+        "graph b64 x2": (64, {"cuda_graph": True}, 2),
+    }
+    plans: dict[str, Any] = {}
+    if args.only_mixed:
+        space = {"given": (int(args.batches.split(",")[0]), {}, 1)}
+    for name, (batch, options, instances) in space.items():
+        if args.only_mixed:
+            plans[name] = {"skipped": "--only-mixed"}
+            continue
+        plans[name] = _offline(_plan(args.model, args.unit, batch, options, instances=instances,
+                                     seq_buckets=[seq], lengths=seq,
+                                     duration_s=args.min_duration))
+        p = plans[name]
+        print(f"plan {name:14s} {p.get('items_per_s') or 0:10.1f} items/s "
+              f"{p.get('tokens_per_s') or 0:12.0f} tok/s {p.get('error', '')}", flush=True)
+    eager = max((p.get("items_per_s") or 0 for n, p in plans.items() if n.startswith("eager")),
+                default=0)
+    best_name = max(plans, key=lambda n: plans[n].get("items_per_s") or 0)
+    best = plans[best_name]
+    batch, options, instances = space[best_name]
+    low, high = 16, 256
+    mean = (low + high) // 2
+    # pow2 batch buckets in both: a length bucket's partial batch runs in a smaller runner.
+    mixed = _offline(_plan(args.model, args.unit, batch, options, instances=instances,
+                           seq_buckets=[32, 64, 128, 256], lengths=f"uniform:{low}-{high}",
+                           duration_s=args.min_duration, buckets="pow2"))
+    fixed = _offline(_plan(args.model, args.unit, batch, options, instances=instances,
+                           seq_buckets=[mean], lengths=mean, duration_s=args.min_duration,
+                           buckets="pow2"))
+    for name, p in (("mixed", mixed), (f"fixed {mean}", fixed)):
+        print(f"{name:19s} {p.get('items_per_s') or 0:10.1f} items/s "
+              f"{p.get('tokens_per_s') or 0:12.0f} tok/s mean length {p.get('mean_length')} "
+              f"{p.get('error', '')}", flush=True)
+    out: dict[str, Any] = {
+        "plans": plans, "best_plan": best_name,
+        "best_vs_eager": (best.get("items_per_s") or 0) / eager if eager else None,
+        "mixed_lengths": {"lengths": f"uniform:{low}-{high}", "seq_buckets": [32, 64, 128, 256],
+                          "mixed": mixed, "fixed": fixed, "fixed_length": mean,
+                          "mixed_vs_fixed_tokens": (
+                              mixed["tokens_per_s"] / fixed["tokens_per_s"]
+                              if mixed.get("tokens_per_s") and fixed.get("tokens_per_s")
+                              else None)}}
+    if args.perf_analyzer:
+        served_plan = _plan(args.model, args.unit, batch, options, instances=instances,
+                            seq_buckets=[seq], lengths=seq, duration_s=args.min_duration,
+                            buckets="pow2")
+        out["served"] = _served(args, served_plan, best.get("items_per_s"))
+    print(json.dumps({k: v for k, v in out.items() if k != "plans"}, indent=1, default=str))
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", help="JSON file to write")
@@ -39,9 +203,24 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--min-duration", type=float, default=3.0)
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--runtime", action="store_true",
+                        help="measure plans through the runtime (and serve) instead")
+    parser.add_argument("--perf-analyzer", help="with --runtime: serve the best plan and "
+                        "drive it with this perf_analyzer over gRPC")
+    parser.add_argument("--only-mixed", action="store_true",
+                        help="with --runtime: only the mixed-lengths pair")
+    parser.add_argument("--concurrency", default="16,64,128,256")
+    parser.add_argument("--p99-ms", type=float, default=50.0)
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     started = time.perf_counter()
+    if args.runtime:
+        result = runtime_main(args)
+        with open(args.out, "w") as f:
+            json.dump({"command": "python " + " ".join(sys.argv), "host": platform.node(),
+                       "wall_s": time.perf_counter() - started, **result}, f, indent=1,
+                      default=str)
+        return
     runs: dict[str, Any] = {}
     for name in args.variants.split(","):
         config = BenchConfig(ModelSpec(args.model), units=args.unit, batches=batches,

@@ -244,20 +244,6 @@ def test_a_request_is_checked_against_the_spec_input_by_input(two_inputs):
         io.check_item([features, ids], lengths=[8, 16])
 
 
-def test_a_plan_of_a_two_input_model_is_refused_in_one_line(two_inputs, tmp_path):
-    import yaml
-
-    path = tmp_path / "plan.yaml"
-    path.write_text(yaml.safe_dump({
-        "models": [{"name": "two", "model": two_inputs[0],
-                    "replicas": [{"unit": "cpu", "batch": 2}]}],
-        "load": {"min_duration_s": 0.2, "min_queries": 4}}))
-    run = run_cli("run", str(path), "--no-store")
-    lines = [line for line in run.stderr.splitlines() if line.strip()]
-    assert run.returncode == 2 and len(lines) == 1 and "Traceback" not in run.stderr, run.stderr
-    assert "models[0].model" in lines[0] and "ids: int64[batch, seq]" in lines[0]
-
-
 def test_a_save_pretrained_folder_loads_its_weights(tiny_bert, tmp_path):
     transformers = pytest.importorskip("transformers")
     config = transformers.BertConfig.from_pretrained(tiny_bert.removeprefix("hf:"))

@@ -379,7 +379,9 @@ def run_models_table(record: dict[str, Any]) -> Table:
         ph = m["phases"]
         hist = " ".join(f"{k}×{v}" for k, v in m["batch_histogram"].items())
         table.add_row(m["model"], str(m["completed"]), str(m["failed"]),
-                      num(m["items_per_s"]), num(m["latency"].get("p50_ms"), 2),
+                      num(m["items_per_s"]) + (f" ({num(m['tokens_per_s'])} tok/s)"
+                                               if m.get("tokens_per_s") else ""),
+                      num(m["latency"].get("p50_ms"), 2),
                       num(m["latency"].get("p99_ms"), 2),
                       num(ph["queueing"].get("p99_ms"), 2),
                       num(ph["batching_wait"].get("p99_ms"), 2),
@@ -425,7 +427,8 @@ def run_headline(record: dict[str, Any]) -> str:
     lat = record.get("latency", {})
     parts = [f"[bold]{record['scenario']}[/]",
              "[green]valid[/]" if record["valid"] else "[red]INVALID[/]",
-             f"{num(record.get('items_per_s'))} samples/s",
+             f"{num(record.get('items_per_s'))} samples/s"
+             + (f" ({num(record['tokens_per_s'])} tok/s)" if record.get("tokens_per_s") else ""),
              f"{record['completed']} queries in {record['duration_s']:.2f}s",
              f"p50 {num(lat.get('p50_ms'), 2)} / p90 {num(lat.get('p90_ms'), 2)} / "
              f"p99 {num(lat.get('p99_ms'), 2)} ms"]

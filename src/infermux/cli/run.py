@@ -36,6 +36,7 @@ def run_command(
     duration: Annotated[str | None, typer.Option("--duration", help="Minimum duration, e.g. 10s.")] = None,
     min_queries: Annotated[int | None, typer.Option("--min-queries", help="Minimum queries (samples offline).")] = None,
     seed: Annotated[int | None, typer.Option("--seed", help="Seed of arrivals and sample choice.")] = None,
+    lengths: Annotated[str | None, typer.Option("--lengths", help="Query lengths of models with a sequence length: 128, uniform:16-256 or 32,64,128 (load.lengths).")] = None,
     db: DbOpt = "infermux.db",
     no_store: Annotated[bool, typer.Option("--no-store", help="Do not write the results database.")] = False,
     cluster: Annotated[str | None, typer.Option("--cluster", help="Run on a Ray cluster: ray://HOST:PORT, HOST:PORT, auto, or local:N (N local nodes to try it). PLAN is a cluster plan, or a local plan run on every node.")] = None,
@@ -63,7 +64,7 @@ def run_command(
     plan = with_load(
         plan, scenario=scenario, rate_qps=qps, p99_bound_ms=parse_latency_ms(p99) if p99 is not None else None, find_peak=find_peak or None,
         min_duration_s=parse_duration_s(duration, name="--duration") if duration else None,
-        min_queries=min_queries, seed=seed,
+        min_queries=min_queries, seed=seed, lengths=lengths,
     )
     store = None if no_store else open_store(db)
     command = "infermux " + shlex.join(sys.argv[1:])

@@ -49,20 +49,33 @@ class QuerySampleLibrary:
     """A model's samples held in memory: `count` items of `input_shape`, float32, seeded.
 
     The data is synthetic unless given (throughput and latency do not depend on pixel values);
-    the same name and seed give the same samples in every process.
+    the same name and seed give the same samples in every process. A model of several inputs
+    (`io`) gets `IOSamples` instead (`infermux.load.samples`): every input, generated from its
+    spec, `max_length` long, each sample as long as `lengths` draws.
     """
 
     def __init__(self, name: str, input_shape: tuple[int, ...], count: int, seed: int = 0,
-                 data: np.ndarray | None = None) -> None:
+                 data: np.ndarray | None = None, *, io: Any = None,
+                 max_length: int | None = None, lengths: Any = None) -> None:
         self.name = name
         self.input_shape = tuple(input_shape)
         self.count = count
         self.seed = seed
-        self._data = data
+        self._data: Any = data
+        self.io = io
+        self.max_length = max_length
+        self.lengths = lengths
+        #: The sequence lengths the model's runners are built at ([None]: no dynamic dims).
+        self.seq_lengths: list[int | None] = [None]
 
     @property
-    def data(self) -> np.ndarray:
-        """All samples, shape `(count, *input_shape)`, generated on first use."""
+    def data(self) -> Any:
+        """All samples, generated on first use: `(count, *input_shape)` float32, or `IOSamples`."""
+        if self._data is None and self.io is not None:
+            from infermux.load.samples import IOSamples
+
+            self._data = IOSamples.generate(self.io, self.name, self.count, self.seed,
+                                            self.max_length, self.lengths)
         if self._data is None:
             rng = np.random.default_rng([self.seed, zlib.crc32(self.name.encode())])
             self._data = rng.standard_normal((self.count, *self.input_shape), dtype=np.float32)

@@ -1,7 +1,9 @@
 """The child process of a process-hosted CPU worker (`python -m infermux.runtime._child`).
 
 It pins itself to its cores, builds its runners and its copy of the sample library, then runs
-batches of sample indices sent by the parent's worker thread until told to close.
+batches of sample indices sent by the parent's worker thread until told to close. A served batch
+comes as float rows in shared memory, or, for a model of several inputs, as each item's inputs
+through the pipe (token ids are small next to images, and their lengths differ per item).
 
 Batches are run in the order they arrive; the parent may send the next one before it has read
 the previous answer (`ProcessHost.depth`), so the child finds it waiting in its pipe. Each
@@ -13,6 +15,7 @@ that answer: what the relay through the parent cost this core.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import sys
@@ -23,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from infermux.engines.base import Runner, is_out_of_memory
+from infermux.runtime.inputs import IORows
 
 
 def child_main(conn_in: Any, conn_out: Any) -> None:
@@ -39,8 +43,8 @@ def child_main(conn_in: Any, conn_out: Any) -> None:
 
         torch.set_num_threads(max(1, len(cores) or (os.cpu_count() or 1)))
         from infermux.engines import create_engine
-        from infermux.load.base import QuerySampleLibrary
         from infermux.models import ModelSpec, load_model
+        from infermux.runtime.inputs import SeqRunner, build_bucket_runners, sample_library
         from infermux.runtime.plan import options_for_bucket
         from infermux.units import discover, select_units
 
@@ -53,17 +57,20 @@ def child_main(conn_in: Any, conn_out: Any) -> None:
             unit = select_units([spec.unit], found)[0]
             model = load_model(ModelSpec(spec.ref, spec.weights, spec.input_shape))
             engine = engines.setdefault(spec.engine, create_engine(spec.engine))
-            qsl = QuerySampleLibrary(spec.model, model.input_shape, spec.pool_count, spec.seed)
+            qsl = sample_library(spec.model, model, spec.pool_count, spec.seed,
+                                 spec.seq_buckets, spec.lengths, spec.model)
             info[spec.model] = {}
-            for bucket in spec.buckets:
-                runner = engine.build(model, unit, bucket,
-                                      options_for_bucket(spec.options, spec.buckets, bucket),
-                                      data=spec.data, instance=spec.instance)
+            built = build_bucket_runners(
+                engine, model, unit, spec.buckets,
+                functools.partial(options_for_bucket, spec.options, spec.buckets),
+                spec.data, spec.instance, qsl.seq_lengths)
+            for bucket, runner in built.items():
                 runners[(spec.model, bucket)] = runner
                 pools.setdefault(spec.model, runner.prepare_pool(qsl.data))
                 info[spec.model][bucket] = {
                     "engine": runner.engine, "unit": runner.unit, "build_s": runner.build_s,
                     "input_shape": list(runner.input_shape), "options": runner.options,
+                    "io": isinstance(runner, SeqRunner),
                 }
         conn_out.send(("ready", info))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises it
@@ -83,7 +90,10 @@ def child_main(conn_in: Any, conn_out: Any) -> None:
         kind, model_name, bucket, indices = msg
         try:
             runner = runners[(model_name, bucket)]
-            if kind == "shm":  # a served batch: its own input rows, outputs sent back
+            if kind == "rows":  # a served batch of several inputs: per item, every input
+                shape = (len(indices),)
+                runner.gather_input(IORows(indices), range(len(indices)))
+            elif kind == "shm":  # a served batch: its own input rows, outputs sent back
                 name, shape = indices
                 rows = np.ndarray(shape, np.float32, buffer=_attach(shared, name).buf)
                 runner.gather_input(runner.prepare_pool(rows), range(len(rows)))
@@ -96,7 +106,7 @@ def child_main(conn_in: Any, conn_out: Any) -> None:
             waiting = conn_in.poll(0)
             times = (timing.latency_ns, timing.h2d_ns, timing.compute_ns, timing.d2h_ns)
             outputs = None
-            if kind == "shm":
+            if kind in ("shm", "rows"):
                 n = shape[0]
                 outputs = [np.array(y[:n]) for y in runner.outputs()]
             conn_out.send(("ok", times, outputs, (early, idle_ns)))

@@ -234,6 +234,10 @@ class LocalRuntime:
         """One item's input shape of `model`."""
         return tuple(self._rt.models[model].input_shape)
 
+    def io_spec(self, model: str) -> tuple[Any, list[int | None]]:
+        """`model`'s `IOSpec` (every input and output) and the sequence lengths compiled."""
+        return self._rt.models[model].spec_io, list(self._rt.qsl[model].seq_lengths)
+
     def workers(self) -> Sequence[WorkerState]:
         """Every worker's state (replicas, then pipelines)."""
         return self._rt.states

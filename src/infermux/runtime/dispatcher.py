@@ -82,6 +82,8 @@ class Item:
     #: Run in a batch of its own query's items only: its batch raised, and which request's
     #: input was at fault is being narrowed down (`Dispatcher.rejected`).
     alone: bool = False
+    #: Its sequence-length bucket, where the model has several (`Dispatcher.group_of`).
+    group: int = 0
 
 
 @dataclass
@@ -251,6 +253,10 @@ class Dispatcher:
         self.take_when_idle = False
         self.workers: dict[int, WorkerState] = {}
         self.queues: dict[str, deque[Item]] = {m: deque() for m in self.models}
+        #: Per model of several sequence-length buckets: an item's bucket (its group), from
+        #: its QSL sample or its own inputs. A batch takes items of its oldest item's group
+        #: (see `_take`), so a short query is not padded to a long one's length.
+        self.group_of: dict[str, Callable[[int, Any], int]] = {}
         self.cond = threading.Condition()
         self._rr: Counter[str] = Counter()
         self._on_complete: CompletionFn | None = None
@@ -325,9 +331,12 @@ class Dispatcher:
                 ok = servable.get(q.model)
                 if ok is None:
                     ok = servable[q.model] = self._can_serve(q.model)
+                group_of = self.group_of.get(q.model)
                 for j, s in enumerate(q.samples):
                     item = Item(q.id, q.model, s, now, trial=self.trial,
                                 data=None if q.inputs is None else q.inputs[j])
+                    if group_of is not None:
+                        item.group = group_of(s, item.data)
                     if not ok:
                         dead.append(item)
                     elif self.policy == "round_robin":
@@ -462,7 +471,8 @@ class Dispatcher:
                 return max(1e-4, (soonest - now) / 1e9)
         if queue[0].alone:  # narrowing down an input fault: one query's items per batch
             n = next((k for k in range(1, n) if queue[k].query != queue[0].query), n)
-        items = [queue.popleft() for _ in range(n)]
+        items = _take(queue, n, grouped=model in self.group_of)
+        n = len(items)
         bucket = w.bucket_for(n)
         ready = [max(it.enqueued_ns, w.free_since_ns) for it in items]
         start = max(now, w.busy_until_ns) if w.in_flight else now
@@ -709,6 +719,30 @@ class Dispatcher:
                     give_up.append(item)
             self.cond.notify_all()
         self._fail_items(give_up, now)
+
+
+#: How far past the batch size a grouped take looks for items of the oldest item's group.
+_GROUP_WINDOW = 8
+
+
+def _take(queue: deque[Item], n: int, *, grouped: bool) -> list[Item]:
+    """The batch's items: the first `n`, or, `grouped`, the first `n` of the oldest's group.
+
+    Items of other groups keep their place. The look-ahead is bounded (`_GROUP_WINDOW` × n)
+    so a long queue costs the take no more than a few batches' worth of items.
+    """
+    if not grouped or queue[0].alone:
+        return [queue.popleft() for _ in range(n)]
+    head = queue[0].group
+    taken: list[Item] = []
+    kept: list[Item] = []
+    for _ in range(min(len(queue), _GROUP_WINDOW * n)):
+        item = queue.popleft()
+        (taken if item.group == head else kept).append(item)
+        if len(taken) == n:
+            break
+    queue.extendleft(reversed(kept))
+    return taken
 
 
 def _average(old: float, new: float, alpha: float = 0.2) -> float:

@@ -145,6 +145,8 @@ class BatchRecord:
     device_ns: int = 0
     #: When the worker handed the finished batch to the dispatcher, 0 where not recorded.
     handed_ns: int = 0
+    #: Tokens of the batch's items, each at its own length (models with a sequence length).
+    tokens: int = 0
 
 
 class Recorder:
@@ -155,6 +157,8 @@ class Recorder:
         self._lock = threading.Lock()
         #: The workers' clock: a batch's hand-over is stamped with it.
         self.clock_ns = clock_ns
+        #: A batch's tokens (its items' own lengths), for models with a sequence length.
+        self.tokens_of: Callable[[Batch], int] | None = None
 
     def reset(self) -> None:
         """Forget everything (between the trials of a peak search)."""
@@ -170,6 +174,7 @@ class Recorder:
             int(getattr(timing, "compute_ns", 0) or 0),
             sum(int(getattr(timing, k, 0) or 0) for k in ("h2d_ns", "compute_ns", "d2h_ns")),
             self.clock_ns(),
+            self.tokens_of(batch) if self.tokens_of is not None else 0,
         )
         with self._lock:
             self.records.append(rec)
@@ -235,6 +240,12 @@ def summarise(
             "batches": len(recs),
             "mean_batch": items / len(recs) if recs else None,
         }
+        tokens = sum(r.tokens for r in recs)
+        if tokens and items:
+            # Tokens beside items: each item counts its own length, not its bucket's padding.
+            rate = models[name]["items_per_s"]
+            models[name]["mean_length"] = tokens / items
+            models[name]["tokens_per_s"] = rate * tokens / items if rate is not None else None
     per_worker: dict[str, dict[str, Any]] = {}
     for w in workers:
         recs = [r for r in records if r.worker == w.name]
@@ -260,6 +271,9 @@ def summarise(
                 for m in w.estimate.models()},
         }
     run["models"] = models
+    token_rates = [m["tokens_per_s"] for m in models.values() if m.get("tokens_per_s")]
+    if token_rates:
+        run["tokens_per_s"] = sum(token_rates)
     run["workers"] = per_worker
     run["timeline"] = timeline(records, result.start_ns, duration, timeline_bins)
     run["events"] = [{**e, "t_s": (e["t_ns"] - result.start_ns) / 1e9} for e in events

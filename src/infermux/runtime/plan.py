@@ -163,6 +163,20 @@ class ModelEntry(_Strict):
     #: What the planner that wrote this entry predicted and measured (informational, items/s).
     predicted_items_per_s: float | None = None
     measured_items_per_s: float | None = None
+    #: The model's inputs, when the plan states them (checked against the model's own spec:
+    #: a missing, unknown or mistyped one is an error): `{name, dtype, shape}` each.
+    inputs: list[dict[str, Any]] | None = None
+    #: Sequence lengths compiled (a runner per batch and length bucket); a query runs at the
+    #: shortest that holds it, padded with its mask set. None: the model's default length.
+    seq_buckets: list[int] | None = None
+
+    @field_validator("seq_buckets")
+    @classmethod
+    def _seq(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and (not value or any(s < 1 for s in value)):
+            raise ValueError(f"seq_buckets {value} must be sequence lengths of 1 or more, "
+                             "e.g. [32, 64, 128, 256]")
+        return value
 
     @field_validator("input_shape")
     @classmethod
@@ -277,6 +291,21 @@ class LoadSettings(_Strict):
     mix: list[MixPhase] | None = None
     #: `host`: samples start in host memory and the copy is timed; `device`: pre-staged.
     data: Literal["host", "device"] = "host"
+    #: How long queries of models with a sequence length are: a length (128), uniform:16-256,
+    #: or lengths chosen with equal odds (32,64,128). None: the longest compiled length.
+    lengths: int | str | None = None
+
+    @field_validator("lengths")
+    @classmethod
+    def _lengths(cls, value: int | str | None) -> int | str | None:
+        if value is not None:
+            from infermux.load.samples import parse_lengths
+
+            try:
+                parse_lengths(value)
+            except UsageError as exc:
+                raise ValueError(str(exc)) from None
+        return value
 
     @model_validator(mode="after")
     def _consistent(self) -> LoadSettings:
@@ -353,6 +382,16 @@ class Plan(_Strict):
                         f"load.mix[{pi}].shares names {unknown}, not models of this plan "
                         f"(models: {', '.join(names)})"
                     )
+        if self.load.lengths is not None:
+            from infermux.load.samples import parse_lengths
+
+            longest = parse_lengths(self.load.lengths).high
+            for mi, model in enumerate(self.models):
+                if model.seq_buckets and longest > max(model.seq_buckets):
+                    raise ValueError(
+                        f"load.lengths {self.load.lengths} go past models[{mi}].seq_buckets "
+                        f"{model.seq_buckets}: add a bucket of at least {longest} or shorten "
+                        "the lengths")
         if all(m.share == 0 for m in self.models) and not self.load.mix:
             raise ValueError("every model has share 0: give at least one model a positive share")
         return self
@@ -474,6 +513,7 @@ models:
     model: mobilenet_v3_small      # torchvision/timm name, timm:NAME, file.py:function, x.onnx
     # weights: cnn.pt              # state dict; without it the weights are random (timings hold)
     # input_shape: [3, 224, 224]   # one item, without the batch axis
+    # seq_buckets: [32, 64, 128]   # a model with a sequence length: the lengths compiled
     latency_bound_ms: null         # SLO: keep queries off units that would break this bound
     share: 1.0                     # share of the queries (normalised over the models)
     replicas:
@@ -511,6 +551,7 @@ load:
   sample_pool: 256                 # distinct samples per model held in memory
   seed: 0                          # arrivals and model choice are reproducible
   data: host                       # host: copies timed; device: samples pre-staged
+  # lengths: uniform:16-256        # query lengths of models with a sequence length
   # mix:                           # shift the load between models mid-run
   #   - {{at_s: 0, shares: {{cnn: 0.9, resnet: 0.1}}}}
   #   - {{at_s: 5, shares: {{cnn: 0.1, resnet: 0.9}}}}

@@ -7,6 +7,7 @@ builds every worker once; a peak search reuses them for all its trials.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 import time
@@ -21,7 +22,8 @@ from infermux.load.scenarios import LoadGenerator, ScenarioResult, find_peak
 from infermux.models import LoadedModel, ModelSpec, load_model
 from infermux.progress import ProgressFn
 from infermux.runtime.api import LocalRuntime
-from infermux.runtime.dispatcher import Dispatcher, WorkerState, failure_kind
+from infermux.runtime.dispatcher import Batch, Dispatcher, WorkerState, failure_kind
+from infermux.runtime.inputs import build_bucket_runners, item_length, length_group
 from infermux.runtime.metrics import Recorder, TrialSummary, summarise
 from infermux.runtime.pipelined import PipelineWorker, build_pipeline, pipeline_buckets
 from infermux.runtime.placement import LatencyEstimate, ModelLoad, rebalance
@@ -99,6 +101,22 @@ def layout_workers(plan: Plan, found: Discovery) -> list[WorkerPlan]:
     return workers
 
 
+def _sample_library(plan: Plan, index: int, model: LoadedModel) -> QuerySampleLibrary:
+    """Model `index`'s sample library (`runtime.inputs.sample_library`), checked against the plan."""
+    from infermux.runtime.inputs import check_declared_inputs, sample_library
+
+    entry = plan.models[index]
+    where = f"models[{index}]"
+    if entry.inputs is not None:
+        check_declared_inputs(model.spec_io, entry.inputs, where)
+    if entry.stages and not model.spec_io.simple:
+        raise UsageError(f"plan field {where}.stages: {entry.model!r} takes several inputs "
+                         f"({', '.join(t.name for t in model.spec_io.inputs)}); pipeline stages "
+                         "run models of one float input: use replicas")
+    return sample_library(entry.name, model, plan.load.sample_pool, plan.load.seed,
+                          entry.seq_buckets, plan.load.lengths, where)
+
+
 def bucket_options(replica: Replica, bucket: int) -> dict[str, Any]:
     """Engine options of one bucket's runner (`runtime.plan.options_for_bucket`)."""
     return options_for_bucket(replica.options, replica.buckets(), bucket)
@@ -114,8 +132,11 @@ def with_load(plan: Plan, **changes: Any) -> Plan:
 class RuntimeSUT:
     """The runtime as a LoadGen system under test: queries in, completions out."""
 
-    def __init__(self, dispatcher: Dispatcher) -> None:
+    def __init__(self, dispatcher: Dispatcher, groups: dict[str, int] | None = None) -> None:
         self.dispatcher = dispatcher
+        #: Length buckets per model batched by length: the backlog holds that many times more,
+        #: so each bucket's batches can fill (batches take one bucket's items).
+        self.groups = groups or {}
 
     def start(self, on_complete: CompletionFn) -> None:
         """Report completions to the load generator."""
@@ -127,8 +148,9 @@ class RuntimeSUT:
 
     def capacity_items(self, model: str) -> int:
         """Items the live workers of `model` can hold at once."""
-        return sum(w.batch * w.depth for w in self.dispatcher.workers.values()
-                   if w.alive and (w.model == model or model in w.serves))
+        return self.groups.get(model, 1) * sum(
+            w.batch * w.depth for w in self.dispatcher.workers.values()
+            if w.alive and (w.model == model or model in w.serves))
 
     def end(self) -> None:
         """Flush partial batches: no more queries will come."""
@@ -232,15 +254,13 @@ class _Runtime:
                     tuple(entry.input_shape) if entry.input_shape else None))
             except UsageError as exc:
                 raise UsageError(f"plan field models[{mi}].model: {exc}") from None
-            if not self.models[entry.name].spec_io.simple:
-                # Queries carry one float sample per item; several inputs need their own path.
-                raise UsageError(
-                    f"plan field models[{mi}].model: {entry.model!r} takes "
-                    f"{', '.join(t.text() for t in self.models[entry.name].spec_io.inputs)}; "
-                    "plans run models of one float input: measure it with infermux bench")
-            self.qsl[entry.name] = QuerySampleLibrary(
-                entry.name, self.models[entry.name].input_shape, plan.load.sample_pool,
-                plan.load.seed)
+            self.qsl[entry.name] = _sample_library(plan, mi, self.models[entry.name])
+        if any(q.io is not None and q.max_length is not None for q in self.qsl.values()):
+            self.recorder.tokens_of = self._tokens
+        for name, qsl in self.qsl.items():
+            group = length_group(qsl)
+            if group is not None:
+                self.dispatcher.group_of[name] = group
         dynamic = plan.placement == "dynamic"
         # Child processes first: they build in parallel with this process's runners.
         for wp in layout:
@@ -276,11 +296,10 @@ class _Runtime:
                                                  create_engine(wp.replica.engine))
                 for name in sorted(serves):
                     try:
-                        runners[name] = {
-                            b: engine.build(self.models[name], wp.unit, b,
-                                            bucket_options(wp.replica, b),
-                                            data=plan.load.data, instance=wp.id)
-                            for b in wp.replica.buckets()}
+                        runners[name] = build_bucket_runners(
+                            engine, self.models[name], wp.unit, wp.replica.buckets(),
+                            functools.partial(bucket_options, wp.replica), plan.load.data,
+                            wp.id, self.qsl[name].seq_lengths)
                     except UsageError:
                         raise
                     except InfermuxError as exc:
@@ -325,6 +344,19 @@ class _Runtime:
                             for s, wp in zip(self.states, layout, strict=False)] + pipe_rows,
                 "host_cores": list(host_cores)}
 
+    def _tokens(self, batch: Batch) -> int:
+        """Tokens of a batch's items at their own lengths (0 for a model without a length)."""
+        qsl = self.qsl.get(batch.model)
+        if qsl is None or qsl.io is None or qsl.max_length is None:
+            return 0
+        rows = batch.rows()
+        if rows is None:
+            return int(qsl.data.tokens(batch.samples))
+        total = 0
+        for row in rows:  # a served item: one array per input
+            total += item_length(qsl.io, list(row)) or 0
+        return total
+
     def _specs(self, wp: WorkerPlan) -> list[RunnerSpec]:
         """What a process-hosted worker's child builds: its model (every model, dynamic)."""
         plan = self.plan
@@ -332,7 +364,9 @@ class _Runtime:
         return [RunnerSpec(
             m.name, m.model, m.weights, tuple(m.input_shape) if m.input_shape else None,
             wp.replica.engine, wp.unit.id, tuple(wp.replica.buckets()), wp.replica.options,
-            plan.load.data, wp.id, plan.load.sample_pool, plan.load.seed) for m in entries]
+            plan.load.data, wp.id, plan.load.sample_pool, plan.load.seed,
+            tuple(m.seq_buckets) if m.seq_buckets else None, plan.load.lengths)
+            for m in entries]
 
     def can_restart(self, worker_id: int) -> bool:
         """Whether `restart_worker` can bring this worker back (replicas and pipelines)."""
@@ -505,7 +539,9 @@ class _Runtime:
         gen = LoadGenerator(settings, shares, mix=mix, progress=self.progress,
                             id_base=self.dispatcher.trial << _TRIAL_ID_BITS)
         pools = {m: q.count for m, q in self.qsl.items()}
-        result = gen.run(RuntimeSUT(self.dispatcher), pools)
+        groups = {m: len(q.seq_lengths) for m, q in self.qsl.items()
+                  if m in self.dispatcher.group_of}
+        result = gen.run(RuntimeSUT(self.dispatcher, groups), pools)
         record = summarise(result, list(self.recorder.records), self.states, {},
                            events=list(self.dispatcher.events))
         record["settings"] = settings

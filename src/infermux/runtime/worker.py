@@ -118,6 +118,8 @@ class Worker:
         rows = batch.rows()
         if rows is None:
             return self._pool(batch.model, runner), batch.samples
+        if isinstance(runner, _ProxyRunner) and runner.io:  # every input of each item
+            return _Rows(rows), range(len(rows))
         direct = getattr(runner, "prepare_rows", None)
         if direct is not None:  # rows copied once, straight into the runner's input buffer
             return direct(rows), range(len(rows))
@@ -602,13 +604,16 @@ class RunnerSpec:
     instance: int
     pool_count: int
     seed: int
+    #: A model of several inputs: the sequence lengths compiled and the queries' lengths.
+    seq_buckets: tuple[int, ...] | None = None
+    lengths: int | str | None = None
 
 
 @dataclass(frozen=True)
 class _Rows:
     """A served batch's own input rows, sent to the child instead of sample indices."""
 
-    rows: np.ndarray
+    rows: Any
 
 
 class _ProxyRunner(Runner):
@@ -623,8 +628,10 @@ class _ProxyRunner(Runner):
         self.input_shape = tuple(info["input_shape"])
         self.options = info["options"]
         self.build_s = info["build_s"]
+        #: The child's runner takes several inputs: served rows go as each item's inputs.
+        self.io = bool(info.get("io"))
         self._indices: list[int] = []
-        self._rows: np.ndarray | None = None
+        self._rows: Any = None
         self._outputs: list[np.ndarray] = []
         #: `launch()` returns once the batch is in the child's pipe, and the worker loop keeps
         #: a second one there while the first runs (`Worker._loop_relayed`).
@@ -789,6 +796,9 @@ class ProcessHost:
         """
         from multiprocessing.shared_memory import SharedMemory
 
+        if self.info.get(model, {}).get(bucket, {}).get("io"):  # every input of each item
+            self.send_io_rows(model, bucket, rows)
+            return
         first = np.asarray(rows[0])
         shape = (len(rows), *first.shape)
         nbytes = int(np.prod(shape)) * 4
@@ -806,6 +816,14 @@ class ProcessHost:
                 block[i] = row
         del block
         self._send(("shm", model, bucket, (shm.name, shape)))
+
+    def send_io_rows(self, model: str, bucket: int, rows: Any) -> None:
+        """Queue one served batch of a model of several inputs: each item's inputs, pickled.
+
+        Token ids and masks are small (a 128-token item of three inputs is 3 KB) and each
+        item has its own length, so they cross the pipe as they are.
+        """
+        self._send(("rows", model, bucket, [tuple(np.asarray(a) for a in row) for row in rows]))
 
     def _send(self, request: tuple[Any, ...]) -> None:
         if self._conn_out is None:

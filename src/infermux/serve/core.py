@@ -56,9 +56,15 @@ __all__ = [
 ]
 
 #: KServe v2 datatypes this server reads, with their numpy dtype (little-endian on the wire).
+#: Integer and bool ones are taken by the inputs that are (token ids, masks); BYTES by none.
 DATATYPES: dict[str, np.dtype] = {
     "FP32": np.dtype("<f4"), "FP16": np.dtype("<f2"), "FP64": np.dtype("<f8"),
+    "INT64": np.dtype("<i8"), "INT32": np.dtype("<i4"), "BOOL": np.dtype("bool"),
 }
+_FLOAT_DATATYPES = ("FP32", "FP16", "FP64")
+#: A spec dtype → its v2 datatype.
+_V2 = {"float32": "FP32", "float16": "FP16", "bfloat16": "FP32", "float64": "FP64",
+       "int64": "INT64", "int32": "INT32", "bool": "BOOL", "uint8": "INT32", "int8": "INT32"}
 #: Every datatype name of the protocol, so a wrong one is told apart from a misspelt one.
 _KNOWN_DATATYPES = ("BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32",
                     "INT64", "FP16", "FP32", "FP64", "BYTES", "BF16")
@@ -84,7 +90,10 @@ class ProtocolError(Exception):
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """One input or output of a model: name, v2 datatype, shape of one item (no batch axis)."""
+    """One input or output of a model: name, v2 datatype, shape of one item (no batch axis).
+
+    A dynamic dim (a sequence length) is -1, as the protocol writes it.
+    """
 
     name: str
     datatype: str
@@ -147,6 +156,44 @@ class ModelInfo:
     stats: ModelStats = field(default_factory=ModelStats)
     in_flight_items: int = 0
     in_flight_requests: int = 0
+    #: A model of several inputs: its `IOSpec` and the longest sequence length compiled.
+    io: Any = None
+    max_length: int | None = None
+
+    def items(self, tensors: Mapping[str, np.ndarray]) -> tuple[list[list[np.ndarray]], int | None]:
+        """A request's tensors of a model of several inputs as items, and its length.
+
+        Each item is one array of every input (in the model's order); every input's dynamic
+        dims must agree and fit the longest length compiled. A bad one is a 400 naming the
+        input, what the model takes and what was given.
+        """
+        from infermux.errors import UsageError
+        from infermux.iospec import IOSpec
+
+        io: IOSpec = self.io
+        arrays = [tensors[t.name] for t in io.inputs]
+        sizes = {t.name: len(a) for t, a in zip(io.inputs, arrays, strict=True)}
+        if len(set(sizes.values())) > 1:
+            raise ProtocolError(400, f"inputs have different batch sizes {sizes}: give every "
+                                     "input the same first dimension")
+        try:
+            dims = io.check_item([a[0] for a in arrays])
+        except UsageError as exc:
+            raise ProtocolError(400, str(exc)) from None
+        length = max(dims.values()) if dims else None
+        if length is not None and self.max_length is not None and length > self.max_length:
+            name = next(t.name for t in io.inputs if t.dynamic)
+            raise ProtocolError(400, f"input {name!r}: sequence length {length} given, the "
+                                     f"model takes at most {self.max_length}")
+        return [[a[k] for a in arrays] for k in range(len(arrays[0]))], length
+
+    def cut(self, rows: list[np.ndarray], length: int) -> list[np.ndarray]:
+        """One item's outputs cut to its own `length` along their sequence dims."""
+        out = []
+        for spec, row in zip(self.outputs, rows, strict=False):
+            index = tuple(slice(0, length) if d == -1 else slice(None) for d in spec.shape)
+            out.append(row[index] if len(index) == row.ndim else row)
+        return out
 
     def metadata(self) -> dict[str, Any]:
         """The v2 model metadata."""
@@ -200,19 +247,24 @@ class ModelInfo:
         if spec is None:
             raise ProtocolError(400, f"input name {name!r} is not an input of model "
                                      f"{self.name!r}; inputs: {names}")
-        if not isinstance(datatype, str) or datatype not in DATATYPES:
-            if datatype in _KNOWN_DATATYPES:
+        # A float input takes any float datatype (the runner converts); an integer or bool
+        # one (ids, masks) only its own kind.
+        taken = (_FLOAT_DATATYPES if spec.datatype in _FLOAT_DATATYPES else
+                 ("INT64", "INT32") if spec.datatype in ("INT64", "INT32") else (spec.datatype,))
+        if not isinstance(datatype, str) or datatype not in taken:
+            if datatype in DATATYPES or datatype in _KNOWN_DATATYPES:
                 why = f"{datatype} is not accepted"
             else:
                 why = f"{datatype!r} is not a v2 datatype"
-            raise ProtocolError(400, f"input {name!r} datatype: {why}; use "
-                                     f"{spec.datatype} (also taken: {', '.join(DATATYPES)})")
+            raise ProtocolError(400, f"input {name!r} datatype: {why}; the model takes "
+                                     f"{spec.datatype} (also taken: {', '.join(taken)})")
         if (not isinstance(shape, (list, tuple)) or not shape
                 or not all(isinstance(d, int) and not isinstance(d, bool) for d in shape)):
             raise ProtocolError(400, f"input {name!r} shape {shape!r} is not a list of integers; "
                                      f"expected [N, {', '.join(map(str, spec.shape))}]")
         full = tuple(int(d) for d in shape)
-        if full[1:] != spec.shape:
+        if len(full) != len(spec.shape) + 1 or not all(
+                g == e or (e == -1 and g >= 1) for g, e in zip(full[1:], spec.shape, strict=False)):
             raise ProtocolError(400, f"input {name!r} shape {list(full)} does not match the "
                                      f"model: expected [N, {', '.join(map(str, spec.shape))}] "
                                      f"with 1 ≤ N ≤ {self.max_batch_size}")
@@ -262,6 +314,8 @@ class _Pending:
     token: Any = None
     #: The request's stage stamps when it is traced (serve/trace.py), else None.
     trace: dict[str, int] | None = None
+    #: The request's sequence length: its outputs are cut to it (a batch ran padded).
+    length: int | None = None
 
 
 #: A request for `InferenceCore.submit_many`: (model, input rows, output arrays to fill or
@@ -398,11 +452,25 @@ class InferenceCore:
             if gpus:
                 group["gpus"] = gpus
             instance_groups.append(group)
+        io, lengths = None, [None]
+        describe = getattr(self.runtime, "io_spec", None)  # a local runtime's; not a cluster's
+        if describe is not None:
+            io, lengths = describe(entry.name)
+            io = None if io.simple else io
+        if io is not None:
+            inputs = [TensorSpec(t.name, _V2[t.dtype],
+                                 tuple(-1 if isinstance(d, str) else d for d in t.shape))
+                      for t in io.inputs]
+            outputs = [TensorSpec(t.name, "FP32",
+                                  tuple(-1 if isinstance(d, str) else d for d in t.shape))
+                       for t in io.outputs]
+        else:
+            inputs = [TensorSpec("input", _input_datatype(entry),
+                                 self.runtime.input_shape(entry.name))]
+            outputs = []  # filled by `probe_outputs`
         return ModelInfo(
-            name=entry.name, entry=entry,
-            inputs=[TensorSpec("input", _input_datatype(entry),
-                               self.runtime.input_shape(entry.name))],
-            outputs=[],  # filled by `probe_outputs`
+            name=entry.name, entry=entry, inputs=inputs, outputs=outputs,
+            io=io, max_length=lengths[-1],
             max_batch_size=max_batch,
             max_queue_delay_us=int(self.plan.dispatcher.max_queue_delay_ms * 1000),
             # Enough to keep every worker busy with a batch queued behind it, and no more:
@@ -414,6 +482,18 @@ class InferenceCore:
     async def probe_outputs(self) -> None:
         """Learn each model's outputs (names, shapes) by serving one zero item through it."""
         for info in self.models.values():
+            if info.io is not None:  # several inputs: the outputs are the model's spec's
+                if not info.outputs:  # a spec without them: one generated item tells
+                    dims = info.io.dims_for(info.max_length) if info.io.dynamic_dims else {}
+                    item = info.io.generate(1, dims)
+                    outs = await self._submit(info, {t.name: a for t, a in
+                                                     zip(info.io.inputs, item, strict=True)},
+                                              count=False)
+                    names = (["output"] if len(outs) == 1
+                             else [f"output_{i}" for i in range(len(outs))])
+                    info.outputs = [TensorSpec(n, "FP32", tuple(o.shape[1:]))
+                                    for n, o in zip(names, outs, strict=True)]
+                continue
             spec = info.inputs[0]
             outs = await self._submit(info, np.zeros((1, *spec.shape), dtype=np.float32),
                                       count=False)
@@ -457,19 +537,26 @@ class InferenceCore:
 
     # -- requests -----------------------------------------------------------------------------
 
-    async def infer(self, info: ModelInfo, inputs: np.ndarray) -> list[np.ndarray]:
+    async def infer(self, info: ModelInfo, inputs: np.ndarray | Mapping[str, np.ndarray],
+                    ) -> list[np.ndarray]:
         """Serve one request of `(n, *input_shape)` items; outputs, a row per item, in order.
+
+        A model of several inputs takes every input by name (`ModelInfo.items` checks them);
+        outputs with a sequence dim come back at the request's own length.
 
         Raises ProtocolError 503 (with Retry-After) when the model's admission limit is
         reached, the server is shutting down, or no worker is left to serve the model.
         """
         return await self._submit(info, inputs, count=True)
 
-    async def _submit(self, info: ModelInfo, inputs: np.ndarray, *, count: bool,
+    async def _submit(self, info: ModelInfo, inputs: Any, *, count: bool,
                       ) -> list[np.ndarray]:
-        n = len(inputs)
-        if inputs.dtype not in (np.float32, np.float16):
+        length = None
+        if info.io is not None:  # several inputs: per item, one array of each
+            inputs, length = info.items(inputs)
+        elif inputs.dtype not in (np.float32, np.float16):
             inputs = inputs.astype(np.float32)  # FP16 rows go as they are: the runner converts
+        n = len(inputs)
         loop = asyncio.get_running_loop()
         now = time.perf_counter_ns()
         with self._lock:
@@ -479,7 +566,7 @@ class InferenceCore:
                 self._refused(info, count or isinstance(refusal, _FullError))
                 raise refusal
             qid = next(self._ids)
-            pending = _Pending(loop, loop.create_future(), info, n, now, n)
+            pending = _Pending(loop, loop.create_future(), info, n, now, n, length=length)
             if self.trace is not None and count and self.trace.wants(qid):
                 pending.trace = {"front": 0, "id": qid, "admitted": now}
             self._pending[qid] = pending
@@ -668,11 +755,14 @@ class InferenceCore:
                 pending = self._pending.get(item.query)
                 if pending is None:
                     continue
+                rows = [y[i] for y in outputs]
+                if pending.length is not None:
+                    rows = pending.model.cut(rows, pending.length)
                 if pending.outputs is None:
-                    pending.outputs = [np.empty((pending.items, *y.shape[1:]), dtype=y.dtype)
-                                       for y in outputs]
-                for dst, y in zip(pending.outputs, outputs, strict=True):
-                    dst[item.sample] = y[i]
+                    pending.outputs = [np.empty((pending.items, *r.shape), dtype=r.dtype)
+                                       for r in rows]
+                for dst, row in zip(pending.outputs, rows, strict=True):
+                    dst[item.sample] = row
                 pending.left -= 1
                 if pending.trace is not None:
                     _stamp(pending.trace, item.enqueued_ns, batch)

@@ -34,7 +34,8 @@ __all__ = ["build_grpc_server", "server_options"]
 
 _CODES = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "NOT_FOUND",
           405: "UNIMPLEMENTED", 413: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE"}
-_CONTENTS = {"FP32": "fp32_contents", "FP64": "fp64_contents"}
+_CONTENTS = {"FP32": "fp32_contents", "FP64": "fp64_contents", "INT64": "int64_contents",
+             "INT32": "int_contents", "BOOL": "bool_contents"}
 
 
 #: Calls one connection may have open at once. Clients assume no limit until the server's
@@ -372,7 +373,8 @@ class _Service(_servicer_base()):  # type: ignore[misc]
                     raise ProtocolError(400, "shared memory is not served here")
                 targets[names[out.name]] = target
             wanted.append(names[out.name])
-        outputs = await core.infer(info, tensors[info.inputs[0].name])
+        outputs = await core.infer(info, tensors if info.io is not None
+                                   else tensors[info.inputs[0].name])
         response = self.pb.ModelInferResponse(model_name=info.name, model_version=info.version,
                                               id=request.id)
         for index in wanted or range(len(info.outputs)):

@@ -82,7 +82,9 @@ def error_reply(exc: ProtocolError) -> Reply:
 
 def _values(info: ModelInfo) -> int:
     """Input values of the model's largest request (every input at its max batch)."""
-    return info.max_batch_size * sum(int(np.prod(t.shape)) for t in info.inputs)
+    longest = info.max_length or 1  # a dynamic dim (-1) at the longest length compiled
+    return info.max_batch_size * sum(int(np.prod([longest if d == -1 else d for d in t.shape]))
+                                     for t in info.inputs)
 
 
 def request_limit(info: ModelInfo, *, binary: bool) -> int:
@@ -357,7 +359,8 @@ async def _infer(core: InferenceCore, info: ModelInfo, headers: dict[str, str],
     batch = {len(t) for t in tensors.values()}
     if len(batch) > 1:
         raise ProtocolError(400, f"inputs have different batch sizes {sorted(batch)}")
-    outputs = await core.infer(info, tensors[info.inputs[0].name])
+    outputs = await core.infer(info, tensors if info.io is not None
+                               else tensors[info.inputs[0].name])
     return _response(info, request_id, outputs, wanted, targets, getattr(core, "shared_memory",
                                                                           None))
 

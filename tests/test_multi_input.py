@@ -1,0 +1,369 @@
+"""Networks of several inputs through plans: the runtime, `run`, LoadGen and `serve`.
+
+A two-input ONNX file (float features and int64 ids, exported from a ten-line torch module) and
+a two-layer BERT built from a config folder run through plans with sequence-length buckets: a
+query padded to its bucket gives the outputs of its unpadded run, every worker hosting (threads,
+processes) feeds every input, and a plan or request whose input does not fit is one line.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from infermux.errors import UsageError
+from infermux.iospec import IOSpec, TensorSpec
+from infermux.load.base import Query
+from infermux.load.samples import IOSamples, parse_lengths
+from infermux.models import load_model
+from infermux.runtime import parse_plan, run_plan, start_runtime
+
+from .test_iospec import TWO_INPUTS
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory, module_cache_dir):
+    """(factory reference, ONNX file exported from it with a dynamic batch and sequence)."""
+    folder = tmp_path_factory.mktemp("two")
+    (folder / "two.py").write_text(TWO_INPUTS)
+    factory = f"{folder / 'two.py'}:build"
+    module = load_model(factory).module
+    onnx_path = folder / "two.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(module, (torch.zeros(2, 16), torch.zeros(2, 8, dtype=torch.long)),
+                          str(onnx_path), input_names=["features", "ids"],
+                          output_names=["scores"], dynamo=False,
+                          dynamic_axes={"features": {0: "batch"}, "ids": {0: "batch", 1: "seq"},
+                                        "scores": {0: "batch"}})
+    return factory, str(onnx_path)
+
+
+@pytest.fixture(scope="module")
+def bert(tmp_path_factory, module_cache_dir):
+    """A two-layer BERT's config folder (random weights, nothing downloaded): `hf:FOLDER`."""
+    transformers = pytest.importorskip("transformers")
+    folder = tmp_path_factory.mktemp("tinybert")
+    transformers.BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2,
+                            intermediate_size=64, vocab_size=100).save_pretrained(str(folder))
+    return f"hf:{folder}"
+
+
+def _plan(ref, *, engine="torch", hosting="thread", seq_buckets=None, lengths=None, batch=4,
+          **entry):
+    model = {"name": "m", "model": ref, "replicas": [{"unit": "cpu:0", "engine": engine,
+                                                      "batch": batch}], **entry}
+    if seq_buckets is not None:
+        model["seq_buckets"] = seq_buckets
+    load = {"scenario": "offline", "min_duration_s": 0.3, "min_queries": 16, "sample_pool": 32}
+    if lengths is not None:
+        load["lengths"] = lengths
+    return parse_plan({"models": [model], "dispatcher": {"cpu_workers": hosting}, "load": load})
+
+
+def _served(rt, model, items):
+    """Submit one query per item (every input given) and wait for each one's output rows."""
+    got: dict[int, list[np.ndarray]] = {}
+    done = threading.Event()
+
+    def on_outputs(batch, outputs):
+        for i, item in enumerate(batch.items):
+            got[item.query] = [y[i] for y in outputs]
+        if len(got) == len(items):
+            done.set()
+
+    sub = rt.subscribe(outputs=on_outputs)
+    try:
+        rt.submit([Query(i + 1, model, (0,), inputs=[item]) for i, item in enumerate(items)])
+        assert done.wait(120), f"{len(got)} of {len(items)} answered"
+    finally:
+        sub.cancel()
+    return [got[i + 1] for i in range(len(items))]
+
+
+# -- step 1: the runtime ---------------------------------------------------------------------
+
+
+def test_samples_are_padded_past_their_length_and_lengths_parse():
+    spec = IOSpec((TensorSpec("input_ids", "int64", ("seq",), high=50),
+                   TensorSpec("attention_mask", "int64", ("seq",), values="ones")))
+    samples = IOSamples.generate(spec, "m", 64, 0, 32, parse_lengths("uniform:4-20"))
+    assert samples.lengths is not None and 4 <= samples.lengths.min() <= samples.lengths.max() <= 20
+    ids, mask = samples.arrays
+    assert ids.shape == mask.shape == (64, 32)
+    for s in range(64):
+        n = samples.lengths[s]
+        assert mask[s, :n].all() and not mask[s, n:].any() and not ids[s, n:].any()
+    again = IOSamples.generate(spec, "m", 64, 0, 32, parse_lengths("uniform:4-20"))
+    assert np.array_equal(again.arrays[0], ids)  # seeded: the same in every process
+    assert parse_lengths(128).mean == 128 and parse_lengths("32,64").choices == (32, 64)
+    for bad in ("uniform:0-5", "normal:3", "12,x", "uniform:9-3"):
+        with pytest.raises(UsageError) as caught:
+            parse_lengths(bad)
+        assert bad in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_a_padded_query_gives_its_unpadded_outputs_on_a_tiny_bert(bert):
+    """A query of 11 tokens runs in the 16 bucket, one of 23 in the 32 bucket, batched
+    together with others: each item's pooled output and its own positions of the last hidden
+    state equal those of the network run on it alone, unpadded."""
+    model = load_model(bert)
+    names = [t.name for t in model.spec_io.inputs]
+    rng = np.random.default_rng(1)
+    items = []
+    for n in (11, 23, 5, 16):
+        ids = rng.integers(1, 100, size=n)
+        items.append([ids, np.ones(n, np.int64), np.zeros(n, np.int64)][:len(names)])
+    rt = start_runtime(_plan(bert, seq_buckets=[16, 32]))
+    try:
+        served = _served(rt, "m", items)
+    finally:
+        rt.stop(drain=False)
+    out_names = [t.name for t in model.spec_io.outputs]
+    for item, outs in zip(items, served, strict=True):
+        with torch.inference_mode():
+            alone = model.module(*[torch.from_numpy(np.asarray(a)[None]) for a in item])
+        ref = dict(zip(out_names, [t[0].numpy() for t in alone], strict=True))
+        got = dict(zip(out_names, outs, strict=True))
+        n = len(item[0])
+        np.testing.assert_allclose(got["pooler_output"], ref["pooler_output"], atol=1e-5)
+        np.testing.assert_allclose(got["last_hidden_state"][:n], ref["last_hidden_state"],
+                                   atol=1e-5)
+
+
+def test_a_batch_takes_the_oldest_items_length_bucket_and_keeps_the_others_in_order():
+    """Queries of lengths 10, 100, 12, 90, 11 (buckets 16 and 128): the first batch of 4 takes
+    the three short ones, the next the two long ones, in arrival order."""
+    from infermux.runtime import Dispatcher, LatencyEstimate, WorkerState
+
+    from .conftest import Clock
+
+    lengths = [10, 100, 12, 90, 11]
+    clock = Clock()
+    d = Dispatcher(["m"], max_queue_delay_ns=0, clock_ns=clock)
+    d.group_of["m"] = lambda sample, data: int(lengths[sample] > 16)
+    w = WorkerState(0, "w0", "cpu:0", "m", [1, 2, 4], {"m"}, LatencyEstimate(0.5))
+    d.add_worker(w)
+    d.submit([Query(i, "m", (i,)) for i in range(5)])
+    first = d.poll(w)
+    assert [it.sample for it in first.items] == [0, 2, 4] and first.bucket == 4
+    w.in_flight = 0
+    second = d.poll(w)
+    assert [it.sample for it in second.items] == [1, 3] and second.bucket == 2
+
+
+@pytest.mark.parametrize("hosting", ["thread", "process"])
+def test_a_two_input_onnx_file_runs_a_plan_on_onnxruntime(two, hosting):
+    report = run_plan(_plan(two[1], engine="onnxruntime", hosting=hosting, seq_buckets=[4, 8],
+                            lengths="uniform:2-8"))
+    final = report.final
+    assert report.status == "complete", report.error
+    assert final["valid"] and final["items_per_s"] > 0 and not final["failed"], final
+
+
+def test_a_tiny_bert_plan_on_torch_process_workers_serves_rows(bert):
+    """A process-hosted worker's child builds every (batch, length) runner and runs served
+    items of every input; its outputs match the thread worker's."""
+    items = [[np.arange(1, 1 + n) % 100, np.ones(n, np.int64), np.zeros(n, np.int64)]
+             for n in (3, 9)]
+    answers = []
+    for hosting in ("thread", "process"):
+        rt = start_runtime(_plan(bert, hosting=hosting, seq_buckets=[8, 16], batch=2))
+        try:
+            answers.append(_served(rt, "m", items))
+        finally:
+            rt.stop(drain=False)
+    for a, b in zip(*answers, strict=True):
+        for x, y in zip(a, b, strict=True):
+            np.testing.assert_allclose(x, y, atol=1e-5)
+
+
+@pytest.mark.parametrize(("inputs", "message"), [
+    ([{"name": "features", "dtype": "float32", "shape": [16]}],
+     "plan field models[0].inputs: input 'ids' is missing: the model takes ids: int64[batch, seq]"),
+    ([{"name": "features", "dtype": "float32", "shape": [16]},
+      {"name": "ids", "dtype": "int32", "shape": ["seq"]}],
+     "plan field models[0].inputs[1]: input 'ids' is given as ids: int32[batch, seq], the "
+     "model takes ids: int64[batch, seq] < 50"),
+    ([{"name": "features", "dtype": "float32", "shape": [16]},
+      {"name": "tokens", "dtype": "int64", "shape": ["seq"]}],
+     "plan field models[0].inputs[1]: input 'tokens' is not one the model takes"),
+])
+def test_a_plan_input_that_does_not_fit_is_one_line(two, inputs, message):
+    with pytest.raises(UsageError) as caught:
+        run_plan(_plan(two[0], inputs=inputs))
+    assert str(caught.value).startswith(message), str(caught.value)
+    assert "\n" not in str(caught.value)
+
+
+def test_lengths_past_the_buckets_and_buckets_without_a_length_are_refused(two, tmp_path):
+    with pytest.raises(UsageError, match=r"load.lengths uniform:2-64 go past "
+                                         r"models\[0\].seq_buckets \[4, 8\]"):
+        _plan(two[0], seq_buckets=[4, 8], lengths="uniform:2-64")
+    with pytest.raises(UsageError, match=r"seq_buckets: the model has no dynamic dimension"):
+        run_plan(_plan("tests/tiny_models.py:tiny_cnn", seq_buckets=[8]))
+
+
+# -- step 2: `infermux run` and LoadGen ------------------------------------------------------
+
+
+def test_run_takes_query_lengths_and_reports_tokens_per_second(two, tmp_path):
+    """`infermux run --lengths uniform:2-8` on a two-input ONNX file: queries are generated from
+    its spec at lengths 2 to 8, and tokens/s (each query at its own length) is in the output,
+    the JSON and the store."""
+    import json
+    import sqlite3
+
+    import yaml
+
+    from .conftest import run_cli
+
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump({
+        "models": [{"name": "two", "model": two[1], "seq_buckets": [4, 8],
+                    "replicas": [{"unit": "cpu:0", "engine": "onnxruntime", "batch": 4}]}],
+        "dispatcher": {"cpu_workers": "thread"},
+        "load": {"min_duration_s": 0.3, "min_queries": 32, "sample_pool": 64}}))
+    db = tmp_path / "runs.db"
+    run = run_cli("run", str(path), "--lengths", "uniform:2-8", "--json", "--db", str(db))
+    assert run.returncode == 0, run.stderr
+    result = json.loads(run.stdout)["result"]
+    model = result["models"]["two"]
+    assert 2 <= model["mean_length"] <= 8, model
+    assert model["tokens_per_s"] == pytest.approx(model["items_per_s"] * model["mean_length"])
+    assert result["tokens_per_s"] == pytest.approx(model["tokens_per_s"])
+    with sqlite3.connect(db) as con:
+        stored = json.loads(con.execute("SELECT record_json FROM run_trials").fetchone()[0])
+    assert stored["tokens_per_s"] == pytest.approx(result["tokens_per_s"])
+    text = run_cli("run", str(path), "--lengths", "6", "--no-store")
+    assert text.returncode == 0, text.stderr
+    assert "tok/s" in text.stdout
+    bad = run_cli("run", str(path), "--lengths", "uniform:2-64", "--no-store")
+    lines = [line for line in bad.stderr.splitlines() if line.strip()]
+    assert bad.returncode == 2 and len(lines) == 1, bad.stderr
+    assert "uniform:2-64" in lines[0] and "seq_buckets" in lines[0]
+
+
+def test_fixed_lengths_run_at_their_bucket(bert):
+    """Queries of 5 tokens run in the 8 bucket; tokens count their own length, not the bucket's."""
+    report = run_plan(_plan(bert, seq_buckets=[8, 32], lengths=5, batch=2))
+    model = report.final["models"]["m"]
+    assert report.status == "complete" and model["mean_length"] == 5, model
+
+
+# -- step 3: `serve` -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bert_server(bert, tmp_path_factory):
+    """`infermux serve` of the tiny BERT (lengths 8 and 16 compiled) on a thread worker (the
+    process path of served items is the plan test's above)."""
+    from .test_serve import Server
+
+    plan = {"name": "bert", "models": [{"name": "bert", "model": bert, "seq_buckets": [8, 16],
+                                        "replicas": [{"unit": "cpu:0", "batch": 4}]}],
+            "dispatcher": {"max_queue_delay_ms": 1, "cpu_workers": "thread"}}
+    srv = Server(tmp_path_factory.mktemp("serve_bert"), plan, "--fronts", "1")
+    yield srv
+    code, out = srv.stop()
+    assert code == 0, out
+
+
+def _bert_request(n, length, seed=0):
+    rng = np.random.default_rng(seed)
+    return {"input_ids": rng.integers(1, 100, size=(n, length)),
+            "attention_mask": np.ones((n, length), np.int64),
+            "token_type_ids": np.zeros((n, length), np.int64)}
+
+
+def _bert_reference(bert, request):
+    module = load_model(bert).module
+    with torch.inference_mode():
+        outs = module(*[torch.from_numpy(request[k]) for k in
+                        ("input_ids", "attention_mask", "token_type_ids")])
+    return {"last_hidden_state": outs[0].numpy(), "pooler_output": outs[1].numpy()}
+
+
+def test_serve_describes_every_input_and_output(bert_server):
+    tgrpc = pytest.importorskip("tritonclient.grpc")
+    thttp = pytest.importorskip("tritonclient.http")
+    meta = thttp.InferenceServerClient(bert_server.http).get_model_metadata("bert")
+    assert [(t["name"], t["datatype"], t["shape"]) for t in meta["inputs"]] == [
+        ("input_ids", "INT64", [-1, -1]), ("attention_mask", "INT64", [-1, -1]),
+        ("token_type_ids", "INT64", [-1, -1])]
+    assert [(t["name"], t["shape"]) for t in meta["outputs"]] == [
+        ("last_hidden_state", [-1, -1, 32]), ("pooler_output", [-1, 32])]
+    config = tgrpc.InferenceServerClient(bert_server.grpc).get_model_config("bert", as_json=True)
+    assert [i["name"] for i in config["config"]["input"]] == [
+        "input_ids", "attention_mask", "token_type_ids"]
+
+
+@pytest.mark.parametrize(("protocol", "n", "length"), [("http", 2, 5), ("grpc", 3, 12)])
+def test_serve_answers_int64_inputs_with_every_output(bert, bert_server, protocol, n, length):
+    """Three INT64 inputs in, both outputs back at the request's own length, equal to the
+    network's unpadded run (the batch ran padded to its length bucket)."""
+    client_mod = pytest.importorskip(f"tritonclient.{protocol}")
+    url = bert_server.http if protocol == "http" else bert_server.grpc
+    client = client_mod.InferenceServerClient(url)
+    request = _bert_request(n, length)
+    inputs = []
+    for name, array in request.items():
+        tensor = client_mod.InferInput(name, list(array.shape), "INT64")
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    result = client.infer("bert", inputs)
+    ref = _bert_reference(bert, request)
+    for name in ("last_hidden_state", "pooler_output"):
+        got = result.as_numpy(name)
+        assert got.shape == ref[name].shape, (name, got.shape)
+        np.testing.assert_allclose(got, ref[name], atol=1e-4)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"input_ids": ("FP32", None)}, "input 'input_ids' datatype: FP32 is not accepted; the "
+                                    "model takes INT64"),
+    ({"attention_mask": ("INT64", (1, 6))}, "input 'attention_mask': seq is 6, another input "
+                                            "has seq 5"),
+    ({"all": ("INT64", (1, 20))}, "input 'input_ids': sequence length 20 given, the model takes "
+                                  "at most 16"),
+])
+def test_serve_refuses_a_mistyped_or_misshapen_input_naming_it(bert_server, change, message):
+    tgrpc = pytest.importorskip("tritonclient.grpc")
+    thttp = pytest.importorskip("tritonclient.http")
+    from tritonclient.utils import InferenceServerException
+
+    for client_mod, url in ((thttp, bert_server.http), (tgrpc, bert_server.grpc)):
+        inputs = []
+        for name, array in _bert_request(1, 5).items():
+            datatype, shape = change.get(name, change.get("all", ("INT64", None)))
+            if shape is not None:
+                array = np.ones(shape, np.int64)
+            if datatype == "FP32":
+                array = array.astype(np.float32)
+            tensor = client_mod.InferInput(name, list(array.shape), datatype)
+            tensor.set_data_from_numpy(array)
+            inputs.append(tensor)
+        with pytest.raises(InferenceServerException) as caught:
+            client_mod.InferenceServerClient(url).infer("bert", inputs)
+        assert message in str(caught.value), str(caught.value)
+
+
+def test_serve_with_front_processes_says_it_cannot_pass_several_inputs(two, tmp_path):
+    import json
+
+    from .conftest import run_cli
+
+    plan = tmp_path / "two.json"
+    plan.write_text(json.dumps({"name": "two", "models": [{"name": "two", "model": two[1],
+        "seq_buckets": [8], "replicas": [{"unit": "cpu:0", "engine": "onnxruntime",
+                                          "batch": 2}]}]}))
+    run = run_cli("serve", str(plan), "--fronts", "2", "--http-port", "0", "--grpc-port", "0",
+                  "--metrics-port", "0", "--no-store", "--telemetry", "off")
+    lines = [line for line in run.stderr.splitlines() if line.startswith("error")]
+    assert run.returncode == 2 and len(lines) == 1, run.stderr
+    assert "Traceback" not in run.stderr, run.stderr
+    assert "--fronts 2" in lines[0] and "several inputs" in lines[0]
