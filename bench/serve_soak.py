@@ -23,14 +23,16 @@ Checks (each true or false in the report, with the figures):
   reset before any handler saw them (UNAVAILABLE without `retry-after`: its queue of calls
   not yet taken, 10,000, was full) are counted by the client only (`reset`). With `--kill
   front`, calls the killed front held may have been answered by the runtime with the answer
-  lost with the connection: then the server answered at least what the client got and
-  counted no more than was sent;
+  lost with the connection (the client sees a reset): then the server's refusals still
+  equal the client's, it counted no more than was sent, and each answer the client did not
+  get is one of its resets;
 - `refusals_are_503`: the burst got nothing but OK and UNAVAILABLE, except, with `--kill`,
   failures answered with a message (counted apart);
 - `none_hung`: every burst call was answered within `--call-timeout-s` (the drain timeout);
 - `drained`: no request left in flight after the burst (none hangs past the drain timeout);
 - `memory_flat`: resident memory after within 10% of before;
-- `p99_recovered`: p99 after within 20% of before;
+- `p99_recovered`: p99 after within 20% of before (each the lowest of `--calm-runs` runs: a
+  neighbour's load on a shared machine moves single runs by more than 20%);
 - `ready_after`: the server is ready after it all;
 - `front_restarted` (`--kill front`): the killed front was replaced (`front_restarts` 1).
 
@@ -96,6 +98,12 @@ def counters(metrics_url: str, model: str) -> dict[str, float]:
         elif line.startswith("nv_inference_pending_request_count"):
             out["in_flight"] += value
     return out
+
+
+def calm_best(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run with the lowest p99 among those that measured (the first run if none did)."""
+    ok = [r for r in runs if r.get("ok")]
+    return min(ok, key=lambda r: r["p99_ms"]) if ok else runs[0]
 
 
 def perf_analyzer(exe: str, url: str, model: str, csv_file: Path, *, concurrency: int | None = None,
@@ -206,6 +214,7 @@ def main() -> None:
                    help="kill the model's worker process, or a front process (the server "
                         "then runs --fronts 2), half-way through the burst")
     p.add_argument("--channels", type=int, default=8, help="gRPC channels the burst shares")
+    p.add_argument("--calm-runs", type=int, default=2, help="calm runs before and after each")
     p.add_argument("--settle-s", type=float, default=5.0,
                    help="pause between the burst's drain and the calm run after it")
     p.add_argument("--call-timeout-s", type=float, default=30.0,
@@ -249,8 +258,10 @@ def main() -> None:
         burst_rate = sat["throughput_rps"] * args.factor
         print(f"saturation {sat['throughput_rps']:.1f} requests/s; calm {calm_rate:.1f}, "
               f"burst {burst_rate:.1f} for {args.burst_s:g} s", flush=True)
-        before = perf_analyzer(exe, grpc_url, "net", out / "before.csv", rate=calm_rate,
-                               seconds=args.calm_s, stability_pct=args.stability)
+        befores = [perf_analyzer(exe, grpc_url, "net", out / f"before-{i}.csv", rate=calm_rate,
+                                 seconds=args.calm_s, stability_pct=args.stability)
+                   for i in range(args.calm_runs)]
+        before = calm_best(befores)
         rss_before = rss_bytes(proc.pid)
         start_counts = counters(metrics_url, "net")
         samples: list[int] = []
@@ -284,8 +295,10 @@ def main() -> None:
             time.sleep(0.2)
         end_counts = counters(metrics_url, "net")
         time.sleep(args.settle_s)
-        after = perf_analyzer(exe, grpc_url, "net", out / "after.csv", rate=calm_rate,
-                              seconds=args.calm_s, stability_pct=args.stability)
+        afters = [perf_analyzer(exe, grpc_url, "net", out / f"after-{i}.csv", rate=calm_rate,
+                                seconds=args.calm_s, stability_pct=args.stability)
+                  for i in range(args.calm_runs)]
+        after = calm_best(afters)
         rss_after = rss_bytes(proc.pid)
         health = urllib.request.urlopen(
             f"http://127.0.0.1:{ready['http_port']}/v2/health/ready", timeout=10).status
@@ -297,8 +310,8 @@ def main() -> None:
         # before a handler saw them are the client's only (`reset`). A killed front's calls
         # may have been answered by the runtime with the answer lost with the connection.
         if args.kill == "front":
-            counted = (served["ok"] >= load["ok"]
-                       and sum(served.values()) <= sent - load["reset"])
+            counted = (served["rejected"] == load["rejected"] and sum(served.values()) <= sent
+                       and 0 <= served["ok"] - load["ok"] <= load["reset"])
         else:
             counted = (served["ok"] == load["ok"] and served["rejected"] == load["rejected"]
                        and served["failed"] == load["errors"])
@@ -315,8 +328,9 @@ def main() -> None:
             "ready_after": health == 200,
         }
         report.update(calm_rate_rps=calm_rate, burst_rate_rps=burst_rate, before=before,
-                      burst=load, after=after, server_counts=served, client_sent=sent,
-                      killed_worker_pid=killed, rss_before_mb=rss_before / 2**20,
+                      burst=load, after=after, before_runs=befores, after_runs=afters,
+                      server_counts=served, client_sent=sent,
+                      killed_pid=killed, rss_before_mb=rss_before / 2**20,
                       rss_max_mb=max(samples or [rss_after]) / 2**20,
                       rss_after_mb=rss_after / 2**20, checks=checks,
                       passed=all(checks.values()))
