@@ -108,14 +108,14 @@ def calm_best(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def perf_analyzer(exe: str, url: str, model: str, csv_file: Path, *, concurrency: int | None = None,
                   rate: float | None = None, seconds: float, stability_pct: float = 50.0,
-                  ) -> dict[str, Any]:
+                  max_trials: int = 3) -> dict[str, Any]:
     """One perf_analyzer level over gRPC; throughput and p99 from its CSV."""
     level = (["--concurrency-range", f"{concurrency}:{concurrency}"] if concurrency is not None
              else ["--request-rate-range", f"{rate:.1f}:{rate:.1f}",
                    "--request-distribution", "poisson"])
     cmd = [exe, "-m", model, "-u", url, "-i", "grpc", *level,
            "--measurement-interval", str(int(seconds * 1000)), "--stability-percentage", f"{stability_pct:g}",
-           "--max-trials", "3", "-f", str(csv_file)]
+           "--max-trials", str(max_trials), "-f", str(csv_file)]
     done = subprocess.run(cmd, capture_output=True, text=True)
     row: dict[str, Any] = {"command": " ".join(cmd), "ok": done.returncode == 0
                            and csv_file.exists()}
@@ -214,6 +214,8 @@ def main() -> None:
                    help="kill the model's worker process, or a front process (the server "
                         "then runs --fronts 2), half-way through the burst")
     p.add_argument("--channels", type=int, default=8, help="gRPC channels the burst shares")
+    p.add_argument("--max-trials", type=int, default=3,
+                   help="perf_analyzer's --max-trials (a loaded machine needs more)")
     p.add_argument("--calm-runs", type=int, default=2, help="calm runs before and after each")
     p.add_argument("--settle-s", type=float, default=5.0,
                    help="pause between the burst's drain and the calm run after it")
@@ -250,7 +252,7 @@ def main() -> None:
     try:
         sat = perf_analyzer(exe, grpc_url, "net", out / "saturation.csv",
                             concurrency=args.concurrency, seconds=args.calm_s,
-                            stability_pct=args.stability)
+                            stability_pct=args.stability, max_trials=args.max_trials)
         if not sat["ok"]:
             raise SystemExit(f"perf_analyzer failed: {sat['error']}")
         report["saturation"] = sat
@@ -259,7 +261,8 @@ def main() -> None:
         print(f"saturation {sat['throughput_rps']:.1f} requests/s; calm {calm_rate:.1f}, "
               f"burst {burst_rate:.1f} for {args.burst_s:g} s", flush=True)
         befores = [perf_analyzer(exe, grpc_url, "net", out / f"before-{i}.csv", rate=calm_rate,
-                                 seconds=args.calm_s, stability_pct=args.stability)
+                                 seconds=args.calm_s, stability_pct=args.stability,
+                                 max_trials=args.max_trials)
                    for i in range(args.calm_runs)]
         before = calm_best(befores)
         rss_before = rss_bytes(proc.pid)
@@ -296,7 +299,8 @@ def main() -> None:
         end_counts = counters(metrics_url, "net")
         time.sleep(args.settle_s)
         afters = [perf_analyzer(exe, grpc_url, "net", out / f"after-{i}.csv", rate=calm_rate,
-                                seconds=args.calm_s, stability_pct=args.stability)
+                                seconds=args.calm_s, stability_pct=args.stability,
+                                max_trials=args.max_trials)
                   for i in range(args.calm_runs)]
         after = calm_best(afters)
         rss_after = rss_bytes(proc.pid)
