@@ -3,34 +3,53 @@
 1. The saturating rate: perf_analyzer, closed loop at `--concurrency` (gRPC), requests/s.
 2. Before: perf_analyzer at `--calm-factor` × that rate (Poisson) for `--calm-s`: p99, and the
    server's resident memory (its process and its worker processes).
-3. The burst: Poisson arrivals at `--factor` × the saturating rate for `--burst-s`, from
-   bench/serve_load.py (open loop: every call's answer is classified 200 / 503 / other);
-   perf_analyzer stops at the first refused request ("Thread [..] had error: ... admission
-   limit"), so it cannot drive a load past admission. Resident memory sampled every 0.5 s.
-   With `--kill worker`, the model's worker process is killed (SIGKILL) half-way through.
+3. The burst: Poisson arrivals at `--factor` × the saturating rate for `--burst-s`, open
+   loop over `--channels` gRPC channels (each call is a stream of one of them; every answer
+   is counted by its status code, and a call still unanswered after `--call-timeout-s`, the
+   server's drain timeout, is DEADLINE_EXCEEDED: hung). perf_analyzer stops at the first
+   refused request ("Thread [..] had error: ... admission limit"), so it cannot drive a load
+   past admission; bench/serve_load.py opens a channel per call outstanding, which on two
+   shared cores fell behind a 1,225/s schedule by minutes and grew to 3.7 GB. Resident memory
+   sampled every 0.5 s.
+   With `--kill worker`, the model's worker process is killed (SIGKILL) half-way through;
+   with `--kill front`, the server runs `--fronts 2` (front processes) and one of them is
+   killed (SIGKILL) half-way through: the server restarts it, and what it held is answered
+   into its old slabs or lost with its connections (the client sees UNAVAILABLE).
 4. After: perf_analyzer at the calm rate again: p99 and resident memory.
 
 Checks (each true or false in the report, with the figures):
-- `none_lost`: every request the client sent is counted once by the server, as answered,
-  failed or refused (the server's counters' deltas against the client's counts);
-- `refusals_are_503`: the burst got nothing but 200 and 503 (no 5xx, no reset), except, with
-  `--kill`, failures answered with a message (counted apart);
+- `none_lost`: every call got one answer, and the server's counters' deltas equal the
+  client's counts: answered, refused (UNAVAILABLE with `retry-after`), failed. Calls grpc
+  reset before any handler saw them (UNAVAILABLE without `retry-after`: its queue of calls
+  not yet taken, 10,000, was full) are counted by the client only (`reset`). With `--kill
+  front`, calls the killed front held may have been answered by the runtime with the answer
+  lost with the connection (the client sees a reset): then the server's refusals still
+  equal the client's, it counted no more than was sent, and each answer the client did not
+  get is one of its resets;
+- `refusals_are_503`: the burst got nothing but OK and UNAVAILABLE, except, with `--kill`,
+  failures answered with a message (counted apart);
+- `none_hung`: every burst call was answered within `--call-timeout-s` (the drain timeout);
 - `drained`: no request left in flight after the burst (none hangs past the drain timeout);
 - `memory_flat`: resident memory after within 10% of before;
-- `p99_recovered`: p99 after within 20% of before;
-- `ready_after`: the server is ready after it all.
+- `p99_recovered`: p99 after within 20% of before (each the lowest of `--calm-runs` runs: a
+  neighbour's load on a shared machine moves single runs by more than 20%);
+- `ready_after`: the server is ready after it all;
+- `front_restarted` (`--kill front`): the killed front was replaced (`front_restarts` 1).
 
     python bench/serve_soak.py --out /tmp/serve-soak            # 60 s burst, the full run
     python bench/serve_soak.py --out /tmp/serve-soak --burst-s 10 --calm-s 5   # a short one
+    python bench/serve_soak.py --out /tmp/serve-soak-front --kill front
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import csv
 import json
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -38,8 +57,11 @@ import sys
 import threading
 import time
 import urllib.request
+from collections import Counter
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 INFERMUX = [sys.executable, "-m", "infermux"]
@@ -78,16 +100,22 @@ def counters(metrics_url: str, model: str) -> dict[str, float]:
     return out
 
 
+def calm_best(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run with the lowest p99 among those that measured (the first run if none did)."""
+    ok = [r for r in runs if r.get("ok")]
+    return min(ok, key=lambda r: r["p99_ms"]) if ok else runs[0]
+
+
 def perf_analyzer(exe: str, url: str, model: str, csv_file: Path, *, concurrency: int | None = None,
                   rate: float | None = None, seconds: float, stability_pct: float = 50.0,
-                  ) -> dict[str, Any]:
+                  max_trials: int = 3) -> dict[str, Any]:
     """One perf_analyzer level over gRPC; throughput and p99 from its CSV."""
     level = (["--concurrency-range", f"{concurrency}:{concurrency}"] if concurrency is not None
              else ["--request-rate-range", f"{rate:.1f}:{rate:.1f}",
                    "--request-distribution", "poisson"])
     cmd = [exe, "-m", model, "-u", url, "-i", "grpc", *level,
            "--measurement-interval", str(int(seconds * 1000)), "--stability-percentage", f"{stability_pct:g}",
-           "--max-trials", "3", "-f", str(csv_file)]
+           "--max-trials", str(max_trials), "-f", str(csv_file)]
     done = subprocess.run(cmd, capture_output=True, text=True)
     row: dict[str, Any] = {"command": " ".join(cmd), "ok": done.returncode == 0
                            and csv_file.exists()}
@@ -101,12 +129,69 @@ def perf_analyzer(exe: str, url: str, model: str, csv_file: Path, *, concurrency
     return row
 
 
-def burst_command(grpc_url: str, http_port: int, model: str, rate: float,
-                  seconds: float) -> list[str]:
-    """Open-loop Poisson arrivals from bench/serve_load.py (counts 200, 503, other)."""
-    return [sys.executable, str(ROOT / "bench" / "serve_load.py"), "--url", grpc_url,
-            "--protocol", "grpc", "--model", model, "--metadata-port", str(http_port),
-            "--rate", f"{rate:.1f}", "--duration", str(seconds), "--warmup", "0", "--json"]
+async def burst(target: str, model: str, tensor: dict[str, Any], rate_qps: float,
+                seconds: float, *, channels: int, call_timeout_s: float) -> dict[str, Any]:
+    """Open-loop Poisson arrivals over gRPC; every call's status code counted.
+
+    Calls share `channels` channels (HTTP/2 streams), so a call costs the client no connection
+    of its own. A call is sent at its scheduled arrival or, if the client lags, at once; the
+    lag is reported (`achieved_rate_rps`) rather than hidden.
+    """
+    import grpc
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    shape = [1, *tensor["shape"][1:]]
+    x = np.random.default_rng(0).standard_normal(shape, dtype=np.float32)
+    request = service_pb2.ModelInferRequest(model_name=model)
+    request.inputs.add(name=tensor["name"], datatype="FP32", shape=shape)
+    request.raw_input_contents.append(x.tobytes())
+    chans = [grpc.aio.insecure_channel(target) for _ in range(channels)]
+    stubs = [service_pb2_grpc.GRPCInferenceServiceStub(c) for c in chans]
+    codes: Counter[str] = Counter()
+    details: Counter[str] = Counter()
+    latencies_ms: list[float] = []
+
+    async def one(i: int, due: float) -> None:
+        try:
+            await stubs[i % channels].ModelInfer(request, timeout=call_timeout_s)
+            codes["OK"] += 1
+            latencies_ms.append((time.perf_counter() - due) * 1e3)
+        except grpc.aio.AioRpcError as exc:
+            name = exc.code().name
+            # The server's own refusals (admission, not ready, shutting down) carry a
+            # `retry-after` trailer; an UNAVAILABLE without one never reached its handler
+            # (grpc reset the stream: its queue of calls not yet taken was full).
+            if name == "UNAVAILABLE" and not any(
+                    k == "retry-after" for k, _ in (exc.trailing_metadata() or ())):
+                name = "UNAVAILABLE_RESET"
+            codes[name] += 1
+            details[f"{name}: {(exc.details() or '')[:48]}"] += 1
+
+    rng = random.Random(0)
+    start = time.perf_counter()
+    at, end, tasks = start, start + seconds, []
+    while True:
+        at += rng.expovariate(rate_qps)
+        if at >= end:
+            break
+        delay = at - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(len(tasks), at)))
+    sent_by = time.perf_counter()
+    await asyncio.gather(*tasks)
+    for c in chans:
+        await c.close()
+    lat = np.asarray(latencies_ms or [0.0])
+    return {"sent": len(tasks), "ok": codes["OK"], "rejected": codes["UNAVAILABLE"],
+            "reset": codes["UNAVAILABLE_RESET"],
+            "errors": len(tasks) - codes["OK"] - codes["UNAVAILABLE"]
+            - codes["UNAVAILABLE_RESET"],
+            "hung": codes["DEADLINE_EXCEEDED"], "codes": dict(codes),
+            "details": dict(details.most_common(8)),
+            "rate_rps": rate_qps, "achieved_rate_rps": len(tasks) / max(1e-9, sent_by - start),
+            "answered_within_s": time.perf_counter() - start,
+            "p50_ms": float(np.percentile(lat, 50)), "p99_ms": float(np.percentile(lat, 99))}
 
 
 def main() -> None:
@@ -125,8 +210,17 @@ def main() -> None:
     p.add_argument("--calm-s", type=float, default=10.0, help="perf_analyzer window, calm runs")
     p.add_argument("--stability", type=float, default=50.0,
                    help="perf_analyzer's --stability-percentage (a loaded machine needs more)")
-    p.add_argument("--kill", choices=("none", "worker"), default="none",
-                   help="kill the model's worker process half-way through the burst")
+    p.add_argument("--kill", choices=("none", "worker", "front"), default="none",
+                   help="kill the model's worker process, or a front process (the server "
+                        "then runs --fronts 2), half-way through the burst")
+    p.add_argument("--channels", type=int, default=8, help="gRPC channels the burst shares")
+    p.add_argument("--max-trials", type=int, default=3,
+                   help="perf_analyzer's --max-trials (a loaded machine needs more)")
+    p.add_argument("--calm-runs", type=int, default=2, help="calm runs before and after each")
+    p.add_argument("--settle-s", type=float, default=5.0,
+                   help="pause between the burst's drain and the calm run after it")
+    p.add_argument("--call-timeout-s", type=float, default=30.0,
+                   help="a burst call unanswered this long is hung (the server's drain timeout)")
     p.add_argument("--perf-analyzer", help="path of perf_analyzer (default: the venv, PATH)")
     args = p.parse_args()
     exe = args.perf_analyzer or shutil.which("perf_analyzer", path=str(Path(sys.executable).parent)) \
@@ -143,7 +237,8 @@ def main() -> None:
     plan_file.write_text(json.dumps(plan, indent=2))
     proc = subprocess.Popen([*INFERMUX, "serve", str(plan_file), "--http-port", "0",
                              "--grpc-port", "0", "--metrics-port", "0", "--json",
-                             "--telemetry", "off", "--db", str(out / "serve.db")],
+                             "--telemetry", "off", "--db", str(out / "serve.db"),
+                             *(["--fronts", "2"] if args.kill == "front" else [])],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
     assert proc.stdout is not None
     line = proc.stdout.readline()
@@ -157,7 +252,7 @@ def main() -> None:
     try:
         sat = perf_analyzer(exe, grpc_url, "net", out / "saturation.csv",
                             concurrency=args.concurrency, seconds=args.calm_s,
-                            stability_pct=args.stability)
+                            stability_pct=args.stability, max_trials=args.max_trials)
         if not sat["ok"]:
             raise SystemExit(f"perf_analyzer failed: {sat['error']}")
         report["saturation"] = sat
@@ -165,8 +260,11 @@ def main() -> None:
         burst_rate = sat["throughput_rps"] * args.factor
         print(f"saturation {sat['throughput_rps']:.1f} requests/s; calm {calm_rate:.1f}, "
               f"burst {burst_rate:.1f} for {args.burst_s:g} s", flush=True)
-        before = perf_analyzer(exe, grpc_url, "net", out / "before.csv", rate=calm_rate,
-                               seconds=args.calm_s, stability_pct=args.stability)
+        befores = [perf_analyzer(exe, grpc_url, "net", out / f"before-{i}.csv", rate=calm_rate,
+                                 seconds=args.calm_s, stability_pct=args.stability,
+                                 max_trials=args.max_trials)
+                   for i in range(args.calm_runs)]
+        before = calm_best(befores)
         rss_before = rss_bytes(proc.pid)
         start_counts = counters(metrics_url, "net")
         samples: list[int] = []
@@ -179,38 +277,54 @@ def main() -> None:
 
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
-        cmd = burst_command(grpc_url, ready["http_port"], "net", burst_rate, args.burst_s)
-        load: dict[str, Any] = {"command": " ".join(cmd)}
-        client = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=ENV)
-        killed = None
-        if args.kill == "worker":
-            time.sleep(args.burst_s / 2)
-            killed = next(iter(ready["worker_pids"].values()), None)
-            if killed is not None:
-                os.kill(killed, signal.SIGKILL)
-        answer, _ = client.communicate(timeout=args.burst_s * 4 + 120)
+        killed: int | None = None
+        if args.kill != "none":
+            pids = (ready["worker_pids"].values() if args.kill == "worker"
+                    else ready.get("front_pids", []))
+            killed = next(iter(pids), None)
+            if killed is None:
+                raise SystemExit(f"--kill {args.kill}: the server has no such process")
+            victim = killed
+            threading.Timer(args.burst_s / 2, lambda: os.kill(victim, signal.SIGKILL)).start()
+        load = asyncio.run(burst(grpc_url, "net", ready["models"][0]["inputs"][0], burst_rate,
+                                 args.burst_s, channels=args.channels,
+                                 call_timeout_s=args.call_timeout_s))
         stop.set()
         sampler.join()
-        load.update(json.loads(answer)[0])
         # Admitted requests are answered or failed: none may still be in flight after the
         # drain timeout (30 s by default).
         deadline = time.monotonic() + 30
         while counters(metrics_url, "net")["in_flight"] and time.monotonic() < deadline:
             time.sleep(0.2)
         end_counts = counters(metrics_url, "net")
-        after = perf_analyzer(exe, grpc_url, "net", out / "after.csv", rate=calm_rate,
-                              seconds=args.calm_s, stability_pct=args.stability)
+        time.sleep(args.settle_s)
+        afters = [perf_analyzer(exe, grpc_url, "net", out / f"after-{i}.csv", rate=calm_rate,
+                                seconds=args.calm_s, stability_pct=args.stability,
+                                max_trials=args.max_trials)
+                  for i in range(args.calm_runs)]
+        after = calm_best(afters)
         rss_after = rss_bytes(proc.pid)
         health = urllib.request.urlopen(
             f"http://127.0.0.1:{ready['http_port']}/v2/health/ready", timeout=10).status
         served = {k: end_counts[k] - start_counts[k] for k in ("ok", "failed", "rejected")}
-        sent = load["ok"] + load["rejected"] + load["errors"]
+        sent = load["sent"]
+        # Every call had one answer (the client counts each by its code). The server's
+        # counters match the client's exactly: its answers (none lost, none twice), its
+        # refusals (the UNAVAILABLEs with `retry-after`) and its failures; calls grpc reset
+        # before a handler saw them are the client's only (`reset`). A killed front's calls
+        # may have been answered by the runtime with the answer lost with the connection.
+        if args.kill == "front":
+            counted = (served["rejected"] == load["rejected"] and sum(served.values()) <= sent
+                       and 0 <= served["ok"] - load["ok"] <= load["reset"])
+        else:
+            counted = (served["ok"] == load["ok"] and served["rejected"] == load["rejected"]
+                       and served["failed"] == load["errors"])
         checks = {
-            # The client counts arrivals scheduled within the burst; the one drawn past its end
-            # may still be sent, so the server may count one more.
-            "none_lost": 0 <= sum(served.values()) - sent <= 1 and served["ok"] >= load["ok"],
+            "none_lost": counted and load["ok"] + load["rejected"] + load["reset"]
+            + load["errors"] == sent,
             "refusals_are_503": load["errors"] == 0 or (killed is not None
                                                         and load["errors"] <= served["failed"]),
+            "none_hung": load["hung"] == 0,
             "drained": end_counts["in_flight"] == 0,
             "memory_flat": abs(rss_after - rss_before) <= 0.10 * rss_before,
             "p99_recovered": bool(before.get("ok") and after.get("ok")
@@ -218,14 +332,15 @@ def main() -> None:
             "ready_after": health == 200,
         }
         report.update(calm_rate_rps=calm_rate, burst_rate_rps=burst_rate, before=before,
-                      burst=load, after=after, server_counts=served, client_sent=sent,
-                      killed_worker_pid=killed, rss_before_mb=rss_before / 2**20,
+                      burst=load, after=after, before_runs=befores, after_runs=afters,
+                      server_counts=served, client_sent=sent,
+                      killed_pid=killed, rss_before_mb=rss_before / 2**20,
                       rss_max_mb=max(samples or [rss_after]) / 2**20,
                       rss_after_mb=rss_after / 2**20, checks=checks,
                       passed=all(checks.values()))
-        print(f"burst: sent {sent}, answered {load['ok']}, 503 {load['rejected']}, other "
-              f"{load['errors']}; server: {served}; in flight after {end_counts['in_flight']:.0f}",
-              flush=True)
+        print(f"burst: sent {sent} ({load['achieved_rate_rps']:.1f}/s of {burst_rate:.1f}/s), "
+              f"codes {load['codes']}; server: {served}; in flight after "
+              f"{end_counts['in_flight']:.0f}", flush=True)
         print(f"p99 before {before.get('p99_ms', float('nan')):.2f} ms, after "
               f"{after.get('p99_ms', float('nan')):.2f} ms; RSS {rss_before / 2**20:.0f} → max "
               f"{report['rss_max_mb']:.0f} → {rss_after / 2**20:.0f} MiB", flush=True)
@@ -233,9 +348,18 @@ def main() -> None:
               flush=True)
     finally:
         proc.send_signal(signal.SIGTERM)
+        stopped: dict[str, Any] = {}
         with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.communicate(timeout=120)
+            rest, _ = proc.communicate(timeout=120)
+            with contextlib.suppress(ValueError):
+                stopped = json.loads(rest[rest.index("{"):])
         report["server_exit_code"] = proc.returncode
+        report["server_status"] = stopped.get("status")
+        if args.kill == "front" and "checks" in report:
+            report["front_restarts"] = stopped.get("front_restarts")
+            report["checks"]["front_restarted"] = stopped.get("front_restarts") == 1
+            report["passed"] = all(report["checks"].values())
+            print(f"front restarts {stopped.get('front_restarts')}", flush=True)
         (out / "report.json").write_text(json.dumps(report, indent=2, default=str))
     if not report.get("passed"):
         raise SystemExit(1)

@@ -1,8 +1,10 @@
 """`infermux serve --cluster`: the v2 server in front of real Ray nodes on localhost.
 
 The CLI serves a local plan on every node of `local:2` and must answer Triton's clients with
-what the network computes (an input the network raises on gets an error after its retries,
-and the nodes serve on); in process, the worker node of a two-node cluster is stopped (its
+what the network computes: an input the network raises on (the node's worker then runs its own
+samples: the input's fault) gets 400 / INVALID_ARGUMENT from the first node, tried on no other
+and restarting nothing; a node whose device is lost (every batch raises there) has its pieces
+answered by the other node. In process, the worker node of a two-node cluster is stopped (its
 raylet and processes killed) while clients send requests, and every request must be answered:
 with the right outputs (retried on the other node), or with an error once no node is left
 (the head node's runtime actor is killed then: the head itself keeps the cluster up).
@@ -36,11 +38,31 @@ from tests.test_serve import NET, Server
 
 CORES = sorted(os.sched_getaffinity(0))
 
+#: `marked`: `poisonable`, whose device is lost in a process while a file marks it broken.
+MARKED = '''
+
+import os
+
+MARKS = "@MARKS@"
+
+
+class Marked(Poisonable):
+    def forward(self, x):
+        if os.path.exists(os.path.join(MARKS, "broken-" + str(os.getpid()))):
+            raise RuntimeError("device lost")
+        return super().forward(x)
+
+
+def marked():
+    torch.manual_seed(0)
+    return Marked()
+'''
+
 
 @pytest.fixture(scope="module")
 def net_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("cluster_serve_net") / "net.py"
-    path.write_text(NET)
+    path.write_text(NET + MARKED.replace("@MARKS@", str(path.parent)))
     return path
 
 
@@ -79,11 +101,11 @@ def test_a_bad_cluster_address_is_one_line(net_file: Path) -> None:
 
 
 def test_serve_cluster_answers_as_the_network_does(net_file: Path) -> None:
-    plan = {"name": "tiny", "models": [{"name": "net", "model": f"{net_file}:poisonable",
+    plan = {"name": "tiny", "models": [{"name": "net", "model": f"{net_file}:marked",
                                         "replicas": [{"unit": f"cpu:{CORES[0]}", "batch": 4}]}],
             "dispatcher": {"cpu_workers": "thread", "max_queue_delay_ms": 1}}
     srv = Server(net_file.parent, plan, "--cluster", "local:2")
-    reference = _reference(net_file, "poisonable")
+    reference = _reference(net_file, "marked")
     try:
         assert [n["node"] for n in srv.ready["nodes"]] == ["node-0", "node-1"]
         assert len(srv.ready["models"][0]["workers"]) == 2
@@ -118,27 +140,67 @@ def test_serve_cluster_answers_as_the_network_does(net_file: Path) -> None:
         assert metrics['nv_inference_count_total{model="net",version="1"}'] >= sum(sent) + 3
         assert sum(v for k, v in metrics.items()
                    if k.startswith('infermux_worker_alive{') and 'worker="node-' in k) == 2
-        # An input the network raises on fails on every node it is tried on: the request
-        # gets the error; the nodes restart their workers and serve the next requests.
+        # An input the network raises on is the input's fault (the node's worker then runs
+        # its own samples): 400 / INVALID_ARGUMENT with the network's error from the first
+        # node, tried on no other node, and the model stays ready (nothing restarts).
+        poison = np.full((1, 3, 16, 16), 1e7, dtype=np.float32)
         with pytest.raises(InferenceServerException) as info:
-            _infer(client, np.full((1, 3, 16, 16), 1e7, dtype=np.float32))
-        assert "failed" in info.value.message() and "poisoned input" in info.value.message()
-        deadline = time.monotonic() + 30
-        while not client.is_model_ready("net") and time.monotonic() < deadline:
-            time.sleep(0.2)
+            _infer(client, poison)
+        assert info.value.status() == "400", info.value
+        assert "rejected the request's input" in info.value.message()
+        assert "poisoned input" in info.value.message()
+        tensor = tgrpc.InferInput("input", list(poison.shape), "FP32")
+        tensor.set_data_from_numpy(poison)
+        with pytest.raises(InferenceServerException) as info:
+            grpc.infer("net", [tensor])
+        assert info.value.status() == "StatusCode.INVALID_ARGUMENT", info.value
+        assert "poisoned input" in info.value.message()
+        assert client.is_model_ready("net")
         x = _x(2, seed=5)
         assert np.allclose(_infer(client, x), reference(x), atol=1e-5)
+        # A device lost on node-0 (every batch raises there, its own samples too): the
+        # worker's fault, so what it failed is answered by node-1. Four clients at once keep
+        # both nodes routed to.
+        pid = srv.ready["nodes"][0]["pid"]
+        mark = net_file.parent / f"broken-{pid}"
+        mark.touch()
+        wrong: list[str] = []
+
+        def lost(k: int) -> None:
+            c = thttp.InferenceServerClient(srv.http, network_timeout=120)
+            for j in range(4):
+                x = _x(4, seed=200 + 10 * k + j)
+                try:
+                    if not np.allclose(_infer(c, x), reference(x), atol=1e-5):
+                        wrong.append(f"client {k} request {j}: wrong outputs")
+                except InferenceServerException as exc:
+                    wrong.append(f"client {k} request {j}: {exc}")
+
+        try:
+            threads = [threading.Thread(target=lost, args=(k,)) for k in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(150)
+        finally:
+            mark.unlink()
+        assert not wrong, wrong
     finally:
         code, out = srv.stop()
     assert code == 0, out
     stopped = json.loads(out[out.index("{\n"):])
-    assert stopped["status"] == "complete" and stopped["models"]["net"]["requests_failed"] == 1
+    assert stopped["status"] == "complete" and stopped["models"]["net"]["requests_failed"] == 2
     nodes = stopped["nodes"]
     assert all(n["status"] == "ok" for n in nodes)
-    # Every item was answered by one node (the server's probe of the outputs included), and
-    # the poisoned one was tried three times (the first try and `route.max_retries` = 2).
-    assert sum(n["completed_samples"] for n in nodes) == sum(sent) + 3 + 2 + 1
-    assert sum(n["failed_samples"] for n in nodes) == 3
+    # The poisoned inputs were each run once, on one node, and failed there alone.
+    assert sum(n["rejected_samples"] for n in nodes) == 2
+    # Every other item was answered by one node (the server's probe of the outputs included);
+    # node-0's lost device failed some, and node-1 answered them.
+    by_name = {n["node"]: n for n in nodes}
+    assert by_name["node-0"]["failed_samples"] > 0, nodes
+    assert by_name["node-1"]["failed_samples"] == 0, nodes
+    assert by_name["node-0"]["rerouted_samples"] == 0, nodes  # failed by its device, not lost
+    assert sum(n["completed_samples"] for n in nodes) == sum(sent) + 3 + 2 + 1 + 16 * 4, nodes
 
 
 def test_a_node_lost_mid_serve_leaves_no_request_unanswered(net_file: Path) -> None:

@@ -22,7 +22,9 @@ node's runtime, then drives the plan's LoadGen scenario through `ClusterSUT`:
 - **Faults.** A node whose poll fails (its actor or node died) or stays silent past
   `route.node_timeout_s` is taken out: every sample it held goes to another live node, at most
   `route.max_retries` times, else it is reported failed. Nothing is left unfinished or hanging;
-  the node's row shows when it was lost and the per-node timeline shows the gap.
+  the node's row shows when it was lost and the per-node timeline shows the gap. A served
+  request whose own input a node's engine rejected (the node's runtime tells the input's fault
+  from the worker's) fails alone (`on_rejected`) and is tried on no other node.
 """
 
 from __future__ import annotations
@@ -79,6 +81,8 @@ class NodeLink:
     lost_reason: str | None = None
     completed: int = 0
     failed: int = 0
+    #: Served samples failed here for their own input (the engine rejected it): not retried.
+    rejected: int = 0
     rerouted: int = 0
     #: node clock minus driver clock, from the poll with the shortest round trip.
     offset_ns: int = 0
@@ -146,6 +150,9 @@ class ClusterSUT:
         self._left: dict[int, int] = {}
         #: Served outputs: (Batch of the samples answered, output arrays, a row per item).
         self.on_outputs: Callable[[Batch, list[np.ndarray]], None] | None = None
+        #: Served queries whose own input a node's engine rejected, and its message (a
+        #: server answers each 400): failed alone, never tried on another node.
+        self.on_rejected: Callable[[list[int], str], None] | None = None
         #: Called with every node's poll answer once it is taken (a server's statistics).
         self.on_answer: Callable[[NodeLink, dict[str, Any]], None] | None = None
         #: Called with a node just taken out of service.
@@ -226,14 +233,19 @@ class ClusterSUT:
     def _live(self) -> list[NodeLink]:
         return [ln for ln in self.links if ln.alive]
 
-    def _route(self, queries: Sequence[Query], failed: list[tuple[int, int]]) -> None:
+    def _route(self, queries: Sequence[Query], failed: list[tuple[int, int]],
+               avoid: NodeLink | None = None) -> None:
         """Assign samples to nodes, into the outbox (call under the lock).
 
         Pieces are whole batches of the chosen node (a node given half batches runs half
-        batches whenever the other half went elsewhere).
+        batches whenever the other half went elsewhere). `avoid`: the node that just failed
+        these queries, chosen only when no other node serves the model (its idle worker would
+        otherwise look fastest, and a retry could fail on the same broken device again).
         """
         for q in queries:
             idx = [i for i, ln in enumerate(self.links) if ln.alive and q.model in ln.models]
+            if avoid is not None and any(self.links[i] is not avoid for i in idx):
+                idx = [i for i in idx if self.links[i] is not avoid]
             if not idx:
                 failed.append((q.id, len(q.samples)))
                 continue
@@ -401,10 +413,15 @@ class ClusterSUT:
         delivered: list[tuple[Batch, list[np.ndarray]]] = []
         retry: list[Query] = []
         gave_up: list[tuple[int, int]] = []
+        refused: dict[str, list[tuple[int, int]]] = {}
         with self.lock:
             if not ln.alive:
                 return  # reports of a node already given up are not credited twice
             busy = ln.held > 0
+            for qid, message in answer.get("rejected", ()):
+                n = self._refuse(ln, qid)
+                if n:
+                    refused.setdefault(message, []).append((qid, n))
             for qid, samples, outs in answer.get("outputs", ()):
                 got = self._answered(ln, qid, samples, outs, got_ns)
                 if got is not None:
@@ -438,9 +455,13 @@ class ClusterSUT:
                     self._retry_or_fail(qid, model, taken, retry, gave_up)
             if busy:
                 self._update_rate(ln, rtt)
-            self._route(retry, gave_up)
+            self._route(retry, gave_up, avoid=ln)
         if self.on_answer is not None:  # first: a failure reported below names the node's error
             self.on_answer(ln, answer)
+        for message, done in refused.items():
+            if self.on_rejected is not None:
+                self.on_rejected([qid for qid, _ in done], message)
+            self._report(done, ok=False)
         if self.on_outputs is not None:
             for batch, outs in delivered:
                 self.on_outputs(batch, outs)
@@ -485,6 +506,25 @@ class ClusterSUT:
             outs = [y[keep] for y in outs]
         items = [Item(qid, model, s, got_ns) for s in samples]
         return Batch(model, items, n, got_ns, [got_ns] * n), outs
+
+    def _refuse(self, ln: NodeLink, qid: int) -> int:
+        """Fail served query `qid` alone, its input rejected by `ln` (under the lock); its samples.
+
+        The runtime on `ln` told the input's fault from the worker's (its worker ran its own
+        samples after the batch raised, and serves on): another node would raise too, so no
+        piece of the query is tried again, and what other nodes hold of it is dropped (their
+        outputs are then not delivered). 0 when `ln` no longer held the query (given up and
+        sent elsewhere already).
+        """
+        if qid not in self._rows or qid not in ln.out:
+            return 0
+        for other in self.links:
+            entry = other.out.pop(qid, None)
+            if entry is not None:
+                other.held -= entry[1]
+                if other is ln:
+                    ln.rejected += entry[1]
+        return self._left.get(qid, 0)
 
     def _update_rate(self, ln: NodeLink, window_ns: int) -> None:
         alpha = self.route.rate_alpha

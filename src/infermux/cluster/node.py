@@ -50,6 +50,9 @@ class NodeRuntime:
         self.serving = False
         self._outputs: list[tuple[int, list[int], list[np.ndarray]]] = []
         self._batches: list[tuple[int, int, int, int]] = []
+        #: Serving: (query id, message) of requests whose own input the engine rejected (the
+        #: worker serves on); the driver fails them alone instead of trying another node.
+        self._rejected: list[tuple[int, str]] = []
         self._worker_index: dict[int, int] = {}
         self._supervisor: Any = None
 
@@ -113,7 +116,7 @@ class NodeRuntime:
             self.serving = True
             self._worker_index = {s.id: i for i, s in enumerate(rt.workers())}
             rt.subscribe(completions=self._on_complete, outputs=self._on_outputs,
-                         batches=self._on_batch)
+                         batches=self._on_batch, rejections=self._on_rejected)
             rt.set_take_when_idle(take_when_idle)
             if max_restarts:
                 from infermux.runtime.supervisor import Supervisor
@@ -174,6 +177,7 @@ class NodeRuntime:
         with self._cond:
             self._done.clear()
             self._completed_samples = self._failed_samples = self._submitted_samples = 0
+            self._rejected.clear()
         return int(dropped)
 
     def submit(self, queries: Sequence[tuple[Any, ...]]) -> int:
@@ -216,6 +220,15 @@ class NodeRuntime:
             self._batches.append((self._worker_index.get(w.id, -1), len(batch.items), queue_ns,
                                   end_ns - start_ns))
 
+    def _on_rejected(self, queries: Sequence[int], message: str) -> None:
+        """The engine rejected these served queries' own inputs (the runtime's input fault).
+
+        Their failed completions follow; the driver reads this first, so it fails them alone.
+        """
+        with self._cond:
+            self._rejected.extend((qid, message) for qid in queries)
+            self._cond.notify_all()
+
     def _on_complete(self, done: Sequence[tuple[int, int]], ok: bool, when_ns: int) -> None:
         if ok and self.serving:
             return  # served samples are answered by their outputs (`_on_outputs`)
@@ -237,14 +250,15 @@ class NodeRuntime:
         many submitted items are unfinished here, or a failure is to be told.
 
         `done`: (query id, samples, ok) triples; `outputs` (serving): (query id, sample
-        indices, output arrays) of every batch finished since; `queued`: items waiting per
+        indices, output arrays) of every batch finished since; `rejected` (serving): (query
+        id, message) of queries whose own input the engine rejected; `queued`: items waiting per
         model; `clock_ns`: this node's clock when it answered, `waited_ns` how long it waited
         for completions (the driver estimates the clocks' offset from them) and `held_back_ns`
         how much of that was holding back completions it had (`low_water`).
         """
         called = time.perf_counter_ns()
         with self._cond:
-            if not self._done and not self._outputs:
+            if not self._done and not self._outputs and not self._rejected:
                 self._cond.wait(wait_s)
             # Offline, the answer may wait for more completions while the node still holds
             # `low_water` items unfinished: its workers have work, and one answer (then one
@@ -264,6 +278,7 @@ class NodeRuntime:
             done = [(q, n, ok) for (q, ok), n in self._done.items()]
             outputs, self._outputs = self._outputs, []
             batches, self._batches = self._batches, []
+            rejected, self._rejected = self._rejected, []
             first = self._first_done_ns if done or outputs else 0
             self._done.clear()
             totals = {"completed": self._completed_samples, "failed": self._failed_samples,
@@ -277,8 +292,8 @@ class NodeRuntime:
                   "first_done_ns": first, "waited_ns": waited, "held_back_ns": held_back,
                   "clock_ns": time.perf_counter_ns()}
         if self.serving:
-            answer.update(outputs=outputs, batches=batches, alive=alive, restarting=restarting,
-                          errors=[s.error for s in states])
+            answer.update(outputs=outputs, batches=batches, rejected=rejected, alive=alive,
+                          restarting=restarting, errors=[s.error for s in states])
         return answer
 
     def trial_records(self) -> dict[str, Any]:

@@ -14,6 +14,11 @@ cluster:
 - **A lost node loses no request.** Its pieces go, rows and all, to another node serving the
   model (at most `route.max_retries` times), else the request is answered with an error; a
   node that fails a piece has it retried the same way. Nothing waits on a dead node.
+- **A bad input fails its request alone.** A node's runtime tells an input's fault from a
+  worker's as on one machine (the worker raised, then ran a batch of its own samples and serves
+  on): the node reports the request rejected, and the server answers it 400 (gRPC
+  INVALID_ARGUMENT) with the engine's message. It is not tried on another node (it would raise
+  there too) and no worker restarts; a worker's fault is retried elsewhere as above.
 - **Readiness.** Every worker of every node appears as a worker state named `node/worker`:
   alive while its node is alive and the node's runtime says it serves (each poll answer
   refreshes them). A model is ready while one of them is.
@@ -74,6 +79,7 @@ class ClusterRuntime:
         for ln in links:
             self._add_node(ln)
         self.sut.on_outputs = self._hub.outputs
+        self.sut.on_rejected = self._hub.rejections
         self.sut.on_answer = self._on_answer
         self.sut.on_node_lost = self._on_node_lost
         #: Nodes that join while serving (`count: all` entries) are started and routed to.
@@ -136,10 +142,11 @@ class ClusterRuntime:
                   completions: CompletionFn | None = None, batches: BatchFn | None = None,
                   failures: FailureFn | None = None,
                   rejections: RejectionFn | None = None) -> Subscription:
-        """Receive outputs, completions, the nodes' batch statistics and workers lost.
+        """Receive outputs, completions, the nodes' batch statistics, workers lost, rejections.
 
         A lost node loses all of its workers; served samples are answered by their outputs,
-        so completions tell failures.
+        so completions tell failures; a request whose input a node's engine rejected is told
+        to `rejections` before its failed completion.
         """
         return self._hub.subscribe(outputs=outputs, completions=completions, batches=batches,
                                    failures=failures, rejections=rejections)
@@ -149,12 +156,13 @@ class ClusterRuntime:
         return any(s.alive and (s.model == model or model in s.serves) for s in self.states)
 
     def stats(self) -> RuntimeStats:
-        """Samples sent again to another node, samples failed, items queued at the nodes."""
+        """Samples sent again to another node, samples failed or rejected, items queued."""
         queued: dict[str, int] = {}
         for per in list(self._queued.values()):
             for m, n in per.items():
                 queued[m] = queued.get(m, 0) + n
-        return RuntimeStats(self.sut.retried, sum(ln.failed for ln in self.links), queued)
+        return RuntimeStats(self.sut.retried, sum(ln.failed + ln.rejected for ln in self.links),
+                            queued)
 
     def pipeline_stats(self) -> dict[str, list[dict[str, Any]]]:
         """Not gathered from the nodes: empty."""
@@ -210,7 +218,8 @@ class ClusterRuntime:
         """Each node's status and counts, for the stored summary."""
         return [{"node": ln.name, "address": ln.address, "status": "ok" if ln.alive else "lost",
                  "lost_reason": ln.lost_reason, "completed_samples": ln.completed,
-                 "failed_samples": ln.failed, "rerouted_samples": ln.rerouted,
+                 "failed_samples": ln.failed, "rejected_samples": ln.rejected,
+                 "rerouted_samples": ln.rerouted,
                  "joined": bool(ln.joined_at_ns)}
                 for ln in self.links]
 
