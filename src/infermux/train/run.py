@@ -429,14 +429,19 @@ def run_train_predict(config: TrainConfig, *, store: Store | None = None,
                       reference_run: int | None = None, method: str = "auto",
                       validate: int | None = 0,
                       validate_budget_s: float | None = None,
-                      whole_epoch_s: float = WHOLE_EPOCH_S) -> PredictReport:
+                      whole_epoch_s: float = WHOLE_EPOCH_S,
+                      deadline_s: float | None = None) -> PredictReport:
     """Profile a subset, predict all, validate held-out configurations (module docstring).
 
     `validate`: 0 = no validation, None = every held-out configuration, N = that many (drawn
     at random, `validation_order`); `validate_budget_s`: only as many as fit in this many
     seconds; `whole_epoch_s`: a cell no profile within the rule reaches gets whole epochs
-    measured where one takes at most this long (0: never).
+    measured where one takes at most this long (0: never). `deadline_s`: the whole call's
+    time; whole epochs and validated configurations start only where they are expected to end
+    within it (the set-up and the profiles are bounded by `TrainConfig.budget_s` instead).
     """
+    if deadline_s is not None and deadline_s <= 0:
+        raise UsageError(f"--deadline {deadline_s} s must be positive, e.g. --deadline 5m")
     if whole_epoch_s < 0:
         raise UsageError(f"--whole-epochs-below {whole_epoch_s} s must be 0 (never) or more")
     if method not in ("auto", "simple", "learned"):
@@ -462,7 +467,8 @@ def run_train_predict(config: TrainConfig, *, store: Store | None = None,
             _predict_body(setup, report, rec, store=store, progress=progress, share=share,
                           from_run=from_run, reference=reference, method=method,
                           validate=validate, validate_budget_s=validate_budget_s,
-                          started=started, whole_epoch_s=whole_epoch_s)
+                          started=started, whole_epoch_s=whole_epoch_s,
+                          until=None if deadline_s is None else started + deadline_s)
         return report
     finally:
         report.status = rec.status
@@ -474,8 +480,11 @@ def _predict_body(setup: TrainSetup, report: PredictReport, rec: Recording, *,
                   store: Store | None, progress: ProgressFn | None, share: int,
                   from_run: int | None, reference: list[dict[str, Any]] | None, method: str,
                   validate: int | None, validate_budget_s: float | None, started: float,
-                  whole_epoch_s: float = WHOLE_EPOCH_S) -> None:
-    """Profile (or read stored profiles), predict, validate, store: `run_train_predict`'s work."""
+                  whole_epoch_s: float = WHOLE_EPOCH_S, until: float | None = None) -> None:
+    """Profile (or read stored profiles), predict, validate, store: `run_train_predict`'s work.
+
+    `until`: the `time.perf_counter()` by which the call is to end (`deadline_s`).
+    """
     config, configs = setup.config, report.configs
     start_sampler(setup)
     t0 = time.perf_counter()
@@ -500,7 +509,7 @@ def _predict_body(setup: TrainSetup, report: PredictReport, rec: Recording, *,
             plan, configs, pool, count, progress=progress, notes=report.notes)
         passes = [p.as_data() for p in report.passes if p.status == "ok"]
         if whole_epoch_s > 0:
-            passes = _whole_epochs(setup, report, passes, whole_epoch_s, progress)
+            passes = _whole_epochs(setup, report, passes, whole_epoch_s, progress, until)
     report.profile_s = time.perf_counter() - t0
     if progress is not None:
         progress("fitting the predictor", 0.5)
@@ -509,6 +518,9 @@ def _predict_body(setup: TrainSetup, report: PredictReport, rec: Recording, *,
         tmpfs=tmpfs, method=method, reference=reference)
     _say_whether_within_rule(report, config.profile_share)
     t1 = time.perf_counter()
+    if until is not None:
+        left = max(0.0, until - t1)
+        validate_budget_s = left if validate_budget_s is None else min(validate_budget_s, left)
     if validate != 0:
         _validate(setup, report, validate, validate_budget_s, progress=progress,
                   probes=from_run is None)
@@ -526,14 +538,16 @@ def _predict_body(setup: TrainSetup, report: PredictReport, rec: Recording, *,
 
 
 def _whole_epochs(setup: TrainSetup, report: PredictReport, passes: list[dict[str, Any]],
-                  whole_epoch_s: float, progress: ProgressFn | None) -> list[dict[str, Any]]:
+                  whole_epoch_s: float, progress: ProgressFn | None,
+                  until: float | None = None) -> list[dict[str, Any]]:
     """Whole epochs of one configuration of each cell no profile reached, where they are short.
 
     A cell whose configurations' epochs are too short for a profile within the rule (a ramp and
     three steady minibatches a half in the share) is otherwise predicted from other cells; where
     its epoch is predicted (from the profiles so far) to take at most `whole_epoch_s`, its first
     and later epoch are measured whole (kind `whole`, fitted on as profiles are) instead. The
-    rule does not hold for them, and the budget check says so.
+    rule does not hold for them, and the budget check says so. Before `until` (a
+    `time.perf_counter()`), only epochs predicted to end by then.
     """
     configs = report.configs
     comps = _components(passes)
@@ -552,6 +566,10 @@ def _whole_epochs(setup: TrainSetup, report: PredictReport, passes: list[dict[st
         epoch_s = max(comps.predict(knobs, p, setup.dataset_items)["epoch_s"]
                       for p in ("cold", "warm"))
         if epoch_s > whole_epoch_s:
+            continue
+        if until is not None and time.perf_counter() + 2 * epoch_s > until:
+            report.notes.append(f"no whole epochs of {knobs.label}: they would not end "
+                                "within the deadline")
             continue
         recs, _ = measure_configs(setup, [knobs], kind="whole", indices=[i],
                                   progress=(lambda label, _: progress(label, 0.5))
@@ -629,6 +647,9 @@ def _validate(setup: TrainSetup, report: PredictReport, validate: int | None,
     (`_reference_config`) is profiled again (kind `probe:N`, never fitted on) before the first
     and after each: the machine's speed beside each validated epoch, over its speed when it was
     profiled, is the epoch's `drift` (the geometric mean of the probes before and after it).
+    A configuration's cost, before it starts, is its two predicted epochs scaled by what the
+    configurations validated so far cost over theirs (their predicted epochs and a probe
+    each, at first the probe alone): with a budget, the first one too must fit.
     """
     configs = report.configs
     report.validation_seed = setup.config.seed
@@ -651,11 +672,21 @@ def _validate(setup: TrainSetup, report: PredictReport, validate: int | None,
 
     started = time.perf_counter()
     costs: list[float] = []
+    predicted: list[float] = []
     done: list[int] = []
     probe(0)
+    probe_s = time.perf_counter() - started
+
+    def expected_s(i: int) -> float:
+        """What validating configuration `i` is expected to cost, probe included."""
+        own = sum(e["predicted_s"] or 0.0 for e in report.predictions[i].epochs.values())
+        if costs and sum(predicted) > 0:
+            return own * sum(costs) / sum(predicted)
+        return own + probe_s
+
     for n, i in enumerate(order):
         spent = time.perf_counter() - started
-        if budget_s is not None and costs and spent + statistics.fmean(costs) > budget_s:
+        if budget_s is not None and spent + expected_s(i) > budget_s:
             break
         t = time.perf_counter()
         if progress is not None:
@@ -664,6 +695,8 @@ def _validate(setup: TrainSetup, report: PredictReport, validate: int | None,
         report.validation += recs
         probe(n + 1)
         costs.append(time.perf_counter() - t)
+        predicted.append(sum(e["predicted_s"] or 0.0
+                             for e in report.predictions[i].epochs.values()))
         done.append(i)
         for r in recs:
             if r.status == "ok" and r.result is not None:
