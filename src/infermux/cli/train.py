@@ -257,6 +257,11 @@ def train_predict(
                       f"its profiled time per minibatch): MAPE time first "
                       f"{num(scores['first_time_mape_drift_corrected_pct'], 1)}%, later "
                       f"{num(scores['later_time_mape_drift_corrected_pct'], 1)}%")
+        # Which term of the model missed, from the validated epochs' own minibatches.
+        for epoch in ("first", "later"):
+            missed = (report.attribution.get(epoch) or {}).get("verdict")
+            if missed:
+                out.print(f"{epoch} epochs: {escape(missed)}")
     out.print(f"[dim]profiled {len(data_out['profiled'])} of {len(data_out['predictions']) // 2} "
               f"configurations, {data_out['profiled_minibatches']} minibatches, "
               f"{num(report.profile_s, 0)} s; validation {num(report.validate_s, 0)} s[/]")

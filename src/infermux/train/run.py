@@ -10,7 +10,9 @@
 4. `validate`: held-out configurations, drawn at random one model cell at a time, are
    trained for two full epochs (kind `epoch`), with the reference configuration re-profiled
    between them for the machine's drift, and the predictions are scored against them (MAPE
-   for time, as measured and corrected for drift, and for energy).
+   for time, as measured and corrected for drift, and for energy), each validated epoch's
+   error cut into the model's terms (`attribution`: start-up, compute, loader, contention)
+   and the term that missed named.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any
 from infermux.errors import UsageError
 from infermux.store import Recording, Store
 from infermux.train import records
+from infermux.train.attribution import attribute
 from infermux.train.data import fs_type
 from infermux.train.knobs import Knobs
 from infermux.train.predict import (
@@ -87,6 +90,8 @@ class PredictReport:
     #: Held-out configurations in all, and the seed that drew the validated ones.
     held_out: int = 0
     validation_seed: int = 0
+    #: Which term of the model missed the validated epochs (`attribution.attribute`).
+    attribution: dict[str, Any] = field(default_factory=dict)
 
     def scores(self) -> dict[str, Any]:
         """MAPE of the held-out (not profiled) configurations that were measured, %."""
@@ -177,7 +182,7 @@ class PredictReport:
             "validation_passes": [p.to_dict() for p in self.validation],
             "notes": self.notes, "elapsed_s": self.elapsed_s, "profile_s": self.profile_s,
             "validate_s": self.validate_s, "drift": self.drift,
-            "profile_mode": self.profile_mode,
+            "profile_mode": self.profile_mode, "attribution": self.attribution,
         }
 
 
@@ -525,6 +530,8 @@ def _predict_body(setup: TrainSetup, report: PredictReport, rec: Recording, *,
         _validate(setup, report, validate, validate_budget_s, progress=progress,
                   probes=from_run is None)
     report.validate_s = time.perf_counter() - t1
+    if report.validation:
+        report.attribution = attribute(report, all_cores)
     if store is not None and setup.run_id is not None:
         records.add_predictions(store, setup.run_id,
                                 [r for p in report.predictions for r in p.rows()])
@@ -534,6 +541,8 @@ def _predict_body(setup: TrainSetup, report: PredictReport, rec: Recording, *,
         "budget": {k: v for k, v in report.budget(config.profile_share).items()
                    if k != "per_config"}, "drift": report.drift,
         "profile_mode": report.profile_mode,
+        "missed": {e: report.attribution[e]["verdict"] for e in ("first", "later")
+                   if e in report.attribution},
         "elapsed_s": time.perf_counter() - started}
 
 
