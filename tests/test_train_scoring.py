@@ -270,3 +270,18 @@ def test_train_predict_json_says_which_term_missed(tmp_path: Path,
                                       key=summary["terms_abs_pct"].get)
         assert summary["time_missed"] == (summary["time_mape_pct"] > 10)
         assert (summary["verdict"] == "within the targets") != summary["time_missed"]
+
+
+def test_a_deadline_validates_only_what_is_expected_to_end_within_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A deadline already spent by the profiles leaves no validated configuration, the first
+    one included (its cost is its predicted epochs); the note says how many were validated."""
+    main(["train-predict", "-m", FACTORY, "--input-shape", "3x16x16", "--images", "96",
+          "--image-size", "16", "--disk-dir", str(tmp_path / "disk"), "--no-store",
+          "--telemetry", "off", "--batch", "8,16", "--workers", "0", "--profile-steps", "6",
+          "--validate", "all", "--deadline", "0.01s", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert report["scores"]["configurations"] == 0 and report["validation_passes"] == []
+    assert report["scores"]["held_out"] >= 1
+    assert any(n.startswith("validated 0 of") for n in report["notes"])
+    assert report["attribution"] == {}
