@@ -37,9 +37,11 @@ import signal
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
+from infermux.errors import InfermuxError
 from infermux.models import ModelSpec
 from infermux.store import Store
 from infermux.train import DataSpec, Grid, TrainConfig, run_train_predict
@@ -135,7 +137,8 @@ def main() -> None:
     doc: dict[str, Any] = {
         "status": "running", "command": " ".join(sys.argv), "unit": args.unit,
         "budget_s": budget_s, "method": method,
-        "plan": [f"{m} {n}x{s}" for m, n, s in runs], "skipped": [], "runs": {}}
+        "plan": [f"{m} {n}x{s}" for m, n, s in runs], "skipped": [], "failed": {},
+        "runs": {}}
     results: dict[str, dict] = doc["runs"]
 
     def write() -> None:
@@ -172,12 +175,22 @@ def main() -> None:
                     budget_s=PROFILE_SHARE_OF_RUN * share_s)
                 doc["current"] = {"run": key, "share_s": share_s}
                 write()
-                report = run_train_predict(
-                    config, store=store, validate=None, deadline_s=share_s,
-                    method=method, reference_run=references.get((images, size))
-                    if method != "simple" else None, command=" ".join(sys.argv),
-                    progress=lambda label, f, key=key: print(
-                        f"[{time.time() - started:5.0f}s] {key}: {label}", flush=True))
+                try:
+                    report = run_train_predict(
+                        config, store=store, validate=None, deadline_s=share_s,
+                        method=method, reference_run=references.get((images, size))
+                        if method != "simple" else None, command=" ".join(sys.argv),
+                        progress=lambda label, f, key=key: print(
+                            f"[{time.time() - started:5.0f}s] {key}: {label}", flush=True))
+                # One network failing (a run error, the device's, a model's arithmetic) leaves
+                # the others' figures.
+                except (InfermuxError, RuntimeError, OSError, ArithmeticError, LookupError,
+                        ValueError) as e:
+                    traceback.print_exc()
+                    doc["failed"][key] = f"{type(e).__name__}: {e}"
+                    doc.pop("current", None)
+                    write()
+                    continue
                 if report.run_id is not None:
                     references.setdefault((images, size), report.run_id)
                 results[key] = summary(report, started, vars(args) | {
@@ -186,7 +199,7 @@ def main() -> None:
                 doc.pop("current", None)
                 print_figure(key, results[key])
                 write()
-        doc["status"] = "complete"
+        doc["status"] = "complete" if not doc["failed"] else "complete, with failures"
     except _Cut as e:
         doc["status"] = f"cut ({e}) during {doc.get('current', {}).get('run')}"
         print(f"\n{doc['status']}: {len(results)} run(s) kept", flush=True)
@@ -198,7 +211,7 @@ def main() -> None:
         for line in fig["targets"]["said"]:
             print(f"{key}: {line}")
     print(f"wrote {out / 'train-nets.json'} ({doc['status']}) in {time.time() - started:.0f} s")
-    if doc["status"] != "complete":
+    if not doc["status"].startswith("complete"):
         sys.exit(3)
 
 
