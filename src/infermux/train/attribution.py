@@ -197,13 +197,15 @@ def verdict(summary: dict[str, Any]) -> str:
         term = summary["term"]
         sign = summary["terms_signed_pct"][term]
         said.append(f"time MAPE {summary['time_mape_pct']:.1f}% > "
-                    f"{100 * TIME_TARGET:.0f}%: {term} missed "
-                    f"({summary['terms_abs_pct'][term]:.1f}% of the measured epochs, "
+                    f"{100 * TIME_TARGET:.0f}%: the {term} term missed (by "
+                    f"{summary['terms_abs_pct'][term]:.1f}% of the measured epoch on average, "
                     f"{'longer' if sign > 0 else 'shorter'} than predicted)")
     if summary.get("energy_missed"):
         term = summary["energy_term"]
-        detail = (f"mean power {summary['power_signed_pct']:+.1f}% off" if term == "power"
-                  else f"the time's {summary['term']}")
+        off = summary["power_signed_pct"]
+        detail = (f"the power missed (predicted {abs(off):.1f}% "
+                  f"{'above' if off > 0 else 'below'} the measured mean power)"
+                  if term == "power" else f"the time missed (its {summary['term']} term)")
         said.append(f"energy MAPE {summary['energy_mape_pct']:.1f}% > "
-                    f"{100 * ENERGY_TARGET:.0f}%: {term} missed ({detail})")
+                    f"{100 * ENERGY_TARGET:.0f}%: {detail}")
     return "; ".join(said) if said else "within the targets"
