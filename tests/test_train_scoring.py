@@ -250,7 +250,7 @@ def test_train_predict_json_says_which_term_missed(tmp_path: Path,
                                                     capsys: pytest.CaptureFixture[str]) -> None:
     """A validated run's JSON holds every validated epoch's error by term (adding up to it)
     and, per epoch kind, the MAPE, each term's share of it and the term named."""
-    main(["train-predict", "-m", FACTORY, "--input-shape", "3x16x16", "--images", "512",
+    main(["train-predict", "-m", FACTORY, "--input-shape", "3x16x16", "--images", "256",
           "--image-size", "16", "--disk-dir", str(tmp_path / "disk"), "--no-store",
           "--telemetry", "off", "--batch", "8,32", "--workers", "0", "--profile-steps", "12",
           "--profile-share", "0.5", "--validate", "1", "--json"])
