@@ -36,12 +36,20 @@ from typing import TYPE_CHECKING, Any
 
 from infermux.errors import UsageError
 from infermux.train.knobs import Knobs
-from infermux.train.predict import Components, fit_components, steady
+from infermux.train.predict import Components, Prediction, fit_components, steady
 
 if TYPE_CHECKING:
     from infermux.train.run import PredictReport
 
-__all__ = ["ENERGY_TARGET", "TERMS", "TIME_TARGET", "attribute", "epoch_parts"]
+__all__ = [
+    "ENERGY_TARGET",
+    "TERMS",
+    "TIME_TARGET",
+    "attribute",
+    "attribute_passes",
+    "epoch_parts",
+    "verdict",
+]
 
 #: The issue's targets: a run whose MAPE is over them names the term that missed.
 TIME_TARGET = 0.10
@@ -100,17 +108,6 @@ def epoch_parts(comps: Components, data: dict[str, Any], predicted_s: float, ite
     }
 
 
-def _components(report: PredictReport, all_cores: int) -> Components | None:
-    passes = [p.as_data() for p in report.passes if p.status == "ok"
-              and p.kind in ("profile", "whole")]
-    if not passes:
-        return None
-    try:
-        return fit_components(passes, all_cores)
-    except UsageError:
-        return None
-
-
 def attribute(report: PredictReport, all_cores: int) -> dict[str, Any]:
     """Every validated epoch's error by term, and for each epoch kind the term that missed.
 
@@ -118,29 +115,48 @@ def attribute(report: PredictReport, all_cores: int) -> dict[str, Any]:
     for energy the time and power ratios), and per `first`/`later`: the time MAPE, each term's
     mean |part| / measured and mean signed part / measured (%), the term named and whether
     the target (`TIME_TARGET`) was missed; the same for energy (`ENERGY_TARGET`) with
-    `time`/`power`. Empty where nothing was validated or no profile can be fitted on.
+    `time`/`power`. Without validated epochs or profiles to fit on, `epochs` is empty.
     """
-    comps = _components(report, all_cores)
+    return attribute_passes(
+        [p.as_data() for p in report.passes if p.status == "ok"],
+        [p.as_data() for p in report.validation if p.status == "ok" and p.result is not None],
+        report.predictions, report.dataset_items, all_cores)
+
+
+def attribute_passes(passes: list[dict[str, Any]], epochs: list[dict[str, Any]],
+                     predictions: list[Prediction], items: int, all_cores: int
+                     ) -> dict[str, Any]:
+    """`attribute` from passes' data (`PassRecord.as_data`, or `records.load_passes`).
+
+    `passes`: the run's profiles (kinds `profile` and `whole` are fitted on, others left);
+    `epochs`: its validated epochs (kind `epoch`), each with its `config`, an index into
+    `predictions` (whose `measured` holds the drift beside it).
+    """
     out: dict[str, Any] = {"epochs": [], "time_target_pct": 100 * TIME_TARGET,
                            "energy_target_pct": 100 * ENERGY_TARGET}
-    if comps is None:
+    fitted = [p for p in passes if p.get("status", "ok") == "ok"
+              and p["kind"] in ("profile", "whole")]
+    if not fitted:
         return out
-    for rec in report.validation:
-        if rec.status != "ok" or rec.result is None or rec.kind != "epoch":
+    try:
+        comps = fit_components(fitted, all_cores)
+    except UsageError:
+        return out
+    for data in epochs:
+        if data["kind"] != "epoch" or data.get("status", "ok") != "ok":
             continue
-        pred = report.predictions[rec.config]
-        epoch = "first" if rec.pass_name == "cold" else "later"
+        pred = predictions[data["config"]]
+        epoch = "first" if data["pass"] == "cold" else "later"
         predicted = pred.epochs[epoch]["predicted_s"]
         if not predicted:
             continue
-        measured = pred.measured.get(epoch, {})
-        row = epoch_parts(comps, rec.as_data(), predicted, report.dataset_items,
-                          measured.get("drift"))
+        row = epoch_parts(comps, data, predicted, items,
+                          pred.measured.get(epoch, {}).get("drift"))
         if row is None:
             continue
-        row = {"label": rec.knobs.label, "epoch": epoch, "method": pred.method,
+        row = {"label": data["label"], "epoch": epoch, "method": pred.method,
                "extrapolated": pred.extrapolated, **row}
-        energy_p, energy_m = pred.epochs[epoch].get("predicted_energy_j"), rec.energy_j
+        energy_p, energy_m = pred.epochs[epoch].get("predicted_energy_j"), data.get("energy_j")
         if energy_p and energy_m:
             time_ratio = predicted / row["measured_s"]
             power_ratio = (energy_p / energy_m) / time_ratio

@@ -29,7 +29,7 @@ from typing import Any
 from infermux.errors import UsageError
 from infermux.store import Recording, Store
 from infermux.train import records
-from infermux.train.attribution import attribute
+from infermux.train.attribution import attribute, attribute_passes
 from infermux.train.data import fs_type
 from infermux.train.knobs import Knobs
 from infermux.train.predict import (
@@ -788,7 +788,8 @@ def repredict(store: Store, run_id: int, *, reference_run: int | None = None,
     The run's profile passes feed `predict_all` (with a reference run's for transfer) and its
     stored validation epochs are the measurements: the model can be changed and scored again on
     a run measured elsewhere, without a device. Returns the predictions, the model's
-    information and the scores (as `PredictReport.scores`).
+    information, the scores (as `PredictReport.scores`) and which term missed
+    (`attribution.attribute_passes`).
     """
     run = store.run(run_id)
     config = run["config"]
@@ -827,6 +828,8 @@ def repredict(store: Store, run_id: int, *, reference_run: int | None = None,
     return {"run_id": run_id, "configs": [k.label for k in configs], "profile_shares": shares,
             "profiled": [configs[i].label for i in report.profiled], "model_info": info,
             "scores": report.scores(),
+            "attribution": attribute_passes(profile, epochs, predictions,
+                                            config["dataset_items"], all_cores),
             "drift": {k: v for k, v in drift.items() if k != "by_config"} if drift else None,
             "predictions": [r for p in predictions for r in p.rows()]}
 
