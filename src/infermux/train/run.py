@@ -658,7 +658,8 @@ def _validate(setup: TrainSetup, report: PredictReport, validate: int | None,
     profiled, is the epoch's `drift` (the geometric mean of the probes before and after it).
     A configuration's cost, before it starts, is its two predicted epochs scaled by what the
     configurations validated so far cost over theirs (their predicted epochs and a probe
-    each, at first the probe alone): with a budget, the first one too must fit.
+    each; at first, plus a probe at the reference's profile time): with a budget, the first
+    one too must fit, with the probe before it, or nothing is measured.
     """
     configs = report.configs
     report.validation_seed = setup.config.seed
@@ -683,16 +684,20 @@ def _validate(setup: TrainSetup, report: PredictReport, validate: int | None,
     costs: list[float] = []
     predicted: list[float] = []
     done: list[int] = []
-    probe(0)
-    probe_s = time.perf_counter() - started
+    # A probe costs about what the reference's profile did.
+    probe_s = sum(p.get("wall_ns", 0) for p in before) / 1e9
 
     def expected_s(i: int) -> float:
-        """What validating configuration `i` is expected to cost, probe included."""
+        """What validating configuration `i` is expected to cost, the probe after it included."""
         own = sum(e["predicted_s"] or 0.0 for e in report.predictions[i].epochs.values())
         if costs and sum(predicted) > 0:
             return own * sum(costs) / sum(predicted)
         return own + probe_s
 
+    if budget_s is not None and order and probe_s + expected_s(order[0]) > budget_s:
+        order = []  # not even the first fits: no probe for it either
+    if order:
+        probe(0)
     for n, i in enumerate(order):
         spent = time.perf_counter() - started
         if budget_s is not None and spent + expected_s(i) > budget_s:
