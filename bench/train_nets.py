@@ -5,19 +5,22 @@ weights), each on a small data set (short epochs: the profile rule cannot reach 
 cell, so the run profiles thinner or measures whole epochs, and says which) and a larger one,
 each run fresh: `train-predict` profiles, predicts every configuration's first and later epoch,
 and validates held-out configurations (drawn at random, one model cell at a time) with the
-reference configuration re-profiled between them for the machine's drift. For each run: MAPE
-of time and energy (as measured and corrected for drift), how many configurations were
-validated of how many held out, the profile budget, the verdict on the rule, and for each epoch
-missed by more than 10% the term of the model that missed it (start-up, compute, loader,
-contention; measured from the epoch's own minibatches). The first network of each data set is
-the reference the others' learned correction is transferred from (kept only where its
-leave-one-configuration-out error beats the simple model's). Everything goes to `OUT/train-nets.db`
-and `OUT/train-nets.json` (rewritten after each run, so a run cut short keeps what it measured;
-its `status` says whether it was); the images to `--data-dir` (a temporary folder by default,
-not OUT). The command plans against `--budget-s`: each run gets a share of what is left
-(weighted by its data set's pixels), its profiles at most half of it, and its whole epochs and
-validated configurations start only where they are expected to end within it; past the budget
-by `GRACE_S` (or on SIGTERM) the run in progress is cut and the JSON written.
+reference configuration re-profiled between them for the machine's drift. For each run: MAPE of
+time and energy (as measured and corrected for drift), how many configurations were validated of
+how many held out, the profile budget, the verdict on the rule, the drift (beyond ±10% the time
+MAPE corrected for it beside the raw one), and where a target is missed (10% time, 15% energy)
+the term of the model that missed it (train-predict's attribution: drift, start-up, compute,
+loader, contention; measured from the validated epochs' own minibatches), also for each epoch
+missed by more than 10% (`targets` and `misses` in the JSON). The first network of each data set
+is the reference the others' learned correction is transferred from (kept only where its
+leave-one-configuration-out error beats the simple model's). Everything goes to
+`OUT/train-nets.db` and `OUT/train-nets.json` (rewritten after each run, so a run cut short
+keeps what it measured; its `status` says whether it was); the images to `--data-dir` (a
+temporary folder by default, not OUT). The command plans against `--budget-s`: each run gets a
+share of what is left (weighted by its data set's pixels), its profiles at most half of it, and
+its whole epochs and validated configurations start only where they are expected to end within
+it; past the budget by `GRACE_S` (or on SIGTERM) the run in progress is cut and the JSON
+written.
 
     # GPU (one command, ≤ 9 min on an H100 host; only the image's torch, torchvision, numpy,
     # psutil and nvidia-ml-py are needed)
