@@ -11,8 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from infermux.train.knobs import Knobs
-from infermux.train.predict import fit_components, steady
+from infermux.train.attribution import attribute
 from infermux.train.run import PredictReport
 
 #: A validated epoch whose prediction missed by more than this is broken down by `miss_terms`.
@@ -70,6 +69,8 @@ def summary(report: PredictReport, started: float, args: dict[str, Any]) -> dict
         "profile_mode": data["profile_mode"], "verdict": data["model_info"].get("verdict"),
         "rows": rows(report),
         "misses": miss_terms(report, len(os.sched_getaffinity(0))),
+        "missed": {e: data["attribution"][e] for e in ("first", "later")
+                   if e in data["attribution"]},
         "report": data,
     }
 
@@ -109,6 +110,9 @@ def print_figure(name: str, fig: dict[str, Any]) -> None:
           f"{fig.get('profile_mode')}")
     if fig.get("verdict"):
         print(f"{name}: {fig['verdict']}")
+    for epoch, att in (fig.get("missed") or {}).items():
+        print(f"{name}: {epoch} epochs: {att['verdict']} (terms, mean |part| of the measured "
+              f"epoch: {', '.join(f'{k} {v:.1f}%' for k, v in att['terms_abs_pct'].items())})")
     for m in fig.get("misses", []):
         print(f"{name}:   missed {m['label']} {m['epoch']} {m['error_pct']:+.0f}%: "
               f"{m['term']} ({', '.join(f'{k} {v:+.2f}s' for k, v in m['parts_s'].items())})")
@@ -120,51 +124,9 @@ def print_figure(name: str, fig: dict[str, Any]) -> None:
 def miss_terms(report: PredictReport, all_cores: int) -> list[dict[str, Any]]:
     """Each validated epoch that missed by more than `MISS`: which term of the model missed.
 
-    Measured, not guessed: the simple model (fitted on the run's profiles) gives the epoch's
-    start-up (start-up, ramp, tail) and its steady minibatch, cut into compute and the wait
-    for the loader; the validated epoch gives the same parts from its own minibatches. The
-    term whose difference × minibatches is largest is named: `start-up`, `compute`, `loader`
-    (the fetch stall), or `contention` where the model's bottleneck was the cores.
+    From train-predict's own attribution (`infermux.train.attribution`: each term's predicted
+    value against the validated epoch's own minibatches, measured, not guessed); `all_cores`
+    is kept for the callers and unused where the report carries its attribution.
     """
-    passes = [p.as_data() for p in report.passes if p.status == "ok" and p.kind != "epoch"
-              and not p.kind.startswith("probe")]
-    if not passes:
-        return []
-    comps = fit_components(passes, all_cores)
-    out = []
-    for rec in report.validation:
-        if rec.status != "ok" or rec.result is None:
-            continue
-        pred = report.predictions[rec.config]
-        epoch = "first" if rec.pass_name == "cold" else "later"
-        predicted = pred.epochs[epoch]["predicted_s"]
-        measured = rec.result.wall_ns / 1e9
-        if not predicted or abs(predicted / measured - 1) <= MISS:
-            continue
-        data = rec.as_data()
-        fig = steady(data)
-        if fig is None:
-            continue
-        knobs = Knobs.from_dict(data["knobs"])
-        model = comps.predict(knobs, rec.pass_name, report.dataset_items)
-        body = fig["steady_steps"]
-        measured_start = measured - body * fig["T"]
-        predicted_compute = model["term_compute"]
-        predicted_wait = max(0.0, model["T"] - predicted_compute)
-        parts = {
-            "start-up": measured_start - model["start_s"],
-            "compute": body * (fig["compute"] - predicted_compute),
-            "loader": body * (fig["fetch"] - predicted_wait),
-        }
-        named = max(parts, key=lambda k: abs(parts[k]))
-        bottleneck = max(("compute", "loader", "cores"), key=lambda k: model[f"term_{k}"])
-        if named != "start-up" and bottleneck == "cores":
-            named = "contention"
-        out.append({"label": rec.knobs.label, "epoch": epoch, "error_pct":
-                    100 * (predicted / measured - 1), "predicted_s": predicted,
-                    "measured_s": measured, "method": pred.method,
-                    "extrapolated": pred.extrapolated, "term": named,
-                    "model_bottleneck": bottleneck,
-                    "parts_s": {k: round(v, 4) for k, v in parts.items()},
-                    "drift": pred.measured.get(epoch, {}).get("drift")})
-    return out
+    rows = (report.attribution or attribute(report, all_cores)).get("epochs", [])
+    return [r for r in rows if abs(r["error_pct"]) > 100 * MISS]

@@ -76,6 +76,11 @@ def main() -> None:
                   f"within bounds {s['first_within_bounds']} / {s['later_within_bounds']}")
             print("  profile share of the predicted epoch: " + ", ".join(
                 f"{label} {share:.1%}" for label, share in res["profile_shares"].items()))
+            for epoch in ("first", "later"):
+                att = res["attribution"].get(epoch)
+                if att is not None:
+                    print(f"  {epoch} epochs: {att['verdict']} (terms: " + ", ".join(
+                        f"{k} {v:.1f}%" for k, v in att["terms_abs_pct"].items()) + ")")
             if args.rows:
                 for r in res["predictions"]:
                     if r["measured_s"] and not r["profiled"]:

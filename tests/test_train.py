@@ -594,6 +594,14 @@ def test_train_profile_and_predict_from_the_cli(tmp_path: Path,
     measured = [r for r in again["predictions"] if r["measured_s"]]
     assert measured and all(r["drift"] and r["drift"] > 0 for r in measured)
     assert again["scores"]["later_time_mape_drift_corrected_pct"] is not None
+    # Offline too, each validated epoch's error cut into the model's terms, adding up to it.
+    rows = again["attribution"]["epochs"]
+    assert sorted((r["label"], r["epoch"]) for r in rows) == sorted(
+        (r["label"], r["epoch"]) for r in measured)
+    for r in rows:
+        assert sum(r["parts_s"].values()) == pytest.approx(r["measured_s"] - r["predicted_s"],
+                                                           abs=1e-3)
+        assert r["drift"] and r["parts_s"]["drift"] != 0
     for row in again["predictions"]:
         assert row["predicted_s"] == pytest.approx(stored[(row["label"], row["epoch"])],
                                                    rel=1e-9)

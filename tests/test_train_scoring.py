@@ -14,11 +14,13 @@ import pytest
 
 from infermux.cli import main
 from infermux.train import Grid, Knobs
+from infermux.train.attribution import epoch_parts
 from infermux.train.predict import (
     Prediction,
     _rows_without,
     _training_rows,
     choose_profiled,
+    fit_components,
     model_cell,
     predict_all,
 )
@@ -181,7 +183,9 @@ def test_short_epochs_are_measured_whole_and_the_verdict_says_the_rule_did_not_h
     main(["train-predict", "-m", FACTORY, "--input-shape", "3x16x16", "--images", "96",
           "--image-size", "16", "--disk-dir", str(tmp_path / "disk"), "--db", str(db),
           "--telemetry", "off", "--batch", "8,16", "--workers", "0", "--profile-steps", "6",
-          "--validate", "0", "--json"])
+          # Well above such an epoch even on a loaded machine (its profile's start-up, slowed
+          # there, once predicted it over the default 10 s).
+          "--whole-epochs-below", "2m", "--validate", "0", "--json"])
     report = json.loads(capsys.readouterr().out)
     assert report["profile_mode"].endswith("+whole")
     kinds = {p["kind"] for p in report["profile_passes"]}
@@ -193,3 +197,93 @@ def test_short_epochs_are_measured_whole_and_the_verdict_says_the_rule_did_not_h
     with sqlite3.connect(db) as con:
         stored = con.execute("SELECT COUNT(*) FROM train_passes WHERE kind = 'whole'").fetchone()
     assert stored[0] == 2  # its first and later epoch
+
+
+def _epoch(configs: list[Knobs], i: int, slow: float = 1.0, startup_s: float = 0.0) -> dict:
+    """A whole epoch of configuration `i` following the known relation, `slow` × its steady
+    minibatches, `startup_s` more start-up."""
+    data = _synthetic_pass(i, configs[i], "warm", ITEMS, math.ceil(ITEMS / configs[i].batch),
+                           epoch=True, slow=slow)
+    extra = int(startup_s * 1e9)
+    return data | {"startup_ns": data["startup_ns"] + extra, "wall_ns": data["wall_ns"] + extra}
+
+
+def test_a_missed_epoch_names_the_term_of_the_model_that_missed() -> None:
+    """The error of a validated epoch is cut into the model's terms, which add up to it: a
+    slower start names start-up, slower minibatches without workers the compute or loader,
+    with workers bound by the cores contention, and a machine that slowed as a whole drift."""
+    configs = Grid(batch=[8, 32, 128], workers=[0, 1, 4], storage=["tmpfs"]).configs()
+    profiled = choose_profiled(configs, 6)
+    comps = fit_components(_passes(configs, profiled), 2)
+    serial = configs.index(Knobs(32, 0, 2, False, False, "tmpfs", None, "fp32"))
+    shared = next(i for i, k in enumerate(configs) if k.batch == 128 and k.workers == 4)
+
+    def parts(i: int, predicted_s: float | None = None, drift: float | None = None,
+              **kw: float) -> dict:
+        exact = epoch_parts(comps, _epoch(configs, i), 1.0, ITEMS)
+        assert exact is not None
+        got = epoch_parts(comps, _epoch(configs, i, **kw),
+                          predicted_s or exact["simple_predicted_s"], ITEMS, drift)
+        assert got is not None
+        # The parts add up to the error, whatever the epoch.
+        assert sum(got["parts_s"].values()) == pytest.approx(
+            got["measured_s"] - got["predicted_s"], abs=1e-4)
+        return got
+
+    on_time = parts(serial)
+    assert abs(on_time["error_pct"]) < 2 and on_time["model_bottleneck"] is None
+    late_start = parts(serial, startup_s=2.0)
+    assert late_start["term"] == "start-up"
+    assert late_start["parts_s"]["start-up"] == pytest.approx(2.0, abs=0.1)
+    slow = parts(serial, slow=1.5)
+    assert slow["term"] in ("compute", "loader") and slow["parts_s"][slow["term"]] > 0
+    assert "contention" not in slow["parts_s"]
+    contended = parts(shared, slow=1.5)
+    assert contended["model_bottleneck"] == "cores" and contended["term"] == "contention"
+    # The reference configuration ran 1.5× as long beside it: the machine, not the model.
+    predicted = parts(serial)["simple_predicted_s"]
+    drifted = parts(serial, predicted_s=predicted, drift=1.5, slow=1.5)
+    assert drifted["term"] == "drift"
+    assert abs(drifted["parts_s"]["drift"]) > 5 * max(
+        abs(v) for k, v in drifted["parts_s"].items() if k not in ("drift", "start-up"))
+
+
+def test_train_predict_json_says_which_term_missed(tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """A validated run's JSON holds every validated epoch's error by term (adding up to it)
+    and, per epoch kind, the MAPE, each term's share of it and the term named."""
+    main(["train-predict", "-m", FACTORY, "--input-shape", "3x16x16", "--images", "256",
+          "--image-size", "16", "--disk-dir", str(tmp_path / "disk"), "--no-store",
+          "--telemetry", "off", "--batch", "8,32", "--workers", "0", "--profile-steps", "12",
+          "--profile-share", "0.5", "--validate", "1", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    att = report["attribution"]
+    assert len(att["epochs"]) == 2  # one configuration validated: its first and later epoch
+    for row in att["epochs"]:
+        assert set(row["parts_s"]) == {"drift", "start-up", "compute", "loader", "correction"}
+        assert sum(row["parts_s"].values()) == pytest.approx(
+            row["measured_s"] - row["predicted_s"], abs=1e-3)
+        assert row["term"] in row["parts_s"]
+    for epoch in ("first", "later"):
+        summary = att[epoch]
+        assert summary["time_mape_pct"] == pytest.approx(
+            report["scores"][f"{epoch}_time_mape_pct"], rel=1e-6)
+        assert summary["term"] == max(summary["terms_abs_pct"],
+                                      key=summary["terms_abs_pct"].get)
+        assert summary["time_missed"] == (summary["time_mape_pct"] > 10)
+        assert (summary["verdict"] == "within the targets") != summary["time_missed"]
+
+
+def test_a_deadline_validates_only_what_is_expected_to_end_within_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A deadline already spent by the profiles leaves no validated configuration, the first
+    one included (its cost is its predicted epochs); the note says how many were validated."""
+    main(["train-predict", "-m", FACTORY, "--input-shape", "3x16x16", "--images", "96",
+          "--image-size", "16", "--disk-dir", str(tmp_path / "disk"), "--no-store",
+          "--telemetry", "off", "--batch", "8,16", "--workers", "0", "--profile-steps", "6",
+          "--validate", "all", "--deadline", "0.01s", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert report["scores"]["configurations"] == 0 and report["validation_passes"] == []
+    assert report["scores"]["held_out"] >= 1
+    assert any(n.startswith("validated 0 of") for n in report["notes"])
+    assert report["attribution"] == {}

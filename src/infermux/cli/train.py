@@ -193,6 +193,7 @@ def train_predict(
     validate: Annotated[str, typer.Option("--validate", help="Held-out configurations to train for two full epochs and score: a count, all, or 0.")] = "0",
     validate_budget: Annotated[str | None, typer.Option("--validate-budget", help="Validate held-out configurations (in a seeded random order, one model cell at a time) until this much time is spent, e.g. 5m.")] = None,
     whole_epochs_below: Annotated[str, typer.Option("--whole-epochs-below", help="Where no profile within the rule reaches a model cell, measure whole epochs of one of its configurations if an epoch takes at most this long (e.g. 10s; 0 = never).")] = "10s",
+    deadline: Annotated[str | None, typer.Option("--deadline", help="The whole command's time, e.g. 8m: whole epochs and validated configurations start only where they are expected to end within it (profiles are bounded by --budget).")] = None,
     db: DbOpt = "infermux.db",
     no_store: NoStoreOpt = False,
     as_json: JsonOpt = False,
@@ -219,10 +220,12 @@ def train_predict(
                          if validate_budget else None)
     whole_epoch_s = (0.0 if whole_epochs_below.strip() == "0"
                      else parse_duration_s(whole_epochs_below, name="--whole-epochs-below"))
+    deadline_s = parse_duration_s(deadline, name="--deadline") if deadline else None
     report = _run_with_progress(run_train_predict, config, db=db, no_store=no_store,
                                 profile_configs=profile_configs, from_run=from_run,
                                 reference_run=reference, method=method, validate=count,
-                                validate_budget_s=validate_budget_s, whole_epoch_s=whole_epoch_s)
+                                validate_budget_s=validate_budget_s, whole_epoch_s=whole_epoch_s,
+                                deadline_s=deadline_s)
     data_out = report.to_dict()
     if as_json:
         _print_json(data_out)
@@ -254,6 +257,11 @@ def train_predict(
                       f"its profiled time per minibatch): MAPE time first "
                       f"{num(scores['first_time_mape_drift_corrected_pct'], 1)}%, later "
                       f"{num(scores['later_time_mape_drift_corrected_pct'], 1)}%")
+        # Which term of the model missed, from the validated epochs' own minibatches.
+        for epoch in ("first", "later"):
+            missed = (report.attribution.get(epoch) or {}).get("verdict")
+            if missed:
+                out.print(f"{epoch} epochs: {escape(missed)}")
     out.print(f"[dim]profiled {len(data_out['profiled'])} of {len(data_out['predictions']) // 2} "
               f"configurations, {data_out['profiled_minibatches']} minibatches, "
               f"{num(report.profile_s, 0)} s; validation {num(report.validate_s, 0)} s[/]")

@@ -10,7 +10,9 @@
 4. `validate`: held-out configurations, drawn at random one model cell at a time, are
    trained for two full epochs (kind `epoch`), with the reference configuration re-profiled
    between them for the machine's drift, and the predictions are scored against them (MAPE
-   for time, as measured and corrected for drift, and for energy).
+   for time, as measured and corrected for drift, and for energy), each validated epoch's
+   error cut into the model's terms (`attribution`: start-up, compute, loader, contention)
+   and the term that missed named.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any
 from infermux.errors import UsageError
 from infermux.store import Recording, Store
 from infermux.train import records
+from infermux.train.attribution import attribute, attribute_passes
 from infermux.train.data import fs_type
 from infermux.train.knobs import Knobs
 from infermux.train.predict import (
@@ -87,6 +90,8 @@ class PredictReport:
     #: Held-out configurations in all, and the seed that drew the validated ones.
     held_out: int = 0
     validation_seed: int = 0
+    #: Which term of the model missed the validated epochs (`attribution.attribute`).
+    attribution: dict[str, Any] = field(default_factory=dict)
 
     def scores(self) -> dict[str, Any]:
         """MAPE of the held-out (not profiled) configurations that were measured, %."""
@@ -177,7 +182,7 @@ class PredictReport:
             "validation_passes": [p.to_dict() for p in self.validation],
             "notes": self.notes, "elapsed_s": self.elapsed_s, "profile_s": self.profile_s,
             "validate_s": self.validate_s, "drift": self.drift,
-            "profile_mode": self.profile_mode,
+            "profile_mode": self.profile_mode, "attribution": self.attribution,
         }
 
 
@@ -429,14 +434,19 @@ def run_train_predict(config: TrainConfig, *, store: Store | None = None,
                       reference_run: int | None = None, method: str = "auto",
                       validate: int | None = 0,
                       validate_budget_s: float | None = None,
-                      whole_epoch_s: float = WHOLE_EPOCH_S) -> PredictReport:
+                      whole_epoch_s: float = WHOLE_EPOCH_S,
+                      deadline_s: float | None = None) -> PredictReport:
     """Profile a subset, predict all, validate held-out configurations (module docstring).
 
     `validate`: 0 = no validation, None = every held-out configuration, N = that many (drawn
     at random, `validation_order`); `validate_budget_s`: only as many as fit in this many
     seconds; `whole_epoch_s`: a cell no profile within the rule reaches gets whole epochs
-    measured where one takes at most this long (0: never).
+    measured where one takes at most this long (0: never). `deadline_s`: the whole call's
+    time; whole epochs and validated configurations start only where they are expected to end
+    within it (the set-up and the profiles are bounded by `TrainConfig.budget_s` instead).
     """
+    if deadline_s is not None and deadline_s <= 0:
+        raise UsageError(f"--deadline {deadline_s} s must be positive, e.g. --deadline 5m")
     if whole_epoch_s < 0:
         raise UsageError(f"--whole-epochs-below {whole_epoch_s} s must be 0 (never) or more")
     if method not in ("auto", "simple", "learned"):
@@ -462,7 +472,8 @@ def run_train_predict(config: TrainConfig, *, store: Store | None = None,
             _predict_body(setup, report, rec, store=store, progress=progress, share=share,
                           from_run=from_run, reference=reference, method=method,
                           validate=validate, validate_budget_s=validate_budget_s,
-                          started=started, whole_epoch_s=whole_epoch_s)
+                          started=started, whole_epoch_s=whole_epoch_s,
+                          until=None if deadline_s is None else started + deadline_s)
         return report
     finally:
         report.status = rec.status
@@ -474,8 +485,11 @@ def _predict_body(setup: TrainSetup, report: PredictReport, rec: Recording, *,
                   store: Store | None, progress: ProgressFn | None, share: int,
                   from_run: int | None, reference: list[dict[str, Any]] | None, method: str,
                   validate: int | None, validate_budget_s: float | None, started: float,
-                  whole_epoch_s: float = WHOLE_EPOCH_S) -> None:
-    """Profile (or read stored profiles), predict, validate, store: `run_train_predict`'s work."""
+                  whole_epoch_s: float = WHOLE_EPOCH_S, until: float | None = None) -> None:
+    """Profile (or read stored profiles), predict, validate, store: `run_train_predict`'s work.
+
+    `until`: the `time.perf_counter()` by which the call is to end (`deadline_s`).
+    """
     config, configs = setup.config, report.configs
     start_sampler(setup)
     t0 = time.perf_counter()
@@ -500,7 +514,7 @@ def _predict_body(setup: TrainSetup, report: PredictReport, rec: Recording, *,
             plan, configs, pool, count, progress=progress, notes=report.notes)
         passes = [p.as_data() for p in report.passes if p.status == "ok"]
         if whole_epoch_s > 0:
-            passes = _whole_epochs(setup, report, passes, whole_epoch_s, progress)
+            passes = _whole_epochs(setup, report, passes, whole_epoch_s, progress, until)
     report.profile_s = time.perf_counter() - t0
     if progress is not None:
         progress("fitting the predictor", 0.5)
@@ -509,10 +523,15 @@ def _predict_body(setup: TrainSetup, report: PredictReport, rec: Recording, *,
         tmpfs=tmpfs, method=method, reference=reference)
     _say_whether_within_rule(report, config.profile_share)
     t1 = time.perf_counter()
+    if until is not None:
+        left = max(0.0, until - t1)
+        validate_budget_s = left if validate_budget_s is None else min(validate_budget_s, left)
     if validate != 0:
         _validate(setup, report, validate, validate_budget_s, progress=progress,
                   probes=from_run is None)
     report.validate_s = time.perf_counter() - t1
+    if report.validation:
+        report.attribution = attribute(report, all_cores)
     if store is not None and setup.run_id is not None:
         records.add_predictions(store, setup.run_id,
                                 [r for p in report.predictions for r in p.rows()])
@@ -522,18 +541,22 @@ def _predict_body(setup: TrainSetup, report: PredictReport, rec: Recording, *,
         "budget": {k: v for k, v in report.budget(config.profile_share).items()
                    if k != "per_config"}, "drift": report.drift,
         "profile_mode": report.profile_mode,
+        "missed": {e: report.attribution[e]["verdict"] for e in ("first", "later")
+                   if e in report.attribution},
         "elapsed_s": time.perf_counter() - started}
 
 
 def _whole_epochs(setup: TrainSetup, report: PredictReport, passes: list[dict[str, Any]],
-                  whole_epoch_s: float, progress: ProgressFn | None) -> list[dict[str, Any]]:
+                  whole_epoch_s: float, progress: ProgressFn | None,
+                  until: float | None = None) -> list[dict[str, Any]]:
     """Whole epochs of one configuration of each cell no profile reached, where they are short.
 
     A cell whose configurations' epochs are too short for a profile within the rule (a ramp and
     three steady minibatches a half in the share) is otherwise predicted from other cells; where
     its epoch is predicted (from the profiles so far) to take at most `whole_epoch_s`, its first
     and later epoch are measured whole (kind `whole`, fitted on as profiles are) instead. The
-    rule does not hold for them, and the budget check says so.
+    rule does not hold for them, and the budget check says so. Before `until` (a
+    `time.perf_counter()`), only epochs predicted to end by then.
     """
     configs = report.configs
     comps = _components(passes)
@@ -552,6 +575,10 @@ def _whole_epochs(setup: TrainSetup, report: PredictReport, passes: list[dict[st
         epoch_s = max(comps.predict(knobs, p, setup.dataset_items)["epoch_s"]
                       for p in ("cold", "warm"))
         if epoch_s > whole_epoch_s:
+            continue
+        if until is not None and time.perf_counter() + 2 * epoch_s > until:
+            report.notes.append(f"no whole epochs of {knobs.label}: they would not end "
+                                "within the deadline")
             continue
         recs, _ = measure_configs(setup, [knobs], kind="whole", indices=[i],
                                   progress=(lambda label, _: progress(label, 0.5))
@@ -629,6 +656,10 @@ def _validate(setup: TrainSetup, report: PredictReport, validate: int | None,
     (`_reference_config`) is profiled again (kind `probe:N`, never fitted on) before the first
     and after each: the machine's speed beside each validated epoch, over its speed when it was
     profiled, is the epoch's `drift` (the geometric mean of the probes before and after it).
+    A configuration's cost, before it starts, is its two predicted epochs scaled by what the
+    configurations validated so far cost over theirs (their predicted epochs and a probe
+    each; at first, plus a probe at the reference's profile time): with a budget, the first
+    one too must fit, with the probe before it, or nothing is measured.
     """
     configs = report.configs
     report.validation_seed = setup.config.seed
@@ -651,11 +682,25 @@ def _validate(setup: TrainSetup, report: PredictReport, validate: int | None,
 
     started = time.perf_counter()
     costs: list[float] = []
+    predicted: list[float] = []
     done: list[int] = []
-    probe(0)
+    # A probe costs about what the reference's profile did.
+    probe_s = sum(p.get("wall_ns", 0) for p in before) / 1e9
+
+    def expected_s(i: int) -> float:
+        """What validating configuration `i` is expected to cost, the probe after it included."""
+        own = sum(e["predicted_s"] or 0.0 for e in report.predictions[i].epochs.values())
+        if costs and sum(predicted) > 0:
+            return own * sum(costs) / sum(predicted)
+        return own + probe_s
+
+    if budget_s is not None and order and probe_s + expected_s(order[0]) > budget_s:
+        order = []  # not even the first fits: no probe for it either
+    if order:
+        probe(0)
     for n, i in enumerate(order):
         spent = time.perf_counter() - started
-        if budget_s is not None and costs and spent + statistics.fmean(costs) > budget_s:
+        if budget_s is not None and spent + expected_s(i) > budget_s:
             break
         t = time.perf_counter()
         if progress is not None:
@@ -664,6 +709,8 @@ def _validate(setup: TrainSetup, report: PredictReport, validate: int | None,
         report.validation += recs
         probe(n + 1)
         costs.append(time.perf_counter() - t)
+        predicted.append(sum(e["predicted_s"] or 0.0
+                             for e in report.predictions[i].epochs.values()))
         done.append(i)
         for r in recs:
             if r.status == "ok" and r.result is not None:
@@ -746,7 +793,8 @@ def repredict(store: Store, run_id: int, *, reference_run: int | None = None,
     The run's profile passes feed `predict_all` (with a reference run's for transfer) and its
     stored validation epochs are the measurements: the model can be changed and scored again on
     a run measured elsewhere, without a device. Returns the predictions, the model's
-    information and the scores (as `PredictReport.scores`).
+    information, the scores (as `PredictReport.scores`) and which term missed
+    (`attribution.attribute_passes`).
     """
     run = store.run(run_id)
     config = run["config"]
@@ -785,6 +833,8 @@ def repredict(store: Store, run_id: int, *, reference_run: int | None = None,
     return {"run_id": run_id, "configs": [k.label for k in configs], "profile_shares": shares,
             "profiled": [configs[i].label for i in report.profiled], "model_info": info,
             "scores": report.scores(),
+            "attribution": attribute_passes(profile, epochs, predictions,
+                                            config["dataset_items"], all_cores),
             "drift": {k: v for k, v in drift.items() if k != "by_config"} if drift else None,
             "predictions": [r for p in predictions for r in p.rows()]}
 
