@@ -46,7 +46,7 @@ def _ray_node(i: int, *resources: str) -> dict:
 
 
 def test_nodes_are_claimed_in_order_and_count_all_may_wait_for_nodes_to_join() -> None:
-    from infermux.cluster.driver import resolve_nodes
+    from infermux.cluster.nodes import resolve_nodes
 
     nodes = [_ray_node(0, "box-a"), _ray_node(1, "box-b"), _ray_node(2, "box-b")]
     plan = parse_cluster_plan({"nodes": [

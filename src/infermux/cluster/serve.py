@@ -28,8 +28,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from infermux.cluster.connect import ClusterHandle
-from infermux.cluster.driver import ClusterSUT, NodeLink, NodeWatcher, _start_nodes, _stop_nodes
+from infermux.cluster.nodes import NodeWatcher, _start_nodes, _stop_nodes
 from infermux.cluster.plan import ClusterPlan
+from infermux.cluster.router import ClusterSUT, NodeLink
 from infermux.errors import UsageError
 from infermux.load.base import CompletionFn, Query
 from infermux.runtime.api import (
