@@ -15,7 +15,9 @@ from infermux.engines.base import BatchTiming, Runner
 from infermux.errors import RunError
 from infermux.load.base import Query
 from infermux.runtime import Dispatcher, LatencyEstimate, WorkerState, parse_plan, run_plan
-from infermux.runtime.session import _Runtime
+from infermux.runtime.api import LocalRuntime
+from infermux.runtime.local import _Runtime
+from infermux.runtime.peak import run_trial
 from infermux.runtime.worker import ProcessHost, RunnerSpec, Worker
 
 from .conftest import TINY, needs_two_cores, run_cli
@@ -48,7 +50,8 @@ def test_what_an_earlier_trial_left_queued_is_never_served_into_the_next():
         timer.start()
         settings = {**rt.plan.load.model_dump(mode="json"), "scenario": "server",
                     "rate_qps": 100.0, "min_duration_s": 0.6}
-        result, record = rt.run_trial(settings, {"tiny": 1.0}, None)
+        run = run_trial(LocalRuntime(rt), settings, {"tiny": 1.0})
+        result, record = run.result, run.record
         timer.join()
     finally:
         rt.shutdown(now=False)

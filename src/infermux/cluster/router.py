@@ -531,7 +531,7 @@ class ClusterSUT:
         """Stop polling, once the polls still out at the nodes have returned.
 
         A poll left waiting at a node would take the completions of the node's next trial
-        (`_Trials`) and lose them.
+        (`ClusterRuntime.begin_trial`) and lose them.
         """
         self._stop.set()
         if self._poller is not None:
