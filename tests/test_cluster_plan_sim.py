@@ -94,7 +94,7 @@ def test_simulation_matches_capacity_when_the_driver_is_free() -> None:
     assert mixed.per_kind["four"] > 3 * mixed.per_kind["k"]
     # Deterministic for a seed.
     again = simulate([kind], [1], duration_s=4, driver=DriverCost(0, 0, 0))
-    assert again.completed_samples == one.completed_samples
+    assert again.completed_items == one.completed_items
 
 
 def test_simulation_shows_the_driver_saturating_and_latency_growing_with_load() -> None:

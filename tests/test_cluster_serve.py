@@ -137,8 +137,8 @@ def test_serve_cluster_answers_as_the_network_does(net_file: Path) -> None:
     assert all(n["status"] == "ok" for n in nodes)
     # Every item was answered by one node (the server's probe of the outputs included), and
     # the poisoned one was tried three times (the first try and `route.max_retries` = 2).
-    assert sum(n["completed_samples"] for n in nodes) == sum(sent) + 3 + 2 + 1
-    assert sum(n["failed_samples"] for n in nodes) == 3
+    assert sum(n["completed_items"] for n in nodes) == sum(sent) + 3 + 2 + 1
+    assert sum(n["failed_items"] for n in nodes) == 3
 
 
 def test_a_node_lost_mid_serve_leaves_no_request_unanswered(net_file: Path) -> None:
@@ -212,7 +212,7 @@ def test_a_node_lost_mid_serve_leaves_no_request_unanswered(net_file: Path) -> N
         lost = [e for e in runtime.sut.events if e["event"] == "node_lost"]
         assert len(lost) == 1 and lost[0]["node"] == "b"
         # What it held (six clients keep both nodes busy) went to node a.
-        assert lost[0]["rerouted_samples"] == lost[0]["held_samples"] > 0
+        assert lost[0]["rerouted_items"] == lost[0]["held_items"] > 0
         client_http = thttp.InferenceServerClient(url)
         assert client_http.is_model_ready("net")
         # With no node left the model is not ready, and a request is an error at once.

@@ -59,7 +59,7 @@ def test_what_an_earlier_trial_left_queued_is_never_served_into_the_next():
     counts = result.counts()
     assert counts["unfinished"] == 0 and counts["failed"] == 0
     # Every batch served in the trial was the trial's own: nothing stale was credited.
-    assert served == counts["completed_samples"] == record["completed_samples"]
+    assert served == counts["completed_items"] == record["completed_items"]
     assert record["dropped_from_earlier_trial"] == 50
     # Each query completed after its own arrival, never before it.
     assert min(result.latencies_ns()) > 0

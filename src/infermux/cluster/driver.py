@@ -109,7 +109,7 @@ def run_cluster(
             rec.summary = {k: record.get(k) for k in (
                 "scenario", "valid", "validity_notes", "duration_s", "items_per_s",
                 "completed", "failed", "unfinished", "latency")}
-            rec.summary["nodes"] = [{k: n.get(k) for k in ("node", "status", "completed_samples",
+            rec.summary["nodes"] = [{k: n.get(k) for k in ("node", "status", "completed_items",
                                                            "lost_at_s")} for n in report.nodes]
             if report.peak is not None:
                 rec.summary["peak"] = {k: v for k, v in report.peak.items() if k != "trials"}

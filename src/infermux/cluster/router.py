@@ -515,9 +515,9 @@ class ClusterSUT:
             self._route(retry, gave_up)
             targets = set(self._outbox)
         self.events.append({"t_ns": ln.lost_at_ns, "event": "node_lost", "node": ln.name,
-                            "reason": reason, "held_samples": held,
-                            "rerouted_samples": ln.rerouted,
-                            "failed_samples": sum(n for _, n in gave_up)})
+                            "reason": reason, "held_items": held,
+                            "rerouted_items": ln.rerouted,
+                            "failed_items": sum(n for _, n in gave_up)})
         if self.on_node_lost is not None:
             self.on_node_lost(ln)
         self._flush()

@@ -291,10 +291,10 @@ class ClusterRuntime:
                 "lost_at_s": (ln.lost_at_ns - result.start_ns) / 1e9 if ln.lost_at_ns else None,
                 "joined_at_s": ((ln.joined_at_ns - result.start_ns) / 1e9 if ln.joined_at_ns
                                 else None),
-                "completed_samples": ln.completed, "share": ln.completed / total,
+                "completed_items": ln.completed, "share": ln.completed / total,
                 "items_per_s": ln.completed / dur if dur else None,
                 "rate_estimate": ln.rate, "rate_at_start": ln.start_rate,
-                "rerouted_samples": ln.rerouted, "failed_samples": ln.failed,
+                "rerouted_items": ln.rerouted, "failed_items": ln.failed,
                 "clock_offset_ns": ln.offset_ns, "build_s": ln.build.get("build_s"),
                 "plan": ln.plan.name if ln.plan else None, "models": sorted(ln.models),
                 **ln.facts, **self._node_counts.get(ln.name, {})})
@@ -362,8 +362,8 @@ class ClusterRuntime:
     def nodes(self) -> list[dict[str, Any]]:
         """Each node's status and counts, for the stored summary."""
         return [{"node": ln.name, "address": ln.address, "status": "ok" if ln.alive else "lost",
-                 "lost_reason": ln.lost_reason, "completed_samples": ln.completed,
-                 "failed_samples": ln.failed, "rerouted_samples": ln.rerouted,
+                 "lost_reason": ln.lost_reason, "completed_items": ln.completed,
+                 "failed_items": ln.failed, "rerouted_items": ln.rerouted,
                  "joined": bool(ln.joined_at_ns)}
                 for ln in self.links]
 
