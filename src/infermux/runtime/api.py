@@ -4,7 +4,7 @@
 to get outputs back), subscribe to outputs per batch, to completions per query and to batch
 statistics, read readiness and counters, and stop (draining what is queued, or not). Two
 implementations exist: `LocalRuntime` (this machine's workers, from `start_runtime`) and
-`infermux.cluster.serve.ClusterRuntime` (the nodes of a Ray cluster); mypy checks both
+`infermux.cluster.runtime.ClusterRuntime` (the nodes of a Ray cluster); mypy checks both
 against the protocol.
 
 Subscriptions replace the dispatcher's single hooks: the runtime installs its own hooks once
