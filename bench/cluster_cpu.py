@@ -69,8 +69,8 @@ def summary(rep: Any) -> dict[str, Any]:
             "completed": r["completed"], "failed": r["failed"], "unfinished": r["unfinished"],
             "valid": r["valid"], "notes": r["validity_notes"], "latency": r["latency"],
             "routing": r["routing"], "start_s": rep.start_s,
-            "nodes": [{k: n.get(k) for k in ("node", "status", "completed_samples", "share",
-                                              "lost_at_s", "rerouted_samples", "failed_samples")}
+            "nodes": [{k: n.get(k) for k in ("node", "status", "completed_items", "share",
+                                              "lost_at_s", "rerouted_items", "failed_items")}
                       for n in r["nodes"]],
             "events": r["cluster_events"]}
 

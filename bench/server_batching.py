@@ -27,6 +27,7 @@ from typing import Any
 
 from infermux.load import find_peak
 from infermux.runtime import parse_plan
+from infermux.runtime.peak import run_trial
 from infermux.runtime.session import start_runtime
 
 RULES = ("queue_delay", "deadline")
@@ -65,13 +66,13 @@ def _one(rt: Any, rule: str, settings: dict[str, Any], shares: dict[str, float],
          bound: float) -> dict[str, Any]:
     rt.set_batching(rule)
     records: list[dict[str, Any]] = []
-    _, offline = rt.run_trial({**settings, "scenario": "offline"}, shares)
+    offline = run_trial(rt, {**settings, "scenario": "offline"}, shares).record
     records.append(_brief(offline))
     upper = offline.get("items_per_s") or 0.0
 
     def server(rate: float) -> Any:
-        result, record = rt.run_trial({**settings, "scenario": "server", "rate_qps": rate},
-                                      shares)
+        run = run_trial(rt, {**settings, "scenario": "server", "rate_qps": rate}, shares)
+        result, record = run.result, run.record
         records.append(_brief(record))
         return result
 

@@ -64,9 +64,9 @@ def test_run_across_two_nodes_stored_by_node(cluster, tmp_path) -> None:
     assert rec["failed"] == 0 and rec["unfinished"] == 0 and rec["completed"] > 0
     rows = {n["node"]: n for n in rec["nodes"]}
     assert set(rows) == {"a", "b"}
-    assert all(r["status"] == "ok" and r["completed_samples"] > 0 for r in rows.values())
+    assert all(r["status"] == "ok" and r["completed_items"] > 0 for r in rows.values())
     # Every completed sample is credited to one node, and the nodes ran on distinct Ray nodes.
-    assert sum(r["completed_samples"] for r in rows.values()) == rec["completed_samples"]
+    assert sum(r["completed_items"] for r in rows.values()) == rec["completed_items"]
     assert rows["a"]["node_id"] != rows["b"]["node_id"]
     assert rows["a"]["cores"] != [] and rows["a"]["pid"] != rows["b"]["pid"]
     # Nodes get whole batches (pieces of half a batch made half batches), and the driver
@@ -127,7 +127,7 @@ def test_find_peak_searches_the_cluster_s_highest_rate_within_the_bound(cluster,
     assert best["latency"]["p99_ms"] <= 250
     # Each trial starts from empty nodes: its per-node counts are its own.
     for t in report.trials[1:]:  # server queries are of one sample
-        assert sum(n["completed_samples"] for n in t["nodes"]) == t["completed"]
+        assert sum(n["completed_items"] for n in t["nodes"]) == t["completed"]
     rows = store.connection.execute(
         "SELECT COUNT(DISTINCT trial) FROM cluster_nodes WHERE run_id = ?",
         (report.run_id,)).fetchone()[0]
@@ -174,7 +174,7 @@ def test_a_node_that_joins_mid_run_is_used_once_it_has_measured_itself(cluster) 
     events = [e for e in rec["cluster_events"] if e["event"] == "node_joined"]
     assert [e["node_id"] for e in events] == [new_id] and events[0]["start_s"] > 0
     # ... and then took its share of the load, with nothing lost.
-    assert joined["completed_samples"] > 0, rec["nodes"]
+    assert joined["completed_items"] > 0, rec["nodes"]
     assert rec["failed"] == 0 and rec["unfinished"] == 0
     assert all(n["joined_at_s"] is None for i, n in rows.items() if i != new_id)
     bin_s = rec["node_timeline"]["bin_s"]
@@ -206,7 +206,7 @@ def test_a_node_killed_mid_run_loses_no_query(cluster) -> None:
     assert rows["a"]["status"] == "ok"
     lost = [e for e in rec["cluster_events"] if e["event"] == "node_lost"]
     assert len(lost) == 1 and lost[0]["node"] == "b"
-    assert lost[0]["rerouted_samples"] == lost[0]["held_samples"]
+    assert lost[0]["rerouted_items"] == lost[0]["held_items"]
     # The gap shows: after the loss only node a completes samples.
     lost_at = rows["b"]["lost_at_s"]
     bin_s = rec["node_timeline"]["bin_s"]

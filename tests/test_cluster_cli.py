@@ -42,6 +42,6 @@ def test_a_local_plan_runs_on_every_node_of_a_local_cluster(tmp_path, db) -> Non
     assert data["status"] == "complete"
     nodes = data["result"]["nodes"]
     assert sorted(n["node"] for n in nodes) == ["node-0", "node-1"]
-    assert all(n["status"] == "ok" and n["completed_samples"] > 0 for n in nodes)
+    assert all(n["status"] == "ok" and n["completed_items"] > 0 for n in nodes)
     assert data["result"]["failed"] == 0 and data["result"]["unfinished"] == 0
     assert data["run_id"] is not None

@@ -46,7 +46,7 @@ def _ray_node(i: int, *resources: str) -> dict:
 
 
 def test_nodes_are_claimed_in_order_and_count_all_may_wait_for_nodes_to_join() -> None:
-    from infermux.cluster.driver import resolve_nodes
+    from infermux.cluster.nodes import resolve_nodes
 
     nodes = [_ray_node(0, "box-a"), _ray_node(1, "box-b"), _ray_node(2, "box-b")]
     plan = parse_cluster_plan({"nodes": [
@@ -94,7 +94,7 @@ def test_simulation_matches_capacity_when_the_driver_is_free() -> None:
     assert mixed.per_kind["four"] > 3 * mixed.per_kind["k"]
     # Deterministic for a seed.
     again = simulate([kind], [1], duration_s=4, driver=DriverCost(0, 0, 0))
-    assert again.completed_samples == one.completed_samples
+    assert again.completed_items == one.completed_items
 
 
 def test_simulation_shows_the_driver_saturating_and_latency_growing_with_load() -> None:

@@ -193,14 +193,14 @@ def test_serve_cluster_answers_as_the_network_does(net_file: Path) -> None:
     nodes = stopped["nodes"]
     assert all(n["status"] == "ok" for n in nodes)
     # The poisoned inputs were each run once, on one node, and failed there alone.
-    assert sum(n["rejected_samples"] for n in nodes) == 2
+    assert sum(n["rejected_items"] for n in nodes) == 2
     # Every other item was answered by one node (the server's probe of the outputs included);
     # node-0's lost device failed some, and node-1 answered them.
     by_name = {n["node"]: n for n in nodes}
-    assert by_name["node-0"]["failed_samples"] > 0, nodes
-    assert by_name["node-1"]["failed_samples"] == 0, nodes
-    assert by_name["node-0"]["rerouted_samples"] == 0, nodes  # failed by its device, not lost
-    assert sum(n["completed_samples"] for n in nodes) == sum(sent) + 3 + 2 + 1 + 16 * 4, nodes
+    assert by_name["node-0"]["failed_items"] > 0, nodes
+    assert by_name["node-1"]["failed_items"] == 0, nodes
+    assert by_name["node-0"]["rerouted_items"] == 0, nodes  # failed by its device, not lost
+    assert sum(n["completed_items"] for n in nodes) == sum(sent) + 3 + 2 + 1 + 16 * 4, nodes
 
 
 def test_a_node_lost_mid_serve_leaves_no_request_unanswered(net_file: Path) -> None:
@@ -274,7 +274,7 @@ def test_a_node_lost_mid_serve_leaves_no_request_unanswered(net_file: Path) -> N
         lost = [e for e in runtime.sut.events if e["event"] == "node_lost"]
         assert len(lost) == 1 and lost[0]["node"] == "b"
         # What it held (six clients keep both nodes busy) went to node a.
-        assert lost[0]["rerouted_samples"] == lost[0]["held_samples"] > 0
+        assert lost[0]["rerouted_items"] == lost[0]["held_items"] > 0
         client_http = thttp.InferenceServerClient(url)
         assert client_http.is_model_ready("net")
         # With no node left the model is not ready, and a request is an error at once.

@@ -15,7 +15,9 @@ from infermux.engines.base import BatchTiming, Runner
 from infermux.errors import RunError
 from infermux.load.base import Query
 from infermux.runtime import Dispatcher, LatencyEstimate, WorkerState, parse_plan, run_plan
-from infermux.runtime.session import _Runtime
+from infermux.runtime.api import LocalRuntime
+from infermux.runtime.local import _Runtime
+from infermux.runtime.peak import run_trial
 from infermux.runtime.worker import ProcessHost, RunnerSpec, Worker
 
 from .conftest import TINY, needs_two_cores, run_cli
@@ -48,7 +50,8 @@ def test_what_an_earlier_trial_left_queued_is_never_served_into_the_next():
         timer.start()
         settings = {**rt.plan.load.model_dump(mode="json"), "scenario": "server",
                     "rate_qps": 100.0, "min_duration_s": 0.6}
-        result, record = rt.run_trial(settings, {"tiny": 1.0}, None)
+        run = run_trial(LocalRuntime(rt), settings, {"tiny": 1.0})
+        result, record = run.result, run.record
         timer.join()
     finally:
         rt.shutdown(now=False)
@@ -56,7 +59,7 @@ def test_what_an_earlier_trial_left_queued_is_never_served_into_the_next():
     counts = result.counts()
     assert counts["unfinished"] == 0 and counts["failed"] == 0
     # Every batch served in the trial was the trial's own: nothing stale was credited.
-    assert served == counts["completed_samples"] == record["completed_samples"]
+    assert served == counts["completed_items"] == record["completed_items"]
     assert record["dropped_from_earlier_trial"] == 50
     # Each query completed after its own arrival, never before it.
     assert min(result.latencies_ns()) > 0

@@ -89,7 +89,7 @@ def test_offline_keeps_a_bounded_backlog_and_meets_the_rule():
     res = LoadGenerator(settings(), {"m": 1.0}).run(sut, {"m": 16})
     valid, notes = res.validity()
     assert valid, notes
-    assert res.duration_s >= 0.2 and res.counts()["completed_samples"] >= 50
+    assert res.duration_s >= 0.2 and res.counts()["completed_items"] >= 50
     assert sut.max_outstanding <= 16  # max(16, 2 × capacity)
     assert all(0 <= s < 16 for q in sut.issued for s in q.samples)
 

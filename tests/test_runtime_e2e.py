@@ -60,7 +60,7 @@ def test_two_models_on_two_core_sets_in_worker_processes(tmp_path):
     issued = db.execute("SELECT COUNT(*) FROM run_queries WHERE latency_ns > 0").fetchone()[0]
     assert issued == rec["completed"]
     items = db.execute("SELECT SUM(size) FROM run_batches").fetchone()[0]
-    assert items == rec["completed_samples"]
+    assert items == rec["completed_items"]
     # the results table of the offline benchmark is untouched
     assert db.execute("SELECT COUNT(*) FROM results").fetchone()[0] == 0
 
@@ -181,7 +181,7 @@ def test_single_stream_and_multi_stream():
                           load={"scenario": "multi-stream", "samples_per_query": 8,
                                 "min_queries": 20, "min_duration_s": 0.3})).final
     assert multi["valid"] and multi["metric"] == "p99_ms"
-    assert multi["completed_samples"] == 8 * multi["completed"]
+    assert multi["completed_items"] == 8 * multi["completed"]
     assert "8" in multi["models"]["tiny"]["batch_histogram"]
 
 

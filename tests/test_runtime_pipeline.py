@@ -141,7 +141,7 @@ def test_partition_writes_a_plan_that_check_and_run_accept(tmp_path):
 
 
 def test_compiled_replica_compiles_only_its_largest_buckets():
-    from infermux.runtime.session import bucket_options
+    from infermux.runtime.layout import bucket_options
 
     plan = parse_plan({"models": [{"name": "r", "model": "resnet50", "replicas": [
         {"unit": "cuda:0/fp16", "batch": 64, "options": {"compile": "default"}}]}]})
@@ -151,8 +151,9 @@ def test_compiled_replica_compiles_only_its_largest_buckets():
     assert bucket_options(rep, 1) == {}
     assert rep.options == {"compile": "default"}  # the plan itself is untouched
     # A process-hosted worker's child builds from the same rule (its spec's buckets, a tuple).
+    from infermux.runtime.layout import layout_workers
+    from infermux.runtime.local import _Runtime
     from infermux.runtime.plan import options_for_bucket
-    from infermux.runtime.session import _Runtime, layout_workers
     from infermux.units import discover
 
     cpu = parse_plan({"models": [{"name": "r", "model": "resnet50", "replicas": [

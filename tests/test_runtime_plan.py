@@ -8,7 +8,7 @@ import yaml
 
 from infermux.errors import UsageError
 from infermux.runtime import EXAMPLE_PLAN, load_plan, parse_plan
-from infermux.runtime.session import layout_workers
+from infermux.runtime.layout import layout_workers
 from infermux.units import discover
 
 

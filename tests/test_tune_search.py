@@ -26,7 +26,7 @@ from infermux.tune import (
     build_space,
     pareto_front,
 )
-from infermux.tune.search import COMPILE_PRIOR_S
+from infermux.tune.budget import COMPILE_PRIOR_S
 from infermux.tune.space import overlapping_units
 from infermux.units import Unit
 
@@ -354,14 +354,14 @@ def test_the_first_compile_trial_is_expected_to_cost_a_build():
     t = Tuner(compile_space(), ev, None, TuneSettings(budget_s=600.0), clock=clock)
     t.trials.append(Trial(Candidate.of(Config.make("m", "cuda:0/fp16", "torch", 8)), "engine",
                           "ok", 100.0, cost_s=2.0))
-    assert t._expected_s("engine") == 2.0
-    assert t._expected_s("engine", compiled=True) == COMPILE_PRIOR_S
+    assert t.budget.expected_s("engine") == 2.0
+    assert t.budget.expected_s("engine", compiled=True) == COMPILE_PRIOR_S
     compiled = Candidate.of(Config.make("m", "cuda:0/fp16", "torch", 8,
                                         options={"compile": "default"}))
     t.trials.append(Trial(compiled, "engine", "ok", 130.0, cost_s=55.0))
     # Measured compile builds set the expectation of the next, and leave the others' alone.
-    assert t._expected_s("engine", compiled=True) == 55.0
-    assert t._expected_s("engine") == 2.0
+    assert t.budget.expected_s("engine", compiled=True) == 55.0
+    assert t.budget.expected_s("engine") == 2.0
 
 
 def test_build_space_puts_compile_on_gpus_not_cpus():
@@ -413,12 +413,12 @@ def test_a_slow_building_engine_does_not_make_the_others_look_slow():
     t.trials.append(Trial(ort, "engine", "ok", 1000.0, cost_s=2.1, build_s=0.5))
     t.trials.append(Trial(lite, "engine", "ok", 1000.0, cost_s=17.0, build_s=15.4))
     # Each engine expects what its own trials cost; an engine not measured yet, the mean.
-    assert t._expected_s("engine", engines=ort.engines) == 2.1
-    assert t._expected_s("engine", engines=lite.engines) == 17.0
-    assert t._expected_s("engine", engines=frozenset({"openvino"})) == pytest.approx(9.55)
+    assert t.budget.expected_s("engine", engines=ort.engines) == 2.1
+    assert t.budget.expected_s("engine", engines=lite.engines) == 17.0
+    assert t.budget.expected_s("engine", engines=frozenset({"openvino"})) == pytest.approx(9.55)
     # Through the runtime the build is paid once, the measuring three times over.
-    assert t._expected_s("runtime", engines=lite.engines) == pytest.approx(15.4 + 3 * 1.6)
-    assert t._expected_s("runtime", engines=ort.engines) == pytest.approx(0.5 + 3 * 1.6)
+    assert t.budget.expected_s("runtime", engines=lite.engines) == pytest.approx(15.4 + 3 * 1.6)
+    assert t.budget.expected_s("runtime", engines=ort.engines) == pytest.approx(0.5 + 3 * 1.6)
 
 
 def test_a_short_budget_screens_every_engine_and_climbs_the_quick_ones():

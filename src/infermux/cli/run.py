@@ -194,9 +194,9 @@ def _run_cluster(plan_file: str, address: str, overrides: dict[str, object], db:
             for e in record.get("cluster_events", []):
                 if e["event"] == "node_lost":
                     out.print(f"[yellow]node {escape(str(e['node']))} lost[/] at {e['t_s']:.2f} "
-                              f"s ({escape(str(e.get('reason')))}): {e['held_samples']} samples "
-                              f"held, {e['rerouted_samples']} retried on other nodes, "
-                              f"{e['failed_samples']} failed", highlight=False)
+                              f"s ({escape(str(e.get('reason')))}): {e['held_items']} items "
+                              f"held, {e['rerouted_items']} retried on other nodes, "
+                              f"{e['failed_items']} failed", highlight=False)
                 elif e["event"] == "node_joined":
                     rates = ", ".join(f"{m} {r:.0f}/s" for m, r in e["rate_at_start"].items())
                     out.print(f"node {escape(str(e['node']))} joined at {e['t_s']:.2f} s, used "
@@ -223,7 +223,7 @@ def _nodes_table(record: dict[str, Any]) -> Table:
         table.add_column(col)
     for n in record.get("nodes", []):
         table.add_row(escape(str(n["node"])), str(n["address"]), str(n["status"]),
-                      str(n["completed_samples"]), f"{n['share']:.0%}", num(n["items_per_s"]),
+                      str(n["completed_items"]), f"{n['share']:.0%}", num(n["items_per_s"]),
                       num(n.get("joined_at_s"), 2), num(n["lost_at_s"], 2),
-                      str(n["rerouted_samples"]))
+                      str(n["rerouted_items"]))
     return table

@@ -11,7 +11,7 @@ Ray is optional (`pip install 'infermux[cluster]'`) and imported only when a clu
 """
 
 from infermux.cluster.connect import ClusterHandle, open_cluster, parse_address
-from infermux.cluster.driver import ClusterReport, ClusterSUT, run_cluster
+from infermux.cluster.driver import ClusterReport, run_cluster
 from infermux.cluster.plan import (
     EXAMPLE_CLUSTER_PLAN,
     ClusterPlan,
@@ -20,6 +20,7 @@ from infermux.cluster.plan import (
     load_cluster_plan,
     parse_cluster_plan,
 )
+from infermux.cluster.router import ClusterSUT
 
 __all__ = [
     "EXAMPLE_CLUSTER_PLAN",

@@ -93,7 +93,7 @@ class ClusterHandle:
         """Start one more node in a local cluster (resource `infermux-local-I`, and `resources`).
 
         What a machine joining a real cluster is: a plan entry with `count: all` that matches
-        it takes it while the plan runs (`cluster.driver.NodeWatcher`). Its id is returned.
+        it takes it while the plan runs (`cluster.nodes.NodeWatcher`). Its id is returned.
         Ray starts the node's processes with signal handlers: call it from the main thread.
         """
         if self.local is None:

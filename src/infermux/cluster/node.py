@@ -40,9 +40,9 @@ class NodeRuntime:
         self.rt: LocalRuntime | None = None
         self._cond = threading.Condition()
         self._done: dict[tuple[int, bool], int] = defaultdict(int)
-        self._completed_samples = 0
-        self._failed_samples = 0
-        self._submitted_samples = 0
+        self._completed_items = 0
+        self._failed_items = 0
+        self._submitted_items = 0
         #: The earliest completion not yet polled (how long answers wait to reach the driver).
         self._first_done_ns = 0
         #: Serving: output rows not yet polled, as (query id, sample indices, arrays), and the
@@ -176,7 +176,7 @@ class NodeRuntime:
         dropped = self._rt().begin_trial()
         with self._cond:
             self._done.clear()
-            self._completed_samples = self._failed_samples = self._submitted_samples = 0
+            self._completed_items = self._failed_items = self._submitted_items = 0
             self._rejected.clear()
         return int(dropped)
 
@@ -191,7 +191,7 @@ class NodeRuntime:
         self._rt().submit([Query(p[0], p[1], tuple(p[2]), p[3] if len(p) > 3 else None)
                                    for p in queries])
         with self._cond:
-            self._submitted_samples += sum(len(p[2]) for p in queries)
+            self._submitted_items += sum(len(p[2]) for p in queries)
         return time.perf_counter_ns()
 
     def end(self) -> None:
@@ -211,7 +211,7 @@ class NodeRuntime:
             if not self._outputs and not self._done:
                 self._first_done_ns = time.perf_counter_ns()
             self._outputs.extend(got)
-            self._completed_samples += len(batch.items)
+            self._completed_items += len(batch.items)
             self._cond.notify_all()
 
     def _on_batch(self, w: WorkerState, batch: Batch, start_ns: int, end_ns: int, timing: Any) -> None:
@@ -238,9 +238,9 @@ class NodeRuntime:
             for qid, n in done:
                 self._done[(qid, ok)] += n
                 if ok:
-                    self._completed_samples += n
+                    self._completed_items += n
                 else:
-                    self._failed_samples += n
+                    self._failed_items += n
             self._cond.notify_all()
 
     def poll(self, wait_s: float, low_water: int = 0) -> dict[str, Any]:
@@ -267,8 +267,8 @@ class NodeRuntime:
             held_from = time.perf_counter_ns()
             while (low_water and self._done and not self._outputs
                    and all(ok for _, ok in self._done)
-                   and self._submitted_samples - self._completed_samples
-                   - self._failed_samples >= low_water):
+                   and self._submitted_items - self._completed_items
+                   - self._failed_items >= low_water):
                 left = deadline - time.perf_counter_ns()
                 if left <= 0:
                     break
@@ -281,8 +281,8 @@ class NodeRuntime:
             rejected, self._rejected = self._rejected, []
             first = self._first_done_ns if done or outputs else 0
             self._done.clear()
-            totals = {"completed": self._completed_samples, "failed": self._failed_samples,
-                      "submitted": self._submitted_samples}
+            totals = {"completed": self._completed_items, "failed": self._failed_items,
+                      "submitted": self._submitted_items}
         rt = self._rt()
         queued = rt.stats().queued_items
         states = list(rt.workers())

@@ -130,7 +130,7 @@ class SimResult:
     nodes: int
     scenario: str
     duration_s: float
-    completed_samples: int
+    completed_items: int
     items_per_s: float
     p50_ms: float | None
     p99_ms: float | None

@@ -102,7 +102,7 @@ class ScenarioResult:
             elif c:
                 failed += 1
         return {"issued": issued, "completed": completed, "failed": failed,
-                "unfinished": issued - completed - failed, "completed_samples": samples}
+                "unfinished": issued - completed - failed, "completed_items": samples}
 
     def validity(self) -> tuple[bool, list[str]]:
         """LoadGen's rules: duration, query count, no failures, and the server's p99 bound."""
@@ -115,7 +115,7 @@ class ScenarioResult:
             notes.append(f"stopped at max_duration_s {s.get('max_duration_s')}")
         if self.duration_s < s["min_duration_s"]:
             notes.append(f"ran {self.duration_s:.2f}s < min_duration_s {s['min_duration_s']:g}")
-        done = counts["completed_samples"] if self.scenario == "offline" else counts["completed"]
+        done = counts["completed_items"] if self.scenario == "offline" else counts["completed"]
         unit = "samples" if self.scenario == "offline" else "queries"
         if done < s["min_queries"]:
             notes.append(f"{done} {unit} < min_queries {s['min_queries']}")
@@ -141,7 +141,7 @@ class ScenarioResult:
             "scenario": self.scenario, "valid": valid, "validity_notes": notes,
             "duration_s": dur, **counts,
             "throughput_qps": counts["completed"] / dur if dur else None,
-            "items_per_s": counts["completed_samples"] / dur if dur else None,
+            "items_per_s": counts["completed_items"] / dur if dur else None,
             "latency": self.summary_latency(),
             "interrupted": self.interrupted,
         }

@@ -290,7 +290,7 @@ def measure_plan(plan: ModelEntry, *, duration_s: float,
             worker.error or "the pipeline failed")
     record = summary.record
     return CandidateMeasurement(
-        items=summary.completed_samples, window_s=float(record.get("duration_s") or 0.0),
+        items=summary.completed_items, window_s=float(record.get("duration_s") or 0.0),
         items_per_s=summary.items_per_s or 0.0, valid=summary.valid,
         validity_notes=summary.validity_notes,
         stage_busy=[float(st.get("busy") or 0.0) for st in summary.pipelines.get(plan.name, [])],

@@ -4,9 +4,11 @@
 (`infermux.load`) through the dispatcher and returns (and stores) what it measured.
 `start_runtime(plan)` builds and starts one with no load attached: a `Runtime` (the protocol
 every front drives: submit, subscribe to outputs and completions, readiness, statistics, stop).
+`runtime.peak` runs trials and peak searches on any `TrialRuntime` (this machine's or a
+cluster's).
 """
 
-from infermux.runtime.api import LocalRuntime, Runtime, RuntimeStats, Subscription
+from infermux.runtime.api import LocalRuntime, Runtime, RuntimeStats, Subscription, TrialRuntime
 from infermux.runtime.dispatcher import Batch, Dispatcher, Item, WorkerState, batch_ready
 from infermux.runtime.placement import LatencyEstimate, rebalance, slo_take
 from infermux.runtime.plan import EXAMPLE_PLAN, Plan, load_plan, parse_plan
@@ -24,6 +26,7 @@ __all__ = [
     "Runtime",
     "RuntimeStats",
     "Subscription",
+    "TrialRuntime",
     "WorkerState",
     "batch_ready",
     "load_plan",

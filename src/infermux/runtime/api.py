@@ -4,7 +4,7 @@
 to get outputs back), subscribe to outputs per batch, to completions per query and to batch
 statistics, read readiness and counters, and stop (draining what is queued, or not). Two
 implementations exist: `LocalRuntime` (this machine's workers, from `start_runtime`) and
-`infermux.cluster.serve.ClusterRuntime` (the nodes of a Ray cluster); mypy checks both
+`infermux.cluster.runtime.ClusterRuntime` (the nodes of a Ray cluster); mypy checks both
 against the protocol.
 
 Subscriptions replace the dispatcher's single hooks: the runtime installs its own hooks once
@@ -26,12 +26,12 @@ from infermux.runtime.dispatcher import Batch, WorkerState
 
 if TYPE_CHECKING:
     from infermux.load.scenarios import ScenarioResult
+    from infermux.runtime.local import _Runtime
     from infermux.runtime.metrics import BatchRecord
     from infermux.runtime.plan import Plan
-    from infermux.runtime.session import _Runtime
 
 __all__ = ["BatchFn", "FailureFn", "LocalRuntime", "OutputsFn", "RejectionFn", "Runtime", "RuntimeStats",
-           "Subscription", "SubscriptionHub", "TrialCounts"]
+           "Subscription", "SubscriptionHub", "TrialCounts", "TrialRuntime"]
 
 #: A batch's output rows: (the batch, one array per model output, a row per item).
 OutputsFn = Callable[[Batch, list[np.ndarray]], None]
@@ -63,6 +63,8 @@ class TrialCounts:
     events: list[dict[str, Any]]
     retried_items: int
     failed_items: int
+    #: Every worker's state at the trial's end (what the summary's per-worker rows read).
+    workers: list[WorkerState] = field(default_factory=list)
 
 
 class Subscription:
@@ -196,11 +198,52 @@ class Runtime(Protocol):
         ...
 
 
+class TrialRuntime(Runtime, Protocol):
+    """A runtime a load generator's trials run on (`runtime.peak`): the front's face and trials.
+
+    A trial begins from empty queues and zeroed counters, its load generator submits through
+    `submit` and hears completions through `subscribe`, `end` flushes partial batches once no
+    more queries come, and `end_trial` hands back what the summary needs.
+    """
+
+    @property
+    def trial(self) -> int:
+        """The current trial's number (each `begin_trial` counts one)."""
+        ...
+
+    def begin_trial(self, settings: dict[str, Any] | None = None) -> int:
+        """Empty the queues and counters for a trial of `settings`; the items dropped.
+
+        `settings` is the trial's `load:` section (a runtime that routes by scenario reads it).
+        """
+        ...
+
+    def capacity_items(self, model: str) -> int:
+        """Items the live workers of `model` hold at once (the offline generator's backlog)."""
+        ...
+
+    def sample_counts(self) -> dict[str, int]:
+        """Samples in each model's sample library (what queries index)."""
+        ...
+
+    def end(self) -> None:
+        """No more queries this trial: partial batches go at once."""
+        ...
+
+    def end_trial(self) -> TrialCounts:
+        """The trial is over: its batch records, events, counters and workers."""
+        ...
+
+    def trial_details(self, result: ScenarioResult, record: dict[str, Any]) -> None:
+        """Add what this runtime alone knows of the trial to its summarised `record`."""
+        ...
+
+
 class LocalRuntime:
     """The runtime of this machine (built and started by `start_runtime`), as a `Runtime`.
 
-    Besides the protocol it offers what a load generator's trial and the supervisor need:
-    `begin_trial`/`end`/`trial_counts`, and the restart controls.
+    Besides the front's protocol it is a `TrialRuntime` (what a load generator's trial needs)
+    and offers the supervisor's restart controls.
     """
 
     def __init__(self, rt: _Runtime, *, record_batches: bool = True) -> None:
@@ -289,33 +332,63 @@ class LocalRuntime:
         with self._d.cond:
             self._d.batching = rule
 
-    # -- a load generator's trial -----------------------------------------------------------
+    # -- a load generator's trial (`TrialRuntime`) ------------------------------------------
 
-    def begin_trial(self) -> int:
+    @property
+    def trial(self) -> int:
+        """The current trial's number."""
+        return self._d.trial
+
+    def begin_trial(self, settings: dict[str, Any] | None = None) -> int:
         """Empty the queues, counters and batch records for a new trial; the items dropped."""
         dropped = self._d.begin_trial()
         self._rt.recorder.reset()
+        for pipe in self._rt.pipelines:
+            pipe.begin_window()
         return dropped
+
+    def capacity_items(self, model: str) -> int:
+        """Items the live workers of `model` can hold at once.
+
+        A model batched by length (`Dispatcher.group_of`) counts one such holding per length
+        bucket: batches take one bucket's items, so the offline backlog holds enough for each
+        bucket's batches to fill.
+        """
+        groups = len(self._rt.qsl[model].seq_lengths) if model in self._d.group_of else 1
+        return groups * sum(w.batch * w.depth for w in self._d.workers.values()
+                            if w.alive and (w.model == model or model in w.serves))
+
+    def sample_counts(self) -> dict[str, int]:
+        """Samples in each model's sample library."""
+        return {m: q.count for m, q in self._rt.qsl.items()}
 
     def end(self) -> None:
         """No more queries this trial: partial batches go at once."""
         self._d.end()
 
-    def run_trial(self, settings: dict[str, Any], shares: dict[str, float],
-                  ) -> tuple[ScenarioResult, dict[str, Any]]:
-        """One trial of a load generator on the built workers; (the result, its record).
+    def end_trial(self) -> TrialCounts:
+        """The trial's counts (its workers keep running for the next one)."""
+        return self.trial_counts()
 
-        `settings` is a `load:` section: what `run_plan` runs per trial, for a caller that
-        compares settings (the batching rule, say) on one build.
-        """
-        return self._rt.run_trial(settings, shares, None)
+    def trial_details(self, result: ScenarioResult, record: dict[str, Any]) -> None:
+        """Each pipeline's stage figures; a pipeline worker's utilisation is its busiest stage."""
+        pipelines = self._rt.pipelines
+        if not pipelines:
+            return
+        record["pipelines"] = {p.state.model: p.stage_stats() for p in pipelines}
+        for pipe in pipelines:
+            row = record.get("workers", {}).get(pipe.state.name)
+            if row is not None:
+                # Batches overlap in a pipeline: its busiest stage is its utilisation.
+                row["utilisation"] = max((st["busy"] for st in record["pipelines"][
+                    pipe.state.model]), default=None)
 
     def trial_counts(self) -> TrialCounts:
         """The trial's batch records, dispatcher events and retried/failed items."""
         d = self._d
         with d.cond:
             return TrialCounts(list(self._rt.recorder.records), [dict(e) for e in d.events],
-                               d.retried, d.failed_items)
+                               d.retried, d.failed_items, list(self._rt.states))
 
     # -- the supervisor's controls ----------------------------------------------------------
 
@@ -366,4 +439,4 @@ class LocalRuntime:
 
 if TYPE_CHECKING:
     # mypy checks that this machine's runtime is a `Runtime` every front can drive.
-    _IS_RUNTIME: type[Runtime] = LocalRuntime
+    _IS_RUNTIME: type[TrialRuntime] = LocalRuntime

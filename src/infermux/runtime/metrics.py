@@ -30,7 +30,8 @@ from infermux.load.scenarios import ScenarioResult
 from infermux.runtime.dispatcher import Batch, WorkerState
 from infermux.stats import latency_summary_ms
 
-__all__ = ["BatchRecord", "ModelSummary", "Recorder", "TrialSummary", "WorkerSummary", "summarise"]
+__all__ = ["BatchRecord", "ModelSummary", "Recorder", "TrialSummary", "WorkerSummary", "completed_items",
+           "summarise"]
 
 #: How a worker ended a trial: serving, out of device memory, or failed otherwise.
 WorkerStatus = Literal["ok", "oom", "failed"]
@@ -66,19 +67,30 @@ class WorkerSummary:
                    rec.get("items_per_s"), (rec.get("batch_latency") or {}).get("p99_ms"))
 
 
+def completed_items(rec: dict[str, Any]) -> int:
+    """Items a trial record (or one model's entry) completed.
+
+    Records stored before the key was named for items call it `completed_samples`.
+    """
+    n = rec.get("completed_items")
+    if n is None:
+        n = rec.get("completed_samples")
+    return int(n or 0)
+
+
 @dataclass(frozen=True)
 class ModelSummary:
     """One model's figures in a trial."""
 
     model: str
-    completed_samples: int
+    completed_items: int
     items_per_s: float | None
     p99_ms: float | None
 
     @classmethod
     def from_record(cls, name: str, rec: dict[str, Any]) -> ModelSummary:
         """The typed view of one entry of a trial record's `models`."""
-        return cls(name, int(rec.get("completed_samples") or 0),
+        return cls(name, completed_items(rec),
                    rec.get("items_per_s"), (rec.get("latency") or {}).get("p99_ms"))
 
 
@@ -90,7 +102,7 @@ class TrialSummary:
     valid: bool
     validity_notes: list[str]
     items_per_s: float | None
-    completed_samples: int
+    completed_items: int
     models: dict[str, ModelSummary]
     workers: dict[str, WorkerSummary]
     #: A pipeline model's stage figures, by model.
@@ -120,7 +132,7 @@ class TrialSummary:
         return cls(
             str(rec.get("scenario") or ""), bool(rec.get("valid")),
             list(rec.get("validity_notes") or []), rec.get("items_per_s"),
-            int(rec.get("completed_samples") or 0),
+            completed_items(rec),
             {n: ModelSummary.from_record(n, m) for n, m in (rec.get("models") or {}).items()},
             {n: WorkerSummary.from_record(w) for n, w in (rec.get("workers") or {}).items()},
             dict(rec.get("pipelines") or {}), rec)
@@ -231,9 +243,9 @@ def summarise(
         models[name] = {
             "model": name,
             **{k: base[k] for k in ("issued", "completed", "failed", "unfinished",
-                                    "completed_samples")},
+                                    "completed_items")},
             "throughput_qps": base["completed"] / duration if duration else None,
-            "items_per_s": base["completed_samples"] / duration if duration else None,
+            "items_per_s": base["completed_items"] / duration if duration else None,
             "latency": base["latency"],
             "phases": _phases(recs),
             "batch_histogram": _histogram(recs),

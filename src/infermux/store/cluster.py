@@ -35,13 +35,17 @@ CREATE INDEX IF NOT EXISTS cluster_nodes_by_run ON cluster_nodes(run_id);
 """
 
     def add_cluster_nodes(self, run_id: int, trial: int, nodes: Sequence[dict[str, Any]]) -> None:
-        """Store each node's figures of one trial."""
+        """Store each node's figures of one trial.
+
+        The columns keep their first names (`*_samples`, as databases written before hold
+        them); they hold the node rows' `completed_items`, `rerouted_items`, `failed_items`.
+        """
         with self._tx() as db:
             db.executemany(
                 "INSERT INTO cluster_nodes(run_id, trial, node, entry, node_id, address, status, "
                 "completed_samples, share, items_per_s, lost_at_s, rerouted_samples, "
                 "failed_samples, record_json) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 [(run_id, trial, n["node"], n["entry"], n["node_id"], n["address"], n["status"],
-                  n["completed_samples"], n["share"], n["items_per_s"], n["lost_at_s"],
-                  n["rerouted_samples"], n["failed_samples"], json.dumps(n, default=str))
+                  n["completed_items"], n["share"], n["items_per_s"], n["lost_at_s"],
+                  n["rerouted_items"], n["failed_items"], json.dumps(n, default=str))
                  for n in nodes])

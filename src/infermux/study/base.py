@@ -430,7 +430,7 @@ def _measure(config: StudyConfig, point: Point, i: int, duration_s: float,
         point.sub_run_id = report.run_id
         point.figures = _figures(report, point.params.get("units") or [])
         if point.figures.get("scenario") == "offline":
-            completed = int(((report.final or {}).get("completed_samples")) or 0)
+            completed = int(((report.final or {}).get("completed_items")) or 0)
             point.figures.update(_energy(sampler, devices, marks.get("t0"), t1, completed))
         if report.status == "interrupted":
             point.status, point.error = "interrupted", "interrupted by the user"

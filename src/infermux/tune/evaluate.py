@@ -453,13 +453,13 @@ class LiveEvaluator:
                       max((c for c in batch_p99 if c is not None), default=None),
                       per_unit=per_unit,
                       error=error or ("; ".join(summary.validity_notes) or None),
-                      record={k: rec.get(k) for k in ("duration_s", "completed_samples",
+                      record={k: rec.get(k) for k in ("duration_s", "completed_items",
                                                        "latency", "valid", "validity_notes")},
                       build_s=report.build.get("build_s"))
         if self._sampler is not None and "t0" in marks and trial.items_per_s:
             window = self._sampler.window(marks["t0"], t1)
             devices = sorted({self.units[u].telemetry_device for u in candidate.units})
-            energy = window.summary(devices).record(int(rec.get("completed_samples") or 0))
+            energy = window.summary(devices).record(int(rec.get("completed_items") or 0))
             trial.energy_per_item_j = energy.get("energy_per_item_j")
             trial.power_w = energy.get("mean_power_w")
         return trial

@@ -13,10 +13,11 @@
    engine and options of every config of the best plan, seeded with it, every trial measured,
    until the budget or the space near the optimum is exhausted.
 
-The budget is wall time: a trial starts only if its expected cost (the mean of past trials of
-its kind) fits in what is left, keeping back the cost of the final runtime check. Trials that
-build with torch.compile are a kind of their own (their build is most of their cost); one that
-does not fit is skipped and the search goes on without it.
+The budget is wall time (`tune.budget`): a trial starts only if its expected cost (the mean of
+past trials of its kind) fits in what is left, keeping back the cost of the final runtime
+check. Trials that build with torch.compile are a kind of their own (their build is most of
+their cost); one that does not fit is skipped and the search goes on without it. The
+fine-tuning lives in `tune.finetune`.
 """
 
 from __future__ import annotations
@@ -27,15 +28,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from infermux.tune.budget import Budget, BudgetSpentError, SkippedError
 from infermux.tune.evaluate import Constraints, Evaluator, Trial
+from infermux.tune.finetune import fine_tune
 from infermux.tune.space import Candidate, Config, Space
 
 __all__ = ["OBJECTIVES", "TuneResult", "TuneSettings", "Tuner", "pareto_front"]
 
 OBJECTIVES = ("throughput", "energy", "latency", "pareto")
-#: What the first torch.compile trial is expected to cost before one was measured: cold
-#: `default` builds of ResNet50 took 11-19 s on an H100 host (16 cores); later ones are timed.
-COMPILE_PRIOR_S = 20.0
 
 
 @dataclass(frozen=True)
@@ -128,14 +128,6 @@ def pareto_front(trials: list[Trial], *, with_energy: bool) -> list[Trial]:
     return sorted(front, key=lambda t: -(t.items_per_s or 0.0))
 
 
-class _BudgetSpentError(Exception):
-    pass
-
-
-class _SkippedError(Exception):
-    """An optional trial (a torch.compile build) that does not fit in what is left."""
-
-
 class Tuner:
     """Searches `space` through `evaluator` for the best plan under `constraints`.
 
@@ -160,65 +152,15 @@ class Tuner:
         self.progress = progress
         self.trials: list[Trial] = []
         self._cache: dict[str, Trial] = {}
-        self._start = 0.0
+        #: The wall-time budget over this search's trials (`tune.budget`).
+        self.budget = Budget(self.settings.budget_s, self.trials, clock)
         self._stopped = False
-        self._phase = "screen"
+        self.phase = "screen"
         self.phases: dict[str, int] = {}
         #: Candidates left unmeasured because their torch.compile build would not fit.
         self.skipped: list[str] = []
 
     # -- bookkeeping -----------------------------------------------------------------------------
-
-    def _left_s(self) -> float:
-        return self.settings.budget_s - (self.clock() - self._start)
-
-    def _past(self, method: str | None, compiled: bool,
-              engines: frozenset[str] | None = None) -> list[Trial]:
-        """Trials measured (not reused) this way; those of the same engines where there are."""
-        past = [t for t in self.trials if not t.reused and t.candidate.compiled == compiled
-                and (method is None or t.method == method)]
-        same = [t for t in past if t.candidate.engines == engines]
-        return same or past
-
-    def _costs(self, method: str | None, compiled: bool,
-               engines: frozenset[str] | None = None) -> list[float]:
-        return [t.cost_s for t in self._past(method, compiled, engines)]
-
-    def _expected_s(self, method: str, compiled: bool = False,
-                    engines: frozenset[str] | None = None) -> float:
-        """The expected cost of a trial: the mean of past ones measured the same way.
-
-        Trials that build with torch.compile are counted apart: their build is most of their
-        cost, and mixing them in would make every other trial look expensive. For the same
-        reason a trial of given `engines` expects what trials of those engines cost, once there
-        are any: a LiteRT build (a conversion, 15 s on two cores) is not what an ONNX Runtime
-        trial costs.
-        """
-        costs = self._costs(method, compiled, engines)
-        if costs:
-            return sum(costs) / len(costs)
-        if compiled:
-            # Compiled, but not yet measured this way: the build the other way took, on top of
-            # this way's own cost; before any compile, a cold build's.
-            other = "engine" if method == "runtime" else "runtime"
-            done = self._costs(other, True, engines)
-            if done:
-                build = sum(done) / len(done) - self._expected_s(other, engines=engines)
-                return max(0.0, build) + self._expected_s(method, engines=engines)
-            eager_costs = self._costs(None, False, engines)
-            base = sum(eager_costs) / len(eager_costs) if eager_costs else 0.0
-            return max(COMPILE_PRIOR_S, 3 * base) + (
-                self._expected_s(method, engines=engines) if method == "runtime" else 0.0)
-        # No trial of this kind yet. The runtime starts workers, so its measuring part is
-        # assumed to cost three times the in-process one; the build is paid once either way.
-        eager = self._past(None, False, engines)
-        if not eager:
-            return 0.0
-        base = sum(t.cost_s for t in eager) / len(eager)
-        if method != "runtime":
-            return base
-        build = min(base, sum(t.build_s or 0.0 for t in eager) / len(eager))
-        return build + 3 * (base - build)
 
     def _reserve_s(self) -> float:
         """Room to measure the chosen plan through the runtime, and one runner-up after it.
@@ -230,10 +172,10 @@ class Tuner:
             return 0.0
         best = max((t for t in self.trials if self.feasible(t)), key=self.score, default=None)
         engines = best.candidate.engines if best is not None else None
-        eager = self._expected_s("runtime", engines=engines)
+        eager = self.budget.expected_s("runtime", engines=engines)
         first = eager
         if best is not None and best.method != "runtime" and best.candidate.compiled:
-            first = self._expected_s("runtime", compiled=True, engines=engines)
+            first = self.budget.expected_s("runtime", compiled=True, engines=engines)
         return first + eager
 
     def _method(self, candidate: Candidate) -> str:
@@ -247,30 +189,30 @@ class Tuner:
         return not (unit.kind == "cpu" and config.instances > 1)
 
     def measure(self, candidate: Candidate, method: str = "auto") -> Trial:
-        """Measure (or recall) one candidate; raises _BudgetSpentError when it would not fit.
+        """Measure (or recall) one candidate; raises BudgetSpentError when it would not fit.
 
-        A torch.compile candidate that would not fit raises _SkippedError instead: the search
+        A torch.compile candidate that would not fit raises SkippedError instead: the search
         goes on with the trials that do.
         """
         used = self._method(candidate) if method == "auto" else method
         key = f"{used}|{candidate.key()}"
         if key in self._cache:
             return self._cache[key]
-        reserve = 0.0 if self._phase == "verify" else self._reserve_s()
+        reserve = 0.0 if self.phase == "verify" else self._reserve_s()
         compiled = candidate.compiled
-        if (self.trials and self._expected_s(used, compiled, candidate.engines)
-                > self._left_s() - reserve):
-            if compiled and self._phase != "verify":
+        if (self.trials and self.budget.expected_s(used, compiled, candidate.engines)
+                > self.budget.left_s() - reserve):
+            if compiled and self.phase != "verify":
                 self.skipped.append(candidate.label())
-                raise _SkippedError
+                raise SkippedError
             self._stopped = True
-            raise _BudgetSpentError
+            raise BudgetSpentError
         trial = self.evaluator.evaluate(candidate, used)
         self._cache[key] = trial
         self.trials.append(trial)
-        self.phases[self._phase] = self.phases.get(self._phase, 0) + 1
+        self.phases[self.phase] = self.phases.get(self.phase, 0) + 1
         if self.progress is not None:
-            self.progress(self._phase, {"trial": trial, "left_s": max(0.0, self._left_s()),
+            self.progress(self.phase, {"trial": trial, "left_s": max(0.0, self.budget.left_s()),
                                         "budget_s": self.settings.budget_s,
                                         "measured": len(self.trials)})
         return trial
@@ -291,7 +233,7 @@ class Tuner:
             return -(trial.p99_ms if trial.p99_ms is not None else math.inf)
         return trial.items_per_s or 0.0
 
-    def _better(self, new: Trial, old: Trial | None) -> bool:
+    def better(self, new: Trial, old: Trial | None) -> bool:
         """`new` beats `old` by at least min_gain (relative, in the objective's direction).
 
         Figures measured in different ways are not compared: the one measured in-process is
@@ -309,7 +251,7 @@ class Tuner:
     def _through_runtime(self, trial: Trial) -> Trial:
         return trial if trial.method == "runtime" else self.measure(trial.candidate, "runtime")
 
-    def _effective(self) -> list[Trial]:
+    def effective(self) -> list[Trial]:
         """One trial per candidate: its runtime measurement where there is one."""
         out: dict[str, Trial] = {}
         for t in self.trials:
@@ -322,7 +264,7 @@ class Tuner:
 
     def run(self) -> TuneResult:
         """Search within the budget and return the best plan found."""
-        self._start = self.clock()
+        self.budget.begin()
         solo_best: dict[str, Trial] = {}
         best: Candidate | None = None
         contention: list[dict[str, Any]] = []
@@ -332,17 +274,17 @@ class Tuner:
             if best is not None:
                 best, contention = self._combine(best, solo_best)
                 if self.settings.fine_tune:
-                    best = self._fine_tune(best, solo_best)
-        except (_BudgetSpentError, _SkippedError):
+                    best = fine_tune(self, best)
+        except (BudgetSpentError, SkippedError):
             # Units whose ladder the budget cut short: their best measured solo trial.
-            for t in sorted(self._effective(), key=self.score, reverse=True):
+            for t in sorted(self.effective(), key=self.score, reverse=True):
                 c = t.candidate.configs[0]
                 if t.candidate.solo and self.feasible(t):
                     solo_best.setdefault(f"{c.model}@{c.unit}", t)
-        self._phase = "verify"
+        self.phase = "verify"
         chosen = None
         for _ in range(4):
-            feasible = [t for t in self._effective() if self.feasible(t)]
+            feasible = [t for t in self.effective() if self.feasible(t)]
             chosen = max(feasible, key=self.score, default=None)
             if chosen is None or chosen.method == "runtime" or not self.settings.verify:
                 break
@@ -350,25 +292,25 @@ class Tuner:
             # choose again (another plan may be better through the runtime).
             try:
                 self.measure(chosen.candidate, "runtime")
-            except _BudgetSpentError:
+            except BudgetSpentError:
                 break
         if chosen is not None and chosen.method != "runtime":
             # The budget ended before the runtime confirmed it: a plan measured as it will run
             # beats a figure the runtime has not confirmed.
-            confirmed = [t for t in self._effective() if t.method == "runtime" and self.feasible(t)]
+            confirmed = [t for t in self.effective() if t.method == "runtime" and self.feasible(t)]
             if confirmed:
                 chosen = max(confirmed, key=self.score)
         verified = None
         if chosen is not None:
             verified = next((t for t in self.trials if t.method == "runtime"
                              and t.candidate.key() == chosen.candidate.key()), None)
-        feasible = [t for t in self._effective() if self.feasible(t)]
+        feasible = [t for t in self.effective() if self.feasible(t)]
         with_energy = bool(feasible) and all(t.energy_per_item_j is not None for t in feasible)
         return TuneResult(
             best=chosen, trials=list(self.trials),
             pareto=pareto_front(feasible, with_energy=with_energy), solo_best=solo_best,
             contention=contention, verified=verified, space=self.space.describe(),
-            elapsed_s=self.clock() - self._start, stopped_by_budget=self._stopped,
+            elapsed_s=self.budget.elapsed_s(), stopped_by_budget=self._stopped,
             phases=dict(self.phases), skipped=list(dict.fromkeys(self.skipped)))
 
     def _solo(self, out: dict[str, Trial]) -> dict[str, Trial]:
@@ -377,7 +319,7 @@ class Tuner:
         Fills `out` as each (model, unit) ends, so a budget that runs out midway still leaves
         the units finished so far for the explanation.
         """
-        self._phase = "screen"
+        self.phase = "screen"
         screened: dict[tuple[str, str], list[tuple[str, Trial]]] = {}
         for model in self.space.models:
             for us in self.space.units:
@@ -386,7 +328,7 @@ class Tuner:
                     cfg = Config.make(model, us.unit.id, engine, mid, 1)
                     screened.setdefault((model, us.unit.id), []).append(
                         (engine, self.measure(Candidate.of(cfg))))
-        self._phase = "ladder"
+        self.phase = "ladder"
         # The most promising units first: when the budget runs short, it is the weakest units'
         # ladders that go unclimbed (their screen figure stands for them).
         order = sorted(screened.items(), key=lambda kv: max(self.score(t) for _, t in kv[1]),
@@ -411,9 +353,9 @@ class Tuner:
                 if best_trial is None or self.score(trial) > self.score(best_trial):
                     best_trial = trial
             assert best_trial is not None
-            self._phase = "options"
+            self.phase = "options"
             best_trial = self._options_and_instances(best_trial)
-            self._phase = "ladder"
+            self.phase = "ladder"
             if self.score(best_trial) > -math.inf:
                 out[f"{model}@{unit_id}"] = best_trial
         return out
@@ -440,10 +382,10 @@ class Tuner:
             while 0 <= i + step < len(batches):
                 stride = 2 if steep and 0 <= i + 2 * step < len(batches) else 1
                 trial = self.measure(Candidate.of(start.with_(batch=batches[i + stride * step])))
-                if not self._better(trial, best) and stride == 2:
+                if not self.better(trial, best) and stride == 2:
                     stride = 1
                     trial = self.measure(Candidate.of(start.with_(batch=batches[i + step])))
-                if not self._better(trial, best):
+                if not self.better(trial, best):
                     break
                 old = self.score(best)
                 steep = old > -math.inf and (
@@ -474,8 +416,8 @@ class Tuner:
                 continue
             try:
                 t = self.measure(Candidate.of(cfg.with_(options=variant)))
-                better = self._better(t, best)
-            except _SkippedError:
+                better = self.better(t, best)
+            except SkippedError:
                 continue
             if variant == {"compile": "default"}:
                 compile_gained = better
@@ -486,16 +428,16 @@ class Tuner:
                 if n <= best_cfg.instances:
                     continue
                 t = self.measure(Candidate.of(best_cfg.with_(instances=n)))
-                if not self._better(t, best):
+                if not self.better(t, best):
                     # More workers often want smaller batches each: one step down first.
                     lower = [b for b in us.batches if b < best_cfg.batch]
                     if not lower:
                         break
                     t = self.measure(Candidate.of(best_cfg.with_(instances=n, batch=lower[-1])))
-                    if not self._better(t, best):
+                    if not self.better(t, best):
                         break
                 best, best_cfg = t, t.candidate.configs[0]
-        except _SkippedError:
+        except SkippedError:
             pass
         return best
 
@@ -521,7 +463,7 @@ class Tuner:
         Units that share cores with one in the plan are alternatives, not additions: they
         were weighed alone. A combination that fails is recorded as failed, with its error.
         """
-        self._phase = "combine"
+        self.phase = "combine"
         contention: list[dict[str, Any]] = []
         rest = sorted((t for t in solo_best.values()
                        if self.space.compatible(t.candidate.configs[0].unit, current.units)),
@@ -539,7 +481,7 @@ class Tuner:
         try:
             current_trial = (self.measure(current, "runtime") if not current.solo
                              else alone(current.configs[0]))
-        except _SkippedError:
+        except SkippedError:
             return current, contention
         for extra in rest:
             cfg = extra.candidate.configs[0]
@@ -549,7 +491,7 @@ class Tuner:
             try:
                 trial_alone = alone(cfg)
                 trial = self.measure(candidate, "runtime")
-            except _SkippedError:
+            except SkippedError:
                 continue
             summed = (current_trial.items_per_s or 0.0) + (trial_alone.items_per_s or 0.0)
             if not trial.ok:
@@ -572,126 +514,6 @@ class Tuner:
                                "summed_solo_items_per_s": summed,
                                "measured_items_per_s": trial.items_per_s,
                                "factor": (trial.items_per_s or 0.0) / summed if summed else None})
-            if self._better(trial, current_trial):
+            if self.better(trial, current_trial):
                 current, current_trial = candidate, trial
         return current, contention
-
-    def _fine_tune(self, best: Candidate, solo_best: dict[str, Trial]) -> Candidate:
-        """Optuna around `best`: every trial a measurement, until the budget or repeats end it."""
-        import optuna
-
-        self._phase = "fine-tune"
-        optuna.logging.set_verbosity(optuna.logging.WARNING)
-        pareto = self.settings.objective == "pareto"
-        sampler: Any = (optuna.samplers.NSGAIISampler(seed=self.settings.seed, population_size=8)
-                        if pareto else optuna.samplers.TPESampler(seed=self.settings.seed,
-                                                                  n_startup_trials=4))
-        directions: list[Any] = ["maximize", "minimize"] if pareto else ["maximize"]
-        study = optuna.create_study(directions=directions, sampler=sampler)
-        choices: list[dict[str, list[Any]]] = []
-        for cfg in best.configs:
-            us = self.space.unit(cfg.unit)
-            engines = [e for e in us.engines if any(
-                t.candidate.configs[0].engine == e and self.score(t) > -math.inf
-                for t in self.trials if t.candidate.solo and t.candidate.configs[0].unit == cfg.unit
-                and t.candidate.configs[0].model == cfg.model)] or [cfg.engine]
-            i = us.batches.index(cfg.batch) if cfg.batch in us.batches else 0
-            batches = us.batches[max(0, i - 2): i + 3]
-            variants = {e: us.options.get(e, [{}]) for e in engines}
-            choices.append({"engine": engines, "batch": batches, "instances": us.instances,
-                            "variants": [variants[e] for e in engines]})
-
-        def build(params: dict[str, Any]) -> Candidate:
-            configs = []
-            for k, (cfg, ch) in enumerate(zip(best.configs, choices, strict=True)):
-                engine = params[f"engine{k}"]
-                variants = ch["variants"][ch["engine"].index(engine)]
-                variant = variants[params[f"options{k}"] % len(variants)]
-                configs.append(cfg.with_(engine=engine, batch=params[f"batch{k}"],
-                                         instances=params[f"instances{k}"], options=variant))
-            return Candidate.of(*configs)
-
-        distributions: dict[str, Any] = {}
-        for k, ch in enumerate(choices):
-            distributions |= {
-                f"engine{k}": optuna.distributions.CategoricalDistribution(ch["engine"]),
-                f"batch{k}": optuna.distributions.CategoricalDistribution(ch["batch"]),
-                f"instances{k}": optuna.distributions.CategoricalDistribution(ch["instances"]),
-                f"options{k}": optuna.distributions.IntDistribution(
-                    0, max(len(v) for v in ch["variants"]) - 1)}
-
-        def params_of(candidate: Candidate) -> dict[str, Any] | None:
-            """The study's parameters of a measured candidate, if it lies in the neighbourhood."""
-            if [(c.model, c.unit) for c in candidate.configs] != [
-                    (c.model, c.unit) for c in best.configs]:
-                return None
-            params: dict[str, Any] = {}
-            for k, (cfg, ch) in enumerate(zip(candidate.configs, choices, strict=True)):
-                if (cfg.engine not in ch["engine"] or cfg.batch not in ch["batch"]
-                        or cfg.instances not in ch["instances"]):
-                    return None
-                variants = ch["variants"][ch["engine"].index(cfg.engine)]
-                if cfg.options_dict not in variants:
-                    return None
-                params |= {f"engine{k}": cfg.engine, f"batch{k}": cfg.batch,
-                           f"instances{k}": cfg.instances,
-                           f"options{k}": variants.index(cfg.options_dict)}
-            return params
-
-        def values(result: Trial) -> list[float]:
-            if pareto:
-                ok = self.feasible(result)
-                return [result.items_per_s or 0.0 if ok else 0.0,
-                        result.p99_ms if ok and result.p99_ms else 1e9]
-            s = self.score(result)
-            return [s if s > -math.inf else -1e18]
-
-        # What the ladders already measured around the best plan is told to the sampler first,
-        # so it starts informed instead of spending its first trials on random points.
-        tried: set[str] = set()
-        for known in self._effective():
-            params = params_of(known.candidate)
-            if params is not None and known.candidate.key() not in tried:
-                tried.add(known.candidate.key())
-                study.add_trial(optuna.trial.create_trial(
-                    params=params, distributions=distributions, values=values(known)))
-        size = 1
-        for ch in choices:
-            size *= len(ch["engine"]) * len(ch["batch"]) * len(ch["instances"]) * max(
-                len(v) for v in ch["variants"])
-        repeats = stale = 0
-        incumbent = max((t for t in self.trials if self.feasible(t)), key=self.score,
-                        default=None)
-        while repeats < 8 and len(tried) < size and stale < self.settings.patience:
-            trial = study.ask()
-            params = {}
-            for k, ch in enumerate(choices):
-                params[f"engine{k}"] = trial.suggest_categorical(f"engine{k}", ch["engine"])
-                params[f"batch{k}"] = trial.suggest_categorical(f"batch{k}", ch["batch"])
-                params[f"instances{k}"] = trial.suggest_categorical(f"instances{k}",
-                                                                    ch["instances"])
-                params[f"options{k}"] = trial.suggest_int(
-                    f"options{k}", 0, max(len(v) for v in ch["variants"]) - 1)
-            candidate = build(params)
-            key = candidate.key()
-            repeats = repeats + 1 if key in tried else 0
-            tried.add(key)
-            try:
-                result = self.measure(candidate)
-                better = self._better(result, incumbent)
-            except _SkippedError:
-                # A compile build that does not fit: not measured, and not a reason to stop.
-                study.tell(trial, state=optuna.trial.TrialState.FAIL)
-                if repeats == 0:
-                    stale += 1
-                continue
-            except _BudgetSpentError:
-                study.tell(trial, state=optuna.trial.TrialState.FAIL)
-                raise
-            if better:
-                incumbent, stale = result, 0
-            elif repeats == 0:
-                stale += 1
-            study.tell(trial, values(result))
-        scored = [t for t in self.trials if self.feasible(t)]
-        return max(scored, key=self.score).candidate if scored else best

@@ -1,0 +1,197 @@
+"""Trials and the peak search: one loop for every runtime, this machine's or a cluster's.
+
+`run_trial(rt, settings, shares)` runs one LoadGen trial on a built `TrialRuntime`
+(`runtime.api`): it starts the trial (empty queues, zeroed counters), drives the load
+generator through the runtime's `submit` and completion subscription, ends the trial and
+summarises it (`runtime.metrics.summarise`) with what the runtime adds of its own (pipeline
+stages, a cluster's nodes). `run_load(rt, settings, keep=...)` is what `infermux run` does with
+a plan's `load:` section: one trial, or with `find_peak` the offline trial and then the server
+rates of `load.scenarios.find_peak`, each trial handed to `keep` as it ends (stored there).
+`run_plan` (this machine) and `run_cluster` (a Ray cluster) both go through it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from infermux.errors import UsageError
+from infermux.load.base import CompletionFn, Query
+from infermux.load.scenarios import LoadGenerator, ScenarioResult, find_peak
+from infermux.progress import ProgressFn
+from infermux.runtime.metrics import BatchRecord, summarise
+
+if TYPE_CHECKING:
+    from infermux.runtime.api import Subscription, TrialRuntime
+
+__all__ = ["KeepFn", "TrialRun", "best_at_peak", "run_load", "run_trial"]
+
+#: Trial t numbers its queries from t << _TRIAL_ID_BITS: ranges of trials never overlap.
+_TRIAL_ID_BITS = 40
+
+
+@dataclass
+class TrialRun:
+    """One trial that ran: its number in the run, the generator's result, its record, batches."""
+
+    index: int
+    result: ScenarioResult
+    #: The stored record (`runtime.metrics.summarise` and the runtime's own additions).
+    record: dict[str, Any]
+    #: Every batch the trial ran (what the store keeps per batch).
+    batches: list[BatchRecord]
+
+
+#: Called with every trial as soon as it ends (the caller stores it).
+KeepFn = Callable[[TrialRun], None]
+
+
+class _TrialSUT:
+    """A `TrialRuntime` as a LoadGen system under test: queries in, completions out."""
+
+    def __init__(self, rt: TrialRuntime) -> None:
+        self.rt = rt
+        self.subscription: Subscription | None = None
+
+    def start(self, on_complete: CompletionFn) -> None:
+        """Report completions to the load generator."""
+        self.subscription = self.rt.subscribe(completions=on_complete)
+
+    def issue(self, queries: Sequence[Query]) -> None:
+        """Queue the queries' samples."""
+        self.rt.submit(queries)
+
+    def capacity_items(self, model: str) -> int:
+        """Items the runtime's live workers of `model` hold at once."""
+        return self.rt.capacity_items(model)
+
+    def end(self) -> None:
+        """Flush partial batches: no more queries will come."""
+        self.rt.end()
+
+
+def run_trial(rt: TrialRuntime, settings: dict[str, Any], shares: dict[str, float],
+              mix: list[dict[str, Any]] | None = None, *, progress: ProgressFn | None = None,
+              index: int = 0) -> TrialRun:
+    """One trial of `settings` (a `load:` section) on the built runtime.
+
+    A trial starts from empty queues and zeroed counters (what an earlier trial left is
+    dropped, its late batches go unreported) and numbers its queries in a range of its own,
+    so nothing of an earlier trial can be credited to this one.
+    """
+    dropped = rt.begin_trial(settings)
+    gen = LoadGenerator(settings, shares, mix=mix, progress=progress,
+                        id_base=rt.trial << _TRIAL_ID_BITS)
+    sut = _TrialSUT(rt)
+    try:
+        result = gen.run(sut, rt.sample_counts())
+    finally:
+        if sut.subscription is not None:
+            sut.subscription.cancel()
+        counts = rt.end_trial()
+    record = summarise(result, counts.records, counts.workers, {}, events=counts.events)
+    record["settings"] = settings
+    rt.trial_details(result, record)
+    record["retried_items"] = counts.retried_items
+    record["failed_items"] = counts.failed_items
+    record["dropped_from_earlier_trial"] = dropped
+    record["trial"] = index
+    return TrialRun(index, result, record, counts.records)
+
+
+def run_load(rt: TrialRuntime, settings: dict[str, Any], *, keep: KeepFn,
+             shares: dict[str, float] | None = None, mix: list[dict[str, Any]] | None = None,
+             progress: ProgressFn | None = None, confirm: bool = True) -> dict[str, Any] | None:
+    """Run a plan's load on the built runtime: one trial, or the peak search; the peak's record.
+
+    With `find_peak` (server scenario): an offline trial gives the upper bound, then
+    `find_peak` bisects server rates within `p99_bound_ms` (`confirm`: the edge is run twice,
+    the last valid rate and the first invalid one). Every trial goes to `keep` as it ends.
+    Returns the search's record (None when there was no search or it was interrupted).
+    """
+    shares = shares if shares is not None else {m.name: m.share for m in rt.plan.models}
+    trials: list[TrialRun] = []
+
+    def one(s: dict[str, Any]) -> TrialRun:
+        run = run_trial(rt, s, shares, mix, progress=progress, index=len(trials))
+        trials.append(run)
+        keep(run)
+        return run
+
+    if not (settings.get("scenario") == "server" and settings.get("find_peak")):
+        one(settings)
+        return None
+    bound = settings.get("p99_bound_ms")
+    if bound is None:
+        raise UsageError("--find-peak needs a latency bound: set load.p99_bound_ms or pass --p99")
+    offline = one({**settings, "scenario": "offline", "find_peak": False})
+    if offline.result.interrupted:
+        return None
+    upper = offline.record.get("items_per_s") or 0.0
+    phases: list[dict[str, Any]] = []
+
+    def server(rate: float) -> ScenarioResult:
+        run = one({**settings, "scenario": "server", "rate_qps": rate, "find_peak": False})
+        phases.append({m: v.get("phases") for m, v in (run.record.get("models") or {}).items()})
+        return run.result
+
+    # With `confirm`, the edge is run twice (the last valid rate and the first invalid one):
+    # one run of each does not place it on a host whose scheduling noise moves the p99.
+    peak = find_peak(server, upper_qps=upper, bound_ms=bound, confirm=confirm)
+    for entry, ph in zip(peak.trials, phases, strict=False):
+        entry["phases"] = ph  # where each trial's time went, per model (runtime.metrics)
+    if peak.peak_qps is None and peak.reason is not None:
+        if upper <= 0:
+            record = offline.record
+            notes = "; ".join(record.get("validity_notes") or []) or "no notes"
+            errors = "; ".join(sorted({w["error"] for w in record.get("workers", {}).values()
+                                       if w.get("error")}))
+            peak.reason = (f"the offline trial completed no samples ({notes}"
+                           + (f"; {errors}" if errors else "") + "), so there is no server rate "
+                           "to search: fix what failed and run again")
+        else:
+            peak.reason = _no_peak_reason(rt, bound, peak.reason)
+    return peak.record()
+
+
+def best_at_peak(trials: Sequence[dict[str, Any]], peak: dict[str, Any] | None
+                 ) -> dict[str, Any] | None:
+    """The trial that answers a peak search: its best valid server trial at the peak rate.
+
+    A repeated rate above the peak may have passed once: the peak's own trials answer. None
+    when the search found no peak.
+    """
+    if peak is None or peak.get("peak_qps") is None:
+        return None
+    best = [t for t in trials if t.get("scenario") == "server" and t.get("valid")
+            and t.get("rate_qps") == peak["peak_qps"]]
+    return max(best, key=lambda t: t.get("rate_qps") or 0) if best else None
+
+
+def _no_peak_reason(rt: TrialRuntime, bound_ms: float, searched: str) -> str:
+    """Why no server rate held the bound, and what to do: one line for the peak record."""
+    worst: tuple[float, str, str] | None = None  # (fastest batch ms of a model, name, ref)
+    states = rt.workers()
+    for entry in rt.plan.models:
+        fastest = [s.estimate.expected_ns(s.buckets[0], entry.name) / 1e6 for s in states
+                   if s.alive and s.model == entry.name]
+        fastest = [ms for ms in fastest if ms > 0]
+        if fastest and (worst is None or min(fastest) > worst[0]):
+            worst = (min(fastest), entry.name, entry.model)
+    if worst is None:
+        return searched
+    ms, name, ref = worst
+    tune = f"`infermux tune --model {ref} --scenario server --p99 {bound_ms:g}ms`"
+    if ms > bound_ms:
+        shown = f"{ms:.0f}" if ms >= 10 else f"{ms:.2f}"
+        return (f"the plan's batch latency alone is {shown} ms > {bound_ms:g} ms bound "
+                f"(model {name}, its fastest worker at its smallest batch): find a plan that "
+                f"can hold it with {tune}, or raise the bound")
+    if rt.plan.dispatcher.batching == "deadline":
+        # Batches are sized to the bound already: no queue delay is left to lower.
+        return (f"{searched}; a batch of {name} alone takes {ms:.1f} ms, so queueing breaks the "
+                f"bound: find a plan with {tune}")
+    return (f"{searched}; a batch of {name} alone takes {ms:.1f} ms, so queueing and batching "
+            f"waits break the bound: lower dispatcher.max_queue_delay_ms or find a plan with "
+            f"{tune}")
