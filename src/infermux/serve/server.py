@@ -125,7 +125,7 @@ class InferenceServer:
     """Builds the plan's runtime, serves it until stopped, then drains and stores the run.
 
     `backend(progress)`, where given, builds the runtime instead (`infermux serve --cluster`:
-    a `cluster.serve.ClusterRuntime`, whose `.plan` describes the models); `plan` may then be
+    a `cluster.runtime.ClusterRuntime`, whose `.plan` describes the models); `plan` may then be
     None, and `config` is stored with the run beside it.
     """
 
