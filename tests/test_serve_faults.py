@@ -217,3 +217,50 @@ def test_a_model_whose_device_breaks_is_restarted_then_left_not_ready(tmp_path: 
         assert _restarts(srv, "fragile") == 1
         code, out = srv.stop()
         assert code == 0, out
+
+
+def test_requests_waiting_for_a_restart_get_503_after_the_drain_timeout(tmp_path: Path) -> None:
+    # "slow" runs each batch for 0.4 s in a child process; killed with requests queued for it,
+    # its restart (a backoff, then a new child that imports torch and builds) takes longer than
+    # the 1 s drain timeout: the waiting requests are answered 503, saying why, not held.
+    plan = {"name": "expire", "models": [
+        {"name": "slow", "model": f"{FAULTY}:slow",
+         "replicas": [{"unit": "cpu:1", "instances": 1, "batch": 1}]}],
+        "dispatcher": {"max_queue_delay_ms": 1}}
+    with _serving(plan, tmp_path, "--drain-timeout", "1s") as srv:
+        pid = srv.ready["worker_pids"]["slow/cpu:1#0"]
+        x = _x(1, seed=5)
+        results: dict[int, Any] = {}
+
+        def request(i: int) -> None:
+            try:
+                results[i] = _infer(thttp.InferenceServerClient(srv.http, network_timeout=60),
+                                    "slow", x)
+            except InferenceServerException as exc:
+                results[i] = exc
+
+        callers = [threading.Thread(target=request, args=(i,)) for i in range(4)]
+        for caller in callers:
+            caller.start()
+        time.sleep(0.2)  # one request in its 0.4 s batch, the others queued behind it
+        killed = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        for caller in callers:
+            caller.join(60)
+        waited_s = time.monotonic() - killed
+        assert len(results) == 4, results
+        refused = [r for r in results.values() if isinstance(r, InferenceServerException)]
+        assert refused, "every request waited for the restart"
+        for exc in refused:
+            assert "has no live worker" in exc.message() and "waited 1s" in exc.message(), exc
+            assert exc.status() == "503", exc.status()
+        for r in results.values():  # any answered one was answered right
+            if not isinstance(r, InferenceServerException):
+                np.testing.assert_allclose(r, _reference(x), rtol=1e-5, atol=1e-5)
+        assert waited_s < 15, waited_s
+        # The worker comes back and serves.
+        client = thttp.InferenceServerClient(srv.http, network_timeout=60)
+        _until(lambda: client.is_model_ready("slow"), 60, "slow ready again after its restart")
+        np.testing.assert_allclose(_infer(client, "slow", x), _reference(x), rtol=1e-5, atol=1e-5)
+        code, out = srv.stop()
+        assert code == 0, out

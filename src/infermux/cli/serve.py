@@ -38,7 +38,7 @@ def serve_command(
     max_restarts: Annotated[int, typer.Option("--max-restarts", help="Times a failed worker may be restarted within --restart-window (0: never); past that it waits, not ready, for the window.")] = 3,
     restart_window: Annotated[str, typer.Option("--restart-window", help="The window --max-restarts counts over (e.g. 10m).")] = "10m",
     api_key: Annotated[str | None, typer.Option("--api-key", help="Require `Authorization: Bearer KEY` (or env INFERMUX_API_KEY) on inference and /metrics; health probes stay open.")] = None,
-    drain_timeout: Annotated[str, typer.Option("--drain-timeout", help="On SIGTERM/Ctrl-C, how long admitted requests may take to finish.")] = "30s",
+    drain_timeout: Annotated[str, typer.Option("--drain-timeout", help="On SIGTERM/Ctrl-C, how long admitted requests may take to finish; also the longest an admitted request waits for a restarting worker (then 503).")] = "30s",
     telemetry: Annotated[str, typer.Option("--telemetry", help="Sampler period for the hardware metrics (e.g. 1s) or off.")] = "1s",
     fronts: Annotated[int | None, typer.Option("--fronts", help="Front processes serving HTTP and gRPC on the same ports, tensors passed to the runtime process through shared memory (default: half the usable cores, at most 8; 0 or 1: in the server process).")] = None,
     trace_requests: Annotated[int, typer.Option("--trace-requests", help="Trace every Nth request's stages (front, queue, gather, launch, answer) with one host clock, 1: every request, 0: off; the p50/p99 of each gap go in the summary (--json).")] = 0,

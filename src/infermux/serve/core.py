@@ -704,7 +704,7 @@ class InferenceCore:
         return f"last error: {failed[-1].error}"
 
     def _finish(self, qid: int, outputs: list[np.ndarray] | None, error: str | None,
-                status: int = 503) -> None:
+                status: int = 503, retry_after_s: float | None = None) -> None:
         """Hand a request's answer to its event loop (called with `_lock` held)."""
         pending = self._pending.pop(qid, None)
         if pending is None:
@@ -721,17 +721,17 @@ class InferenceCore:
             info.stats.last_inference_ms = int(time.time() * 1000)
             result: list[np.ndarray] | ProtocolError = (
                 outputs if ok and outputs is not None
-                else ProtocolError(status, error or "inference failed"))
+                else ProtocolError(status, error or "inference failed", retry_after_s))
             if pending.trace is not None:
                 pending.trace["answer_queued"] = pending.admitted_ns + took
             pending.sink._add(pending.token, result, info, ok, took, pending.trace)
         else:
-            self._answer(pending, outputs, error, status)
+            self._answer(pending, outputs, error, status, retry_after_s)
         if self._closing and not self._pending and self._drained is not None:
             pending.loop.call_soon_threadsafe(self._drained.set)
 
     def _answer(self, pending: _Pending, outputs: list[np.ndarray] | None, error: str | None,
-                status: int) -> None:
+                status: int, retry_after_s: float | None = None) -> None:
         """Hand an `infer()` request's answer to its awaiting coroutine (`_lock` held)."""
         info = pending.model
         assert pending.future is not None  # an `infer()` request
@@ -742,7 +742,7 @@ class InferenceCore:
         if error is None and outputs is not None:
             pending.loop.call_soon_threadsafe(_set_result, pending.future, outputs)
         else:
-            exc = ProtocolError(status, error or "inference failed")
+            exc = ProtocolError(status, error or "inference failed", retry_after_s)
             pending.loop.call_soon_threadsafe(_set_exception, pending.future, exc)
             pending.loop.call_soon_threadsafe(functools.partial(
                 self._request_done, pending.model, ok=False, started_ns=pending.admitted_ns))
@@ -834,6 +834,27 @@ class InferenceCore:
             await asyncio.wait_for(self._drained.wait(), timeout_s)
         with self._lock:
             return len(self._pending)
+
+    def expire_waiting(self, limit_s: float) -> int:
+        """Answer 503 the requests admitted over `limit_s` ago whose model has no live worker.
+
+        A worker that died is restarted while its model's admitted requests stay queued for it;
+        a restart can take longer than a client waits (a slow rebuild, a backoff, a loaded
+        host: more than 30 s on two busy cores). Past the limit each such request is answered
+        503 with the reason and a Retry-After, rather than left waiting; its items may still
+        run once the worker is back, and their outputs are dropped. Requests of a model that
+        has a live worker are never expired here, whatever their age. The number answered.
+        """
+        cutoff = time.perf_counter_ns() - int(limit_s * 1e9)
+        with self._lock:
+            stale = [(qid, p.model.name) for qid, p in self._pending.items()
+                     if p.admitted_ns < cutoff and not self.runtime.ready(p.model.name)]
+            for qid, name in stale:
+                self._finish(qid, None, f"model {name!r} has no live worker "
+                                        f"({self._last_error(name)}) and the request waited "
+                                        f"{limit_s:g}s for it: retry later",
+                             status=503, retry_after_s=1.0)
+        return len(stale)
 
     def fail_pending(self, reason: str) -> int:
         """Answer every request still pending with an error (the runtime stopped); how many."""

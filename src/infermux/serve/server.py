@@ -265,9 +265,13 @@ class InferenceServer:
                           "metrics": metrics_port}
             await _accepting(s.host, self.ports)
             core.fronts_up = True
+            expiry = asyncio.create_task(_expire_waiting(core, s.drain_timeout_s))
             if on_ready is not None:
                 on_ready(self.ready_info(runtime))
-            await self._stop.wait()
+            try:
+                await self._stop.wait()
+            finally:
+                expiry.cancel()
             # Stop accepting; what was admitted is answered (new requests meanwhile: 503).
             left = await drain_fronts(core, http, http_task, grpc_server, s.drain_timeout_s)
             if left:
@@ -543,6 +547,20 @@ def _quiet_uvicorn() -> type:
 
 def _QuietUvicorn(config: Any) -> Any:  # noqa: N802 - used like a class
     return _quiet_uvicorn()(config)
+
+
+async def _expire_waiting(core: Any, limit_s: float) -> None:
+    """Answer 503 admitted requests that waited `limit_s` for a model with no live worker.
+
+    The drain timeout bounds how long an admitted request may wait for a worker's restart, as
+    it bounds how long one may take at shutdown (`InferenceCore.expire_waiting`).
+    """
+    if limit_s <= 0:
+        return
+    period_s = min(1.0, limit_s / 4)
+    while True:
+        await asyncio.sleep(period_s)
+        core.expire_waiting(limit_s)
 
 
 def serve_plan(plan: Plan | None, settings: ServeSettings | None = None, *,
