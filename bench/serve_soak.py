@@ -28,7 +28,9 @@ Checks (each true or false in the report, with the figures):
   get is one of its resets;
 - `refusals_are_503`: the burst got nothing but OK and UNAVAILABLE, except, with `--kill`,
   failures answered with a message (counted apart);
-- `none_hung`: every burst call was answered within `--call-timeout-s` (the drain timeout);
+- `none_hung`: every burst call was answered within `--call-timeout-s` (the server's drain
+  timeout, `--drain-timeout-s`, which also bounds a wait for a restarting worker, plus a
+  margin for the answer to travel);
 - `drained`: no request left in flight after the burst (none hangs past the drain timeout);
 - `memory_flat`: resident memory after within 10% of before;
 - `p99_recovered`: p99 after within 20% of before (each the lowest of `--calm-runs` runs: a
@@ -219,6 +221,8 @@ def main() -> None:
     p.add_argument("--calm-runs", type=int, default=2, help="calm runs before and after each")
     p.add_argument("--settle-s", type=float, default=5.0,
                    help="pause between the burst's drain and the calm run after it")
+    p.add_argument("--drain-timeout-s", type=float, default=25.0,
+                   help="the server's --drain-timeout (also its bound on waiting for a restart)")
     p.add_argument("--call-timeout-s", type=float, default=30.0,
                    help="a burst call unanswered this long is hung (the server's drain timeout)")
     p.add_argument("--perf-analyzer", help="path of perf_analyzer (default: the venv, PATH)")
@@ -238,6 +242,7 @@ def main() -> None:
     proc = subprocess.Popen([*INFERMUX, "serve", str(plan_file), "--http-port", "0",
                              "--grpc-port", "0", "--metrics-port", "0", "--json",
                              "--telemetry", "off", "--db", str(out / "serve.db"),
+                             "--drain-timeout", f"{args.drain_timeout_s:g}s",
                              *(["--fronts", "2"] if args.kill == "front" else [])],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
     assert proc.stdout is not None

@@ -557,7 +557,7 @@ async def _expire_waiting(core: Any, limit_s: float) -> None:
     """
     if limit_s <= 0:
         return
-    period_s = min(1.0, limit_s / 4)
+    period_s = min(0.25, limit_s / 4)
     while True:
         await asyncio.sleep(period_s)
         core.expire_waiting(limit_s)
