@@ -224,7 +224,7 @@ def main() -> None:
     p.add_argument("--drain-timeout-s", type=float, default=25.0,
                    help="the server's --drain-timeout (also its bound on waiting for a restart)")
     p.add_argument("--call-timeout-s", type=float, default=30.0,
-                   help="a burst call unanswered this long is hung (the server's drain timeout)")
+                   help="a burst call unanswered this long is hung (the drain timeout plus a margin)")
     p.add_argument("--perf-analyzer", help="path of perf_analyzer (default: the venv, PATH)")
     args = p.parse_args()
     exe = args.perf_analyzer or shutil.which("perf_analyzer", path=str(Path(sys.executable).parent)) \
