@@ -389,9 +389,9 @@ class TorchRunner(Runner):
         One call copies a thread's share of rows (`_foreach_copy_`), so the interpreter lock
         is released once per share, not once per row: a copy per row gave the lock back and
         waited to take it again after each row, behind the event loop's thread, which may keep
-        it for the switch interval (5 ms). Traced on an H200 host serving through 8 fronts, a
-        gather of 61 ResNet50 rows took 17 ms that way, and one of 58 digits rows (2 KB each)
-        7.7 ms: almost all of it waiting for the lock.
+        it for the switch interval (5 ms). Traced on H200 hosts serving through 8 fronts, a
+        gather of about 60 ResNet50 rows took 17.5 ms that way and 9.5 ms this way, one of
+        about 55 digits rows (2 KB each) 7.7 and 4.8 ms (docs/benchmarks.md).
         """
         import torch
 
