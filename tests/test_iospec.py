@@ -8,7 +8,6 @@ config folder (`hf:FOLDER`). Both go through `run_bench` on every CPU engine ins
 from __future__ import annotations
 
 import json
-import warnings
 
 import numpy as np
 import pytest
@@ -21,61 +20,6 @@ from infermux.iospec import IOSpec, TensorSpec, from_module
 from infermux.models import ModelSpec, load_model
 
 from .conftest import run_cli
-
-TWO_INPUTS = '''
-import torch
-from torch import nn
-
-
-class TwoInputs(nn.Module):
-    """Float features and int64 ids (a bag of embeddings) → 4 scores."""
-
-    inputs = [{"name": "features", "dtype": "float32", "shape": [16]},
-              {"name": "ids", "dtype": "int64", "shape": ["seq"], "high": 50}]
-    outputs = ["scores"]
-    default_dims = {"seq": 8}
-
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Embedding(50, 16)
-        self.head = nn.Linear(32, 4)
-
-    def forward(self, features, ids):
-        return self.head(torch.cat([features, self.embed(ids).mean(1)], dim=1))
-
-
-def build():
-    torch.manual_seed(0)
-    return TwoInputs()
-'''
-
-
-@pytest.fixture(scope="module")
-def two_inputs(tmp_path_factory, module_cache_dir):
-    """(factory reference, ONNX file exported from it with a dynamic batch and sequence)."""
-    folder = tmp_path_factory.mktemp("two")
-    (folder / "two.py").write_text(TWO_INPUTS)
-    factory = f"{folder / 'two.py'}:build"
-    module = load_model(factory).module
-    onnx_path = folder / "two.onnx"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(module, (torch.zeros(2, 16), torch.zeros(2, 8, dtype=torch.long)),
-                          str(onnx_path), input_names=["features", "ids"],
-                          output_names=["scores"], dynamo=False,
-                          dynamic_axes={"features": {0: "batch"}, "ids": {0: "batch", 1: "seq"},
-                                        "scores": {0: "batch"}})
-    return factory, str(onnx_path)
-
-
-@pytest.fixture(scope="module")
-def tiny_bert(tmp_path_factory, module_cache_dir):
-    """A folder holding a two-layer BERT's config.json (random weights, nothing downloaded)."""
-    transformers = pytest.importorskip("transformers")
-    folder = tmp_path_factory.mktemp("tinybert")
-    transformers.BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2,
-                            intermediate_size=64, vocab_size=100).save_pretrained(str(folder))
-    return f"hf:{folder}"
 
 
 def _cpu_engines(model):

@@ -9,7 +9,6 @@ processes) feeds every input, and a plan or request whose input does not fit is 
 from __future__ import annotations
 
 import threading
-import warnings
 
 import numpy as np
 import pytest
@@ -22,35 +21,17 @@ from infermux.load.samples import IOSamples, parse_lengths
 from infermux.models import load_model
 from infermux.runtime import parse_plan, run_plan, start_runtime
 
-from .test_iospec import TWO_INPUTS
+
+@pytest.fixture(scope="module")
+def two(two_inputs):
+    """(factory reference, ONNX file) of the two-input module (tests/conftest.py)."""
+    return two_inputs
 
 
 @pytest.fixture(scope="module")
-def two(tmp_path_factory, module_cache_dir):
-    """(factory reference, ONNX file exported from it with a dynamic batch and sequence)."""
-    folder = tmp_path_factory.mktemp("two")
-    (folder / "two.py").write_text(TWO_INPUTS)
-    factory = f"{folder / 'two.py'}:build"
-    module = load_model(factory).module
-    onnx_path = folder / "two.onnx"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(module, (torch.zeros(2, 16), torch.zeros(2, 8, dtype=torch.long)),
-                          str(onnx_path), input_names=["features", "ids"],
-                          output_names=["scores"], dynamo=False,
-                          dynamic_axes={"features": {0: "batch"}, "ids": {0: "batch", 1: "seq"},
-                                        "scores": {0: "batch"}})
-    return factory, str(onnx_path)
-
-
-@pytest.fixture(scope="module")
-def bert(tmp_path_factory, module_cache_dir):
-    """A two-layer BERT's config folder (random weights, nothing downloaded): `hf:FOLDER`."""
-    transformers = pytest.importorskip("transformers")
-    folder = tmp_path_factory.mktemp("tinybert")
-    transformers.BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2,
-                            intermediate_size=64, vocab_size=100).save_pretrained(str(folder))
-    return f"hf:{folder}"
+def bert(tiny_bert):
+    """A two-layer BERT's config folder, `hf:FOLDER` (tests/conftest.py)."""
+    return tiny_bert
 
 
 def _plan(ref, *, engine="torch", hosting="thread", seq_buckets=None, lengths=None, batch=4,
