@@ -33,6 +33,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -137,12 +138,15 @@ def answered(ready: dict[str, Any], model: str) -> float:
     return 0.0
 
 
-def start_server(plan: Path, out: Path, fronts: int) -> tuple[subprocess.Popen[str], dict[str, Any]]:
-    log = (out / f"serve-{plan.stem}-f{fronts}.log").open("w")
+def start_server(plan: Path, out: Path, fronts: int, *, extra: Sequence[str] = (),
+                 env: dict[str, str] | None = None, tag: str = "",
+                 ) -> tuple[subprocess.Popen[str], dict[str, Any]]:
+    """`infermux serve PLAN --fronts N` on free ports (`extra` options, `env`): its ready line."""
+    log = (out / f"serve-{plan.stem}-f{fronts}{tag}.log").open("w")
     proc = subprocess.Popen([*INFERMUX, "serve", str(plan), "--http-port", "0",
                              "--grpc-port", "0", "--metrics-port", "0", "--json",
-                             "--fronts", str(fronts), "--no-store", "--telemetry", "off"],
-                            stdout=subprocess.PIPE, stderr=log, text=True, env=ENV)
+                             "--fronts", str(fronts), "--no-store", "--telemetry", "off", *extra],
+                            stdout=subprocess.PIPE, stderr=log, text=True, env=env or ENV)
     assert proc.stdout is not None
     line = proc.stdout.readline()
     if not line:
@@ -151,6 +155,7 @@ def start_server(plan: Path, out: Path, fronts: int) -> tuple[subprocess.Popen[s
 
 
 def stop_server(proc: subprocess.Popen[str]) -> dict[str, Any]:
+    """SIGTERM, then the exit code, status and front restarts; `summary`: the whole summary."""
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
     try:
@@ -158,7 +163,7 @@ def stop_server(proc: subprocess.Popen[str]) -> dict[str, Any]:
     except ValueError:
         summary = {}
     return {"exit_code": proc.returncode, "status": summary.get("status"),
-            "front_restarts": summary.get("front_restarts")}
+            "front_restarts": summary.get("front_restarts"), "summary": summary}
 
 
 def perf_analyzer(exe: str, url: str, protocol: str, model: str, concurrency: int,
@@ -324,7 +329,9 @@ def main() -> None:
                             print(f"  {what}: {figure}", flush=True)
                             save()
             finally:
-                entry.setdefault("servers", []).append({"fronts": fronts, **stop_server(proc)})
+                stopped = stop_server(proc)
+                stopped.pop("summary")
+                entry.setdefault("servers", []).append({"fronts": fronts, **stopped})
         held = [r for r in entry["served"] if r.get("p99_ms", 1e9) <= args.p99]
         entry["best_within_bound"] = {
             f"{protocol} fronts={f} shm={m}": max(

@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_cpu import ENV, INFERMUX, VENV_BIN
-from serve_gpu import cpu_s, ensure_serve_extra, perf_analyzer_env, plans
+from serve_cpu import ENV, VENV_BIN
+from serve_gpu import cpu_s, ensure_serve_extra, perf_analyzer_env, plans, start_server, stop_server
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from infermux.serve.trace import summarize
@@ -72,31 +72,16 @@ def _split(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
 def _start(plan: Path, out: Path, fronts: int, trace: Path | None, src: str | None,
            ) -> tuple[subprocess.Popen[str], dict[str, Any]]:
     """The server, traced; or with the code of checkout `src`, untraced (a baseline)."""
-    log = (out / f"serve-{plan.stem}-f{fronts}{'-baseline' if src else ''}.log").open("w")
     traced = ["--trace-requests", "8", "--trace-file", str(trace)] if trace else []
     env = ENV if src is None else dict(ENV, PYTHONPATH=os.path.abspath(src))
-    proc = subprocess.Popen([*INFERMUX, "serve", str(plan), "--http-port", "0", "--grpc-port", "0",
-                             "--metrics-port", "0", "--json", "--fronts", str(fronts),
-                             "--no-store", "--telemetry", "off", *traced],
-                            stdout=subprocess.PIPE, stderr=log, text=True, env=env)
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if not line:
-        raise RuntimeError(f"the server did not start (exit code {proc.wait()}): see {log.name}")
-    return proc, json.loads(line)
+    return start_server(plan, out, fronts, extra=traced, env=env,
+                        tag="-baseline" if src else "")
 
 
 def _stop(proc: subprocess.Popen[str]) -> dict[str, Any]:
-    import signal
-
-    proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=120)
-    try:
-        summary: dict[str, Any] = json.loads(out[out.index("{"):])
-    except ValueError:
-        summary = {}
-    return {"exit_code": proc.returncode, "status": summary.get("status"),
-            "trace_requests": (summary.get("trace") or {}).get("requests")}
+    stopped = stop_server(proc)
+    return {"exit_code": stopped["exit_code"], "status": stopped["status"],
+            "trace_requests": (stopped["summary"].get("trace") or {}).get("requests")}
 
 
 def _perf_analyzer(exe: str, port: int, model: str, concurrency: int, shm: str,
