@@ -284,10 +284,7 @@ class Worker:
                             continue
                         d.failed(w, [p_batch], _translate(exc, w))
                         return
-                    on_device = timing.h2d_ns + timing.compute_ns + timing.d2h_ns
-                    if on_device > 0:
-                        key = (p_batch.model, p_batch.bucket)
-                        device_ns[key] = _average(device_ns.get(key, 0.0), on_device)
+                    _learn_device_time(device_ns, p_batch, timing)
                     self._report((p_batch, p_start, ended, timing, outputs))
                     continue
                 batch = d.next_batch(w, block=pending is None)
@@ -319,10 +316,7 @@ class Worker:
                         p_batch, p_runner, p_start, _ = pending
                         timing = p_runner.collect()
                         p_batch.stamps["collect"] = p_end = self.clock_ns()
-                        on_device = timing.h2d_ns + timing.compute_ns + timing.d2h_ns
-                        if on_device > 0:
-                            key = (p_batch.model, p_batch.bucket)
-                            device_ns[key] = _average(device_ns.get(key, 0.0), on_device)
+                        _learn_device_time(device_ns, p_batch, timing)
                         # Read before the next launch, which may reuse the output buffers.
                         done = (p_batch, p_start, p_end, timing,
                                 self._outputs(p_runner, p_batch))
@@ -497,6 +491,15 @@ _TAKE_SLACK_NS = 200_000
 #: How often a just-in-time worker waiting to take its next batch asks whether the running one
 #: is over (it is also asked whenever queries arrive): the most a finished batch's answers wait.
 _DONE_POLL_NS = 200_000
+
+
+def _learn_device_time(device_ns: dict[tuple[str, int], float], batch: Batch,
+                       timing: BatchTiming) -> None:
+    """Fold a collected batch's device time (copy in, compute, copy out) into its bucket's average."""
+    on_device = timing.h2d_ns + timing.compute_ns + timing.d2h_ns
+    if on_device > 0:
+        key = (batch.model, batch.bucket)
+        device_ns[key] = _average(device_ns.get(key, 0.0), on_device)
 
 
 def _average(old: float, new: float, alpha: float = 0.2) -> float:
