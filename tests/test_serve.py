@@ -37,6 +37,7 @@ from tritonclient.utils import InferenceServerException
 ROOT = Path(__file__).resolve().parents[1]
 
 NET = '''
+import os
 import time
 
 import torch
@@ -66,6 +67,20 @@ def build():
 def slow():
     torch.manual_seed(0)
     return Net(0.04)
+
+
+class Held(Net):
+    """40 ms a batch, and held while a file `hold` exists in the server's directory."""
+
+    def forward(self, x):
+        while os.path.exists("hold"):
+            time.sleep(0.005)
+        return super().forward(x)
+
+
+def held():
+    torch.manual_seed(0)
+    return Held(0.04)
 
 
 class Poisonable(Net):
@@ -492,10 +507,13 @@ def test_metrics_move_as_requests_complete(server: Server) -> None:
 
 
 def test_full_queue_answers_503_and_sigterm_answers_every_admitted_request(net_file: Path) -> None:
-    srv = Server(net_file.parent, _plan("slow", f"{net_file}:slow", cpu_workers="thread"),
+    hold = net_file.parent / "hold"
+    srv = Server(net_file.parent, _plan("held", f"{net_file}:held", cpu_workers="thread"),
                  "--max-queue", "6")
     try:
-        # 1. Overload: 16 requests at once on a 40 ms/batch model admitting 6 items.
+        # 1. Overload: 16 requests at once on a 40 ms/batch model admitting 6 items, its first
+        # batch held until the server has answered some with 503 (a loaded host cannot drain
+        # the queue between two requests' arrivals and so admit them all).
         codes: list[int] = []
         retry: list[str | None] = []
 
@@ -509,9 +527,14 @@ def test_full_queue_answers_503_and_sigterm_answers_every_admitted_request(net_f
             if status == 503:
                 retry.append(headers.get("retry-after"))
 
+        hold.touch()
         threads = [threading.Thread(target=post, args=(k, codes)) for k in range(16)]
         for t in threads:
             t.start()
+        deadline = time.monotonic() + 30
+        while 503 not in codes and time.monotonic() < deadline:
+            time.sleep(0.005)
+        hold.unlink()
         for t in threads:
             t.join(60)
         assert sorted(set(codes)) == [200, 503], codes
@@ -520,8 +543,10 @@ def test_full_queue_answers_503_and_sigterm_answers_every_admitted_request(net_f
         assert rejected == codes.count(503)
         assert _raw(srv, "GET", "/v2/health/ready", {}, b"")[0] == 200
 
-        # 2. SIGTERM with 6 items admitted and in flight: all six are answered, exit code 0.
+        # 2. SIGTERM with 6 items admitted and in flight (held, so none can finish before the
+        # signal however slowly the requests arrive): all six are answered, exit code 0.
         answered: list[int] = []
+        hold.touch()
         threads = [threading.Thread(target=post, args=(100 + k, answered)) for k in range(6)]
         for t in threads:
             t.start()
@@ -529,7 +554,11 @@ def test_full_queue_answers_503_and_sigterm_answers_every_admitted_request(net_f
         while srv.scrape().get('infermux_items_in_flight{model="net"}', 0) < 6:
             assert time.monotonic() < deadline, "requests were not admitted"
             time.sleep(0.005)
-        code, out = srv.stop()
+        srv.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.2)
+        hold.unlink()
+        out, _ = srv.proc.communicate(timeout=60)
+        code = srv.proc.returncode
         for t in threads:
             t.join(30)
         assert code == 0, out
@@ -547,6 +576,7 @@ def test_full_queue_answers_503_and_sigterm_answers_every_admitted_request(net_f
             run = store.run(summary["run_id"])
         assert run["kind"] == "serve" and run["status"] == "complete"
     finally:
+        hold.unlink(missing_ok=True)
         with contextlib.suppress(ProcessLookupError):
             srv.proc.kill()
         srv.proc.wait(10)
