@@ -289,3 +289,73 @@ def test_a_deadline_validates_only_what_is_expected_to_end_within_it(
     assert report["scores"]["held_out"] >= 1
     assert any(n.startswith("validated 0 of") for n in report["notes"])
     assert report["attribution"] == {}
+
+
+def _probe(knobs: Knobs, compute_s: float, steps: int = 3) -> dict:
+    """A compute probe's data (`profile.measure_compute`): no workers, every minibatch steady."""
+    rows = [{"seq": i, "items": knobs.batch, "fetch_ns": 1000, "h2d_ns": 0,
+             "forward_ns": int(compute_s * 1e9 / 3), "backward_ns": int(compute_s * 1e9 / 2),
+             "optimizer_ns": int(compute_s * 1e9 / 6), "load_ns": 1000, "load_cpu_ns": 1000,
+             "read_ns": 0} for i in range(steps)]
+    probe = Knobs(knobs.batch, 0, 2, knobs.pin_memory, False, knobs.storage, knobs.cores,
+                  knobs.precision)
+    return {"config": -1, "label": probe.label, "knobs": probe.to_dict(), "kind": "compute",
+            "pass": "warm", "status": "ok", "dataset_items": ITEMS, "steps": rows,
+            "startup_ns": 0, "tail_ns": 0, "wall_ns": sum(
+                r["fetch_ns"] + r["forward_ns"] + r["backward_ns"] + r["optimizer_ns"]
+                for r in rows), "split": False, "cpu_s": None, "steady_cpu_s": None,
+            "energy_j": None, "energy_source": "none"}
+
+
+def test_a_compute_probe_measures_a_batch_size_no_profile_reached() -> None:
+    """Profiles at batch 8 only: without a probe, batch 128's compute is a line through the
+    origin (16× batch 8's) and its configurations are extrapolated; a probe measuring it at
+    3× batch 8's (a device that runs a larger batch faster per image) sets the compute term
+    there and the configurations count as covered (no wider bound)."""
+    configs = Grid(batch=[8, 128], workers=[0, 2], storage=["tmpfs"]).configs()
+    index = {(k.workers, k.batch): i for i, k in enumerate(configs)}
+    profiled = [index[(0, 8)], index[(2, 8)]]
+    passes = _passes(configs, profiled)
+    at8 = fit_components(passes, 2).figures(configs[index[(0, 8)]], "warm")["compute"]
+    _, info = predict_all(configs, passes, items=ITEMS, all_cores=2, tmpfs={"tmpfs": True},
+                          method="simple")
+    big = {configs[index[(0, 128)]].label, configs[index[(2, 128)]].label}
+    assert set(info["extrapolation"]["configurations"]) == big
+    probes = [_probe(configs[index[(0, 128)]], 3 * at8)]
+    comps = fit_components(passes, 2, probes)
+    got = comps.figures(configs[index[(0, 128)]], "warm")["compute"]
+    assert got == pytest.approx(3 * at8, rel=0.02)
+    predictions, info = predict_all(configs, passes, items=ITEMS, all_cores=2,
+                                    tmpfs={"tmpfs": True}, method="simple", probes=probes)
+    assert info["extrapolation"]["configurations"] == []
+    assert info["compute_probes"] == ["b128 fp32"]
+    assert not any(p.extrapolated for p in predictions)
+    # The probe is no configuration's profile: nothing is predicted from it as its own.
+    assert {p.config for p in predictions if p.profiled} == set(profiled)
+
+
+def test_train_predict_probes_the_compute_of_batch_sizes_no_profile_reached(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """256 items at batch 64: four minibatches an epoch, no profile fits in 10% of it; with
+    whole epochs off, a compute probe of batch 64 is measured (stored as kind `compute`),
+    its cell is not extrapolated, and the budget counts the probe against the rule's cost."""
+    db = tmp_path / "r.db"
+    main(["train-predict", "-m", FACTORY, "--input-shape", "3x16x16", "--images", "256",
+          "--image-size", "16", "--disk-dir", str(tmp_path / "disk"), "--db", str(db),
+          "--telemetry", "off", "--batch", "8,64", "--workers", "0", "--profile-steps", "12",
+          "--profile-share", "0.5", "--whole-epochs-below", "0", "--validate", "0", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    probes = [p for p in report["profile_passes"] if p["kind"] == "compute"]
+    assert len(probes) == 1 and probes[0]["knobs"]["batch"] == 64
+    assert probes[0]["status"] == "ok" and probes[0]["steps"] == 3
+    assert report["model_info"]["compute_probes"] == ["b64 fp32"]
+    assert report["model_info"]["extrapolation"]["configurations"] == []
+    budget = report["budget"]
+    assert len(budget["compute_probes"]) == 1
+    assert budget["compute_probe_epochs"] == pytest.approx(budget["compute_probes"][0]["share"])
+    assert budget["total_epochs"] == pytest.approx(
+        sum(r["share"] for r in budget["per_config"]) + budget["compute_probe_epochs"])
+    with sqlite3.connect(db) as con:
+        stored = con.execute("SELECT COUNT(*) FROM train_passes WHERE kind = 'compute'"
+                             ).fetchone()
+    assert stored[0] == 1

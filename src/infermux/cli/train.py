@@ -194,6 +194,7 @@ def train_predict(
     validate_budget: Annotated[str | None, typer.Option("--validate-budget", help="Validate held-out configurations (in a seeded random order, one model cell at a time) until this much time is spent, e.g. 5m.")] = None,
     whole_epochs_below: Annotated[str, typer.Option("--whole-epochs-below", help="Where no profile within the rule reaches a model cell, measure whole epochs of one of its configurations if an epoch takes at most this long (e.g. 10s; 0 = never).")] = "10s",
     deadline: Annotated[str | None, typer.Option("--deadline", help="The whole command's time, e.g. 8m: whole epochs and validated configurations start only where they are expected to end within it (profiles are bounded by --budget).")] = None,
+    compute_probes: Annotated[bool, typer.Option("--compute-probes/--no-compute-probes", help="Measure a few minibatches (no loader workers) of each batch size no profile reached, so its compute is measured, not extrapolated from other batch sizes (counted in the profile budget).")] = True,
     db: DbOpt = "infermux.db",
     no_store: NoStoreOpt = False,
     as_json: JsonOpt = False,
@@ -225,7 +226,7 @@ def train_predict(
                                 profile_configs=profile_configs, from_run=from_run,
                                 reference_run=reference, method=method, validate=count,
                                 validate_budget_s=validate_budget_s, whole_epoch_s=whole_epoch_s,
-                                deadline_s=deadline_s)
+                                deadline_s=deadline_s, compute_probes=compute_probes)
     data_out = report.to_dict()
     if as_json:
         _print_json(data_out)
@@ -271,7 +272,10 @@ def train_predict(
         out.print(f"[dim]profile budget: largest profile {num(100 * spent['max_share'], 1)}% of "
                   f"its epoch, {spent['profiled']} of {spent['configurations']} configurations "
                   f"profiled ({spent['mode']} plan, {num(spent['total_epochs'], 2)} epochs "
-                  f"profiled in all, the rule allows {num(spent['total_epochs_allowed'], 2)}): "
+                  f"profiled in all"
+                  + (f", compute probes {num(spent['compute_probe_epochs'], 3)} of them"
+                     if spent.get("compute_probes") else "")
+                  + f", the rule allows {num(spent['total_epochs_allowed'], 2)}): "
                   f"{verdict} the rule ({spent['rule']})[/]")
     for note in report.notes:
         out.print(f"[dim]{escape(note)}[/]")

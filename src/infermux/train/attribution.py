@@ -128,7 +128,8 @@ def attribute_passes(passes: list[dict[str, Any]], epochs: list[dict[str, Any]],
                      ) -> dict[str, Any]:
     """`attribute` from passes' data (`PassRecord.as_data`, or `records.load_passes`).
 
-    `passes`: the run's profiles (kinds `profile` and `whole` are fitted on, others left);
+    `passes`: the run's profiles (kinds `profile` and `whole` are fitted on, `compute` probes
+    too, others left);
     `epochs`: its validated epochs (kind `epoch`), each with its `config`, an index into
     `predictions` (whose `measured` holds the drift beside it).
     """
@@ -136,10 +137,11 @@ def attribute_passes(passes: list[dict[str, Any]], epochs: list[dict[str, Any]],
                            "energy_target_pct": 100 * ENERGY_TARGET}
     fitted = [p for p in passes if p.get("status", "ok") == "ok"
               and p["kind"] in ("profile", "whole")]
+    probes = [p for p in passes if p.get("status", "ok") == "ok" and p["kind"] == "compute"]
     if not fitted:
         return out
     try:
-        comps = fit_components(fitted, all_cores)
+        comps = fit_components(fitted, all_cores, probes)
     except UsageError:
         return out
     for data in epochs:

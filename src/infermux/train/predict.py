@@ -155,7 +155,9 @@ def steady(data: dict[str, Any]) -> dict[str, float] | None:
     if data.get("status", "ok") != "ok" or not steps:
         return None
     workers = data["knobs"]["workers"]
-    continued = bool(data.get("split")) and data["pass"] == "warm"
+    # A compute probe follows its batch size's warm-up and has no loader workers: no ramp.
+    continued = (bool(data.get("split")) and data["pass"] == "warm") or \
+        data.get("kind") == "compute"
     ramp = 0 if continued else min(len(steps) - 1, warmup_steps(workers))
     walls = _walls(steps)
     body = walls[ramp:] or walls
@@ -480,8 +482,15 @@ class Components:
                 "start_s": start_s, **terms}
 
 
-def fit_components(passes: list[dict[str, Any]], all_cores: int) -> Components:
-    """The simple model's components from profiled passes (status ok)."""
+def fit_components(passes: list[dict[str, Any]], all_cores: int,
+                   probes: list[dict[str, Any]] | None = None) -> Components:
+    """The simple model's components from profiled passes (status ok).
+
+    `probes`: compute probes (kind `compute`, `profile.measure_compute`): a few minibatches
+    of a batch size no profile reached, without loader workers; they give the compute and
+    the training's CPU lines a point at that batch size, and nothing else (no loader, start-up
+    or energy term: they have no workers and last a fraction of a second).
+    """
     compute: dict[tuple[int, str], list[tuple[float, float]]] = defaultdict(list)
     cpu: dict[tuple[int, str], list[tuple[float, float]]] = defaultdict(list)
     loader: dict[tuple[Any, ...], list[tuple[float, float, float]]] = defaultdict(list)
@@ -537,6 +546,20 @@ def fit_components(passes: list[dict[str, Any]], all_cores: int) -> Components:
             if not str(data.get("energy_source", "")).startswith("modelled") and fig["T"] > 0:
                 busy[(n, k["precision"])].append((min(1.0, fig["compute"] / fig["T"]),
                                                   fig["power"]))
+    for data in probes or ():
+        fig = steady(data)
+        if fig is None:
+            continue
+        k = data["knobs"]
+        g = (_ncores(k, all_cores), k["precision"])
+        compute[g].append((k["batch"], max(1e-6, fig["compute"])))
+        compute0[g].append(compute[g][-1])
+        if fig["steady_cpu_per_step"] is not None:
+            point = (k["batch"], max(1e-6, fig["steady_cpu_per_step"]
+                                     - k["batch"] * fig["load_cpu"]))
+            cpu[g].append(point)
+            steady_cpu[g].append(point)
+            steady_cpu_w[(g[0], g[1], False)].append(point)
     if not compute:
         raise UsageError("no profiled configuration measured any minibatch: nothing to predict "
                          "from; check the errors of the profile run")
@@ -1025,16 +1048,19 @@ def _training_rows(passes: list[dict[str, Any]], all_cores: int, tmpfs: dict[str
 
 def predict_all(configs: list[Knobs], passes: list[dict[str, Any]], *, items: int,
                 all_cores: int, tmpfs: dict[str, bool], method: str = "auto",
-                reference: list[dict[str, Any]] | None = None) -> tuple[list[Prediction],
-                                                                         dict[str, Any]]:
+                reference: list[dict[str, Any]] | None = None,
+                probes: list[dict[str, Any]] | None = None) -> tuple[list[Prediction],
+                                                                      dict[str, Any]]:
     """Predict every configuration's epochs from the profiled passes; (predictions, model info).
 
     `method`: `auto` (learned where its leave-one-out error beats the simple model's), `simple`
     or `learned`. `reference`: passes of another network; the learned model is fitted on them
-    and recalibrated on `passes` (transfer).
+    and recalibrated on `passes` (transfer). `probes`: compute probes of batch sizes no
+    profile reached (`fit_components`).
     """
     by = _group(passes)
-    comps = fit_components(passes, all_cores)
+    probes = [p for p in probes or () if p.get("status", "ok") == "ok" and p.get("steps")]
+    comps = fit_components(passes, all_cores, probes)
     info: dict[str, Any] = {"profiled": sorted(by), "method": method}
     if reference and _fit_kappa(passes, all_cores) is None:
         # No loader-bound profile of this network: the loader's cycle is the machine's and the
@@ -1089,8 +1115,11 @@ def predict_all(configs: list[Knobs], passes: list[dict[str, Any]], *, items: in
     # bound is that error as measured (each profiled cell predicted from the others), and at
     # least twice the interpolating one, or assumed where fewer than two cells were profiled.
     err_x = max(EXTRAPOLATION_WIDEN * err, cell_err or 0.0, EXTRAPOLATION_MIN_ERR)
+    probed = [Knobs.from_dict(p["knobs"]) for p in probes]
     extrapolated = [k.label for i, k in enumerate(configs)
-                    if i not in by and not covered(k, profiled_knobs)]
+                    if i not in by and not covered(k, profiled_knobs, probed)]
+    if probes:
+        info["compute_probes"] = sorted({f"b{k.batch} {k.precision}" for k in probed})
     info["extrapolation"] = {
         "configurations": extrapolated, "cells_profiled": cells,
         "cells": len({model_cell(k) for k in configs}),
@@ -1153,14 +1182,21 @@ EXTRAPOLATION_WIDEN = 2.0
 EXTRAPOLATION_MIN_ERR = math.log(1.25)
 
 
-def covered(knobs: Knobs, profiled: list[Knobs]) -> bool:
+def covered(knobs: Knobs, profiled: list[Knobs], probed: list[Knobs] | tuple[()] = ()) -> bool:
     """Whether a configuration's model cell was profiled or lies inside profiled ones.
 
     The cell is (cores, precision, with or without workers, batch); a batch size between two
     profiled ones of the same (cores, precision, workers) group is interpolated by its lines.
+    `probed`: compute probes (`profile.measure_compute`); a batch size whose compute was probed,
+    in a (cores, precision, workers) group profiled at another batch size, is covered: its
+    compute is measured, its loader's and start-up's terms are per item or per worker.
     """
     group = [p.batch for p in profiled if model_cell(p)[:3] == model_cell(knobs)[:3]]
-    return knobs.batch in group or bool(group and min(group) < knobs.batch < max(group))
+    if knobs.batch in group or bool(group and min(group) < knobs.batch < max(group)):
+        return True
+    return bool(group) and any(
+        (p.cores, p.precision, p.batch) == (knobs.cores, knobs.precision, knobs.batch)
+        for p in probed)
 
 
 def _cell_out_error(passes: list[dict[str, Any]], all_cores: int) -> tuple[float | None, int]:

@@ -57,6 +57,7 @@ __all__ = [
     "TrainConfig",
     "TrainReport",
     "TrainSetup",
+    "measure_compute",
     "measure_configs",
     "prepare",
     "profile_steps",
@@ -72,6 +73,9 @@ DEFAULT_WATTS_PER_CORE = 3.5
 #: The share of a profile's budget (`TrainConfig.profile_share` of an epoch) spent on its
 #: minibatches; the rest is for its loader's start-up, the first minibatch's wait and the tail.
 MINIBATCH_SHARE = 0.6
+#: Minibatches of a compute probe (`measure_compute`): after the warm-up of its precision and
+#: batch size, each is a steady minibatch (no loader workers, no ramp).
+COMPUTE_PROBE_STEPS = 3
 #: Mean cores used by other processes above which a pass is flagged as measured on a shared machine.
 SHARED_CORES_FLAG = 0.25
 
@@ -424,6 +428,51 @@ def measure_configs(setup: TrainSetup, configs: list[Knobs], *, kind: str = "pro
                                  telemetry_rows=window.rows() if window is not None else None)
         passes += recs
     return passes, skipped
+
+
+def measure_compute(setup: TrainSetup, knobs: Knobs, index: int,
+                    steps: int = COMPUTE_PROBE_STEPS) -> PassRecord:
+    """A compute probe: `steps` minibatches of `knobs`' batch and precision, no loader workers.
+
+    What a batch size's minibatch costs the device, measured where no profile of that batch
+    size fits in the rule (an epoch of a few dozen minibatches): a GPU runs a larger batch
+    faster per image than a line from a smaller one predicts, so the compute term at that batch
+    is measured, not extrapolated. After the warm-up of its precision and batch size (once per
+    run, as for a profile), every minibatch is steady; the loader (no workers, files already
+    read) is kept out of the compute phase by the timestamps. Kind `compute`, pass `warm`;
+    `index` is a configuration of the grid it stands for (its batch, precision and cores).
+    """
+    if (knobs.precision, knobs.batch) not in setup.warmed:
+        warm_up(setup, knobs)
+    probe = replace(knobs, workers=0, prefetch_factor=2, persistent_workers=False)
+    _, dataset = setup.datasets[knobs.storage]
+    items = setup.dataset_items
+    rec = PassRecord(index, probe, "compute", "warm", dataset_items=items)
+    module = copy.deepcopy(setup.model.module)
+    module.load_state_dict(setup.pristine)
+    skip = (setup.sampler._thread.native_id,) if setup.sampler is not None else ()
+    cpu = ProcessTreeCpu()
+    with pinned(knobs.cores, knobs.threads, skip=tuple(t for t in skip if t)):
+        trainer = Trainer(module, device=setup.device, precision=knobs.precision,
+                          optimizer=setup.config.optimizer, lr=setup.config.lr)
+        loader = make_loader(dataset, probe, device=setup.device, shuffle=False,
+                             indices=_subset(items, min(items, steps * knobs.batch),
+                                             setup.config.seed + index))
+        try:
+            rec.result = run_pass(trainer, loader, cpu=cpu, cpu_marks={steps - 1})
+        except DeviceOutOfMemoryError as exc:
+            rec.status, rec.error = "oom", str(exc)
+        except InfermuxError as exc:
+            rec.status, rec.error = "failed", str(exc)
+    if rec.result is not None:
+        _energy(setup, rec.result, rec)
+        rec.extra["steady_cpu_s"] = rec.result.steady_cpu_s(0)
+    window = rec.extra.pop("_window", None)
+    if setup.store is not None and setup.run_id is not None:
+        records.add_pass(setup.store, setup.run_id, rec, model_name=setup.model.name,
+                         unit=_unit_label(setup.device, knobs),
+                         telemetry_rows=window.rows() if window is not None else None)
+    return rec
 
 
 def _unit_label(device: str, knobs: Knobs) -> str:

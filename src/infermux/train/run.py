@@ -46,11 +46,13 @@ from infermux.train.predict import (
     warmup_steps,
 )
 from infermux.train.profile import (
+    COMPUTE_PROBE_STEPS,
     MINIBATCH_SHARE,
     PassRecord,
     ProgressFn,
     TrainConfig,
     TrainSetup,
+    measure_compute,
     measure_configs,
     prepare,
     recorded,
@@ -151,20 +153,42 @@ class PredictReport:
                 "flags": sorted({f for p in recs for f in p.flags if f.startswith("short")})})
         shares = [r["share"] for r in rows if r["share"] is not None]
         allowed = math.ceil(len(self.configs) / 3)
+        # Compute probes are not a configuration's profile: each is counted against the rule's
+        # cost in all, as its wall time over the shortest predicted epoch of its batch size.
+        probes: list[dict[str, Any]] = []
+        for p in self.passes:
+            if p.kind != "compute" or p.result is None:
+                continue
+            k = p.knobs
+            same = [self.predictions[j] for j, c in enumerate(self.configs)
+                    if (c.cores, c.precision, c.batch) == (k.cores, k.precision, k.batch)
+                    and j < len(self.predictions)]
+            epoch = min((e["predicted_s"] or math.inf for q in same
+                         for e in q.epochs.values()), default=math.inf)
+            probes.append({"label": f"b{k.batch} {k.precision}",
+                           "probe_s": p.result.wall_ns / 1e9,
+                           "minibatches": len(p.result.steps),
+                           "share": p.result.wall_ns / 1e9 / epoch
+                           if math.isfinite(epoch) and epoch > 0 else None})
+        probe_epochs = sum(r["share"] or 0.0 for r in probes)
+        total = sum(shares) + probe_epochs
         return {
             "rule": f"profile ≤ {share:.0%} of an epoch for ≤ 1/3 of the configurations",
             "mode": self.profile_mode,
             "configurations": len(self.configs), "profiled": len(self.profiled),
             "profiled_allowed": allowed, "max_share": max(shares) if shares else None,
             "mean_share": sum(shares) / len(shares) if shares else None,
-            "profile_s": sum(r["profile_s"] for r in rows),
-            "ok": bool(shares) and len(self.profiled) <= allowed and max(shares) <= share,
+            "profile_s": sum(r["profile_s"] for r in rows)
+            + sum(r["probe_s"] for r in probes),
+            "ok": bool(shares) and len(self.profiled) <= allowed and max(shares) <= share
+            and total <= share * allowed,
             # The rule's cost in all (a third of the grid at the share each) against what the
-            # profiles cost in epochs: a thin plan profiles more configurations for as much.
-            "total_epochs": sum(shares), "total_epochs_allowed": share * allowed,
-            "ok_in_total": bool(shares) and max(shares) <= share
-            and sum(shares) <= share * allowed,
-            "per_config": rows,
+            # profiles and compute probes cost in epochs: a thin plan profiles more
+            # configurations for as much.
+            "total_epochs": total, "total_epochs_allowed": share * allowed,
+            "compute_probe_epochs": probe_epochs,
+            "ok_in_total": bool(shares) and max(shares) <= share and total <= share * allowed,
+            "per_config": rows, "compute_probes": probes,
         }
 
     def to_dict(self) -> dict[str, Any]:
@@ -371,6 +395,8 @@ def _stored_passes(store: Store, run_id: int, configs: list[Knobs]) -> list[dict
         if data["label"] in index and not data["kind"].startswith("probe"):
             data["config"] = index[data["label"]]
             passes.append(data)
+        elif data["kind"] == "compute":  # its knobs have no workers: not a grid's label
+            passes.append(data)
     return passes
 
 
@@ -435,7 +461,8 @@ def run_train_predict(config: TrainConfig, *, store: Store | None = None,
                       validate: int | None = 0,
                       validate_budget_s: float | None = None,
                       whole_epoch_s: float = WHOLE_EPOCH_S,
-                      deadline_s: float | None = None) -> PredictReport:
+                      deadline_s: float | None = None,
+                      compute_probes: bool = True) -> PredictReport:
     """Profile a subset, predict all, validate held-out configurations (module docstring).
 
     `validate`: 0 = no validation, None = every held-out configuration, N = that many (drawn
@@ -444,6 +471,8 @@ def run_train_predict(config: TrainConfig, *, store: Store | None = None,
     measured where one takes at most this long (0: never). `deadline_s`: the whole call's
     time; whole epochs and validated configurations start only where they are expected to end
     within it (the set-up and the profiles are bounded by `TrainConfig.budget_s` instead).
+    `compute_probes`: measure the compute of each batch size no profile reached
+    (`_compute_probes`); off, those batch sizes' compute comes from the other sizes' lines.
     """
     if deadline_s is not None and deadline_s <= 0:
         raise UsageError(f"--deadline {deadline_s} s must be positive, e.g. --deadline 5m")
@@ -473,7 +502,8 @@ def run_train_predict(config: TrainConfig, *, store: Store | None = None,
                           from_run=from_run, reference=reference, method=method,
                           validate=validate, validate_budget_s=validate_budget_s,
                           started=started, whole_epoch_s=whole_epoch_s,
-                          until=None if deadline_s is None else started + deadline_s)
+                          until=None if deadline_s is None else started + deadline_s,
+                          compute_probes=compute_probes)
         return report
     finally:
         report.status = rec.status
@@ -485,7 +515,8 @@ def _predict_body(setup: TrainSetup, report: PredictReport, rec: Recording, *,
                   store: Store | None, progress: ProgressFn | None, share: int,
                   from_run: int | None, reference: list[dict[str, Any]] | None, method: str,
                   validate: int | None, validate_budget_s: float | None, started: float,
-                  whole_epoch_s: float = WHOLE_EPOCH_S, until: float | None = None) -> None:
+                  whole_epoch_s: float = WHOLE_EPOCH_S, until: float | None = None,
+                  compute_probes: bool = True) -> None:
     """Profile (or read stored profiles), predict, validate, store: `run_train_predict`'s work.
 
     `until`: the `time.perf_counter()` by which the call is to end (`deadline_s`).
@@ -515,12 +546,17 @@ def _predict_body(setup: TrainSetup, report: PredictReport, rec: Recording, *,
         passes = [p.as_data() for p in report.passes if p.status == "ok"]
         if whole_epoch_s > 0:
             passes = _whole_epochs(setup, report, passes, whole_epoch_s, progress, until)
+        if compute_probes:
+            _compute_probes(setup, report, passes, progress)
+    probes = [p.as_data() for p in report.passes if p.kind == "compute" and p.status == "ok"]
+    probes += [p for p in passes if p["kind"] == "compute"]  # a stored run's (`from_run`)
+    passes = [p for p in passes if p["kind"] != "compute"]
     report.profile_s = time.perf_counter() - t0
     if progress is not None:
         progress("fitting the predictor", 0.5)
     report.predictions, report.info = predict_all(
         configs, passes, items=setup.dataset_items, all_cores=all_cores,
-        tmpfs=tmpfs, method=method, reference=reference)
+        tmpfs=tmpfs, method=method, reference=reference, probes=probes)
     _say_whether_within_rule(report, config.profile_share)
     t1 = time.perf_counter()
     if until is not None:
@@ -544,6 +580,39 @@ def _predict_body(setup: TrainSetup, report: PredictReport, rec: Recording, *,
         "missed": {e: report.attribution[e]["verdict"] for e in ("first", "later")
                    if e in report.attribution},
         "elapsed_s": time.perf_counter() - started}
+
+
+def _compute_probes(setup: TrainSetup, report: PredictReport, passes: list[dict[str, Any]],
+                    progress: ProgressFn | None) -> None:
+    """A compute probe (`profile.measure_compute`) of each batch size no profile reached.
+
+    Per (cores, precision), every batch size of the grid without a profiled or whole pass gets
+    `profile.COMPUTE_PROBE_STEPS` minibatches without loader workers (kind `compute`, in
+    `report.passes`): the compute term at that batch is measured instead of drawn from a line
+    through the other batch sizes (on a GPU, a line from batch 32 predicted batch 128's
+    minibatch far too long). They count in the profile budget (`PredictReport.budget`).
+    """
+    configs = report.configs
+    reached = {(tuple(p["knobs"]["cores"] or ()), p["knobs"]["precision"], p["knobs"]["batch"])
+               for p in passes if p.get("status", "ok") == "ok"}
+    done: set[tuple[Any, ...]] = set()
+    measured = []
+    for i, knobs in enumerate(configs):
+        key = (tuple(knobs.cores or ()), knobs.precision, knobs.batch)
+        if key in reached or key in done:
+            continue
+        done.add(key)
+        if progress is not None:
+            progress(f"compute probe b{knobs.batch} {knobs.precision}", 0.5)
+        rec = measure_compute(setup, knobs, i)
+        report.passes.append(rec)
+        if rec.status == "ok" and rec.result is not None:
+            measured.append(f"b{knobs.batch} {knobs.precision} "
+                            f"({rec.result.wall_ns / 1e9:.2f} s)")
+    if measured:
+        report.notes.append(
+            f"compute probes ({COMPUTE_PROBE_STEPS} minibatches each, no loader workers) of the "
+            f"batch sizes no profile reached: {', '.join(measured)}")
 
 
 def _whole_epochs(setup: TrainSetup, report: PredictReport, passes: list[dict[str, Any]],
@@ -805,6 +874,7 @@ def repredict(store: Store, run_id: int, *, reference_run: int | None = None,
     passes = records.load_passes(store, run_id)
     profile = [p for p in passes if p["kind"] in ("profile", "whole")
                and p.get("status", "ok") == "ok"]
+    probes = [p for p in passes if p["kind"] == "compute" and p.get("status", "ok") == "ok"]
     epochs = [p for p in passes if p["kind"] == "epoch" and p.get("status", "ok") == "ok"]
     for p in profile + epochs:
         p["config"] = index[p["label"]]
@@ -814,7 +884,7 @@ def repredict(store: Store, run_id: int, *, reference_run: int | None = None,
     tmpfs = {s: s == "tmpfs" for s in config["grid"]["storage"]}
     predictions, info = predict_all(configs, profile, items=config["dataset_items"],
                                     all_cores=all_cores, tmpfs=tmpfs, method=method,
-                                    reference=reference)
+                                    reference=reference, probes=probes)
     drift = _stored_drift(passes, profile, epochs)
     for p in epochs:
         predictions[p["config"]].measured["first" if p["pass"] == "cold" else "later"] = {
@@ -833,7 +903,7 @@ def repredict(store: Store, run_id: int, *, reference_run: int | None = None,
     return {"run_id": run_id, "configs": [k.label for k in configs], "profile_shares": shares,
             "profiled": [configs[i].label for i in report.profiled], "model_info": info,
             "scores": report.scores(),
-            "attribution": attribute_passes(profile, epochs, predictions,
+            "attribution": attribute_passes(profile + probes, epochs, predictions,
                                             config["dataset_items"], all_cores),
             "drift": {k: v for k, v in drift.items() if k != "by_config"} if drift else None,
             "predictions": [r for p in predictions for r in p.rows()]}
