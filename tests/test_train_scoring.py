@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from infermux.cli import main
+from infermux.errors import UsageError
 from infermux.train import Grid, Knobs
 from infermux.train.attribution import epoch_parts
 from infermux.train.predict import (
@@ -359,3 +360,36 @@ def test_train_predict_probes_the_compute_of_batch_sizes_no_profile_reached(
         stored = con.execute("SELECT COUNT(*) FROM train_passes WHERE kind = 'compute'"
                              ).fetchone()
     assert stored[0] == 1
+
+
+def test_settling_runs_once_before_the_first_profile_and_says_what_it_saw(
+        tmp_path: Path) -> None:
+    """`settle` trains one batch in blocks until a block's mean step time is within 5% of the
+    one before (or its time is spent), once per run, and records it; 0 s turns it off."""
+    from dataclasses import replace
+
+    from infermux.models import ModelSpec
+    from infermux.train import DataSpec, TrainConfig
+    from infermux.train.profile import SETTLE_BLOCK, prepare, settle
+
+    config = TrainConfig(ModelSpec(FACTORY, input_shape=(3, 16, 16)),
+                         Grid(batch=[8], workers=[0], storage=["disk"]),
+                         data=DataSpec(count=32, size=16, classes=4),
+                         disk_dir=str(tmp_path / "disk"), telemetry_interval_s=None,
+                         settle_s=1.0)
+    setup = prepare(config)
+    knobs = config.grid.configs()[0]
+    got = settle(setup, knobs)
+    assert got["minibatches"] >= 2 * SETTLE_BLOCK or got["s"] >= 1.0
+    assert got["minibatches"] % SETTLE_BLOCK == 0 and got["label"] == knobs.label
+    assert got["first_block_ms"] > 0 and got["last_block_ms"] > 0
+    # Not settled only where the time ran out.
+    assert got["settled"] or got["s"] >= 1.0
+    assert any(n.startswith("settling:") for n in setup.notes)
+    # Once per run, shared by a copy of the setup (as profiles of fewer minibatches use).
+    assert settle(replace(setup, config=replace(config, profile_share=0.05)), knobs) is got
+    assert sum(n.startswith("settling:") for n in setup.notes) == 1
+    off = prepare(replace(config, settle_s=0.0))
+    assert settle(off, knobs) == {} and not off.settled
+    with pytest.raises(UsageError, match="--settle"):
+        replace(config, settle_s=-1.0).validate()

@@ -194,6 +194,7 @@ def train_predict(
     validate_budget: Annotated[str | None, typer.Option("--validate-budget", help="Validate held-out configurations (in a seeded random order, one model cell at a time) until this much time is spent, e.g. 5m.")] = None,
     whole_epochs_below: Annotated[str, typer.Option("--whole-epochs-below", help="Where no profile within the rule reaches a model cell, measure whole epochs of one of its configurations if an epoch takes at most this long (e.g. 10s; 0 = never).")] = "10s",
     deadline: Annotated[str | None, typer.Option("--deadline", help="The whole command's time, e.g. 8m: whole epochs and validated configurations start only where they are expected to end within it (profiles are bounded by --budget).")] = None,
+    settle: Annotated[str, typer.Option("--settle", help="Before the first profile (the drift reference), train on one batch until its step time settles, for at most this long (e.g. 3s; 0 = not at all).")] = "3s",
     compute_probes: Annotated[bool, typer.Option("--compute-probes/--no-compute-probes", help="Measure a few minibatches (no loader workers) of each batch size no profile reached, so its compute is measured, not extrapolated from other batch sizes (counted in the profile budget).")] = True,
     db: DbOpt = "infermux.db",
     no_store: NoStoreOpt = False,
@@ -222,6 +223,8 @@ def train_predict(
     whole_epoch_s = (0.0 if whole_epochs_below.strip() == "0"
                      else parse_duration_s(whole_epochs_below, name="--whole-epochs-below"))
     deadline_s = parse_duration_s(deadline, name="--deadline") if deadline else None
+    config.settle_s = (0.0 if settle.strip() == "0"
+                       else parse_duration_s(settle, name="--settle"))
     report = _run_with_progress(run_train_predict, config, db=db, no_store=no_store,
                                 profile_configs=profile_configs, from_run=from_run,
                                 reference_run=reference, method=method, validate=count,

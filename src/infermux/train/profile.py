@@ -26,6 +26,7 @@ import math
 import os
 import random
 import shutil
+import statistics
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -63,6 +64,7 @@ __all__ = [
     "profile_steps",
     "recorded",
     "run_train_profile",
+    "settle",
 ]
 
 ProgressFn = Callable[[str, float], None]
@@ -105,6 +107,9 @@ class TrainConfig:
     #: Keep data sets copied to a tmpfs after the run (default: removed, they take memory).
     keep_tmpfs: bool = False
     seed: int = 0
+    #: Before the first profile, train on one batch until its step time settles, for at most
+    #: this long (`settle`; 0 = not at all).
+    settle_s: float = 3.0
 
     def validate(self) -> None:
         """One line naming a bad value and what is allowed."""
@@ -119,6 +124,8 @@ class TrainConfig:
             raise UsageError(f"--profile-share {self.profile_share} must be in (0, 1], e.g. 0.1")
         if self.budget_s is not None and self.budget_s <= 0:
             raise UsageError(f"--budget {self.budget_s}s must be positive, e.g. --budget 10m")
+        if self.settle_s < 0:
+            raise UsageError(f"--settle {self.settle_s} s must be 0 (off) or more, e.g. 3s")
         if self.watts_per_core <= 0:
             raise UsageError(f"--watts-per-core {self.watts_per_core} must be positive, e.g. 3.5")
         if self.jetson_clocks and self.power_mode is None:
@@ -150,6 +157,9 @@ class TrainSetup:
     cleanup: list[Path] = field(default_factory=list)
     #: (precision, batch) pairs already warmed up (`warm_up`)
     warmed: set[tuple[str, int]] = field(default_factory=set)
+    #: What `settle` did (empty until it ran; shared by copies of the setup made with
+    #: `dataclasses.replace`, as `warmed` is).
+    settled: dict[str, Any] = field(default_factory=dict)
 
     @property
     def device(self) -> str:
@@ -391,6 +401,67 @@ def warm_up(setup: TrainSetup, knobs: Knobs, steps: int = 3) -> None:
                        f"{knobs.batch} first ({time.perf_counter() - t0:.1f} s)")
 
 
+#: `settle`: step times are compared in blocks of this many minibatches ...
+SETTLE_BLOCK = 4
+#: ... and the machine is settled when a block's mean is within this share of the one before.
+SETTLE_TOLERANCE = 0.05
+
+
+def settle(setup: TrainSetup, knobs: Knobs) -> dict[str, Any]:
+    """Train on one batch of `knobs` until its step time settles; once per run, unrecorded.
+
+    The first profile of a run is the drift reference (`run._validate` re-profiles it beside
+    every validated configuration): on an H100/H200 host its steady minibatches were still
+    speeding up after the few warm-up minibatches (a MobileNet's batch-32 steps went from
+    30–46 ms to 21–23 ms over its first profile), so every later probe read as the machine
+    "drifting" faster by 10–35%. Blocks of `SETTLE_BLOCK` minibatches run until a block's
+    mean is within `SETTLE_TOLERANCE` of the block before (or `TrainConfig.settle_s` is
+    spent); what it saw is returned and kept in `setup.settled` (and the run's notes).
+    """
+    import torch
+
+    if setup.settled or setup.config.settle_s <= 0:
+        return setup.settled
+    if (knobs.precision, knobs.batch) not in setup.warmed:
+        warm_up(setup, knobs)
+    _, dataset = setup.datasets[knobs.storage]
+    module = copy.deepcopy(setup.model.module)
+    t0 = time.perf_counter()
+    blocks: list[float] = []
+    with pinned(knobs.cores, knobs.threads):
+        trainer = Trainer(module, device=setup.device, precision=knobs.precision,
+                          optimizer=setup.config.optimizer, lr=setup.config.lr)
+        loader = make_loader(dataset, replace(knobs, workers=0, prefetch_factor=2,
+                                              persistent_workers=False),
+                             indices=list(range(min(len(dataset), knobs.batch))))
+        x, y = next(iter(loader))[:2]
+        while time.perf_counter() - t0 < setup.config.settle_s:
+            times = []
+            for _ in range(SETTLE_BLOCK):
+                t = time.perf_counter_ns()
+                trainer.step(x, y, non_blocking=False)
+                times.append(time.perf_counter_ns() - t)
+            blocks.append(statistics.fmean(times) / 1e9)
+            if len(blocks) >= 2 and abs(blocks[-1] / blocks[-2] - 1) <= SETTLE_TOLERANCE:
+                break
+    del module, trainer
+    if setup.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    spent = time.perf_counter() - t0
+    steady_ = len(blocks) >= 2 and abs(blocks[-1] / blocks[-2] - 1) <= SETTLE_TOLERANCE
+    setup.settled.update(
+        label=knobs.label, minibatches=SETTLE_BLOCK * len(blocks), s=spent,
+        first_block_ms=1e3 * blocks[0] if blocks else None,
+        last_block_ms=1e3 * blocks[-1] if blocks else None, settled=steady_)
+    setup.notes.append(
+        f"settling: {SETTLE_BLOCK * len(blocks)} unrecorded minibatches of {knobs.label} before "
+        f"the first profile ({spent:.1f} s), step {1e3 * blocks[0]:.1f} → "
+        f"{1e3 * blocks[-1]:.1f} ms per minibatch"
+        + ("" if steady_ else f"; not settled within {setup.config.settle_s:g} s")
+        if blocks else "settling: no minibatch fitted in the time given")
+    return setup.settled
+
+
 def measure_configs(setup: TrainSetup, configs: list[Knobs], *, kind: str = "profile",
                     progress: ProgressFn | None = None, budget_s: float | None = None,
                     indices: list[int] | None = None) -> tuple[list[PassRecord], list[Knobs]]:
@@ -410,6 +481,9 @@ def measure_configs(setup: TrainSetup, configs: list[Knobs], *, kind: str = "pro
         # cuDNN's heuristics per shape): paid once, before any is measured.
         if (knobs.precision, knobs.batch) not in setup.warmed:
             warm_up(setup, knobs)
+    if kind == "profile" and configs:
+        # The first profile is the drift reference: measured on a machine already settled.
+        settle(setup, configs[0])
     for i, knobs in enumerate(configs):
         elapsed = time.perf_counter() - started
         if budget_s is not None and done and elapsed + sum(done) / len(done) > budget_s:

@@ -557,6 +557,8 @@ def _predict_body(setup: TrainSetup, report: PredictReport, rec: Recording, *,
     report.predictions, report.info = predict_all(
         configs, passes, items=setup.dataset_items, all_cores=all_cores,
         tmpfs=tmpfs, method=method, reference=reference, probes=probes)
+    if setup.settled:
+        report.info["settle"] = dict(setup.settled)
     _say_whether_within_rule(report, config.profile_share)
     t1 = time.perf_counter()
     if until is not None:
