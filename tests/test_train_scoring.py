@@ -393,3 +393,20 @@ def test_settling_runs_once_before_the_first_profile_and_says_what_it_saw(
     assert settle(off, knobs) == {} and not off.settled
     with pytest.raises(UsageError, match="--settle"):
         replace(config, settle_s=-1.0).validate()
+
+
+def test_thin_profiles_leave_room_for_the_compute_probes_they_need() -> None:
+    """Batch 128 on 6,000 items (47 minibatches) is beyond any thin profile: its compute is
+    probed, and the thin profiles leave a quarter of the rule's cost for the probes where they
+    still reach as many cells; where the thinner profiles would reach fewer, they do not."""
+    from infermux.train.run import PROBE_RESERVE
+
+    configs = Grid(batch=[32, 128], workers=[2], precision=["fp32", "amp"]).configs("cuda:0")
+    mode, pool, count, each, notes = _profile_plan(configs, 6000, 0.1, 2)
+    assert mode == "thin" and each == pytest.approx(0.1 * (1 - PROBE_RESERVE))
+    assert {configs[i].batch for i in pool} == {32}
+    assert "compute probes of 2 batch size(s)" in notes[-1]
+    wide = Grid(batch=[32, 128], workers=[2, 8], precision=["fp32", "amp"]).configs("cuda:0")
+    mode, _, count, each, notes = _profile_plan(wide, 6000, 0.1, 3)
+    assert mode == "thin" and each == pytest.approx(0.1 * 3 / 4)
+    assert "compute probes" not in notes[-1]

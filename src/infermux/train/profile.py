@@ -512,8 +512,9 @@ def measure_compute(setup: TrainSetup, knobs: Knobs, index: int,
     size fits in the rule (an epoch of a few dozen minibatches): a GPU runs a larger batch
     faster per image than a line from a smaller one predicts, so the compute term at that batch
     is measured, not extrapolated. After the warm-up of its precision and batch size (once per
-    run, as for a profile), every minibatch is steady; the loader (no workers, files already
-    read) is kept out of the compute phase by the timestamps. Kind `compute`, pass `warm`;
+    run, as for a profile), every minibatch is steady; one batch is loaded (no workers, in the
+    first minibatch's fetch) and trained on `steps` times (`_Repeated`): the probe costs one
+    batch's loading, not `steps`. Kind `compute`, pass `warm`;
     `index` is a configuration of the grid it stands for (its batch, precision and cores).
     """
     if (knobs.precision, knobs.batch) not in setup.warmed:
@@ -529,9 +530,9 @@ def measure_compute(setup: TrainSetup, knobs: Knobs, index: int,
     with pinned(knobs.cores, knobs.threads, skip=tuple(t for t in skip if t)):
         trainer = Trainer(module, device=setup.device, precision=knobs.precision,
                           optimizer=setup.config.optimizer, lr=setup.config.lr)
-        loader = make_loader(dataset, probe, device=setup.device, shuffle=False,
-                             indices=_subset(items, min(items, steps * knobs.batch),
-                                             setup.config.seed + index))
+        loader = _Repeated(make_loader(dataset, probe, device=setup.device, shuffle=False,
+                                       indices=_subset(items, min(items, knobs.batch),
+                                                       setup.config.seed + index)), steps)
         try:
             rec.result = run_pass(trainer, loader, cpu=cpu, cpu_marks={steps - 1})
         except DeviceOutOfMemoryError as exc:
@@ -547,6 +548,25 @@ def measure_compute(setup: TrainSetup, knobs: Knobs, index: int,
                          unit=_unit_label(setup.device, knobs),
                          telemetry_rows=window.rows() if window is not None else None)
     return rec
+
+
+class _Repeated:
+    """A loader's first batch, then the same tensors `times` − 1 times more (no load timing)."""
+
+    def __init__(self, loader: Any, times: int) -> None:
+        self.loader, self.times = loader, times
+        self.pin_memory = getattr(loader, "pin_memory", False)
+        self.batch_size = getattr(loader, "batch_size", None)
+
+    def __iter__(self) -> Iterator[Any]:
+        import torch
+
+        batch = next(iter(self.loader))
+        yield batch
+        x, y, *rest = batch
+        for _ in range(self.times - 1):
+            # The items were loaded once: the repeats carry no loading time of their own.
+            yield (x, y, torch.zeros_like(rest[0])) if rest else (x, y)
 
 
 def _unit_label(device: str, knobs: Knobs) -> str:

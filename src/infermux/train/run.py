@@ -213,6 +213,9 @@ class PredictReport:
 #: A thin profile's steady minibatches per half (`profile.profile_steps`' floor): the least a
 #: steady time and its spread are taken from.
 THIN_STEADY_STEPS = 3
+#: A thin plan's profiles leave this share of the rule's cost to the compute probes of the
+#: batch sizes they cannot reach (`_compute_probes`).
+PROBE_RESERVE = 0.25
 #: Where no profile within the rule reaches a cell and a configuration of it is predicted to
 #: take at most this long an epoch, its whole epochs are measured instead (`--whole-epochs-below`).
 WHOLE_EPOCH_S = 10.0
@@ -255,15 +258,31 @@ def _profile_plan(configs: list[Knobs], items: int, share: float, count: int
     thin_share = share * count / many
     thin = [i for i, k in enumerate(configs)
             if profile_fits(k, items, thin_share, THIN_STEADY_STEPS)]
+    # Batch sizes no thin profile can reach get compute probes, counted in the same cost:
+    # the profiles leave them `PROBE_RESERVE` of it.
+    batches = {(k.cores, k.precision, k.batch) for k in configs}
+    probed = batches - {(configs[i].cores, configs[i].precision, configs[i].batch)
+                        for i in thin}
+    reserved = False
+    if probed:
+        less = [i for i, k in enumerate(configs)
+                if profile_fits(k, items, thin_share * (1 - PROBE_RESERVE), THIN_STEADY_STEPS)]
+        # Only where the thinner profiles still reach as many cells: else the probes go
+        # beyond the rule's cost, and the budget says so.
+        if len({model_cell(configs[i]) for i in less}) >= \
+                len({model_cell(configs[i]) for i in thin}):
+            thin, thin_share, reserved = less, thin_share * (1 - PROBE_RESERVE), True
     reach_thin = min(many, len({model_cell(configs[i]) for i in thin}))
     if reach == len(cells) or reach_thin <= reach:
         pool = fits if len(fits) >= count else list(range(len(configs)))
         return "rule", pool, count, share, notes
     notes.append(
         f"thin profiles: {many} configurations at ≤ {thin_share:.1%} of an epoch each (the "
-        f"rule's cost, {count} at {share:.0%}, spread over more), {THIN_STEADY_STEPS}+ steady "
-        f"minibatches per half, so that {reach_thin} of the grid's {len(cells)} model cells "
-        f"are profiled instead of {reach}")
+        f"rule's cost, {count} at {share:.0%}, spread over more"
+        + (f", less {PROBE_RESERVE:.0%} of it for compute probes of {len(probed)} batch "
+           "size(s) no profile can reach" if reserved else "")
+        + f"), {THIN_STEADY_STEPS}+ steady minibatches per half, so that {reach_thin} of the "
+        f"grid's {len(cells)} model cells are profiled instead of {reach}")
     return "thin", thin, min(many, len(thin)), thin_share, notes
 
 
