@@ -67,6 +67,8 @@ def summary(report: PredictReport, started: float, args: dict[str, Any]) -> dict
         "profiled": data["profiled"], "profile_s": data["profile_s"],
         "validate_s": data["validate_s"], "drift": data["drift"], "notes": data["notes"],
         "profile_mode": data["profile_mode"], "verdict": data["model_info"].get("verdict"),
+        "compute_probes": data["budget"].get("compute_probes", []),
+        "settle": data["model_info"].get("settle"),
         "rows": rows(report),
         "misses": miss_terms(report, len(os.sched_getaffinity(0))),
         "missed": {e: data["attribution"][e] for e in ("first", "later")
@@ -99,6 +101,11 @@ def print_figure(name: str, fig: dict[str, Any]) -> None:
           f"(allowed {b['profiled_allowed']}), largest share of an epoch "
           f"{pct(100 * share if share is not None else None)}, profiles {b['profile_s']:.1f} s "
           f"in all: {'OK' if b['ok'] else 'EXCEEDED'}")
+    probes = fig.get("compute_probes") or []
+    if probes:
+        print(f"{name}: compute probes (counted in the budget): " + ", ".join(
+            f"{p['label']} {p['probe_s']:.2f} s ({pct(100 * p['share'] if p['share'] else None)}"
+            " of its epoch)" for p in probes))
     d = fig.get("drift")
     if d and d.get("range"):
         print(f"{name}: drift: {d['label']} re-profiled beside the validation: "

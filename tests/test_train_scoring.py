@@ -403,10 +403,11 @@ def test_thin_profiles_leave_room_for_the_compute_probes_they_need() -> None:
 
     configs = Grid(batch=[32, 128], workers=[2], precision=["fp32", "amp"]).configs("cuda:0")
     mode, pool, count, each, notes = _profile_plan(configs, 6000, 0.1, 2)
+    assert count == 2
     assert mode == "thin" and each == pytest.approx(0.1 * (1 - PROBE_RESERVE))
     assert {configs[i].batch for i in pool} == {32}
     assert "compute probes of 2 batch size(s)" in notes[-1]
     wide = Grid(batch=[32, 128], workers=[2, 8], precision=["fp32", "amp"]).configs("cuda:0")
-    mode, _, count, each, notes = _profile_plan(wide, 6000, 0.1, 3)
+    mode, _, _, each, notes = _profile_plan(wide, 6000, 0.1, 3)
     assert mode == "thin" and each == pytest.approx(0.1 * 3 / 4)
     assert "compute probes" not in notes[-1]
