@@ -424,7 +424,7 @@ def _reference(store: Store | None, run_id: int) -> list[dict[str, Any]]:
         raise UsageError("--reference needs the results database: drop --no-store")
     store.run(run_id)  # one line if the run is not there
     passes = [p for p in records.load_passes(store, run_id)
-              if not p["kind"].startswith("probe")]
+              if not p["kind"].startswith("probe") and p["kind"] != "compute"]
     if not passes:
         raise UsageError(f"--reference {run_id} holds no training passes: give the id of a "
                          "train-profile or train-predict run (see `infermux results list`)")
@@ -552,7 +552,7 @@ def _predict_body(setup: TrainSetup, report: PredictReport, rec: Recording, *,
         if not passes:
             raise UsageError(f"--from {from_run}: none of its configurations is in this grid; "
                              "give the same --batch/--workers/... as that run")
-        report.profiled = sorted({p["config"] for p in passes})
+        report.profiled = sorted({p["config"] for p in passes if p["kind"] != "compute"})
     else:
         mode, pool, count, each, notes = _profile_plan(configs, setup.dataset_items,
                                                        config.profile_share, share)
