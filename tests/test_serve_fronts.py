@@ -153,7 +153,7 @@ def test_slab_layout_keeps_inputs_and_outputs_of_a_request_contiguous_and_apart(
 
 
 def test_frames_split_wherever_the_stream_breaks() -> None:
-    payload = b"".join(REQUEST.pack(rid, 0, 1, rid * 2, 1) for rid in range(50))
+    payload = b"".join(REQUEST.pack(rid, 0, 1, rid * 2, 1, 0) for rid in range(50))
     stream = frame(Kind.INFER, payload) + frame(Kind.DRAIN, b"") + frame(Kind.STATE, b"{}")
     reader = FrameReader()
     got: list[tuple[int, bytes]] = []

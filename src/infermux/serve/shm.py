@@ -31,7 +31,7 @@ import mmap
 import os
 import secrets
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -141,19 +141,35 @@ class SlabLayout:
     A slot holds one item: its input (room for FP32, the widest accepted) and every output
     (FP32). A request of `n` items takes `n` contiguous slots: its `n` input rows first, then
     each output's `n` rows, so each is one contiguous array.
+
+    A model of several inputs (`several`: each input's item shape and dtype, -1 for a
+    sequence dim; `output_shapes`: each output's item shape at the longest length) has room
+    per slot for every input and output at `max_length`; a request of sequence length
+    `length` packs each input's `n` rows at that length one after another, and its outputs,
+    at the shapes the runtime gave them, after the room the inputs may take.
     """
 
     input_shape: tuple[int, ...]
     output_shapes: tuple[tuple[int, ...], ...]
+    several: tuple[tuple[tuple[int, ...], str], ...] = ()
+    max_length: int = 1
+
+    def _at(self, shape: tuple[int, ...], length: int | None) -> tuple[int, ...]:
+        """`shape` with its sequence dims (-1) at `length` (the longest when None)."""
+        size = self.max_length if length is None else length
+        return tuple(size if d == -1 else d for d in shape)
 
     @property
     def input_item_bytes(self) -> int:
-        """Bytes of one item's input, as FP32."""
+        """Bytes of one item's input (every input at the longest length), as stored."""
+        if self.several:
+            return sum(math.prod(self._at(shape, None)) * np.dtype(dtype).itemsize
+                       for shape, dtype in self.several)
         return math.prod(self.input_shape) * 4
 
     @property
     def output_item_bytes(self) -> tuple[int, ...]:
-        """Bytes of one item's row of each output (FP32)."""
+        """Bytes of one item's row of each output (FP32, at the longest length)."""
         return tuple(math.prod(s) * 4 for s in self.output_shapes)
 
     @property
@@ -166,13 +182,36 @@ class SlabLayout:
         return np.ndarray((n, *self.input_shape), dtype=dtype, buffer=buf,
                           offset=start * self.slot_bytes)
 
-    def outputs(self, buf: Any, start: int, n: int) -> list[np.ndarray]:
-        """The request's output arrays (FP32), one per output."""
+    def several_inputs(self, buf: Any, start: int, n: int, length: int | None,
+                       ) -> list[np.ndarray]:
+        """A model of several inputs: the request's arrays, one per input, at `length`."""
+        at = start * self.slot_bytes
+        views = []
+        for shape, dtype in self.several:
+            view = np.ndarray((n, *self._at(shape, length)), dtype=dtype, buffer=buf, offset=at)
+            views.append(view)
+            at += view.nbytes
+        return views
+
+    def outputs(self, buf: Any, start: int, n: int,
+                shapes: Sequence[tuple[int, ...]] | None = None) -> list[np.ndarray]:
+        """The request's output arrays (FP32), one per output: `n` rows of `shapes`.
+
+        `shapes`: each output's item shape as served (a model of several inputs: at the
+        request's length); None: `output_shapes`. Raises ValueError when they do not fit the
+        request's slots.
+        """
+        if shapes is None:
+            shapes = self.output_shapes
+        elif sum(math.prod(s) * 4 for s in shapes) > sum(self.output_item_bytes):
+            raise ValueError(f"outputs of shapes {[list(s) for s in shapes]} per item exceed "
+                             f"the slab's room for {[list(s) for s in self.output_shapes]}")
         at = start * self.slot_bytes + n * self.input_item_bytes
         views = []
-        for shape, item in zip(self.output_shapes, self.output_item_bytes, strict=True):
-            views.append(np.ndarray((n, *shape), dtype=np.float32, buffer=buf, offset=at))
-            at += n * item
+        for shape in shapes:
+            view = np.ndarray((n, *shape), dtype=np.float32, buffer=buf, offset=at)
+            views.append(view)
+            at += view.nbytes
         return views
 
 
