@@ -101,7 +101,7 @@ def _infer(protocol: str, srv: Server, model: str, request: dict[str, np.ndarray
 def test_slab_layout_of_several_inputs_packs_them_at_the_request_length() -> None:
     # features (16,) FP32 and ids (seq,) INT64, longest length 8; outputs (seq, 2) and (4,),
     # (8, 2) and (4,) at the longest length.
-    layout = SlabLayout((), ((8, 2), (4,)), (((16,), "<f4"), ((-1,), "<i8")), 8)
+    layout = SlabLayout((), ((8, 2), (4,)), (((16,), "<f4"), ((-1,), "<i8")), 8, slots=6)
     assert layout.input_item_bytes == 16 * 4 + 8 * 8
     assert layout.slot_bytes == 16 * 4 + 8 * 8 + 8 * 2 * 4 + 4 * 4
     buf = bytearray(layout.slot_bytes * 6)
@@ -111,14 +111,19 @@ def test_slab_layout_of_several_inputs_packs_them_at_the_request_length() -> Non
     hidden, scores = layout.outputs(buf, 2, 3, [(5, 2), (4,)])
     assert hidden.shape == (3, 5, 2) and scores.shape == (3, 4)
     hidden[...], scores[...] = 2.0, 3.0
-    # Each array of the request lies apart from the others and inside its own three slots.
+    # Each array of the request lies apart from the others, its inputs in its three slots'
+    # part of the input region and its outputs in theirs of the output region.
     base = np.frombuffer(buf, np.uint8).ctypes.data
     spans = sorted((a.ctypes.data - base, a.ctypes.data - base + a.nbytes)
                    for a in (features, ids, hidden, scores))
     assert all(end <= nxt for (_, end), (nxt, _) in itertools.pairwise(spans))
-    assert spans[0][0] == 2 * layout.slot_bytes and spans[-1][1] <= 5 * layout.slot_bytes
+    inputs_at, outputs_at = 6 * layout.input_item_bytes, sum(layout.output_item_bytes)
+    assert spans[0][0] == 2 * layout.input_item_bytes
+    assert spans[1][1] <= 5 * layout.input_item_bytes
+    assert spans[2][0] == inputs_at + 2 * outputs_at
+    assert spans[-1][1] <= inputs_at + 5 * outputs_at
     assert (layout.several_inputs(buf, 2, 3, 5)[1] == 7).all()
-    assert not np.frombuffer(buf, np.uint8)[:2 * layout.slot_bytes].any()
+    assert not np.frombuffer(buf, np.uint8)[:2 * layout.input_item_bytes].any()
     with pytest.raises(ValueError, match="exceed the slab's room"):
         layout.outputs(buf, 2, 3, [(9, 2), (4,)])
 

@@ -190,7 +190,7 @@ class ModelInfo:
                                      f"model takes at most {self.max_length}")
         return [[a[k] for a in arrays] for k in range(len(arrays[0]))], length
 
-    def length_of(self, arrays: Sequence[np.ndarray]) -> int | None:
+    def length_of(self, arrays: Sequence[np.ndarray] | np.ndarray) -> int | None:
         """The sequence length of a request's checked arrays (one per input), or None."""
         sizes = [a.shape[1 + d] for t, a in zip(self.inputs, arrays, strict=True)
                  for d, dim in enumerate(t.shape) if dim == -1]
@@ -328,8 +328,9 @@ class _Pending:
 
 
 #: A request for `InferenceCore.submit_many`: (model, input rows, output arrays to fill or
-#: None, the caller's token). A model of several inputs takes a list of arrays, one per input
-#: in the model's order, already checked (`ModelInfo.items`).
+#: None, the caller's token). The rows may be a list of FP32 or FP16 rows (a front's
+#: `serve.shm.SlabRow`s). A model of several inputs takes a list of arrays, one per input in
+#: the model's order, already checked (`ModelInfo.items`).
 BatchRequest = tuple["ModelInfo", "np.ndarray | list[np.ndarray]", "list[np.ndarray] | None",
                      Any]
 #: One answer of a `BatchSink`: (token, the outputs or the error).
@@ -646,7 +647,7 @@ class InferenceCore:
         with self._lock:
             ready: dict[str, bool] = {}
             for info, inputs, out, token in requests:
-                n = len(inputs[0]) if isinstance(inputs, list) else len(inputs)
+                n = len(inputs[0]) if info.io is not None else len(inputs)
                 is_ready = ready.get(info.name)
                 if is_ready is None:
                     is_ready = ready[info.name] = self.model_ready(info.name)
@@ -659,10 +660,11 @@ class InferenceCore:
                 qid = next(self._ids)
                 length = None
                 rows: Any = inputs
-                if isinstance(inputs, list):  # several inputs: per item, one array of each
+                if info.io is not None:  # several inputs: per item, one array of each
                     length = info.length_of(inputs)
                     rows = [[a[k] for a in inputs] for k in range(n)]
-                elif inputs.dtype not in (np.float32, np.float16):
+                elif not isinstance(inputs, list) and inputs.dtype not in (np.float32,
+                                                                           np.float16):
                     rows = inputs.astype(np.float32)
                 pending = self._pending[qid] = _Pending(sink.loop, None, info, n, now, n, out,
                                                         sink, token, length=length)

@@ -125,6 +125,8 @@ class _Generation:
     several: dict[int, tuple[int, int, int]] = field(default_factory=dict)
     #: Such requests answered, with their outputs' shapes, for the next SHAPED frame.
     shaped: list[list[Any]] = field(default_factory=list)
+    #: (model index, dtype code) → one `SlabRow` per slot of that slab (made when first used).
+    rows: dict[tuple[int, int], list[Any]] = field(default_factory=dict)
     started_s: float = field(default_factory=time.monotonic)
 
 
@@ -143,6 +145,8 @@ class FrontHub:
         self.models = list(core.models.values())
         self.layouts = [_layout(m, count) for m in self.models]
         self.slots = self._slab_slots()
+        self.layouts = [replace(lay, slots=n) for lay, n in zip(self.layouts, self.slots,
+                                                                 strict=True)]
         self.fronts: list[_Generation] = []
         self.retired: list[_Generation] = []
         self.restarts = 0
@@ -259,8 +263,13 @@ class FrontHub:
                                      None, rid))
                     gen.several[rid] = (index, start, n)
                     continue
-                requests.append((self.models[index],
-                                 layout.inputs(segment.map, start, n, DTYPE_CODES[code]),
+                # The request's rows are a slice of the slab's rows, each knowing its slot:
+                # no array per request, and the runner gathers a batch by slot index.
+                rows = gen.rows.get((index, code))
+                if rows is None:
+                    rows = gen.rows[index, code] = layout.rows(segment.map, DTYPE_CODES[code],
+                                                               (id(segment), code))
+                requests.append((self.models[index], rows[start:start + n],
                                  layout.outputs(segment.map, start, n), rid))
                 if trace is not None and trace.wants(rid):
                     traces[rid] = {"front": gen.pid, "id": rid, "frame_read": read_ns}
