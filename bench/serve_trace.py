@@ -1,4 +1,4 @@
-"""Where served requests wait: perf_analyzer load on `infermux serve --fronts N`, with the trace.
+r"""Where served requests wait: perf_analyzer load on `infermux serve --fronts N`, with the trace.
 
 Serves the server-tuned ResNet50 fp16 plan (torch b64 x2, `compile: default`; bench/serve_gpu.py)
 with 8 front processes and drives it with perf_analyzer over gRPC, `--shared-memory system`,
@@ -14,7 +14,12 @@ between stages for the requests of that row's window. One JSON file (`--json`).
 
 `--cases` lists model:fronts:concurrency rows (rows of one model and front count share a
 server, started once, in the order given). `--baseline-src DIR` (another checkout's `src/`)
-serves the same rows with that code first, untraced, for a before/after in one run.
+serves the same rows with that code first, untraced unless `--trace-baseline`, for a
+before/after in one run. On this 2-core machine, the served rows' gather before and after:
+
+    python bench/serve_trace.py --device cpu --cpu-workers thread --trace-baseline \
+        --baseline-src /path/to/before/src --cases digits:2:16,digits:2:64,digits:2:128 \
+        --json cpu-gather.json
 """
 
 from __future__ import annotations
@@ -120,6 +125,12 @@ def main() -> None:
     p.add_argument("--perf-analyzer", help="path of perf_analyzer (its lib/ beside it is used)")
     p.add_argument("--wheels", help="folder of wheels to install the serve extra from, offline")
     p.add_argument("--baseline-src", help="another checkout's src/ to serve the rows with first")
+    p.add_argument("--trace-baseline", action="store_true",
+                   help="trace the baseline's requests too (its checkout must have "
+                        "--trace-requests): the gaps before and after side by side")
+    p.add_argument("--cpu-workers", choices=["process", "thread"],
+                   help="the plans' dispatcher.cpu_workers (thread: a CPU runner gathers the "
+                        "served rows in the server process, as GPU workers do)")
     args = p.parse_args()
     ensure_serve_extra(args.wheels)
     began = time.monotonic()
@@ -147,12 +158,16 @@ def main() -> None:
         else:
             groups.append((model, fronts, [c]))
     all_plans = plans(args.device)
+    if args.cpu_workers:
+        for plan in all_plans.values():
+            plan["dispatcher"]["cpu_workers"] = args.cpu_workers
     variants = ([args.baseline_src] if args.baseline_src else []) + [None]
     for (name, fronts, levels), src in [(g, v) for g in groups for v in variants]:
         variant = "baseline" if src else "this"
         plan_file = work / f"{name}.json"
         plan_file.write_text(json.dumps(all_plans[name], indent=2))
-        trace = None if src else work / f"trace-{name}-f{fronts}.jsonl"
+        trace = None if src and not args.trace_baseline else \
+            work / f"trace-{name}-f{fronts}-{variant}.jsonl"
         print(f"{name} --fronts {fronts} ({variant}): starting", flush=True)
         try:
             proc, ready = _start(plan_file, work, fronts, trace, src)

@@ -139,7 +139,7 @@ def test_slot_allocator_takes_first_fit_and_merges_what_is_given_back() -> None:
 
 
 def test_slab_layout_keeps_inputs_and_outputs_of_a_request_contiguous_and_apart() -> None:
-    layout = SlabLayout((3, 2), ((4,), (1,)))
+    layout = SlabLayout((3, 2), ((4,), (1,)), slots=5)
     assert layout.slot_bytes == (6 + 4 + 1) * 4
     buf = bytearray(layout.slot_bytes * 5)
     x = layout.inputs(buf, 2, 3, np.dtype("<f4"))
@@ -150,10 +150,58 @@ def test_slab_layout_keeps_inputs_and_outputs_of_a_request_contiguous_and_apart(
     assert not other.any() and x.shape == (3, 3, 2) and y0.shape == (3, 4)
     assert (layout.inputs(buf, 2, 3, np.dtype("<f4")) == 1.0).all()
     assert y1.ctypes.data + y1.nbytes <= np.frombuffer(buf, np.uint8).ctypes.data + len(buf)
+    # The input region is one array of rows by slot: a request's rows are rows of it, and
+    # each `SlabRow` knows its slot and region (FP16 rows in the same slots, half of each).
+    rows = layout.rows(buf, np.dtype("<f4"), "k")
+    assert [r.slab_slot for r in rows] == list(range(5)) and rows[3].slab_key == "k"
+    assert rows[3].slab_region.shape == (5, 3, 2) and (rows[3] == 1.0).all()
+    assert (rows[3].slab_region[2:5] == x).all() and not rows[1].any()
+    half = layout.inputs(buf, 0, 1, np.dtype("<f2"))
+    half[...] = 0.5
+    assert (layout.rows(buf, np.dtype("<f2"), "h")[0] == 0.5).all() and (x == 1.0).all()
+
+
+def test_a_runner_gathers_slab_rows_of_several_slabs_and_dtypes_by_slot(
+        tiny_factory: str) -> None:
+    """A batch's rows from two fronts' slabs, FP32 and FP16, gathered by slot index into a
+    CPU runner's input buffer: the outputs equal the network's on the same rows."""
+    import torch
+
+    from infermux.engines import create_engine
+    from infermux.models import load_model
+    from infermux.units import discover, select_units
+
+    model = load_model(f"{tiny_factory}:build")
+    runner = create_engine("torch").build(model, select_units("cpu", discover(
+        with_runtimes=False))[0], 8)
+    layout = SlabLayout(tuple(runner.input_shape), ((10,),), slots=16)
+    slabs = [bytearray(layout.slot_bytes * 16) for _ in range(2)]
+    rng = np.random.default_rng(5)
+    picks = [(0, "<f4", 3), (1, "<f4", 0), (0, "<f2", 9), (1, "<f4", 15), (0, "<f4", 4),
+             (1, "<f2", 7)]
+    rows, want = [], []
+    made: dict[tuple[int, str], list[Any]] = {}
+    for slab, dtype, slot in picks:
+        x = rng.standard_normal((1, *runner.input_shape)).astype(dtype)
+        layout.inputs(slabs[slab], slot, 1, np.dtype(dtype))[...] = x
+        if (slab, dtype) not in made:
+            made[slab, dtype] = layout.rows(slabs[slab], np.dtype(dtype), (slab, dtype))
+        rows.append(made[slab, dtype][slot])
+        want.append(x[0].astype(np.float32))
+    one_slab = [k for k, r in enumerate(rows) if r.slab_key == (0, "<f4")]
+    for chosen in (list(range(len(rows))), one_slab):  # mixed slabs and dtypes; one slab
+        batch = [rows[k] for k in chosen]
+        ref = np.stack([want[k] for k in chosen])
+        runner.gather_input(runner.prepare_rows(batch), range(len(batch)))
+        runner.run()
+        got = runner.outputs()[0][:len(batch)]
+        with torch.inference_mode():
+            expected = model.module(torch.from_numpy(ref)).numpy()
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_frames_split_wherever_the_stream_breaks() -> None:
-    payload = b"".join(REQUEST.pack(rid, 0, 1, rid * 2, 1) for rid in range(50))
+    payload = b"".join(REQUEST.pack(rid, 0, 1, rid * 2, 1, 0) for rid in range(50))
     stream = frame(Kind.INFER, payload) + frame(Kind.DRAIN, b"") + frame(Kind.STATE, b"{}")
     reader = FrameReader()
     got: list[tuple[int, bytes]] = []

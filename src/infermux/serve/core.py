@@ -159,6 +159,9 @@ class ModelInfo:
     #: A model of several inputs: its `IOSpec` and the longest sequence length compiled.
     io: Any = None
     max_length: int | None = None
+    #: A model of several inputs: each output's shape for one item at the longest length, as
+    #: served (what a front process's slab makes room for; a spec's -1 may be any size).
+    output_room: tuple[tuple[int, ...], ...] = ()
 
     def items(self, tensors: Mapping[str, np.ndarray]) -> tuple[list[list[np.ndarray]], int | None]:
         """A request's tensors of a model of several inputs as items, and its length.
@@ -186,6 +189,12 @@ class ModelInfo:
             raise ProtocolError(400, f"input {name!r}: sequence length {length} given, the "
                                      f"model takes at most {self.max_length}")
         return [[a[k] for a in arrays] for k in range(len(arrays[0]))], length
+
+    def length_of(self, arrays: Sequence[np.ndarray] | np.ndarray) -> int | None:
+        """The sequence length of a request's checked arrays (one per input), or None."""
+        sizes = [a.shape[1 + d] for t, a in zip(self.inputs, arrays, strict=True)
+                 for d, dim in enumerate(t.shape) if dim == -1]
+        return max(sizes) if sizes else None
 
     def cut(self, rows: list[np.ndarray], length: int) -> list[np.ndarray]:
         """One item's outputs cut to its own `length` along their sequence dims."""
@@ -319,8 +328,11 @@ class _Pending:
 
 
 #: A request for `InferenceCore.submit_many`: (model, input rows, output arrays to fill or
-#: None, the caller's token).
-BatchRequest = tuple["ModelInfo", np.ndarray, "list[np.ndarray] | None", Any]
+#: None, the caller's token). The rows may be a list of FP32 or FP16 rows (a front's
+#: `serve.shm.SlabRow`s). A model of several inputs takes a list of arrays, one per input in
+#: the model's order, already checked (`ModelInfo.items`).
+BatchRequest = tuple["ModelInfo", "np.ndarray | list[np.ndarray]", "list[np.ndarray] | None",
+                     Any]
 #: One answer of a `BatchSink`: (token, the outputs or the error).
 BatchAnswer = tuple[Any, "list[np.ndarray] | ProtocolError"]
 
@@ -483,12 +495,15 @@ class InferenceCore:
         """Learn each model's outputs (names, shapes) by serving one zero item through it."""
         for info in self.models.values():
             if info.io is not None:  # several inputs: the outputs are the model's spec's
-                if not info.outputs:  # a spec without them: one generated item tells
-                    dims = info.io.dims_for(info.max_length) if info.io.dynamic_dims else {}
-                    item = info.io.generate(1, dims)
-                    outs = await self._submit(info, {t.name: a for t, a in
-                                                     zip(info.io.inputs, item, strict=True)},
-                                              count=False)
+                # One generated item at the longest length tells the outputs' sizes (the
+                # spec's -1 is a sequence dim or any size), and their names if not given.
+                dims = info.io.dims_for(info.max_length) if info.io.dynamic_dims else {}
+                item = info.io.generate(1, dims)
+                outs = await self._submit(info, {t.name: a for t, a in
+                                                 zip(info.io.inputs, item, strict=True)},
+                                          count=False)
+                info.output_room = tuple(tuple(o.shape[1:]) for o in outs)
+                if not info.outputs:
                     names = (["output"] if len(outs) == 1
                              else [f"output_{i}" for i in range(len(outs))])
                     info.outputs = [TensorSpec(n, "FP32", tuple(o.shape[1:]))
@@ -632,7 +647,7 @@ class InferenceCore:
         with self._lock:
             ready: dict[str, bool] = {}
             for info, inputs, out, token in requests:
-                n = len(inputs)
+                n = len(inputs[0]) if info.io is not None else len(inputs)
                 is_ready = ready.get(info.name)
                 if is_ready is None:
                     is_ready = ready[info.name] = self.model_ready(info.name)
@@ -643,17 +658,23 @@ class InferenceCore:
                     refused.append((token, refusal))
                     continue
                 qid = next(self._ids)
+                length = None
+                rows: Any = inputs
+                if info.io is not None:  # several inputs: per item, one array of each
+                    length = info.length_of(inputs)
+                    rows = [[a[k] for a in inputs] for k in range(n)]
+                elif not isinstance(inputs, list) and inputs.dtype not in (np.float32,
+                                                                           np.float16):
+                    rows = inputs.astype(np.float32)
                 pending = self._pending[qid] = _Pending(sink.loop, None, info, n, now, n, out,
-                                                        sink, token)
+                                                        sink, token, length=length)
                 if traces and token in traces:
                     pending.trace = traces[token]
                     pending.trace["admitted"] = now
                 info.in_flight_items += n
                 info.in_flight_requests += 1
                 touched[info.name] = info
-                if inputs.dtype not in (np.float32, np.float16):
-                    inputs = inputs.astype(np.float32)
-                queries.append(Query(qid, info.name, tuple(range(n)), inputs))
+                queries.append(Query(qid, info.name, tuple(range(n)), rows))
         if self.metrics is not None:
             for name, count in rejected.items():
                 self.metrics.rejected(name, count)

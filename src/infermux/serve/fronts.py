@@ -6,7 +6,7 @@ process (the *runtime process*: dispatcher, workers, CUDA) does no protocol work
 processes each listen on the same HTTP and gRPC ports (SO_REUSEPORT: the kernel spreads the
 connections), decode and validate requests with the same handlers (serve/http.py,
 serve/grpc_front.py, talking to a `serve.proxy.RuntimeProxy`), write each request's rows into
-a slab of shared memory the runtime process maps, and send a 20-byte descriptor; the runtime
+a slab of shared memory the runtime process maps, and send a 24-byte descriptor; the runtime
 process submits the rows where they lie (no copy, no pickling), writes the outputs into the
 same slots and answers with the request's id. Descriptors and answers of one event-loop turn
 travel in one frame.
@@ -38,7 +38,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from infermux.errors import UsageError
-from infermux.serve.core import BatchSink, ProtocolError
+from infermux.serve.core import DATATYPES, BatchSink, ProtocolError
 from infermux.serve.proxy import (
     DTYPE_CODES,
     REFUSALS,
@@ -86,6 +86,23 @@ def reuse_port_socket(host: str, port: int, *, listen: bool) -> socket.socket:
     return sock
 
 
+def _layout(info: Any, fronts: int) -> SlabLayout:
+    """Where model `info`'s requests lie in its slabs (every input of a model of several).
+
+    A sequence dim (-1) is given room at the longest length compiled; a model with one and no
+    such length cannot be sized, and is one line naming `--fronts`.
+    """
+    if info.io is None:
+        return SlabLayout(tuple(info.inputs[0].shape), tuple(tuple(o.shape) for o in info.outputs))
+    if any(-1 in t.shape for t in info.inputs) and info.max_length is None:
+        raise UsageError(f"--fronts {fronts}: model {info.name!r} has a sequence dimension and no "
+                         "longest length to size its shared memory by: give its plan entry "
+                         "seq_buckets, or serve it with --fronts 1")
+    return SlabLayout((), info.output_room,
+                      tuple((tuple(t.shape), DATATYPES[t.datatype].str) for t in info.inputs),
+                      info.max_length or 1)
+
+
 # -- the runtime process's side ---------------------------------------------------------------
 
 @dataclass
@@ -103,6 +120,13 @@ class _Generation:
     errors: list[list[Any]] = field(default_factory=list)
     #: Where the core delivers the answers of this front's requests.
     sink: BatchSink | None = None
+    #: Requests of models of several inputs in flight: id → (model index, first slot, items).
+    #: Their outputs' shapes are known when they are answered (they follow the length).
+    several: dict[int, tuple[int, int, int]] = field(default_factory=dict)
+    #: Such requests answered, with their outputs' shapes, for the next SHAPED frame.
+    shaped: list[list[Any]] = field(default_factory=list)
+    #: (model index, dtype code) → one `SlabRow` per slot of that slab (made when first used).
+    rows: dict[tuple[int, int], list[Any]] = field(default_factory=dict)
     started_s: float = field(default_factory=time.monotonic)
 
 
@@ -119,9 +143,10 @@ class FrontHub:
                                                    listen=False)
         self.grpc_port = self._grpc_reservation.getsockname()[1]
         self.models = list(core.models.values())
-        self.layouts = [SlabLayout(tuple(m.inputs[0].shape),
-                                   tuple(tuple(o.shape) for o in m.outputs)) for m in self.models]
+        self.layouts = [_layout(m, count) for m in self.models]
         self.slots = self._slab_slots()
+        self.layouts = [replace(lay, slots=n) for lay, n in zip(self.layouts, self.slots,
+                                                                 strict=True)]
         self.fronts: list[_Generation] = []
         self.retired: list[_Generation] = []
         self.restarts = 0
@@ -230,10 +255,21 @@ class FrontHub:
             trace = self.core.trace
             traces: dict[int, dict[str, int]] = {}
             requests = []
-            for rid, index, code, start, n in REQUEST.iter_unpack(payload):
+            for rid, index, code, start, n, length in REQUEST.iter_unpack(payload):
                 layout, segment = self.layouts[index], gen.segments[index]
-                requests.append((self.models[index],
-                                 layout.inputs(segment.map, start, n, DTYPE_CODES[code]),
+                if layout.several:  # one array per input, at the request's length
+                    requests.append((self.models[index],
+                                     layout.several_inputs(segment.map, start, n, length or None),
+                                     None, rid))
+                    gen.several[rid] = (index, start, n)
+                    continue
+                # The request's rows are a slice of the slab's rows, each knowing its slot:
+                # no array per request, and the runner gathers a batch by slot index.
+                rows = gen.rows.get((index, code))
+                if rows is None:
+                    rows = gen.rows[index, code] = layout.rows(segment.map, DTYPE_CODES[code],
+                                                               (id(segment), code))
+                requests.append((self.models[index], rows[start:start + n],
                                  layout.outputs(segment.map, start, n), rid))
                 if trace is not None and trace.wants(rid):
                     traces[rid] = {"front": gen.pid, "id": rid, "frame_read": read_ns}
@@ -278,8 +314,21 @@ class FrontHub:
         """Answers of the runtime (one wake-up of this loop per runtime batch): to the front."""
         gen.in_flight -= len(answers)
         for rid, result in answers:
+            several = gen.several.pop(rid, None) if gen.several else None
             if isinstance(result, ProtocolError):
                 gen.errors.append([rid, result.status, result.message, result.retry_after_s])
+            elif several is not None:  # into its slots, at the shapes its length gave
+                index, start, n = several
+                shapes = [tuple(y.shape[1:]) for y in result]
+                try:
+                    views = self.layouts[index].outputs(gen.segments[index].map, start, n,
+                                                        shapes)
+                except ValueError as exc:
+                    gen.errors.append([rid, 500, str(exc), None])
+                    continue
+                for view, y in zip(views, result, strict=True):
+                    view[...] = y
+                gen.shaped.append([rid, shapes])
             else:  # the outputs are in the request's slots already
                 gen.done += rid.to_bytes(8, "little")
         # Written at once: this is already one wake-up per runtime batch, and a lone request
@@ -289,6 +338,10 @@ class FrontHub:
     def _reply(self, gen: _Generation, *, now: bool = False) -> None:
         if gen.link is None:
             return
+        if gen.shaped:
+            gen.link.send(Kind.SHAPED, json.dumps(gen.shaped).encode(),
+                          now=now and not gen.errors and not gen.done)
+            gen.shaped = []
         if gen.done:
             gen.link.send(Kind.DONE, gen.done, now=now and not gen.errors)
             gen.done = bytearray()

@@ -4,7 +4,7 @@ serve/http.py and serve/grpc_front.py talk to an object with `models`, `model()`
 `live()`, `ready()`, `model_ready()`, `not_ready_reason()` and `server_metadata()`. In a front
 process (`infermux serve --fronts N`) that object is a `RuntimeProxy`: `infer()` writes the
 request's rows into the model's slab (shared memory the runtime process maps), sends a
-20-byte descriptor over the link and awaits the answer, whose outputs the runtime wrote into
+24-byte descriptor over the link and awaits the answer, whose outputs the runtime wrote into
 the same slots. Readiness, the shutting-down flag and the statistics are pushed by the
 runtime process every `STATE_PERIOD_S` (and at once when it starts shutting down), so the
 protocol handlers answer them without a round trip.
@@ -24,7 +24,7 @@ import json
 import os
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,8 +49,9 @@ __all__ = [
 #: How often the runtime process pushes readiness and statistics to the fronts.
 STATE_PERIOD_S = 0.1
 _HEADER = struct.Struct("<IB")
-#: A request's descriptor: id, model index, input dtype code, first slot, items.
-REQUEST = struct.Struct("<QHBxII")
+#: A request's descriptor: id, model index, input dtype code, first slot, items, sequence
+#: length (a model of several inputs with a sequence dim; else 0).
+REQUEST = struct.Struct("<QHBxIII")
 _ID = struct.Struct("<Q")
 #: Requests of one model a front refused itself (its slab full, shutting down): index, count.
 REFUSALS = struct.Struct("<HI")
@@ -71,6 +72,8 @@ class Kind:
     REGIONS = 8   # front → runtime: JSON {id, op, ...}: a client (un)registered shared memory
     ACK = 9       # runtime → front: JSON {id, error}: every front has been told
     REFUSED = 10  # front → runtime: REFUSALS (model index, requests) the front answered 503
+    SHAPED = 11   # runtime → front: JSON [[id, [shape of each output's item]], ...] answered
+    #               (models of several inputs: the shapes follow the request's length)
 
 
 def frame(kind: int, payload: bytes | bytearray) -> bytes:
@@ -158,6 +161,8 @@ class _Waiting:
     slab: _Slab
     start: int
     items: int
+    #: A model of several inputs: the request's sequence length (its outputs' -1 dims).
+    length: int | None = None
     #: The request's stage stamps when it is traced (serve/trace.py), else None.
     trace: dict[str, int] | None = None
 
@@ -246,28 +251,47 @@ class RuntimeProxy:
 
     # -- requests ----------------------------------------------------------------------------------
 
-    async def infer(self, info: ModelInfo, inputs: np.ndarray) -> list[np.ndarray]:
-        """Serve one request through the runtime process; outputs, a row per item, in order."""
+    async def infer(self, info: ModelInfo, inputs: np.ndarray | Mapping[str, np.ndarray],
+                    ) -> list[np.ndarray]:
+        """Serve one request through the runtime process; outputs, a row per item, in order.
+
+        A model of several inputs takes every input by name, checked here as in the server
+        process (`ModelInfo.items`: a bad one is a 400 naming it); its outputs come back at
+        the request's own sequence length.
+        """
         received_ns = time.perf_counter_ns()
         slab = self._slabs[info.name]
+        length: int | None = None
+        if isinstance(inputs, Mapping):
+            _, length = info.items(inputs)
         if self._state["closing"] or self.runtime_gone.is_set():
             self._refuse(slab.index)
             raise ProtocolError(503, "the server is shutting down and takes no new requests",
                                 retry_after_s=1.0)
-        code = 1 if inputs.dtype == np.float16 else 0
-        n = len(inputs)
+        if isinstance(inputs, Mapping):
+            code = 0
+            n = len(inputs[info.inputs[0].name])
+        else:
+            code = 1 if inputs.dtype == np.float16 else 0
+            n = len(inputs)
         start = slab.allocator.take(n)
         if start is None:
             self._refuse(slab.index)
             raise ProtocolError(503, f"this front holds its most items of model {info.name!r} "
                                      f"({slab.allocator.slots}) unanswered: retry later",
                                 retry_after_s=1.0)
-        # The one copy of the rows on their way to the runtime: into the slab it maps.
-        slab.layout.inputs(slab.segment.map, start, n, DTYPE_CODES[code])[...] = inputs
+        # The one copy of the rows on their way to the runtime: into the slab it maps (a
+        # model of several inputs: each input as the model declares it, ids as int64).
+        if isinstance(inputs, Mapping):
+            for t, view in zip(info.inputs, slab.layout.several_inputs(
+                    slab.segment.map, start, n, length), strict=True):
+                view[...] = inputs[t.name]
+        else:
+            slab.layout.inputs(slab.segment.map, start, n, DTYPE_CODES[code])[...] = inputs
         rid = next(self._ids)
         future: asyncio.Future[list[np.ndarray]] = asyncio.get_running_loop().create_future()
-        waiting = self._pending[rid] = _Waiting(future, slab, start, n)
-        self._batch += REQUEST.pack(rid, slab.index, code, start, n)
+        waiting = self._pending[rid] = _Waiting(future, slab, start, n, length)
+        self._batch += REQUEST.pack(rid, slab.index, code, start, n, length or 0)
         self._schedule()
         if self.trace is None or not self.trace.wants(rid):
             return await future
@@ -317,17 +341,11 @@ class RuntimeProxy:
         """A frame from the runtime."""
         if kind == Kind.DONE:
             for (rid,) in _ID.iter_unpack(payload):
-                waiting = self._pending.pop(rid, None)
-                if waiting is None:
-                    continue
-                if waiting.trace is not None:
-                    waiting.trace["front_got"] = time.perf_counter_ns()
-                s = waiting.slab
-                outputs = [y.copy() for y in s.layout.outputs(s.segment.map, waiting.start,
-                                                               waiting.items)]
-                s.allocator.give(waiting.start, waiting.items)
-                if not waiting.future.done():
-                    waiting.future.set_result(outputs)
+                self._done(rid, None)
+            self._check_idle()
+        elif kind == Kind.SHAPED:
+            for rid, shapes in json.loads(payload):
+                self._done(rid, [tuple(s) for s in shapes])
             self._check_idle()
         elif kind == Kind.ERROR:
             for rid, status, message, retry_after_s in json.loads(payload):
@@ -353,6 +371,20 @@ class RuntimeProxy:
             for name, (_, _, stats) in state["models"].items():
                 if name in self.models:
                     self.models[name].remote_statistics = stats
+
+    def _done(self, rid: int, shapes: list[tuple[int, ...]] | None) -> None:
+        """Request `rid` was answered: its outputs (of `shapes`) are in its slots."""
+        waiting = self._pending.pop(rid, None)
+        if waiting is None:
+            return
+        if waiting.trace is not None:
+            waiting.trace["front_got"] = time.perf_counter_ns()
+        s = waiting.slab
+        outputs = [y.copy() for y in s.layout.outputs(s.segment.map, waiting.start,
+                                                       waiting.items, shapes)]
+        s.allocator.give(waiting.start, waiting.items)
+        if not waiting.future.done():
+            waiting.future.set_result(outputs)
 
     def on_lost(self) -> None:
         """The runtime process closed the link: answer what waits, serve no more."""

@@ -239,14 +239,6 @@ class InferenceServer:
             # Metrics first, then the fronts (gRPC before HTTP in the server process), and ready
             # only once each port accepts a connection: a client that saw the HTTP front ready
             # finds the others listening.
-            several = sorted(i.name for i in core.models.values() if i.io is not None)
-            if self.fronts > 1 and several:
-                # Front processes pass requests through fixed-shape slabs of one float input.
-                if s.fronts is not None:
-                    raise UsageError(f"--fronts {s.fronts}: model {several[0]!r} takes several "
-                                     "inputs, which front processes do not pass yet; serve it "
-                                     "with --fronts 1 (the fronts in the server process)")
-                self.fronts = 1
             httpd, metrics_port = _start_metrics(metrics, s.host, s.metrics_port, s.api_key)
             if self.fronts > 1:  # front processes serve both protocols (serve/fronts.py)
                 from infermux.serve.fronts import FrontHub

@@ -31,7 +31,7 @@ import mmap
 import os
 import secrets
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +45,7 @@ __all__ = [
     "Segment",
     "SharedMemoryRegions",
     "SlabLayout",
+    "SlabRow",
     "SlotAllocator",
     "cuda_ipc_available",
     "grpc_params",
@@ -134,26 +135,64 @@ class SlotAllocator:
         return sum(self._lengths)
 
 
+class SlabRow(np.ndarray):
+    """One slot's input row of a front's slab, as the runtime process sees it.
+
+    An ordinary row wherever a row is read (stacked, pickled, copied: it is an ndarray); a
+    runner that knows slabs reads `slab_region` (the slab's input region, `(slots, *shape)`)
+    and `slab_slot` (this row's index in it), and gathers a batch's rows of one slab with one
+    indexed copy instead of one copy per row. `slab_key` tells slabs apart (the same key, the
+    same region). Made once per slot (`SlabLayout.rows`), so serving a row creates no array.
+    """
+
+    slab_region: np.ndarray
+    slab_slot: int
+    slab_key: Any
+
+
 @dataclass(frozen=True)
 class SlabLayout:
     """Where a request's tensors lie in a model's slab.
 
-    A slot holds one item: its input (room for FP32, the widest accepted) and every output
-    (FP32). A request of `n` items takes `n` contiguous slots: its `n` input rows first, then
-    each output's `n` rows, so each is one contiguous array.
+    A slab of `slots` slots is two regions: the inputs (slot `s`'s input, room for FP32, the
+    widest accepted, at `s * input_item_bytes`), then the outputs (slot `s`'s at
+    `slots * input_item_bytes + s * output bytes`). A request of `n` items takes `n`
+    contiguous slots: its input rows are rows `start` to `start + n` of the input region,
+    and its outputs are each `n` rows in its part of the output region, one contiguous array
+    each. The input region is one array of rows indexed by slot, so the runtime gathers a
+    batch's rows from a slab with one indexed copy (`rows`, `SlabRow`).
+
+    A model of several inputs (`several`: each input's item shape and dtype, -1 for a
+    sequence dim; `output_shapes`: each output's item shape at the longest length) has room
+    per slot for every input and output at `max_length`; a request of sequence length
+    `length` packs each input's `n` rows at that length one after another in its part of the
+    input region, and its outputs, at the shapes the runtime gave them, in its part of the
+    output region.
     """
 
     input_shape: tuple[int, ...]
     output_shapes: tuple[tuple[int, ...], ...]
+    several: tuple[tuple[tuple[int, ...], str], ...] = ()
+    max_length: int = 1
+    #: Slots of the slab (set once its size is known: `replace(layout, slots=n)`).
+    slots: int = 0
+
+    def _at(self, shape: tuple[int, ...], length: int | None) -> tuple[int, ...]:
+        """`shape` with its sequence dims (-1) at `length` (the longest when None)."""
+        size = self.max_length if length is None else length
+        return tuple(size if d == -1 else d for d in shape)
 
     @property
     def input_item_bytes(self) -> int:
-        """Bytes of one item's input, as FP32."""
+        """Bytes of one item's input (every input at the longest length), as stored."""
+        if self.several:
+            return sum(math.prod(self._at(shape, None)) * np.dtype(dtype).itemsize
+                       for shape, dtype in self.several)
         return math.prod(self.input_shape) * 4
 
     @property
     def output_item_bytes(self) -> tuple[int, ...]:
-        """Bytes of one item's row of each output (FP32)."""
+        """Bytes of one item's row of each output (FP32, at the longest length)."""
         return tuple(math.prod(s) * 4 for s in self.output_shapes)
 
     @property
@@ -163,16 +202,61 @@ class SlabLayout:
 
     def inputs(self, buf: Any, start: int, n: int, dtype: np.dtype) -> np.ndarray:
         """The `n` input rows of the request at slot `start`, as `dtype`."""
-        return np.ndarray((n, *self.input_shape), dtype=dtype, buffer=buf,
-                          offset=start * self.slot_bytes)
+        return self.input_rows(buf, dtype)[start:start + n]
 
-    def outputs(self, buf: Any, start: int, n: int) -> list[np.ndarray]:
-        """The request's output arrays (FP32), one per output."""
-        at = start * self.slot_bytes + n * self.input_item_bytes
+    def input_rows(self, buf: Any, dtype: np.dtype) -> np.ndarray:
+        """The whole input region as `(slots, *input_shape)` rows of `dtype`, one per slot."""
+        dtype = np.dtype(dtype)
+        inner = [dtype.itemsize]
+        for d in reversed(self.input_shape[1:]):
+            inner.insert(0, inner[0] * d)
+        return np.ndarray((self.slots, *self.input_shape), dtype=dtype, buffer=buf,
+                          strides=(self.input_item_bytes, *inner[:len(self.input_shape)]))
+
+    def rows(self, buf: Any, dtype: np.dtype, key: Any) -> list[SlabRow]:
+        """One `SlabRow` per slot of the input region (made once per slab and dtype).
+
+        A request's rows are a slice of this list: no array is made per request or row, and
+        each row tells the runtime its slot (`SlabRow`).
+        """
+        region = self.input_rows(buf, dtype)
+        rows = []
+        for slot in range(self.slots):
+            row = region[slot].view(SlabRow)
+            row.slab_region, row.slab_slot, row.slab_key = region, slot, key
+            rows.append(row)
+        return rows
+
+    def several_inputs(self, buf: Any, start: int, n: int, length: int | None,
+                       ) -> list[np.ndarray]:
+        """A model of several inputs: the request's arrays, one per input, at `length`."""
+        at = start * self.input_item_bytes
         views = []
-        for shape, item in zip(self.output_shapes, self.output_item_bytes, strict=True):
-            views.append(np.ndarray((n, *shape), dtype=np.float32, buffer=buf, offset=at))
-            at += n * item
+        for shape, dtype in self.several:
+            view = np.ndarray((n, *self._at(shape, length)), dtype=dtype, buffer=buf, offset=at)
+            views.append(view)
+            at += view.nbytes
+        return views
+
+    def outputs(self, buf: Any, start: int, n: int,
+                shapes: Sequence[tuple[int, ...]] | None = None) -> list[np.ndarray]:
+        """The request's output arrays (FP32), one per output: `n` rows of `shapes`.
+
+        `shapes`: each output's item shape as served (a model of several inputs: at the
+        request's length); None: `output_shapes`. Raises ValueError when they do not fit the
+        request's slots.
+        """
+        if shapes is None:
+            shapes = self.output_shapes
+        elif sum(math.prod(s) * 4 for s in shapes) > sum(self.output_item_bytes):
+            raise ValueError(f"outputs of shapes {[list(s) for s in shapes]} per item exceed "
+                             f"the slab's room for {[list(s) for s in self.output_shapes]}")
+        at = self.slots * self.input_item_bytes + start * sum(self.output_item_bytes)
+        views = []
+        for shape in shapes:
+            view = np.ndarray((n, *shape), dtype=np.float32, buffer=buf, offset=at)
+            views.append(view)
+            at += view.nbytes
         return views
 
 

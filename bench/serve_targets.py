@@ -1,0 +1,120 @@
+r"""The 2-core serving targets in one command: served/offline, and infermux against KServe.
+
+Both figures of the CPU targets, side by side in one run of a few minutes:
+1. `infermux run PLAN --scenario offline`: the plan's own figure (the runtime alone);
+2. `infermux serve PLAN` and, with `--peer-python`, KServe's ModelServer
+   (bench/serve_kserve_peer.py in its own venv, pinned to the plan's unit, the same engine
+   session) are started together and take turns level by level (the order rotating each
+   level), each driven by bench/serve_load.py over gRPC (and infermux over HTTP too), so the
+   machine's slow seconds fall on both;
+3. the ratios: the best served throughput over the offline figure (target ≥ 0.9), and
+   infermux's best throughput within KServe's p99 at KServe's best throughput over gRPC
+   against that best (target ≥ 1.5).
+
+The plan is bench/serve_cpu.py's (mobilenet_v3_small, ONNX Runtime on `cpu:1` at batch 4, a
+2 ms queue delay; the server's fronts on core 0). The load average before and after is in the
+report: on a shared machine the figures move with it.
+
+    python3 -m venv /tmp/kserve-venv && /tmp/kserve-venv/bin/pip install kserve torch==2.14.1 \
+        torchvision==0.29.1 onnx onnxruntime typer rich pydantic pyyaml psutil
+    .venv/bin/python bench/serve_targets.py --peer-python /tmp/kserve-venv/bin/python \
+        --json /tmp/serve-targets.json
+
+Without `--peer-python` only the served/offline ratio is measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+from serve_cpu import at_bound, load_client, offline, start_server, write_plan  # noqa: E402
+from serve_kserve_workers import start_peer, stop  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", required=True, help="where to write the report")
+    p.add_argument("--peer-python", help="python of a venv with kserve: measure the peer too")
+    p.add_argument("--model", default="mobilenet_v3_small")
+    p.add_argument("--unit", default="cpu:1")
+    p.add_argument("--engine", default="onnxruntime")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--queue-delay-ms", type=float, default=2.0)
+    p.add_argument("--duration", type=float, default=8.0, help="offline run's minimum seconds")
+    p.add_argument("--concurrency", default="1,2,4,8,16")
+    p.add_argument("--seconds", type=float, default=5.0, help="measured seconds per level")
+    args = p.parse_args()
+    started = time.monotonic()
+    out = Path(tempfile.mkdtemp(prefix="serve-targets-"))
+    plan = write_plan(out, args)
+    levels = [int(c) for c in args.concurrency.split(",")]
+    report: dict[str, Any] = {"plan": json.loads(plan.read_text()), "machine": os.uname().nodename,
+                              "cpus": os.cpu_count(), "load_average_before": os.getloadavg()}
+    print(f"load average {report['load_average_before']}; offline (infermux run) ...",
+          flush=True)
+    report["offline"] = offline(plan)
+    print(f"  {report['offline']['items_per_s']:.1f} items/s", flush=True)
+    servers: dict[str, tuple[Any, dict[str, int]]] = {}
+    try:
+        proc, ready = start_server(plan, out)
+        servers["infermux"] = (proc, {pr: ready[f"{pr}_port"] for pr in ("http", "grpc")})
+        if args.peer_python:
+            peer, ports = start_peer(args.peer_python, args, out, 1, "unit")
+            servers["kserve"] = (peer, {"http": ports[0], "grpc": ports[1]})
+        rows: dict[str, list[dict[str, Any]]] = {name: [] for name in servers}
+        for k, c in enumerate(levels):
+            turns = [(name, "grpc") for name in servers] + [("infermux", "http")]
+            turns = turns[k % len(turns):] + turns[:k % len(turns)]
+            for name, protocol in turns:
+                row = load_client(f"127.0.0.1:{servers[name][1][protocol]}", protocol, c,
+                                  args.seconds)
+                rows[name].append({"protocol": protocol, "concurrency": c, **row})
+                print(f"  {name} {protocol} c{c}: {row['throughput']:.1f}/s, p99 "
+                      f"{row['p99_ms']:.1f} ms", flush=True)
+    finally:
+        for proc, _ in servers.values():
+            stop(proc)
+    report["served"] = rows
+    offline_rate = report["offline"]["items_per_s"]
+    ratios: dict[str, Any] = {}
+    for protocol in ("grpc", "http"):
+        best = max((r for r in rows["infermux"] if r["protocol"] == protocol),
+                   key=lambda r: r["throughput"])
+        ratios[f"served_over_offline_{protocol}"] = best["throughput"] / offline_rate
+        print(f"served/offline {protocol}: {best['throughput']:.1f} / {offline_rate:.1f} = "
+              f"{best['throughput'] / offline_rate:.2f} (c{best['concurrency']}, p99 "
+              f"{best['p99_ms']:.1f} ms; target >= 0.9)", flush=True)
+    if "kserve" in rows:
+        peak = max(rows["kserve"], key=lambda r: r["throughput"])
+        held = at_bound([r for r in rows["infermux"] if r["protocol"] == "grpc"],
+                        peak["p99_ms"])
+        ratio = held["throughput"] / peak["throughput"] if held else None
+        ratios["versus_kserve_grpc"] = ratio
+        report["kserve_best"], report["infermux_at_kserve_p99"] = peak, held
+        print(f"KServe gRPC best {peak['throughput']:.1f}/s at p99 {peak['p99_ms']:.1f} ms "
+              f"(c{peak['concurrency']}); infermux within that p99: "
+              f"{held['throughput'] if held else 0:.1f}/s = "
+              f"{ratio if ratio is not None else 0:.2f}x (target >= 1.5)", flush=True)
+    else:
+        print("KServe not measured: pass --peer-python (a venv with kserve)", flush=True)
+    report["ratios"] = ratios
+    report["load_average_after"] = os.getloadavg()
+    report["wall_s"] = time.monotonic() - started
+    Path(args.json).write_text(json.dumps(report, indent=2))
+    print(f"load average after {report['load_average_after']}; {report['wall_s']:.0f} s; "
+          f"report in {args.json}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,260 @@
+"""`infermux serve --fronts 2` of networks of several inputs: every input through the slabs.
+
+One server with two front processes serves a two-layer BERT (three INT64 inputs, sequence
+buckets 8 and 16, two outputs of which one has the sequence dim) and the two-input module
+(FP32 features and INT64 ids) from tests/conftest.py. Driven by Triton's own clients over HTTP
+and gRPC, on fresh connections (the kernel spreads them over both fronts): the outputs equal
+the network's own run at the request's length, with the tensors in the requests and in system
+shared memory; a bad input is a 400 / INVALID_ARGUMENT naming it. The slab layout of several
+inputs is checked directly.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import uuid
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("tritonclient.grpc")
+pytest.importorskip("uvicorn")
+
+import tritonclient.grpc as tgrpc
+import tritonclient.http as thttp
+import tritonclient.utils.shared_memory as tshm
+from tritonclient.utils import InferenceServerException
+
+from infermux.serve.shm import SlabLayout
+from tests.test_serve import Server
+
+pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs POSIX shared memory")
+
+_BERT_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_bert: str, two_inputs: tuple[str, str],
+           tmp_path_factory: pytest.TempPathFactory) -> Any:
+    plan = {"name": "several", "models": [
+        {"name": "bert", "model": tiny_bert, "seq_buckets": [8, 16],
+         "replicas": [{"unit": "cpu:0", "batch": 4}]},
+        {"name": "two", "model": two_inputs[0], "seq_buckets": [8],
+         "replicas": [{"unit": "cpu:1", "engine": "torch", "batch": 4}]}],
+        "dispatcher": {"max_queue_delay_ms": 1, "cpu_workers": "thread"}}
+    srv = Server(tmp_path_factory.mktemp("serve_several"), plan, "--fronts", "2")
+    yield srv
+    code, out = srv.stop()
+    assert code == 0, out
+
+
+@pytest.fixture(scope="module")
+def bert_module(tiny_bert: str) -> Any:
+    from infermux.models import load_model
+
+    return load_model(tiny_bert).module
+
+
+@pytest.fixture(scope="module")
+def two_module(two_inputs: tuple[str, str]) -> Any:
+    from infermux.models import load_model
+
+    return load_model(two_inputs[0]).module
+
+
+def _bert_request(n: int, length: int, seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {"input_ids": rng.integers(1, 100, size=(n, length)),
+            "attention_mask": np.ones((n, length), np.int64),
+            "token_type_ids": np.zeros((n, length), np.int64)}
+
+
+def _bert_reference(module: Any, request: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    import torch
+
+    with torch.inference_mode():
+        outs = module(*[torch.from_numpy(request[k]) for k in _BERT_INPUTS])
+    return {"last_hidden_state": outs[0].numpy(), "pooler_output": outs[1].numpy()}
+
+
+def _infer(protocol: str, srv: Server, model: str, request: dict[str, np.ndarray],
+           outputs: list[str]) -> dict[str, np.ndarray]:
+    """One request on a fresh connection (so the kernel picks a front for it)."""
+    mod = thttp if protocol == "http" else tgrpc
+    client = mod.InferenceServerClient(srv.http if protocol == "http" else srv.grpc)
+    try:
+        inputs = []
+        for name, array in request.items():
+            datatype = "FP32" if array.dtype == np.float32 else "INT64"
+            tensor = mod.InferInput(name, list(array.shape), datatype)
+            tensor.set_data_from_numpy(array)
+            inputs.append(tensor)
+        result = client.infer(model, inputs)
+        return {name: result.as_numpy(name) for name in outputs}
+    finally:
+        client.close()
+
+
+def test_slab_layout_of_several_inputs_packs_them_at_the_request_length() -> None:
+    # features (16,) FP32 and ids (seq,) INT64, longest length 8; outputs (seq, 2) and (4,),
+    # (8, 2) and (4,) at the longest length.
+    layout = SlabLayout((), ((8, 2), (4,)), (((16,), "<f4"), ((-1,), "<i8")), 8, slots=6)
+    assert layout.input_item_bytes == 16 * 4 + 8 * 8
+    assert layout.slot_bytes == 16 * 4 + 8 * 8 + 8 * 2 * 4 + 4 * 4
+    buf = bytearray(layout.slot_bytes * 6)
+    features, ids = layout.several_inputs(buf, 2, 3, 5)
+    assert features.shape == (3, 16) and ids.shape == (3, 5) and ids.dtype == np.int64
+    features[...], ids[...] = 1.5, 7
+    hidden, scores = layout.outputs(buf, 2, 3, [(5, 2), (4,)])
+    assert hidden.shape == (3, 5, 2) and scores.shape == (3, 4)
+    hidden[...], scores[...] = 2.0, 3.0
+    # Each array of the request lies apart from the others, its inputs in its three slots'
+    # part of the input region and its outputs in theirs of the output region.
+    base = np.frombuffer(buf, np.uint8).ctypes.data
+    spans = sorted((a.ctypes.data - base, a.ctypes.data - base + a.nbytes)
+                   for a in (features, ids, hidden, scores))
+    assert all(end <= nxt for (_, end), (nxt, _) in itertools.pairwise(spans))
+    inputs_at, outputs_at = 6 * layout.input_item_bytes, sum(layout.output_item_bytes)
+    assert spans[0][0] == 2 * layout.input_item_bytes
+    assert spans[1][1] <= 5 * layout.input_item_bytes
+    assert spans[2][0] == inputs_at + 2 * outputs_at
+    assert spans[-1][1] <= inputs_at + 5 * outputs_at
+    assert (layout.several_inputs(buf, 2, 3, 5)[1] == 7).all()
+    assert not np.frombuffer(buf, np.uint8)[:2 * layout.input_item_bytes].any()
+    with pytest.raises(ValueError, match="exceed the slab's room"):
+        layout.outputs(buf, 2, 3, [(9, 2), (4,)])
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_several_inputs_through_either_front_equal_the_network(
+        server: Server, bert_module: Any, two_module: Any, protocol: str) -> None:
+    """BERT requests of several lengths and sizes, and two-input requests, at once."""
+    import torch
+
+    assert server.ready["fronts"] == 2
+    results: dict[int, dict[str, np.ndarray]] = {}
+    errors: list[BaseException] = []
+    shapes = [(1, 5), (3, 12), (2, 16), (4, 8), (2, 3), (1, 16)]
+
+    def bert(k: int) -> None:
+        try:
+            n, length = shapes[k]
+            results[k] = _infer(protocol, server, "bert", _bert_request(n, length, k),
+                                ["last_hidden_state", "pooler_output"])
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    def two(k: int) -> None:
+        try:
+            rng = np.random.default_rng(k)
+            request = {"features": rng.standard_normal((1 + k % 3, 16)).astype(np.float32),
+                       "ids": rng.integers(0, 50, size=(1 + k % 3, 8))}
+            results[100 + k] = _infer(protocol, server, "two", request, ["scores"])
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=bert, args=(k,)) for k in range(len(shapes))]
+    threads += [threading.Thread(target=two, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert len(results) == len(shapes) + 4
+    for k, (n, length) in enumerate(shapes):
+        ref = _bert_reference(bert_module, _bert_request(n, length, k))
+        for name, want in ref.items():
+            got = results[k][name]
+            assert got.shape == want.shape, (k, name, got.shape)
+            np.testing.assert_allclose(got, want, atol=1e-4)
+    for k in range(4):
+        rng = np.random.default_rng(k)
+        features = rng.standard_normal((1 + k % 3, 16)).astype(np.float32)
+        ids = rng.integers(0, 50, size=(1 + k % 3, 8))
+        with torch.inference_mode():
+            want = two_module(torch.from_numpy(features), torch.from_numpy(ids)).numpy()
+        np.testing.assert_allclose(results[100 + k]["scores"], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_several_inputs_from_system_shared_memory(server: Server, bert_module: Any,
+                                                  protocol: str) -> None:
+    """Every input read from the client's regions and both outputs written into one."""
+    mod = thttp if protocol == "http" else tgrpc
+    tag = uuid.uuid4().hex[:8]
+    request = _bert_request(2, 6, seed=11)
+    ref = _bert_reference(bert_module, request)
+    in_bytes = sum(a.nbytes for a in request.values())
+    out_bytes = sum(a.nbytes for a in ref.values())
+    handles = [tshm.create_shared_memory_region(f"in{tag}", f"/in{tag}", in_bytes),
+               tshm.create_shared_memory_region(f"out{tag}", f"/out{tag}", out_bytes)]
+    url = server.http if protocol == "http" else server.grpc
+    try:
+        tshm.set_shared_memory_region(handles[0], [request[k] for k in _BERT_INPUTS])
+        admin = mod.InferenceServerClient(url)
+        admin.register_system_shared_memory(f"in{tag}", f"/in{tag}", in_bytes)
+        admin.register_system_shared_memory(f"out{tag}", f"/out{tag}", out_bytes)
+        for _ in range(4):  # fresh connections: both fronts serve them
+            client = mod.InferenceServerClient(url)
+            inputs, offset = [], 0
+            for name in _BERT_INPUTS:
+                tensor = mod.InferInput(name, list(request[name].shape), "INT64")
+                tensor.set_shared_memory(f"in{tag}", request[name].nbytes, offset)
+                inputs.append(tensor)
+                offset += request[name].nbytes
+            outputs, offset = [], 0
+            for name, want in ref.items():
+                out = mod.InferRequestedOutput(name)
+                out.set_shared_memory(f"out{tag}", want.nbytes, offset)
+                outputs.append(out)
+                offset += want.nbytes
+            client.infer("bert", inputs, outputs=outputs)
+            offset = 0
+            for want in ref.values():
+                got = tshm.get_contents_as_numpy(handles[1], np.float32, list(want.shape),
+                                                 offset=offset)
+                np.testing.assert_allclose(got, want, atol=1e-4)
+                offset += want.nbytes
+            tshm.set_shared_memory_region(handles[1], [np.zeros(out_bytes // 4, np.float32)])
+            client.close()
+        admin.unregister_system_shared_memory()
+        admin.close()
+    finally:
+        for h in handles:
+            tshm.destroy_shared_memory_region(h)
+
+
+@pytest.mark.parametrize(("model", "change", "message"), [
+    ("bert", {"input_ids": ("FP32", None)},
+     "input 'input_ids' datatype: FP32 is not accepted; the model takes INT64"),
+    ("bert", {"attention_mask": ("INT64", (1, 6))},
+     "input 'attention_mask': seq is 6, another input has seq 5"),
+    ("bert", {"all": ("INT64", (1, 20))},
+     "input 'input_ids': sequence length 20 given, the model takes at most 16"),
+    ("two", {"features": ("FP32", (1, 15))}, "input 'features' shape [1, 15] does not match"),
+])
+def test_a_bad_input_is_400_or_invalid_argument_naming_it(server: Server, model: str,
+                                                          change: dict[str, Any],
+                                                          message: str) -> None:
+    for protocol, mod, url in (("http", thttp, server.http), ("grpc", tgrpc, server.grpc)):
+        request = (_bert_request(1, 5, 0) if model == "bert" else
+                   {"features": np.zeros((1, 16), np.float32), "ids": np.ones((1, 5), np.int64)})
+        inputs = []
+        for name, array in request.items():
+            datatype, shape = change.get(name, change.get("all", (None, None)))
+            if shape is not None:
+                array = np.ones(shape, array.dtype)
+            datatype = datatype or ("FP32" if array.dtype == np.float32 else "INT64")
+            if datatype == "FP32":
+                array = array.astype(np.float32)
+            tensor = mod.InferInput(name, list(array.shape), datatype)
+            tensor.set_data_from_numpy(array)
+            inputs.append(tensor)
+        with pytest.raises(InferenceServerException) as caught:
+            mod.InferenceServerClient(url).infer(model, inputs)
+        assert message in str(caught.value), (protocol, str(caught.value))
+        assert caught.value.status() in ("400", "StatusCode.INVALID_ARGUMENT"), (
+            protocol, caught.value.status())
