@@ -314,12 +314,37 @@ class _Service(_servicer_base()):  # type: ignore[misc]
             for m in self.core.models.values()])
 
     async def ModelInfer(self, request: Any, context: Any) -> Any:  # noqa: N802
-        """Run one request through the runtime."""
+        """Run one request through the runtime.
+
+        A refusal known from the model's name alone (`InferenceCore.refuse_early`: the model
+        holds its admission limit, or the server is shutting down) is answered before the
+        request's tensors are looked at; every refusal is answered by setting the status
+        rather than raising through grpc. Past saturation a front does little but refuse, and
+        the cheaper each refusal, the more calls it takes before grpc's own limits do: calls
+        not taken in time are reset by grpc (REFUSED_STREAM past a connection's stream limit,
+        CANCELLED after 30 s), never counted, and carry no `retry-after`.
+        """
         try:
             self._check_key(context)
+            early = getattr(self.core, "refuse_early", None)
+            if early is not None:
+                refusal = early(request.message.model_name if isinstance(request, InferRequest)
+                                else request.model_name)
+                if refusal is not None:
+                    return self._refuse(context, refusal)
             return await self._infer(request)
         except ProtocolError as exc:
-            await self._abort(context, exc)
+            return self._refuse(context, exc)
+
+    def _refuse(self, context: Any, exc: ProtocolError) -> None:
+        """Answer the call with `exc`'s status, message and `retry-after`, without raising."""
+        import grpc
+
+        context.set_code(getattr(grpc.StatusCode, _CODES.get(exc.status, "INTERNAL")))
+        context.set_details(exc.message)
+        if exc.retry_after_s is not None:
+            context.set_trailing_metadata((("retry-after",
+                                            str(max(1, round(exc.retry_after_s)))),))
 
     async def _infer(self, request: Any) -> Any:
         core = self.core
