@@ -20,8 +20,10 @@
 Checks (each true or false in the report, with the figures):
 - `none_lost`: every call got one answer, and the server's counters' deltas equal the
   client's counts: answered, refused (UNAVAILABLE with `retry-after`), failed. Calls grpc
-  reset before any handler saw them (UNAVAILABLE without `retry-after`: its queue of calls
-  not yet taken, 10,000, was full) are counted by the client only (`reset`). With `--kill
+  reset before any handler saw them (UNAVAILABLE without `retry-after`: RST_STREAM
+  REFUSED_STREAM, once a connection's calls the front had not yet taken passed its stream
+  limit) are counted by the client only (`reset`); so are calls CANCELLED by grpc (more than
+  10,000 not taken, or one not taken within 30 s), which `refusals_are_503` fails. With `--kill
   front`, calls the killed front held may have been answered by the runtime with the answer
   lost with the connection (the client sees a reset): then the server's refusals still
   equal the client's, it counted no more than was sent, and each answer the client did not
@@ -162,12 +164,12 @@ async def burst(target: str, model: str, tensor: dict[str, Any], rate_qps: float
             name = exc.code().name
             # The server's own refusals (admission, not ready, shutting down) carry a
             # `retry-after` trailer; an UNAVAILABLE without one never reached its handler
-            # (grpc reset the stream: its queue of calls not yet taken was full).
+            # (grpc reset the stream: REFUSED_STREAM, or the connection went away).
             if name == "UNAVAILABLE" and not any(
                     k == "retry-after" for k, _ in (exc.trailing_metadata() or ())):
                 name = "UNAVAILABLE_RESET"
             codes[name] += 1
-            details[f"{name}: {(exc.details() or '')[:48]}"] += 1
+            details[f"{name}: {(exc.details() or '')[:80]}"] += 1
 
     rng = random.Random(0)
     start = time.perf_counter()
@@ -302,6 +304,9 @@ def main() -> None:
         while counters(metrics_url, "net")["in_flight"] and time.monotonic() < deadline:
             time.sleep(0.2)
         end_counts = counters(metrics_url, "net")
+        print(f"burst: sent {load['sent']} ({load['achieved_rate_rps']:.1f}/s), codes "
+              f"{load['codes']}, answered within {load['answered_within_s']:.1f} s",
+              flush=True)
         time.sleep(args.settle_s)
         afters = [perf_analyzer(exe, grpc_url, "net", out / f"after-{i}.csv", rate=calm_rate,
                                 seconds=args.calm_s, stability_pct=args.stability,

@@ -297,6 +297,34 @@ def test_grpc_at_concurrency_256_answers_every_call(tmp_path: Path) -> None:
         assert summary["requests_ok"] == oks and summary["requests_rejected"] == len(refused)
 
 
+@pytest.mark.parametrize("body", [
+    b"\xff\xff\xff",                            # not a message: a field tag past the end
+    b"\x0a\x05ne",                               # model_name's length past the end
+    b"\x0a\x03net\x42\x80\x80\x80\x80\x10",        # raw contents: a varint length that never ends
+    b"\x0a\x03net\x22\x04\x0a\x05in",                # an input whose name runs past its tensor
+], ids=["garbage", "truncated-name", "endless-length", "truncated-input"])
+def test_a_grpc_message_protobuf_cannot_parse_is_invalid_argument(
+        grpc_server: Server, body: bytes) -> None:
+    # grpc answers a deserializer's exception UNKNOWN ("Unexpected DecodeError"), a 500's
+    # kin; the server answers INVALID_ARGUMENT saying what is wrong, and serves on.
+    import grpc
+
+    with grpc.insecure_channel(grpc_server.grpc) as channel:
+        call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer",
+                                   request_serializer=None, response_deserializer=None)
+        with pytest.raises(grpc.RpcError) as info:
+            call(body, timeout=30)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value
+    assert "not an inference.ModelInferRequest" in (info.value.details() or "")
+    assert tgrpc.InferenceServerClient(grpc_server.grpc).is_server_ready()
+
+
+@pytest.fixture(scope="module")
+def grpc_server(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    with _serving(tmp_path_factory.mktemp("grpc_bad"), _plan("bad")) as srv:
+        yield srv
+
+
 def test_a_grpc_burst_past_admission_gets_only_answers_and_refusals_with_a_retry_hint(
         tmp_path: Path) -> None:
     # 3,000 calls at once over 8 channels against a model that holds 4 items at a time for
