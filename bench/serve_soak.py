@@ -30,6 +30,8 @@ Checks (each true or false in the report, with the figures):
   get is one of its resets;
 - `refusals_are_503`: the burst got nothing but OK and UNAVAILABLE, except, with `--kill`,
   failures answered with a message (counted apart);
+- `refusals_hinted`: no call was refused by grpc itself (RST_STREAM, no `retry-after`): the
+  front took every call and answered it (a killed front's sockets are not counted here);
 - `none_hung`: every burst call was answered within `--call-timeout-s` (the server's drain
   timeout, `--drain-timeout-s`, which also bounds a wait for a restarting worker, plus a
   margin for the answer to travel);
@@ -168,6 +170,8 @@ async def burst(target: str, model: str, tensor: dict[str, Any], rate_qps: float
             if name == "UNAVAILABLE" and not any(
                     k == "retry-after" for k, _ in (exc.trailing_metadata() or ())):
                 name = "UNAVAILABLE_RESET"
+                if "RST_STREAM" in (exc.details() or ""):
+                    codes["refused_stream"] += 1  # grpc refused it: the front had not taken it
             codes[name] += 1
             details[f"{name}: {(exc.details() or '')[:80]}"] += 1
 
@@ -188,7 +192,7 @@ async def burst(target: str, model: str, tensor: dict[str, Any], rate_qps: float
         await c.close()
     lat = np.asarray(latencies_ms or [0.0])
     return {"sent": len(tasks), "ok": codes["OK"], "rejected": codes["UNAVAILABLE"],
-            "reset": codes["UNAVAILABLE_RESET"],
+            "reset": codes["UNAVAILABLE_RESET"], "refused_stream": codes["refused_stream"],
             "errors": len(tasks) - codes["OK"] - codes["UNAVAILABLE"]
             - codes["UNAVAILABLE_RESET"],
             "hung": codes["DEADLINE_EXCEEDED"], "codes": dict(codes),
@@ -334,6 +338,7 @@ def main() -> None:
             + load["errors"] == sent,
             "refusals_are_503": load["errors"] == 0 or (killed is not None
                                                         and load["errors"] <= served["failed"]),
+            "refusals_hinted": load["refused_stream"] == 0,
             "none_hung": load["hung"] == 0,
             "drained": end_counts["in_flight"] == 0,
             "memory_flat": abs(rss_after - rss_before) <= 0.10 * rss_before,
