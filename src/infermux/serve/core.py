@@ -608,9 +608,9 @@ class InferenceCore:
     def refuse_early(self, name: str) -> ProtocolError | None:
         """A refusal decided before a request of model `name` is decoded, or None: go on.
 
-        Past saturation a front spends most of its time refusing; a refusal that first
-        decodes and checks the request's tensors costs the front about a third more than
-        one that does not (bench/serve_soak.py, docs/architecture-serve.md). When the model
+        Past saturation a front spends most of its time refusing; a gRPC refusal that first
+        decoded and checked the request's tensors cost the front about a fifth more CPU than
+        one that does not (bench/serve_refusals.py, docs/architecture-serve.md). When the model
         already holds its whole admission limit (no request of one item or more fits) or the
         server is shutting down, the 503 is known from the model's name alone: it is
         counted here and returned. Otherwise (or for a name not served, which the full path
