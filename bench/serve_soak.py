@@ -20,14 +20,18 @@
 Checks (each true or false in the report, with the figures):
 - `none_lost`: every call got one answer, and the server's counters' deltas equal the
   client's counts: answered, refused (UNAVAILABLE with `retry-after`), failed. Calls grpc
-  reset before any handler saw them (UNAVAILABLE without `retry-after`: its queue of calls
-  not yet taken, 10,000, was full) are counted by the client only (`reset`). With `--kill
+  reset before any handler saw them (UNAVAILABLE without `retry-after`: RST_STREAM
+  REFUSED_STREAM, once a connection's calls the front had not yet taken passed its stream
+  limit) are counted by the client only (`reset`); so are calls CANCELLED by grpc (more than
+  10,000 not taken, or one not taken within 30 s), which `refusals_are_503` fails. With `--kill
   front`, calls the killed front held may have been answered by the runtime with the answer
   lost with the connection (the client sees a reset): then the server's refusals still
   equal the client's, it counted no more than was sent, and each answer the client did not
   get is one of its resets;
 - `refusals_are_503`: the burst got nothing but OK and UNAVAILABLE, except, with `--kill`,
   failures answered with a message (counted apart);
+- `refusals_hinted`: no call was refused by grpc itself (RST_STREAM, no `retry-after`): the
+  front took every call and answered it (a killed front's sockets are not counted here);
 - `none_hung`: every burst call was answered within `--call-timeout-s` (the server's drain
   timeout, `--drain-timeout-s`, which also bounds a wait for a restarting worker, plus a
   margin for the answer to travel);
@@ -162,12 +166,14 @@ async def burst(target: str, model: str, tensor: dict[str, Any], rate_qps: float
             name = exc.code().name
             # The server's own refusals (admission, not ready, shutting down) carry a
             # `retry-after` trailer; an UNAVAILABLE without one never reached its handler
-            # (grpc reset the stream: its queue of calls not yet taken was full).
+            # (grpc reset the stream: REFUSED_STREAM, or the connection went away).
             if name == "UNAVAILABLE" and not any(
                     k == "retry-after" for k, _ in (exc.trailing_metadata() or ())):
                 name = "UNAVAILABLE_RESET"
+                if "RST_STREAM" in (exc.details() or ""):
+                    codes["refused_stream"] += 1  # grpc refused it: the front had not taken it
             codes[name] += 1
-            details[f"{name}: {(exc.details() or '')[:48]}"] += 1
+            details[f"{name}: {(exc.details() or '')[:80]}"] += 1
 
     rng = random.Random(0)
     start = time.perf_counter()
@@ -186,7 +192,7 @@ async def burst(target: str, model: str, tensor: dict[str, Any], rate_qps: float
         await c.close()
     lat = np.asarray(latencies_ms or [0.0])
     return {"sent": len(tasks), "ok": codes["OK"], "rejected": codes["UNAVAILABLE"],
-            "reset": codes["UNAVAILABLE_RESET"],
+            "reset": codes["UNAVAILABLE_RESET"], "refused_stream": codes["refused_stream"],
             "errors": len(tasks) - codes["OK"] - codes["UNAVAILABLE"]
             - codes["UNAVAILABLE_RESET"],
             "hung": codes["DEADLINE_EXCEEDED"], "codes": dict(codes),
@@ -302,6 +308,9 @@ def main() -> None:
         while counters(metrics_url, "net")["in_flight"] and time.monotonic() < deadline:
             time.sleep(0.2)
         end_counts = counters(metrics_url, "net")
+        print(f"burst: sent {load['sent']} ({load['achieved_rate_rps']:.1f}/s), codes "
+              f"{load['codes']}, answered within {load['answered_within_s']:.1f} s",
+              flush=True)
         time.sleep(args.settle_s)
         afters = [perf_analyzer(exe, grpc_url, "net", out / f"after-{i}.csv", rate=calm_rate,
                                 seconds=args.calm_s, stability_pct=args.stability,
@@ -329,6 +338,7 @@ def main() -> None:
             + load["errors"] == sent,
             "refusals_are_503": load["errors"] == 0 or (killed is not None
                                                         and load["errors"] <= served["failed"]),
+            "refusals_hinted": load["refused_stream"] == 0,
             "none_hung": load["hung"] == 0,
             "drained": end_counts["in_flight"] == 0,
             "memory_flat": abs(rss_after - rss_before) <= 0.10 * rss_before,

@@ -297,6 +297,85 @@ def test_grpc_at_concurrency_256_answers_every_call(tmp_path: Path) -> None:
         assert summary["requests_ok"] == oks and summary["requests_rejected"] == len(refused)
 
 
+@pytest.mark.parametrize("body", [
+    b"\xff\xff\xff",                            # not a message: a field tag past the end
+    b"\x0a\x05ne",                               # model_name's length past the end
+    b"\x0a\x03net\x42\x80\x80\x80\x80\x10",        # raw contents: a varint length that never ends
+    b"\x0a\x03net\x22\x04\x0a\x05in",                # an input whose name runs past its tensor
+], ids=["garbage", "truncated-name", "endless-length", "truncated-input"])
+def test_a_grpc_message_protobuf_cannot_parse_is_invalid_argument(
+        grpc_server: Server, body: bytes) -> None:
+    # grpc answers a deserializer's exception UNKNOWN ("Unexpected DecodeError"), a 500's
+    # kin; the server answers INVALID_ARGUMENT saying what is wrong, and serves on.
+    import grpc
+
+    with grpc.insecure_channel(grpc_server.grpc) as channel:
+        call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer",
+                                   request_serializer=None, response_deserializer=None)
+        with pytest.raises(grpc.RpcError) as info:
+            call(body, timeout=30)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value
+    assert "not an inference.ModelInferRequest" in (info.value.details() or "")
+    assert tgrpc.InferenceServerClient(grpc_server.grpc).is_server_ready()
+
+
+@pytest.fixture(scope="module")
+def grpc_server(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    with _serving(tmp_path_factory.mktemp("grpc_bad"), _plan("bad")) as srv:
+        yield srv
+
+
+def test_a_grpc_burst_past_admission_gets_only_answers_and_refusals_with_a_retry_hint(
+        tmp_path: Path) -> None:
+    # 3,000 calls at once over 8 channels against a model that holds 4 items at a time for
+    # 0.4 s: nearly all are refused. Each call gets its outputs or UNAVAILABLE naming the
+    # admission limit with a `retry-after` trailer (the refusal decided from the model's name
+    # before decoding, `InferenceCore.refuse_early`): no reset, no cancel, none past its
+    # deadline; the server's counts equal the client's to the call.
+    import asyncio
+
+    import grpc
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    calls = 3000
+    x = _x(1, seed=2)
+    request = service_pb2.ModelInferRequest(model_name="net")
+    request.inputs.add(name="input", datatype="FP32", shape=list(x.shape))
+    request.raw_input_contents.append(x.tobytes())
+
+    async def burst(target: str) -> list[tuple[str, str, bool]]:
+        channels = [grpc.aio.insecure_channel(target) for _ in range(8)]
+        stubs = [service_pb2_grpc.GRPCInferenceServiceStub(c) for c in channels]
+
+        async def one(k: int) -> tuple[str, str, bool]:
+            try:
+                reply = await stubs[k % 8].ModelInfer(request, timeout=120)
+                return "OK", reply.model_name, True
+            except grpc.aio.AioRpcError as exc:
+                hint = any(key == "retry-after" and value == "1"
+                           for key, value in (exc.trailing_metadata() or ()))
+                return exc.code().name, exc.details() or "", hint
+
+        try:
+            return await asyncio.gather(*(one(k) for k in range(calls)))
+        finally:
+            for c in channels:
+                await c.close()
+
+    with _serving(tmp_path, _plan("burst", "slow", batch=4), "--max-queue", "4") as srv:
+        results = asyncio.run(burst(srv.grpc))
+        codes = {code for code, _, _ in results}
+        assert codes <= {"OK", "UNAVAILABLE"}, sorted(codes)
+        refused = [(m, hint) for code, m, hint in results if code == "UNAVAILABLE"]
+        oks = calls - len(refused)
+        assert oks >= 4 and len(refused) > calls // 2
+        assert all("admission limit" in m and hint for m, hint in refused), refused[:3]
+        code, out = srv.stop()
+        assert code == 0, out
+        summary = json.loads(out[out.index("{"):])["models"]["net"]
+        assert summary["requests_ok"] == oks and summary["requests_rejected"] == len(refused)
+
+
 # -- an input's fault against the device's --------------------------------------------------------
 
 

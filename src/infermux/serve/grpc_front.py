@@ -42,8 +42,15 @@ _CONTENTS = {"FP32": "fp32_contents", "FP64": "fp64_contents", "INT64": "int64_c
 #: first SETTINGS frame arrives, and a burst past a limit on a fresh connection has its streams
 #: reset, so the limit sits far above any client's concurrency (perf_analyzer shares a
 #: channel between several of its contexts); memory stays bounded by admission, which answers
-#: UNAVAILABLE past it, not by refusing streams.
+#: UNAVAILABLE past it, not by refusing streams. Past what a front can take, the calls it has
+#: not taken yet count against their connection's limit, and grpc refuses new streams at once
+#: (REFUSED_STREAM: UNAVAILABLE, never processed, without `retry-after`). A limit of 65,536 was
+#: tried: the same calls then waited and were CANCELLED after 30 s not taken (11,555 of
+#: 73,731 in a 4x burst on two loaded cores), later and not retryable, so 4,096 stays.
 _MAX_STREAMS_PER_CONNECTION = 4096
+#: Calls received and not yet taken by the event loop, over all connections (grpc cancels
+#: those past it, and those not taken within 30 s).
+_MAX_UNTAKEN_CALLS = 10000
 
 
 def server_options(max_message_bytes: int, *, reuse_port: bool = False,
@@ -76,8 +83,8 @@ def server_options(max_message_bytes: int, *, reuse_port: bool = False,
         ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.http2.max_ping_strikes", 0),
-        ("grpc.server.max_pending_requests", 10000),
-        ("grpc.server.max_pending_requests_hard_limit", 10000),
+        ("grpc.server.max_pending_requests", _MAX_UNTAKEN_CALLS),
+        ("grpc.server.max_pending_requests_hard_limit", _MAX_UNTAKEN_CALLS),
         ("grpc.so_reuseport", int(reuse_port)),
     ]
 
@@ -143,6 +150,15 @@ class InferRequest:
         self.raw = raw
 
 
+class Undecodable:
+    """A ModelInfer message protobuf could not parse: answered INVALID_ARGUMENT, not UNKNOWN."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+
 def _varint(data: memoryview, at: int) -> tuple[int, int]:
     value = shift = 0
     while True:
@@ -161,8 +177,10 @@ def parse_infer_request(data: bytes) -> Any:
 
     The message's top-level fields are walked once: field 7 (`raw_input_contents`) becomes a
     memoryview of `data`; every other field's bytes go to protobuf's parser. Bytes that are
-    not a well-formed message are handed to protobuf whole, which reports them as it would.
+    not a well-formed message are handed to protobuf whole; what protobuf cannot parse either
+    becomes an `Undecodable` (grpc would answer a parser's exception UNKNOWN, a 500's kin).
     """
+    from google.protobuf.message import DecodeError
     from tritonclient.grpc import service_pb2
 
     view = memoryview(data)
@@ -193,8 +211,12 @@ def parse_infer_request(data: bytes) -> Any:
                 raise ValueError("truncated field")
             rest.append(view[start:at])
     except ValueError:
-        return service_pb2.ModelInferRequest.FromString(data)
-    return InferRequest(service_pb2.ModelInferRequest.FromString(b"".join(rest)), raw)
+        rest, raw = [view], []
+    try:
+        message = service_pb2.ModelInferRequest.FromString(b"".join(rest))
+    except DecodeError as exc:
+        return Undecodable(str(exc))
+    return InferRequest(message, raw) if raw else message
 
 
 def _servicer_base() -> type:
@@ -314,12 +336,41 @@ class _Service(_servicer_base()):  # type: ignore[misc]
             for m in self.core.models.values()])
 
     async def ModelInfer(self, request: Any, context: Any) -> Any:  # noqa: N802
-        """Run one request through the runtime."""
+        """Run one request through the runtime.
+
+        A refusal known from the model's name alone (`InferenceCore.refuse_early`: the model
+        holds its admission limit, or the server is shutting down) is answered before the
+        request's tensors are looked at; every refusal is answered by setting the status
+        rather than raising through grpc. Past saturation a front does little but refuse, and
+        the cheaper each refusal, the more calls it takes before grpc's own limits do: calls
+        not taken in time are reset by grpc (REFUSED_STREAM past a connection's stream limit,
+        CANCELLED after 30 s), never counted, and carry no `retry-after`.
+        """
         try:
             self._check_key(context)
+            if isinstance(request, Undecodable):
+                raise ProtocolError(400, f"the message is not an inference.ModelInferRequest "
+                                         f"({request.error}): send one as the v2 proto "
+                                         "defines it")
+            early = getattr(self.core, "refuse_early", None)
+            if early is not None:
+                refusal = early(request.message.model_name if isinstance(request, InferRequest)
+                                else request.model_name)
+                if refusal is not None:
+                    return self._refuse(context, refusal)
             return await self._infer(request)
         except ProtocolError as exc:
-            await self._abort(context, exc)
+            return self._refuse(context, exc)
+
+    def _refuse(self, context: Any, exc: ProtocolError) -> None:
+        """Answer the call with `exc`'s status, message and `retry-after`, without raising."""
+        import grpc
+
+        context.set_code(getattr(grpc.StatusCode, _CODES.get(exc.status, "INTERNAL")))
+        context.set_details(exc.message)
+        if exc.retry_after_s is not None:
+            context.set_trailing_metadata((("retry-after",
+                                            str(max(1, round(exc.retry_after_s)))),))
 
     async def _infer(self, request: Any) -> Any:
         core = self.core
