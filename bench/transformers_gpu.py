@@ -14,17 +14,29 @@ downloaded (the network is BertConfig's defaults with random weights).
 `--runtime` measures through plans (`run_plan`) instead, side by side in one process:
 - a small space of plans at sequence 128 offline (plain eager fp16 against CUDA-graphed
   runners, batches 32 and 128, one or two instances): the best plan / the best eager plan;
-- mixed lengths: the best plan's batch with `seq_buckets: [32, 64, 128, 256]` and queries of
-  `uniform:16-256` tokens, in tokens/s, against the same plan at the fixed mean length (136,
-  compiled at 136), both with pow2 batch buckets, so the ratio is what padding to buckets
-  costs;
-- `--only-mixed`: the mixed-lengths pair alone, at `--batches`' first batch (CUDA graphs).
+- `--tune BUDGET` (seconds): first `infermux tune` (the library's `run_tune`) on the unit at
+  sequence 128 — its space holds CUDA graphs, torch.compile per (batch, length) bucket and
+  instances — and its written plan measured beside the eager plans (`tuned_vs_eager`; the
+  hand-made graph plans are left out); the mixed-lengths runs then use the tuned plan's
+  replica;
+- mixed lengths: the best plan's replica with each bucket set of `--mixed-sets` (`pow2`: 32,
+  64, 128, 256; `fine`: eight steps of 32; the tuner's candidates for `uniform:16-256`) and
+  queries of `uniform:16-256` tokens, in tokens/s, against the same replica at the fixed mean
+  length (136, compiled at 136), all with `--mixed-buckets` batch buckets (pow2 by default;
+  `none` builds one runner per length, what a compiled plan wants), so each ratio is what
+  padding to that set costs;
+- `--only-mixed`: the mixed-lengths runs alone, at `--batches`' first batch (the engine's
+  defaults: CUDA graphs on a GPU; the same command measures it on the CPU with `--unit cpu`).
 - with `--perf-analyzer PATH`, the best plan served (`infermux serve --fronts 1`) over gRPC,
   perf_analyzer sending every input (INT64 ids, masks of zeros: `--input-data zero`) at
   sequence 128 and rising concurrency: the highest requests/s whose p99 holds 50 ms, against
   the plan's offline items/s.
 
     python bench/transformers_gpu.py out.json --runtime --perf-analyzer /tmp/opt/perf_analyzer
+    python bench/transformers_gpu.py out.json --runtime --tune 90 --mixed-sets fine \
+        --mixed-buckets none
+    python bench/transformers_gpu.py out.json --runtime --only-mixed --unit cpu \
+        --model hf:FOLDER --batches 8 --min-duration 5
 """
 
 from __future__ import annotations
@@ -135,6 +147,31 @@ def _served(args: argparse.Namespace, plan: dict[str, Any], offline_items_per_s:
                                   if best and offline_items_per_s else None)}
 
 
+def _tuned(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
+    """`run_tune` on the unit at sequence `--seq`: (its written plan, a summary of the tune)."""
+    from infermux.tune import TrialSettings, TuneRequest, run_tune
+
+    t0 = time.perf_counter()
+    request = TuneRequest(models=[ModelSpec(args.model)], units=args.unit, engines="torch",
+                          budget_s=args.tune, max_instances=2, pipelines=False,
+                          trial=TrialSettings(lengths=str(args.seq)))
+    report = run_tune(request)
+    if report.plan is None:
+        raise SystemExit("the tune found no plan")
+    best = report.result.best
+    summary = {"best": best.candidate.label() if best else None,
+               "best_items_per_s": best.items_per_s if best else None,
+               "measured": report.result.measured, "wall_s": time.perf_counter() - t0,
+               "trials": [t.to_dict() for t in report.result.trials]}
+    print(f"tuned: {summary['best']} {summary['best_items_per_s'] or 0:.1f} items/s "
+          f"({summary['measured']} trials, {summary['wall_s']:.0f} s)", flush=True)
+    return report.plan, summary
+
+
+#: Bucket sets the mixed-lengths runs may compare (`--mixed-sets`).
+MIXED_SETS = {"pow2": [32, 64, 128, 256], "fine": [32, 64, 96, 128, 160, 192, 224, 256]}
+
+
 def runtime_main(args: argparse.Namespace) -> dict[str, Any]:
     """Plans through the runtime: the best of a small space vs eager, mixed lengths, served."""
     seq = args.seq
@@ -146,6 +183,9 @@ def runtime_main(args: argparse.Namespace) -> dict[str, Any]:
         "graph b64 x2": (64, {"cuda_graph": True}, 2),
     }
     plans: dict[str, Any] = {}
+    if args.tune:
+        # The tuned plan takes the place of the hand-made graph plans; eager is the baseline.
+        space = {k: v for k, v in space.items() if k.startswith("eager")}
     if args.only_mixed:
         space = {"given": (int(args.batches.split(",")[0]), {}, 1)}
     for name, (batch, options, instances) in space.items():
@@ -158,33 +198,64 @@ def runtime_main(args: argparse.Namespace) -> dict[str, Any]:
         p = plans[name]
         print(f"plan {name:14s} {p.get('items_per_s') or 0:10.1f} items/s "
               f"{p.get('tokens_per_s') or 0:12.0f} tok/s {p.get('error', '')}", flush=True)
+    tune_summary = None
+    if args.tune and not args.only_mixed:
+        tuned_plan, tune_summary = _tuned(args)
+        # Offline batches fill: measured with one runner per length, as the tuner's trials
+        # were (the written plan's pow2 buckets would compile every smaller batch too).
+        replica = tuned_plan["models"][0]["replicas"][0]
+        space["tuned"] = (replica["batch"], replica.get("options") or {},
+                          replica.get("instances", 1))
+        plans["tuned"] = _offline(_plan(args.model, args.unit, replica["batch"],
+                                        replica.get("options") or {},
+                                        instances=replica.get("instances", 1),
+                                        seq_buckets=[seq], lengths=seq,
+                                        duration_s=args.min_duration))
+        p = plans["tuned"]
+        print(f"plan {'tuned':14s} {p.get('items_per_s') or 0:10.1f} items/s "
+              f"{p.get('tokens_per_s') or 0:12.0f} tok/s {p.get('error', '')}", flush=True)
     eager = max((p.get("items_per_s") or 0 for n, p in plans.items() if n.startswith("eager")),
                 default=0)
     best_name = max(plans, key=lambda n: plans[n].get("items_per_s") or 0)
+    if "tuned" in plans:
+        best_name = "tuned"
     best = plans[best_name]
     batch, options, instances = space[best_name]
     low, high = 16, 256
     mean = (low + high) // 2
-    # pow2 batch buckets in both: a length bucket's partial batch runs in a smaller runner.
-    mixed = _offline(_plan(args.model, args.unit, batch, options, instances=instances,
-                           seq_buckets=[32, 64, 128, 256], lengths=f"uniform:{low}-{high}",
-                           duration_s=args.min_duration, buckets="pow2"))
+    mixed_runs: dict[str, Any] = {}
+    for set_name in args.mixed_sets.split(","):
+        mixed_runs[set_name] = _offline(_plan(
+            args.model, args.unit, batch, options, instances=instances,
+            seq_buckets=MIXED_SETS[set_name], lengths=f"uniform:{low}-{high}",
+            duration_s=args.min_duration, buckets=args.mixed_buckets))
     fixed = _offline(_plan(args.model, args.unit, batch, options, instances=instances,
                            seq_buckets=[mean], lengths=mean, duration_s=args.min_duration,
-                           buckets="pow2"))
-    for name, p in (("mixed", mixed), (f"fixed {mean}", fixed)):
+                           buckets=args.mixed_buckets))
+    for name, p in (*((f"mixed {k}", v) for k, v in mixed_runs.items()), (f"fixed {mean}", fixed)):
         print(f"{name:19s} {p.get('items_per_s') or 0:10.1f} items/s "
               f"{p.get('tokens_per_s') or 0:12.0f} tok/s mean length {p.get('mean_length')} "
               f"{p.get('error', '')}", flush=True)
+
+    def ratio(run: dict[str, Any]) -> float | None:
+        return (run["tokens_per_s"] / fixed["tokens_per_s"]
+                if run.get("tokens_per_s") and fixed.get("tokens_per_s") else None)
+
+    first = next(iter(mixed_runs))
     out: dict[str, Any] = {
-        "plans": plans, "best_plan": best_name,
+        "plans": plans, "best_plan": best_name, "tune": tune_summary,
         "best_vs_eager": (best.get("items_per_s") or 0) / eager if eager else None,
-        "mixed_lengths": {"lengths": f"uniform:{low}-{high}", "seq_buckets": [32, 64, 128, 256],
-                          "mixed": mixed, "fixed": fixed, "fixed_length": mean,
-                          "mixed_vs_fixed_tokens": (
-                              mixed["tokens_per_s"] / fixed["tokens_per_s"]
-                              if mixed.get("tokens_per_s") and fixed.get("tokens_per_s")
-                              else None)}}
+        "tuned_vs_eager": ((plans["tuned"].get("items_per_s") or 0) / eager
+                           if "tuned" in plans and eager else None),
+        "mixed_lengths": {"lengths": f"uniform:{low}-{high}", "batch": batch,
+                          "options": options, "instances": instances,
+                          "batch_buckets": args.mixed_buckets,
+                          "seq_buckets": MIXED_SETS[first], "mixed": mixed_runs[first],
+                          "fixed": fixed, "fixed_length": mean,
+                          "mixed_vs_fixed_tokens": ratio(mixed_runs[first]),
+                          "by_set": {k: {"seq_buckets": MIXED_SETS[k], "run": v,
+                                         "mixed_vs_fixed_tokens": ratio(v)}
+                                     for k, v in mixed_runs.items()}}}
     if args.perf_analyzer:
         served_plan = _plan(args.model, args.unit, batch, options, instances=instances,
                             seq_buckets=[seq], lengths=seq, duration_s=args.min_duration,
@@ -210,6 +281,13 @@ def main() -> None:
     parser.add_argument("--only-mixed", action="store_true",
                         help="with --runtime: only the mixed-lengths pair")
     parser.add_argument("--concurrency", default="16,64,128,256")
+    parser.add_argument("--tune", type=float, default=0.0,
+                        help="with --runtime: tune for this many seconds first and measure "
+                        "the tuned plan beside eager (0: no tune)")
+    parser.add_argument("--mixed-sets", default="pow2,fine",
+                        help=f"bucket sets the mixed-length runs compare: {', '.join(MIXED_SETS)}")
+    parser.add_argument("--mixed-buckets", default="pow2",
+                        help="batch buckets of the mixed and fixed runs: pow2 or none")
     parser.add_argument("--p99-ms", type=float, default=50.0)
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]

@@ -68,15 +68,17 @@ def partition(
     from infermux.models import ModelSpec, load_model
     from infermux.models.graph import capture_graph
     from infermux.models.segments import split
-    from infermux.partition.search import PartitionConfig, describe_graph, run_partition
+    from infermux.partition.search import (
+        PartitionConfig,
+        check_partitionable,
+        describe_graph,
+        run_partition,
+    )
 
     spec = ModelSpec(model, weights, parse_shape(input_shape) if input_shape else None)
     if show:
         loaded = load_model(spec)
-        if loaded.module is None:
-            from infermux.errors import UsageError
-
-            raise UsageError(f"{loaded.name} is an ONNX file: partitioning needs a torch model")
+        check_partitionable(loaded)
         with _progress() as progress:
             progress.add_task("capturing the graph", total=None)
             graph = capture_graph(loaded.module, loaded.input_shape)

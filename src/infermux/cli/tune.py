@@ -37,6 +37,8 @@ def tune_command(
     trial_duration: Annotated[str, typer.Option("--trial-duration", help="Minimum duration of each trial.")] = "1s",
     trial_queries: Annotated[int, typer.Option("--trial-queries", help="Minimum items of each trial.")] = 64,
     input_shape: Annotated[str | None, typer.Option("--input-shape", help="One item's shape, e.g. 3x224x224.")] = None,
+    seq: Annotated[str | None, typer.Option("--seq", help="Sequence lengths to compile (models with one), e.g. 32,64,128; default: candidates from --lengths.")] = None,
+    lengths: Annotated[str | None, typer.Option("--lengths", help="Query lengths of models with a sequence length: 128, uniform:16-256 or 32,64,128 (load.lengths).")] = None,
     data: Annotated[str, typer.Option("--data", help="host: copies timed; device: pre-staged.")] = "host",
     out_file: Annotated[str | None, typer.Option("--out", "-o", help="Plan file to write (default tuned-MODEL.yaml).")] = None,
     fresh: Annotated[bool, typer.Option("--fresh", help="Measure everything again; ignore stored trials.")] = False,
@@ -54,6 +56,7 @@ def tune_command(
         parse_latency_ms,
         parse_shape,
     )
+    from infermux.cli.bench import _lengths
     from infermux.models import ModelSpec
     from infermux.store import open_store
     from infermux.tune import Constraints, TrialSettings, TuneRequest, model_name, run_tune
@@ -70,8 +73,9 @@ def tune_command(
         batches=parse_batches(batch) if batch else None, max_instances=max_instances,
         compile_modes=_compile_modes(compile_modes),
         trial=TrialSettings(min_duration_s=parse_duration_s(trial_duration, name="--trial-duration"),
-                            min_queries=trial_queries, data=data),
-        fresh=fresh, seed=seed, fine_tune=not no_fine_tune, pipelines=pipelines)
+                            min_queries=trial_queries, data=data, lengths=lengths),
+        fresh=fresh, seed=seed, fine_tune=not no_fine_tune, pipelines=pipelines,
+        seq_buckets=_lengths(seq) if seq else None)
     path = out_file or f"tuned-{'-'.join(model_name(m) for m in model)}.yaml"
     store = open_store(db)
     command = "infermux " + shlex.join(sys.argv[1:])

@@ -34,7 +34,8 @@ from infermux.units import Unit, discover, select_units
 
 __all__ = [
     "CandidateMeasurement", "CandidateResult", "PartitionConfig", "PartitionReport", "Prediction",
-    "choose_boundaries", "describe_graph", "predict", "run_partition", "to_plan",
+    "check_partitionable", "choose_boundaries", "describe_graph", "predict", "run_partition",
+    "to_plan",
 ]
 
 
@@ -180,6 +181,23 @@ def describe_graph(graph: ModelGraph, segments: list[Segment]) -> dict[str, Any]
     }
 
 
+def check_partitionable(model: LoadedModel) -> None:
+    """One line when `model` is a network the partitioner cannot cut, before anything is traced.
+
+    Pipelines pass one float tensor of a fixed shape from stage to stage, starting from the
+    model's one input: an ONNX file (no torch graph to cut) and a network of several inputs,
+    integer inputs or a sequence length (a transformer taking token ids and a mask) run whole.
+    """
+    if model.module is None:
+        raise UsageError(f"{model.name} is an ONNX file: partitioning needs a torch model")
+    io = model.spec_io
+    if not io.simple:
+        takes = ", ".join(t.text() for t in io.inputs)
+        raise UsageError(f"{model.name} takes {takes}: partition cuts networks of one float "
+                         "input of a fixed shape, so this one runs whole (bench, tune, run and "
+                         "serve take it as it is)")
+
+
 def choose_boundaries(graph: ModelGraph, segments: list[Segment], max_pieces: int) -> list[str]:
     """At most `max_pieces` pieces: cut points nearest to equal shares of the FLOPs.
 
@@ -239,8 +257,7 @@ def predict(config: PartitionConfig, units: list[Unit], model: LoadedModel | Non
         if unit.kind not in ("cpu", "cuda"):
             raise UsageError(f"unit {unit.id!r}: pipeline stages run on cpu and cuda units")
     model = model or load_model(config.model)
-    if model.module is None:
-        raise UsageError(f"{model.name} is an ONNX file: partitioning needs a torch model")
+    check_partitionable(model)
     if progress is not None:
         progress("capturing the graph", 0.0)
     graph = capture_graph(model.module, model.input_shape)
@@ -312,8 +329,7 @@ def run_partition(
             raise UsageError(f"unit {unit.id!r}: pipeline stages run on cpu and cuda units")
     units = {u.id: u for u in unit_list}
     model = load_model(config.model)
-    if model.module is None:
-        raise UsageError(f"{model.name} is an ONNX file: partitioning needs a torch model")
+    check_partitionable(model)
     cfg = config.to_dict() | {"resolved_units": list(units),
                               "model_description": model.describe()}
     with recording(store, "partition", cfg, command) as rec:

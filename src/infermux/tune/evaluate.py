@@ -64,10 +64,17 @@ class TrialSettings:
     min_queries: int = 64
     warmup_s: float = 0.3
     data: str = "host"
+    #: Query lengths of models with a sequence length (`load.lengths`: 128, uniform:16-256,
+    #: 32,64,128); None: each model's default length.
+    lengths: str | None = None
 
     def __post_init__(self) -> None:
         if self.data not in ("host", "device"):
             raise UsageError(f"--data {self.data!r} unknown: use host or device")
+        if self.lengths is not None:
+            from infermux.load.samples import parse_lengths
+
+            object.__setattr__(self, "lengths", parse_lengths(self.lengths).text)
         if self.min_duration_s <= 0:
             raise UsageError(f"--trial-duration {self.min_duration_s:g}s must be positive, "
                              "e.g. --trial-duration 2s")
@@ -76,8 +83,12 @@ class TrialSettings:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready copy."""
-        return {"min_duration_s": self.min_duration_s, "min_queries": self.min_queries,
-                "warmup_s": self.warmup_s, "data": self.data}
+        data: dict[str, Any] = {"min_duration_s": self.min_duration_s,
+                                "min_queries": self.min_queries, "warmup_s": self.warmup_s,
+                                "data": self.data}
+        if self.lengths is not None:  # absent otherwise: stored trials keep their reuse key
+            data["lengths"] = self.lengths
+        return data
 
 
 @dataclass(frozen=True)
@@ -173,10 +184,16 @@ class Evaluator(Protocol):
         ...
 
 
-def can_engine(config: Config, units: dict[str, Unit]) -> bool:
-    """Whether one config can be measured in this process faithfully."""
+def can_engine(config: Config, units: dict[str, Unit],
+               mixed_lengths: frozenset[str] | set[str] = frozenset()) -> bool:
+    """Whether one config can be measured in this process faithfully.
+
+    Not a model whose queries vary in length (`mixed_lengths`): an in-process trial runs one
+    length, the runtime draws each query's own and batches them by length bucket.
+    """
     unit = units.get(config.unit)
-    return unit is not None and not (unit.kind == "cpu" and config.instances > 1)
+    return (unit is not None and not (unit.kind == "cpu" and config.instances > 1)
+            and config.model not in mixed_lengths)
 
 
 class TableEvaluator:
@@ -226,8 +243,14 @@ class LiveEvaluator:
         telemetry: bool = True,
         progress: ProgressFn | None = None,
         loaded: dict[str, LoadedModel] | None = None,
+        seq_buckets: dict[str, tuple[int, ...]] | None = None,
     ) -> None:
         self.specs = models
+        #: Per model with a sequence length, the buckets its plan compiles unless a config
+        #: chooses others.
+        self.seq_buckets = dict(seq_buckets or {})
+        #: Models whose queries vary in length: measured through the runtime only.
+        self.mixed_lengths = _mixed(settings.lengths, self.seq_buckets)
         self.units = {u.id: u for u in units}
         self.settings = settings
         self.store = store
@@ -302,11 +325,11 @@ class LiveEvaluator:
 
     def evaluate(self, candidate: Candidate, method: str = "auto") -> Trial:
         """Measure `candidate` (or reuse the stored trial of the same candidate)."""
+        in_process = candidate.solo and can_engine(candidate.configs[0], self.units,
+                                                   self.mixed_lengths)
         if method == "auto":
-            method = "engine" if candidate.solo and can_engine(candidate.configs[0], self.units) \
-                else "runtime"
-        if method == "engine" and not (candidate.solo
-                                       and can_engine(candidate.configs[0], self.units)):
+            method = "engine" if in_process else "runtime"
+        if method == "engine" and not in_process:
             raise UsageError(f"{candidate.label()} cannot be measured in-process: use the runtime")
         key = f"{method}|{candidate.key()}"
         if not self.fresh:
@@ -360,11 +383,15 @@ class LiveEvaluator:
             min_duration_s=self.settings.min_duration_s, min_queries=self.settings.min_queries,
             warmup_s=self.settings.warmup_s,
             max_duration_s=max(10.0, 4 * self.settings.min_duration_s),
-            options=config.options_dict, telemetry_interval_s=None, check_agreement=False)
+            options=config.replica()["options"], telemetry_interval_s=None,
+            check_agreement=False)
         torch_device = _reset_peak_memory(unit)
         reference: list[agreement.Reference] = []
+        # A model of one query length runs at it (its one bucket); others have no length.
+        lengths = config.seq_buckets or self.seq_buckets.get(config.model)
         point = measure_point(bench, config.engine, engine, model, unit, config.batch,
-                              self._point_progress, reference, self._sampler)
+                              self._point_progress, reference, self._sampler,
+                              length=max(lengths) if lengths else None)
         record = point.record()
         status = point.status
         valid, note = point.validity
@@ -392,6 +419,8 @@ class LiveEvaluator:
         entries = [self._model_entry(name, [c for c in candidate.configs if c.model == name],
                                      buckets)
                    for name in sorted({c.model for c in candidate.configs})]
+        if self.settings.lengths is not None and any("seq_buckets" in e for e in entries):
+            load = {**load, "lengths": self.settings.lengths}
         return {"name": "tuned", "models": entries,
                 "dispatcher": {"max_queue_delay_ms": QUEUE_DELAY_MS}, "load": load}
 
@@ -404,6 +433,12 @@ class LiveEvaluator:
             entry["weights"] = spec.weights
         if spec.input_shape:
             entry["input_shape"] = list(spec.input_shape)
+        # The model's sequence buckets: those its configs chose (all of them, where configs on
+        # two units chose differently: one set per model entry), else its default.
+        chosen = sorted({n for c in configs for n in (c.seq_buckets or ())})
+        seq = chosen or list(self.seq_buckets.get(name, ()))
+        if seq:
+            entry["seq_buckets"] = seq
         return entry
 
     def _runtime(self, candidate: Candidate) -> Trial:
@@ -477,6 +512,16 @@ class LiveEvaluator:
             if unit is not None and unit.kind == "cpu" and cores <= set(unit.cores):
                 return unit_id
         return worker_unit
+
+
+def _mixed(lengths: str | None, seq_buckets: dict[str, tuple[int, ...]]) -> frozenset[str]:
+    """The models with a sequence length whose queries do not all have one length."""
+    if lengths is None:
+        return frozenset()
+    from infermux.load.samples import parse_lengths
+
+    spread = parse_lengths(lengths)
+    return frozenset(seq_buckets) if spread.low != spread.high else frozenset()
 
 
 def _empty_device_cache() -> None:

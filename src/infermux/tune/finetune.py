@@ -70,7 +70,7 @@ def fine_tune(tuner: Searcher, best: Candidate) -> Candidate:
             and t.candidate.configs[0].model == cfg.model)] or [cfg.engine]
         i = us.batches.index(cfg.batch) if cfg.batch in us.batches else 0
         batches = us.batches[max(0, i - 2): i + 3]
-        variants = {e: us.options.get(e, [{}]) for e in engines}
+        variants = {e: us.variants(e, cfg.model) for e in engines}
         choices.append({"engine": engines, "batch": batches, "instances": us.instances,
                         "variants": [variants[e] for e in engines]})
 

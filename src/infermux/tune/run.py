@@ -32,10 +32,11 @@ from infermux.tune.space import (
     UnitSpace,
     option_variants,
     overlapping_units,
+    seq_bucket_sets,
 )
 from infermux.units import Unit
 
-__all__ = ["TuneReport", "TuneRequest", "build_space", "prepare", "run_tune"]
+__all__ = ["TuneReport", "TuneRequest", "build_space", "prepare", "run_tune", "seq_sets"]
 
 SCENARIOS = ("offline", "server")
 
@@ -62,6 +63,9 @@ class TuneRequest:
     #: With two or more CPU core sets or GPUs and one torch model: measure the partitioner's
     #: best predicted pipelines through the runtime beside the replica plans.
     pipelines: bool = True
+    #: Sequence lengths to compile for models with one (`--seq`); None: candidates derived
+    #: from the query lengths (`trial.lengths`) are searched.
+    seq_buckets: list[int] | None = None
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -82,6 +86,11 @@ class TuneRequest:
         if unknown:
             raise UsageError(f"--compile {unknown[0]!r} is not a torch.compile mode: use "
                              f"{', '.join(COMPILE_MODES)}, a comma list of them, or none")
+        if self.seq_buckets is not None:
+            if not self.seq_buckets or any(n < 1 for n in self.seq_buckets):
+                raise UsageError(f"--seq {self.seq_buckets}: sequence lengths must all be at "
+                                 "least 1, e.g. --seq 32,64,128")
+            self.seq_buckets = sorted(set(self.seq_buckets))
         names = [model_name(m.ref) for m in self.models]
         if len(set(names)) != len(names):
             raise UsageError(f"models {names} repeat a name: tune each model once")
@@ -97,6 +106,7 @@ class TuneRequest:
             "max_instances": self.max_instances, "compile_modes": list(self.compile_modes),
             "trial": self.trial.to_dict(), "fresh": self.fresh, "seed": self.seed,
             "fine_tune": self.fine_tune, "pipelines": self.pipelines,
+            "seq_buckets": self.seq_buckets,
         }
 
 
@@ -137,12 +147,53 @@ def _ladder(top: int) -> list[int]:
     return out
 
 
+def seq_sets(request: TuneRequest, loaded: dict[str, LoadedModel]
+             ) -> dict[str, list[tuple[int, ...]]]:
+    """Per model with a sequence length, its candidate `seq_buckets` (the default first).
+
+    `--seq` is the one set; else candidates derived from the query lengths (`--lengths`), and
+    without those the model's own default length alone.
+    """
+    from infermux.load.samples import parse_lengths
+
+    spread = parse_lengths(request.trial.lengths) if request.trial.lengths is not None else None
+    out: dict[str, list[tuple[int, ...]]] = {}
+    for name, model in loaded.items():
+        io = model.spec_io
+        if not io.dynamic_dims:
+            continue
+        if request.seq_buckets is not None:
+            if spread is not None and spread.high > request.seq_buckets[-1]:
+                raise UsageError(f"--lengths {spread.text} go past the longest of --seq "
+                                 f"{','.join(map(str, request.seq_buckets))}: add a length of "
+                                 f"at least {spread.high} or shorten --lengths")
+            out[name] = [tuple(request.seq_buckets)]
+        elif spread is not None:
+            out[name] = seq_bucket_sets(spread)
+        else:
+            try:
+                dims = io.dims_for(None)
+            except UsageError:
+                raise UsageError(f"model {name}: its {', '.join(io.dynamic_dims)} has no default "
+                                 "size: pass --lengths (e.g. --lengths 128) or --seq") from None
+            out[name] = [(max(dims.values()),)]
+    if request.seq_buckets is not None and not out:
+        raise UsageError(f"--seq {','.join(map(str, request.seq_buckets))}: no model here has a "
+                         "sequence length to compile; drop --seq")
+    if request.trial.lengths is not None and not out:
+        raise UsageError(f"--lengths {request.trial.lengths}: no model here has a sequence "
+                         "length; drop --lengths")
+    return out
+
+
 def build_space(request: TuneRequest, units: list[Unit], engines: dict[str, list[str]],
-                host_cores: tuple[int, ...] = ()) -> Space:
+                host_cores: tuple[int, ...] = (),
+                seq: dict[str, list[tuple[int, ...]]] | None = None) -> Space:
     """The space for `units` with the engines usable on each (`engines[unit_id]`).
 
     `host_cores` are the cores `cpu` and OpenVINO's CPU device run on: units sharing them are
-    alternatives in the space, never combined.
+    alternatives in the space, never combined. `seq` holds the candidate sequence-bucket sets
+    of the models that have a sequence length (`seq_sets`).
     """
     spaces = []
     for unit in units:
@@ -159,13 +210,20 @@ def build_space(request: TuneRequest, units: list[Unit], engines: dict[str, list
         else:
             instances = [n for n in (1, 2, 4) if n <= request.max_instances]
         spaces.append(UnitSpace(unit, names, batches, instances or [1], {
-            e: option_variants(e, unit, compile_modes=request.compile_modes) for e in names}))
+            e: option_variants(e, unit, compile_modes=request.compile_modes) for e in names},
+            dict(seq or {})))
     if not spaces:
         raise UsageError(f"no engine installed here runs the units {request.units!r}: "
                          "check `infermux units`")
     kept = [s.unit for s in spaces]
+    mixed: set[str] = set()
+    if request.trial.lengths is not None:
+        from infermux.load.samples import parse_lengths
+
+        spread = parse_lengths(request.trial.lengths)
+        mixed = set(seq or {}) if spread.low != spread.high else set()
     return Space([model_name(m.ref) for m in request.models], spaces,
-                 overlapping_units(kept, host_cores))
+                 overlapping_units(kept, host_cores), mixed)
 
 
 def _tune_units(spec: str) -> tuple[list[Unit], tuple[int, ...]]:
@@ -195,7 +253,8 @@ def prepare(request: TuneRequest) -> tuple[list[Unit], dict[str, LoadedModel], S
         for model in loaded.values():
             names.update(n for _, n in engines_for(request.engines, [unit], model))
         engines[unit.id] = sorted(names)
-    return units, loaded, build_space(request, units, engines, host_cores)
+    return units, loaded, build_space(request, units, engines, host_cores,
+                                      seq_sets(request, loaded))
 
 
 def run_tune(
@@ -214,8 +273,10 @@ def run_tune(
     with recording(store, "tune", request.to_dict() | {"space": space.describe()},
                    command) as rec:
         run_id = rec.run_id
+        seq_defaults = {m: sets[0] for m, sets in space.units[0].seq_sets.items()}
         evaluator = LiveEvaluator(specs, units, request.trial, store=store, run_id=run_id,
-                                  fresh=request.fresh, progress=measure_progress, loaded=loaded)
+                                  fresh=request.fresh, progress=measure_progress, loaded=loaded,
+                                  seq_buckets=seq_defaults)
         if request.constraints.max_power_w is not None and not evaluator.power_devices:
             evaluator.close()
             raise UsageError(f"--max-power {request.constraints.max_power_w:g} W cannot be checked: "
@@ -300,6 +361,8 @@ def _pipelines_wanted(request: TuneRequest, units: list[Unit],
         return "pipelines need two or more CPU core sets or GPUs among the units"
     if next(iter(loaded.values())).module is None:
         return "pipelines cut torch models, not ONNX files"
+    if not next(iter(loaded.values())).spec_io.simple:
+        return "pipelines cut networks of one float input of a fixed shape"
     return None
 
 

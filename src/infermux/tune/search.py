@@ -4,7 +4,8 @@
 2. **Ladder** — for the engines within reach of the best on each unit, a hill climb over the
    batch ladder: a step is taken only while the objective gains at least `min_gain`, and never
    across a broken constraint or an out-of-memory point. Then each engine option variant and
-   more instances at the best batch, with the same rule.
+   more instances at the best batch, with the same rule; for a model with a sequence length,
+   its candidate sequence-bucket sets on the best options.
 3. **Combine** — units added in order of solo figure, each combination measured through the
    runtime (co-located units contend: a plan is never chosen from summed solo figures); a unit
    stays only if the measured plan gains. The contention factor of each unit in each measured
@@ -31,7 +32,7 @@ from typing import Any
 from infermux.tune.budget import Budget, BudgetSpentError, SkippedError
 from infermux.tune.evaluate import Constraints, Evaluator, Trial
 from infermux.tune.finetune import fine_tune
-from infermux.tune.space import Candidate, Config, Space
+from infermux.tune.space import SEQ_KEY, Candidate, Config, Space
 
 __all__ = ["OBJECTIVES", "TuneResult", "TuneSettings", "Tuner", "pareto_front"]
 
@@ -186,7 +187,8 @@ class Tuner:
             unit = self.space.unit(config.unit).unit
         except KeyError:
             return False
-        return not (unit.kind == "cpu" and config.instances > 1)
+        return (not (unit.kind == "cpu" and config.instances > 1)
+                and config.model not in self.space.mixed_lengths)
 
     def measure(self, candidate: Candidate, method: str = "auto") -> Trial:
         """Measure (or recall) one candidate; raises BudgetSpentError when it would not fit.
@@ -422,6 +424,15 @@ class Tuner:
             if variant == {"compile": "default"}:
                 compile_gained = better
             if better:
+                best, best_cfg = t, t.candidate.configs[0]
+        # The sequence buckets last, on the best engine options: one knob at a time.
+        for seq in us.seq_sets.get(cfg.model, [])[1:]:
+            try:
+                t = self.measure(Candidate.of(best_cfg.with_(
+                    options=best_cfg.options_dict | {SEQ_KEY: seq})))
+            except SkippedError:
+                continue
+            if self.better(t, best):
                 best, best_cfg = t, t.candidate.configs[0]
         try:
             for n in us.instances:

@@ -5,6 +5,13 @@ is a whole plan: configs of every model on distinct units. The `Space` enumerate
 combined; its size is what a brute-force search would measure. Units that share cores (`cpu`
 and `openvino:CPU`, overlapping core sets) are alternatives: each is searched, never both in
 one plan.
+
+A model with a sequence length (a transformer taking token ids) has one more option: the
+sequence-length buckets its plan compiles (`seq_buckets`), candidates derived from the lengths
+its queries carry (`seq_bucket_sets`). Finer buckets pad less (`padding_efficiency`) but build
+more runners and split a mixed load into more partial batches, so the set is measured like any
+other option. It rides in a config's options under `seq_buckets` and leaves them for the plan's
+model entry (`Config.replica` drops it).
 """
 
 from __future__ import annotations
@@ -15,11 +22,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from infermux.load.samples import Lengths
 from infermux.units import Unit
 
 __all__ = [
     "COMPILE_MODES",
     "DEFAULT_COMPILE_MODES",
+    "SEQ_KEY",
     "SLOW_BUILDS",
     "Candidate",
     "Config",
@@ -27,7 +36,16 @@ __all__ = [
     "UnitSpace",
     "option_variants",
     "overlapping_units",
+    "padding_efficiency",
+    "seq_bucket_sets",
 ]
+
+#: The option key of a config's sequence-length buckets (a model entry's field, not an engine's).
+SEQ_KEY = "seq_buckets"
+#: Bucket ends are rounded up to a multiple of this (kernels tile sequence lengths by 8).
+_SEQ_ALIGN = 8
+#: The fine bucket set of a range of lengths cuts it into about this many equal steps.
+_FINE_STEPS = 8
 
 #: Engines whose first build of a model is slow (LiteRT converts it, 15 s for
 #: mobilenet_v3_small on two cores; TensorRT builds an engine, minutes): screened after the
@@ -80,7 +98,9 @@ class Config:
         if self.instances > 1:
             text += f" ×{self.instances}"
         if self.options:
-            text += " {" + ", ".join(f"{k}={v}" for k, v in self.options) + "}"
+            text += " {" + ", ".join(
+                f"seq={'/'.join(map(str, v))}" if k == SEQ_KEY else f"{k}={v}"
+                for k, v in self.options) + "}"
         return text
 
     @property
@@ -88,10 +108,17 @@ class Config:
         """Built with torch.compile: its build takes far longer than an eager one's."""
         return bool(self.options_dict.get("compile"))
 
+    @property
+    def seq_buckets(self) -> tuple[int, ...] | None:
+        """The sequence lengths compiled, when the config chooses them (else the model's default)."""
+        value = self.options_dict.get(SEQ_KEY)
+        return tuple(value) if value else None
+
     def replica(self) -> dict[str, Any]:
-        """The runtime Plan's replica entry."""
+        """The runtime Plan's replica entry (the sequence buckets belong to the model entry)."""
+        options = {k: v for k, v in self.options if k != SEQ_KEY}
         return {"unit": self.unit, "engine": self.engine, "instances": self.instances,
-                "batch": self.batch, "options": self.options_dict}
+                "batch": self.batch, "options": options}
 
     def with_(self, **changes: Any) -> Config:
         """A copy with fields changed (`options` as a dict)."""
@@ -175,20 +202,86 @@ def option_variants(engine: str, unit: Unit, *,
     return [{}]
 
 
+def seq_bucket_sets(lengths: Lengths) -> list[tuple[int, ...]]:
+    """Candidate `seq_buckets` for queries of `lengths`, the default first.
+
+    One length: that length alone. A list of lengths: exactly those (nothing padded), then the
+    longest alone. A range: powers of two above its low end up to its high end (the usual
+    choice, the default), about eight equal steps ending at the high end (less padding, more
+    runners), and the high end alone (one runner per batch, the most padding).
+    """
+    if lengths.low == lengths.high:
+        return [(lengths.high,)]
+    if lengths.choices:
+        return [tuple(sorted(set(lengths.choices))), (lengths.high,)]
+    low, high = lengths.low, lengths.high
+    pow2: list[int] = []
+    p = 1
+    while p <= low:
+        p *= 2
+    while p < high:
+        pow2.append(p)
+        p *= 2
+    pow2.append(high)
+    step = -(-(high - low) // _FINE_STEPS)
+    step = max(_SEQ_ALIGN, -(-step // _SEQ_ALIGN) * _SEQ_ALIGN)
+    fine = sorted({high - k * step for k in range(_FINE_STEPS + 1) if high - k * step > low}
+                  | {high})
+    sets: list[tuple[int, ...]] = []
+    for candidate in (tuple(pow2), tuple(fine), (high,)):
+        if candidate not in sets:
+            sets.append(candidate)
+    return sets
+
+
+def padding_efficiency(buckets: Sequence[int], lengths: Lengths) -> float:
+    """Tokens queried ÷ tokens computed when each query is padded to its bucket (1.0: none).
+
+    Exact for the distributions `load.lengths` draws: uniform over a range or equal odds over
+    a list.
+    """
+    ends = sorted(buckets)
+    values = list(lengths.choices) if lengths.choices else list(range(lengths.low,
+                                                                       lengths.high + 1))
+    padded = 0
+    for n in values:
+        bucket = next((b for b in ends if b >= n), None)
+        if bucket is None:
+            raise ValueError(f"length {n} is past the longest bucket {ends[-1]}")
+        padded += bucket
+    return sum(values) / padded
+
+
 @dataclass
 class UnitSpace:
-    """What may run on one unit."""
+    """What may run on one unit.
+
+    `seq_sets` holds, per model with a sequence length, its candidate bucket sets (the
+    default first): each engine option variant is tried with each set.
+    """
 
     unit: Unit
     engines: list[str]
     batches: list[int]
     instances: list[int]
     options: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    seq_sets: dict[str, list[tuple[int, ...]]] = field(default_factory=dict)
+
+    def variants(self, engine: str, model: str | None = None) -> list[dict[str, Any]]:
+        """The option variants of `engine` for `model`, the engine's and the model's default first.
+
+        The default bucket set is no option (`{}`): the plan's model entry gets it anyway.
+        """
+        own = self.options.get(engine, [{}])
+        sets = self.seq_sets.get(model or "", [])
+        if len(sets) < 2:
+            return own
+        return [o | ({SEQ_KEY: s} if i else {}) for i, s in enumerate(sets) for o in own]
 
     def configs(self, model: str) -> list[Config]:
         """Every config of `model` on this unit."""
         return [Config.make(model, self.unit.id, e, b, i, o)
-                for e in self.engines for o in self.options.get(e, [{}])
+                for e in self.engines for o in self.variants(e, model)
                 for b in self.batches for i in self.instances]
 
 
@@ -225,6 +318,9 @@ class Space:
     models: list[str]
     units: list[UnitSpace]
     overlaps: set[frozenset[str]] = field(default_factory=set)
+    #: Models whose queries vary in length: measured through the runtime only (an in-process
+    #: trial runs one length).
+    mixed_lengths: set[str] = field(default_factory=set)
 
     def unit(self, unit_id: str) -> UnitSpace:
         """The space of one unit."""
@@ -247,8 +343,7 @@ class Space:
         Every choice of one config or none per (model, unit), at least one config in all, on
         units that share no cores; with several models each unit serves one model or none.
         """
-        per_unit = {u.unit.id: len(u.configs(self.models[0])) * len(self.models)
-                    for u in self.units}
+        per_unit = {u.unit.id: sum(len(u.configs(m)) for m in self.models) for u in self.units}
         # Units that share cores form small groups; a plan takes any set of units with no two
         # of a group's overlapping ones, so the count is a product over the groups.
         total = 1
@@ -281,7 +376,10 @@ class Space:
         return {
             "models": self.models,
             "units": [{"unit": u.unit.id, "engines": u.engines, "batches": u.batches,
-                       "instances": u.instances, "options": u.options} for u in self.units],
+                       "instances": u.instances, "options": u.options,
+                       "seq_sets": {m: [list(s) for s in sets] for m, sets in u.seq_sets.items()}}
+                      for u in self.units],
+            "mixed_lengths": sorted(self.mixed_lengths),
             "overlaps": sorted(sorted(p) for p in self.overlaps),
             "solo_configs": len(self.solo_configs()),
             "plans": self.size(),
