@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_cpu import ENV, VENV_BIN
+from serve_cpu import ENV, ROOT, VENV_BIN
 from serve_gpu import cpu_s, ensure_serve_extra, perf_analyzer_env, plans, start_server, stop_server
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
@@ -78,7 +78,12 @@ def _start(plan: Path, out: Path, fronts: int, trace: Path | None, src: str | No
            ) -> tuple[subprocess.Popen[str], dict[str, Any]]:
     """The server, traced; or with the code of checkout `src`, untraced (a baseline)."""
     traced = ["--trace-requests", "8", "--trace-file", str(trace)] if trace else []
-    env = ENV if src is None else dict(ENV, PYTHONPATH=os.path.abspath(src))
+    # The checkout's `src/` replaces this one's on the path; the rest of it (where the serving
+    # wheels were installed) stays.
+    path = [p for p in ENV.get("PYTHONPATH", "").split(os.pathsep)
+            if p and os.path.abspath(p) != str(ROOT / "src")]
+    env = ENV if src is None else dict(
+        ENV, PYTHONPATH=os.pathsep.join([os.path.abspath(src), *path]))
     return start_server(plan, out, fronts, extra=traced, env=env,
                         tag="-baseline" if src else "")
 

@@ -37,9 +37,9 @@ CompileMode = Literal[
 #: Gathers of at least this many bytes per thread are split over threads (up to _GATHER_THREADS).
 _GATHER_BYTES_PER_THREAD = 8 << 20
 _GATHER_THREADS = 4
-#: Served rows from several slabs larger than this are copied row by row, not taken per slab
-#: and placed (two copies): measured on the 2-core machine, 32 rows of 602 KB took 3.4-9 ms
-#: row by row and 13-17 ms taken and placed; 128 rows of 4 KB 0.34 ms and 0.14 ms.
+#: Served rows larger than this are copied row by row, not taken by slot: measured on the
+#: 2-core machine, 32 rows of 602 KB took 3.4-9 ms row by row, 7.6-8.3 ms taken from one slab
+#: and 13-17 ms taken per slab and placed; 128 rows of 4 KB 0.34 ms, 0.12 ms and 0.14 ms.
 _SLAB_ROW_BYTES = 64 << 10
 _DTYPES = {"fp32": "float32", "tf32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 #: Compile modes that capture CUDA graphs themselves (torch's CUDA graph trees), and the mode
@@ -434,12 +434,14 @@ class TorchRunner(Runner):
         from 32K elements it runs on torch's intra-op threads, and on a loaded two-core
         machine a 128-row digits gather (0.5 MB) then took 5-14 ms instead of 30 us.
 
-        Rows of several slabs are taken per slab and placed by position, a second copy: for
-        rows over `_SLAB_ROW_BYTES` (ResNet-sized ones) the row-by-row copy is cheaper, and
-        False is returned (the caller copies them so).
+        Rows of several slabs are taken per slab and placed by position, a second copy. For
+        rows over `_SLAB_ROW_BYTES` (ResNet-sized ones) the row-by-row copy was as fast or
+        faster in either case, and False is returned (the caller copies them so).
         """
         import torch
 
+        if rows[0].nbytes > _SLAB_ROW_BYTES:
+            return False
         slots = [r.slab_slot for r in rows]
         keys = [r.slab_key for r in rows]
         region = rows[0].slab_region
@@ -454,8 +456,6 @@ class TorchRunner(Runner):
             picked = np.empty((n, *region.shape[1:]), region.dtype)
             self._take(region, idx, picked)
         else:  # several fronts' slabs (FP32 or FP16 rows): each slab's rows by slot
-            if rows[0].nbytes > _SLAB_ROW_BYTES:
-                return False
             groups: dict[Any, tuple[Any, list[int], list[int]]] = {}
             for pos, (key, slot) in enumerate(zip(keys, slots, strict=True)):
                 group = groups.get(key)
