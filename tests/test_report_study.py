@@ -10,7 +10,7 @@ from infermux.report import build_report
 from infermux.store import Store
 from infermux.study import StudyConfig, run_study
 
-from .conftest import TINY, run_cli
+from .conftest import TINY, invoke_cli
 
 
 def test_multi_instance_measures_combinations_and_their_contention(tmp_path):
@@ -81,11 +81,11 @@ def test_multi_tenancy_compares_execution_modes_within_its_budget(tmp_path):
 
 def test_study_usage_errors_are_one_line(tmp_path):
     db = str(tmp_path / "u.db")
-    r = run_cli("study", "nope", "--db", db)
+    r = invoke_cli("study", "nope", "--db", db)
     assert r.returncode == 2 and "study 'nope' unknown" in r.stderr and "Traceback" not in r.stderr
-    r = run_cli("study", "multi-tenancy", "-m", f"{TINY}:tiny_cnn", "--units", "cpu", "--db", db)
+    r = invoke_cli("study", "multi-tenancy", "-m", f"{TINY}:tiny_cnn", "--units", "cpu", "--db", db)
     assert r.returncode == 2 and "several models" in r.stderr
-    r = run_cli("study", "multi-instance", "-m", f"{TINY}:tiny_cnn", "--budget", "0s", "--db", db)
+    r = invoke_cli("study", "multi-instance", "-m", f"{TINY}:tiny_cnn", "--budget", "0s", "--db", db)
     assert r.returncode == 2 and "--budget" in r.stderr
 
 

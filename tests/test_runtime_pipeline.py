@@ -16,7 +16,7 @@ from infermux.runtime.stages import Pipeline
 from infermux.store import Store
 from infermux.units import discover, select_units
 
-from .conftest import TINY, needs_two_cores, run_cli
+from .conftest import TINY, invoke_cli, needs_two_cores
 
 TWO_STAGES = [{"start": "input", "end": "body_1", "units": ["cpu:0"], "batch": 8},
               {"start": "body_1", "end": "output", "units": ["cpu:1"], "batch": 8}]
@@ -123,17 +123,17 @@ def test_served_pipeline_returns_partial_chunks_in_order_and_correct():
 @needs_two_cores
 def test_partition_writes_a_plan_that_check_and_run_accept(tmp_path):
     out, db = tmp_path / "pp.yaml", tmp_path / "r.db"
-    part = run_cli("partition", "-m", f"{TINY}:tiny_cnn", "--units", "cpu:0,cpu:1", "--batch", "8",
-                   "--measure-top", "1", "--duration", "0.5s", "--warmup", "0.2s",
-                   "--out", str(out), "--db", str(db), "--json")
+    part = invoke_cli("partition", "-m", f"{TINY}:tiny_cnn", "--units", "cpu:0,cpu:1", "--batch", "8",
+                      "--measure-top", "1", "--duration", "0.5s", "--warmup", "0.2s",
+                      "--out", str(out), "--db", str(db), "--json")
     assert part.returncode == 0, part.stderr
     written = yaml.safe_load(out.read_text())
     assert written["models"][0]["stages"] and written["load"]["scenario"] == "offline"
-    check = run_cli("plan", "--check", str(out))
+    check = invoke_cli("plan", "--check", str(out))
     assert check.returncode == 0 and "1 pipeline(s)" in check.stdout, check.stdout + check.stderr
     for extra in ([], ["--scenario", "server", "--qps", "50", "--p99", "5000"]):
-        ran = run_cli("run", str(out), "--duration", "0.5s", "--min-queries", "32",
-                      "--db", str(db), "--json", *extra)
+        ran = invoke_cli("run", str(out), "--duration", "0.5s", "--min-queries", "32",
+                         "--db", str(db), "--json", *extra)
         assert ran.returncode == 0, ran.stderr
         result = json.loads(ran.stdout)["result"]
         assert result["failed"] == 0 and result["completed"] > 0

@@ -15,7 +15,7 @@ from infermux.runtime import parse_plan
 from infermux.store import Store
 from infermux.study import STUDIES, StudyConfig, prepare_study, run_study
 
-from .conftest import TINY, run_cli
+from .conftest import TINY, invoke_cli, run_cli
 
 VERDICTS = {"held", "did not hold", "not measurable here"}
 
@@ -50,7 +50,7 @@ def test_ordinary_plans_keep_disjoint_core_sets_and_studies_opt_into_sharing(tmp
         parse_plan(whole)
     path = tmp_path / "shared.yaml"
     path.write_text(yaml.safe_dump(_shared_plan()))
-    r = run_cli("plan", "--check", str(path))
+    r = invoke_cli("plan", "--check", str(path))
     assert r.returncode == 2 and "disjoint core sets" in r.stderr and "Traceback" not in r.stderr
     # The study's opt-in: marked in the plan and kept with every run's plan.
     plan = parse_plan(_shared_plan(sharing="cores"))
@@ -169,8 +169,8 @@ def test_a_budget_too_small_is_refused_before_anything_runs_and_says_what_fits(t
     with pytest.raises(UsageError, match=r"--budget 5s is too small .* --budget \d+m would fit"):
         prepare_study(config)
     db = tmp_path / "b.db"
-    r = run_cli("study", "multi-tenancy", "-m", f"{TINY}:tiny_cnn", "-m", f"{TINY}:wide_cnn",
-                "--budget", "5s", "--db", str(db))
+    r = invoke_cli("study", "multi-tenancy", "-m", f"{TINY}:tiny_cnn", "-m", f"{TINY}:wide_cnn",
+                   "--budget", "5s", "--db", str(db))
     assert r.returncode == 2 and "would fit" in r.stderr and "Traceback" not in r.stderr
     assert r.stderr.count("\n") == 1
     with Store(db) as store:
