@@ -336,14 +336,14 @@ def test_serve_refuses_a_mistyped_or_misshapen_input_naming_it(bert_server, chan
 def test_serve_with_front_processes_says_it_cannot_pass_several_inputs(two, tmp_path):
     import json
 
-    from .conftest import run_cli
+    from .conftest import invoke_cli
 
     plan = tmp_path / "two.json"
     plan.write_text(json.dumps({"name": "two", "models": [{"name": "two", "model": two[1],
         "seq_buckets": [8], "replicas": [{"unit": "cpu:0", "engine": "onnxruntime",
                                           "batch": 2}]}]}))
-    run = run_cli("serve", str(plan), "--fronts", "2", "--http-port", "0", "--grpc-port", "0",
-                  "--metrics-port", "0", "--no-store", "--telemetry", "off")
+    run = invoke_cli("serve", str(plan), "--fronts", "2", "--http-port", "0", "--grpc-port", "0",
+                     "--metrics-port", "0", "--no-store", "--telemetry", "off")
     lines = [line for line in run.stderr.splitlines() if line.startswith("error")]
     assert run.returncode == 2 and len(lines) == 1, run.stderr
     assert "Traceback" not in run.stderr, run.stderr
