@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import subprocess
 import sys
@@ -66,6 +68,30 @@ def run_cli(*args: str, timeout: float = 300, env: dict | None = None) -> subpro
         [sys.executable, "-m", "infermux", *args],
         capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT,
     )
+def invoke_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run the `infermux` command line in this process: its exit code, stdout and stderr.
+
+    The same entry point (`infermux.cli.main`) a user's process runs, without starting an
+    interpreter and importing torch again for each command; `run_cli` is for the tests whose
+    subject is the process itself (signals, tracebacks, the `python -m infermux` entry).
+    """
+    from infermux.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    code: int
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in {"COLUMNS": "200", **(env or {})}.items():
+            mp.setenv(key, value)
+        mp.setattr(sys, "argv", ["infermux", *args])  # what a run stores as its command
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                main(list(args))
+                code = 0
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    return subprocess.CompletedProcess(["infermux", *args], code, out.getvalue(), err.getvalue())
+
+
 TINY = "tests/tiny_models.py"
 
 MS = 1_000_000

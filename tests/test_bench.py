@@ -148,15 +148,15 @@ def test_samples_round_trip(db):
 
 
 def test_bench_whose_every_point_failed_exits_1(tmp_path, db):
-    from .conftest import run_cli
+    from .conftest import invoke_cli
 
     factory = tmp_path / "oom.py"
     factory.write_text(OOM_MODEL)
     args = ("bench", "--model", f"{factory}:build", "--units", "cpu", "--min-duration", "0.1s",
             "--min-queries", "4", "--warmup", "0s", "--telemetry", "off", "--db", str(db))
-    failed = run_cli(*args, "--batch", "4,8", "--json")
+    failed = invoke_cli(*args, "--batch", "4,8", "--json")
     assert failed.returncode == 1, failed.stderr
     assert [r["status"] for r in json.loads(failed.stdout)["results"]] == ["oom", "oom"]
     assert "every point failed (2 of 2)" in failed.stderr and "Traceback" not in failed.stderr
-    partly = run_cli(*args, "--batch", "2,4")
+    partly = invoke_cli(*args, "--batch", "2,4")
     assert partly.returncode == 0, partly.stderr

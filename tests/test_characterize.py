@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from infermux.errors import UsageError
-from tests.conftest import ROOT, run_cli
+from tests.conftest import ROOT, invoke_cli
 
 pytest.importorskip("sklearn", reason="the characterize extra (scikit-learn) is not installed")
 
@@ -146,9 +146,9 @@ def test_a_nondeterministic_engine_is_detected_and_a_deterministic_one_is_not(
 
 
 def test_cli_characterize_digits_end_to_end(digits_cnn, module_cache_dir, db: Path) -> None:
-    proc = run_cli("characterize", "-m", "digits-cnn", "--units", "cpu", "--engine",
-                   "torch,onnxruntime", "--builds", "2", "--json", "--db", str(db),
-                   env={"INFERMUX_CACHE_DIR": str(module_cache_dir)})
+    proc = invoke_cli("characterize", "-m", "digits-cnn", "--units", "cpu", "--engine",
+                      "torch,onnxruntime", "--builds", "2", "--json", "--db", str(db),
+                      env={"INFERMUX_CACHE_DIR": str(module_cache_dir)})
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(proc.stdout)
     rows = {(v["engine"], v["precision"]): v for v in report["variants"]}

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from .conftest import ROOT, run_cli
+from .conftest import ROOT, invoke_cli, run_cli
 
 
 def _one_error_line(proc):
@@ -20,7 +20,7 @@ def _one_error_line(proc):
 
 
 def test_units_json():
-    proc = run_cli("units", "--json")
+    proc = invoke_cli("units", "--json")
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
     assert data["units"][0]["id"] == "cpu"
@@ -30,27 +30,27 @@ def test_units_json():
 def test_bench_then_results_commands(tiny_factory, db):
     args = ("bench", "--model", f"{tiny_factory}:build", "--units", "cpu", "--batch", "1,2",
             "--min-duration", "0.2s", "--min-queries", "16", "--warmup", "0s", "--db", str(db))
-    first = run_cli(*args, "--json")
+    first = invoke_cli(*args, "--json")
     assert first.returncode == 0, first.stderr
     report = json.loads(first.stdout)
     assert [r["batch"] for r in report["results"]] == [1, 2]
     assert all(r["valid"] for r in report["results"])
-    second = run_cli(*args)  # the table, no JSON
+    second = invoke_cli(*args)  # the table, no JSON
     assert second.returncode == 0 and "offline benchmark" in second.stdout
 
-    runs = json.loads(run_cli("results", "list", "--db", str(db), "--json").stdout)
+    runs = json.loads(invoke_cli("results", "list", "--db", str(db), "--json").stdout)
     assert [r["id"] for r in runs] == [2, 1]
-    shown = json.loads(run_cli("results", "show", "1", "--db", str(db), "--json").stdout)
+    shown = json.loads(invoke_cli("results", "show", "1", "--db", str(db), "--json").stdout)
     assert shown["status"] == "complete" and len(shown["results"]) == 2
     assert shown["command"].startswith("infermux bench")
-    compared = json.loads(run_cli("results", "compare", "1", "2", "--db", str(db), "--json").stdout)
+    compared = json.loads(invoke_cli("results", "compare", "1", "2", "--db", str(db), "--json").stdout)
     assert len(compared) == 2 and all(row["ratio"] > 0 for row in compared)
-    exported = run_cli("results", "export", "1", "2", "--db", str(db), "--csv")
+    exported = invoke_cli("results", "export", "1", "2", "--db", str(db), "--csv")
     rows = list(csv.DictReader(io.StringIO(exported.stdout)))
     assert len(rows) == 4 and rows[0]["unit"] == "cpu"
-    raw = json.loads(run_cli("results", "export", "1", "--db", str(db), "--json").stdout)
+    raw = json.loads(invoke_cli("results", "export", "1", "--db", str(db), "--json").stdout)
     assert len(raw[0]["results"][0]["raw_samples"]) == raw[0]["results"][0]["samples"]
-    missing = run_cli("results", "show", "99", "--db", str(db))
+    missing = invoke_cli("results", "show", "99", "--db", str(db))
     assert missing.returncode == 2 and "run 99 is not in" in _one_error_line(missing)
 
 
@@ -66,7 +66,7 @@ def test_bench_then_results_commands(tiny_factory, db):
     (("results", "show", "1", "--db", "/nonexistent/dir/x.db"), 2, "does not exist"),
 ])
 def test_errors_are_one_line_with_exit_code(args, code, message):
-    proc = run_cli(*args)
+    proc = invoke_cli(*args)
     assert proc.returncode == code
     assert message in _one_error_line(proc)
 
@@ -80,7 +80,7 @@ def test_debug_shows_the_traceback():
 def test_corrupt_database_is_a_clear_error(tmp_path):
     bad = tmp_path / "bad.db"
     bad.write_bytes(b"this is not sqlite" * 100)
-    proc = run_cli("results", "list", "--db", str(bad))
+    proc = invoke_cli("results", "list", "--db", str(bad))
     assert proc.returncode == 2 and "not an infermux results database" in _one_error_line(proc)
 
 
@@ -121,7 +121,7 @@ def test_ctrl_c_keeps_what_was_measured(tiny_factory, db):
     (("no-such-command",), "No such command 'no-such-command'"),
 ])
 def test_a_usage_error_click_finds_is_its_own_message_and_exit_2(args, says) -> None:
-    proc = run_cli(*args)
+    proc = invoke_cli(*args)
     assert proc.returncode == 2, proc.stderr
     assert says in proc.stderr and "unexpected" not in proc.stderr
     assert "Traceback" not in proc.stderr

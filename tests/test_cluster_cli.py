@@ -8,7 +8,7 @@ import os
 import pytest
 import yaml
 
-from tests.conftest import ROOT, run_cli
+from tests.conftest import ROOT, invoke_cli, run_cli
 
 os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
 pytest.importorskip("ray", reason="the cluster needs Ray: pip install 'infermux[cluster]'")
@@ -28,7 +28,7 @@ def _plan(tmp_path) -> str:
 
 
 def test_a_bad_cluster_address_is_one_line(tmp_path) -> None:
-    proc = run_cli("run", _plan(tmp_path), "--cluster", "somewhere")
+    proc = invoke_cli("run", _plan(tmp_path), "--cluster", "somewhere")
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0
     assert "'somewhere'" in proc.stderr and "local:N" in proc.stderr

@@ -33,7 +33,7 @@ import tritonclient.grpc as tgrpc
 import tritonclient.http as thttp
 from tritonclient.utils import InferenceServerException
 
-from tests.conftest import run_cli
+from tests.conftest import invoke_cli
 from tests.test_serve import NET, Server
 
 CORES = sorted(os.sched_getaffinity(0))
@@ -94,7 +94,7 @@ def test_a_bad_cluster_address_is_one_line(net_file: Path) -> None:
     plan = net_file.parent / "bad-address.yaml"
     plan.write_text(json.dumps({"name": "x", "models": [{"name": "net", "model": f"{net_file}:build",
                                                         "replicas": [{"unit": "cpu"}]}]}))
-    proc = run_cli("serve", str(plan), "--cluster", "somewhere", "--http-port", "0")
+    proc = invoke_cli("serve", str(plan), "--cluster", "somewhere", "--http-port", "0")
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0
     assert "'somewhere'" in proc.stderr and "local:N" in proc.stderr

@@ -9,7 +9,7 @@ from infermux.errors import UsageError
 from infermux.load.base import Query
 from infermux.runtime import Batch, Dispatcher, LatencyEstimate, WorkerState, parse_plan
 
-from .conftest import MS, Clock, run_cli
+from .conftest import MS, Clock, invoke_cli
 
 
 def worker(wid, model="m", buckets=(1, 2, 4), serves=None, est=None):
@@ -93,7 +93,7 @@ def test_plan_check_names_the_fields_in_one_line(tmp_path):
     path = tmp_path / "plan.yaml"
     path.write_text("models:\n  - {name: a, model: resnet18, replicas: [{unit: cpu:0}]}\n"
                     "dispatcher: {policy: round_robin}\nplacement: dynamic\n")
-    run = run_cli("plan", "--check", str(path), timeout=120)
+    run = invoke_cli("plan", "--check", str(path))
     assert run.returncode == 2
     lines = [ln for ln in run.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "round_robin" in lines[0] and "dynamic" in lines[0], run.stderr

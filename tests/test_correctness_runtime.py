@@ -20,7 +20,7 @@ from infermux.runtime.local import _Runtime
 from infermux.runtime.peak import run_trial
 from infermux.runtime.worker import ProcessHost, RunnerSpec, Worker
 
-from .conftest import TINY, needs_two_cores, run_cli
+from .conftest import TINY, invoke_cli, needs_two_cores
 
 
 def plan(models, *, dispatcher=None, load=None, **kw):
@@ -114,7 +114,7 @@ def test_infermux_run_prints_why_there_is_no_peak(tmp_path):
         "models": [tiny(factory="failing_cnn", replicas=[{"unit": "cpu:0", "batch": 4}])],
         "dispatcher": {"cpu_workers": "thread"},
         "load": {"min_duration_s": 0.3, "min_queries": 20}}))
-    run = run_cli("run", str(path), "--no-store", "--find-peak", "--p99", "50")
+    run = invoke_cli("run", str(path), "--no-store", "--find-peak", "--p99", "50")
     assert run.returncode == 0, run.stderr
     assert "no peak: the offline trial completed no samples" in " ".join(run.stdout.split())
 

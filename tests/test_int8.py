@@ -30,7 +30,7 @@ from infermux.quantize import (
 )
 from infermux.units import discover, select_units
 
-from .conftest import run_cli
+from .conftest import invoke_cli
 
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
@@ -286,17 +286,17 @@ def test_tensorrt_provider_follows_the_typing_of_the_installed_release() -> None
 def test_bench_cli_runs_cpu_int8_and_refuses_torch(tiny_factory: str, db: Path,
                                                    cache: Path) -> None:
     env = {"INFERMUX_CACHE_DIR": str(cache)}
-    proc = run_cli("bench", "--model", f"{tiny_factory}:build", "--units", "cpu:0/int8",
-                   "--engine", "onnxruntime", "--batch", "4", "--min-duration", "0.3s",
-                   "--min-queries", "16", "--warmup", "0.1s", "--telemetry", "off",
-                   "--option", "calibration_items=16", "--db", str(db), "--json", env=env)
+    proc = invoke_cli("bench", "--model", f"{tiny_factory}:build", "--units", "cpu:0/int8",
+                      "--engine", "onnxruntime", "--batch", "4", "--min-duration", "0.3s",
+                      "--min-queries", "16", "--warmup", "0.1s", "--telemetry", "off",
+                      "--option", "calibration_items=16", "--db", str(db), "--json", env=env)
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(proc.stdout)
     row = rows["results"][0] if isinstance(rows, dict) else rows[0]
     text = json.dumps(row)
     assert "cpu:0/int8" in text and '"model_precision": "int8"' in text
-    bad = run_cli("bench", "--model", f"{tiny_factory}:build", "--units", "cpu:0/int8",
-                  "--engine", "torch", "--batch", "4", "--no-store", env=env)
+    bad = invoke_cli("bench", "--model", f"{tiny_factory}:build", "--units", "cpu:0/int8",
+                     "--engine", "torch", "--batch", "4", "--no-store", env=env)
     assert bad.returncode != 0 and "Traceback" not in bad.stderr
     assert "onnxruntime or openvino" in bad.stderr.strip().splitlines()[-1]
 
@@ -307,8 +307,8 @@ def test_quantize_cli_writes_the_model_and_records_the_run(tiny_factory: str, db
 
     env = {"INFERMUX_CACHE_DIR": str(cache)}
     target = tmp_path / "tiny-fp16.onnx"
-    proc = run_cli("quantize", "--model", f"{tiny_factory}:build", "--precision", "fp16",
-                   "--output", str(target), "--db", str(db), "--json", env=env)
+    proc = invoke_cli("quantize", "--model", f"{tiny_factory}:build", "--precision", "fp16",
+                      "--output", str(target), "--db", str(db), "--json", env=env)
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
     assert result["model_precision"] == "fp16" and result["tensor_types"].get("float16", 0) > 0
@@ -317,7 +317,7 @@ def test_quantize_cli_writes_the_model_and_records_the_run(tiny_factory: str, db
         kind, status = conn.execute("SELECT kind, status FROM runs WHERE id = ?",
                                     (result["run_id"],)).fetchone()
     assert (kind, status) == ("quantize", "complete")
-    bad = run_cli("quantize", "--model", f"{tiny_factory}:build", "--precision", "fp8",
-                  "--no-store", env=env)
+    bad = invoke_cli("quantize", "--model", f"{tiny_factory}:build", "--precision", "fp8",
+                     "--no-store", env=env)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert "fp16, bf16 or int8" in bad.stderr.strip().splitlines()[-1]

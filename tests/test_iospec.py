@@ -19,7 +19,7 @@ from infermux.errors import UsageError
 from infermux.iospec import IOSpec, TensorSpec, from_module
 from infermux.models import ModelSpec, load_model
 
-from .conftest import run_cli
+from .conftest import invoke_cli
 
 
 def _cpu_engines(model):
@@ -144,24 +144,24 @@ def test_tiny_bert_from_a_config_folder_on_every_cpu_engine(tiny_bert):
 
 def test_cli_shows_specs_and_benches_a_tiny_bert(tiny_bert, module_cache_dir, db):
     env = {"INFERMUX_CACHE_DIR": str(module_cache_dir)}
-    shown = run_cli("models", "--model", tiny_bert, "--json", env=env)
+    shown = invoke_cli("models", "--model", tiny_bert, "--json", env=env)
     assert shown.returncode == 0, shown.stderr
     data = json.loads(shown.stdout)
     assert [t["name"] for t in data["inputs"]] == ["input_ids", "attention_mask",
                                                    "token_type_ids"]
     assert [t["name"] for t in data["outputs"]] == ["last_hidden_state", "pooler_output"]
-    table = run_cli("models", "--model", tiny_bert, env=env)
+    table = invoke_cli("models", "--model", tiny_bert, env=env)
     assert "input_ids: int64[batch, seq] < 100" in table.stdout
-    bench = run_cli("bench", "-m", tiny_bert, "-u", "cpu", "--engine", "torch", "-b", "2",
-                    "--seq", "8", "--min-duration", "0.1s", "--min-queries", "4", "--warmup",
-                    "0s", "--telemetry", "off", "--db", str(db), "--json", env=env)
+    bench = invoke_cli("bench", "-m", tiny_bert, "-u", "cpu", "--engine", "torch", "-b", "2",
+                       "--seq", "8", "--min-duration", "0.1s", "--min-queries", "4", "--warmup",
+                       "0s", "--telemetry", "off", "--db", str(db), "--json", env=env)
     assert bench.returncode == 0, bench.stderr
     report = json.loads(bench.stdout)
     assert report["model"]["inputs"][0]["name"] == "input_ids"
     (result,) = report["results"]
     assert result["seq_len"] == 8 and result["tokens_per_s"] > 0
     assert result["agreement"]["status"] == "pass"
-    bad = run_cli("bench", "-m", tiny_bert, "-u", "cpu", "--seq", "0", "--no-store", env=env)
+    bad = invoke_cli("bench", "-m", tiny_bert, "-u", "cpu", "--seq", "0", "--no-store", env=env)
     assert bad.returncode == 2 and "--seq '0'" in bad.stderr and "Traceback" not in bad.stderr
 
 

@@ -34,7 +34,7 @@ from infermux.runtime.transfer import HOST
 from infermux.store import Store
 from infermux.units import discover, select_units
 
-from .conftest import run_cli
+from .conftest import invoke_cli
 
 USABLE = sorted(os.sched_getaffinity(0))
 two_cores = pytest.mark.skipif(len(USABLE) < 2, reason="needs two usable CPU cores")
@@ -425,7 +425,7 @@ def test_gpu_pipeline_and_transfers(units):
 
 
 def test_cli_show(tiny_factory):
-    result = run_cli("partition", "--model", f"{tiny_factory}:build", "--show", "--json")
+    result = invoke_cli("partition", "--model", f"{tiny_factory}:build", "--show", "--json")
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
     assert data["capture"] == "fx"
@@ -444,12 +444,12 @@ def test_cli_show(tiny_factory):
 
 
 @two_cores
-def test_cli_partition_writes_plan_and_store(tiny_factory, tmp_path, db):
+def test_cli_partition_writes_a_plan_that_check_and_run_accept(tiny_factory, tmp_path, db):
     out = tmp_path / "plan.yaml"
     units = ",".join(f"cpu:{c}" for c in USABLE[:2])
-    result = run_cli("partition", "--model", f"{tiny_factory}:build", "--units", units, "--batch", "4",
-                     "--measure-top", "2", "--duration", "0.3s", "--warmup", "0.1s", "--max-pieces", "4",
-                     "--out", str(out), "--db", str(db), "--json")
+    result = invoke_cli("partition", "--model", f"{tiny_factory}:build", "--units", units, "--batch", "4",
+                        "--measure-top", "2", "--duration", "0.3s", "--warmup", "0.1s", "--max-pieces", "4",
+                        "--out", str(out), "--db", str(db), "--json")
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
     assert len(data["candidates"]) == 2
@@ -467,6 +467,18 @@ def test_cli_partition_writes_plan_and_store(tiny_factory, tmp_path, db):
         assert tuple(rows) == (2, 1)
         kinds = {r[0] for r in store.connection.execute("SELECT kind FROM partition_profiles")}
         assert kinds == {"compute", "transfer"}
-    bad = run_cli("partition", "--model", f"{tiny_factory}:build", "--units", units, "--batch", "0",
-                  "--no-store")
+    # The plan it wrote is one `plan --check` and `run` accept, offline and under server load.
+    written = yaml.safe_load(out.read_text())
+    assert written["models"][0]["stages"] and written["load"]["scenario"] == "offline"
+    check = invoke_cli("plan", "--check", str(out))
+    assert check.returncode == 0 and "1 pipeline(s)" in check.stdout, check.stdout + check.stderr
+    for extra in ([], ["--scenario", "server", "--qps", "50", "--p99", "5000"]):
+        ran = invoke_cli("run", str(out), "--duration", "0.5s", "--min-queries", "32",
+                         "--db", str(db), "--json", *extra)
+        assert ran.returncode == 0, ran.stderr
+        result = json.loads(ran.stdout)["result"]
+        assert result["failed"] == 0 and result["completed"] > 0
+        assert len(result["pipelines"]) == 1
+    bad = invoke_cli("partition", "--model", f"{tiny_factory}:build", "--units", units, "--batch", "0",
+                     "--no-store")
     assert bad.returncode == 2 and "--batch 0" in bad.stderr

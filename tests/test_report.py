@@ -20,7 +20,7 @@ from infermux.runtime import parse_plan, run_plan
 from infermux.store import Store
 from infermux.tune import TrialSettings, TuneRequest, run_tune
 
-from .conftest import TINY, run_cli
+from .conftest import TINY, invoke_cli, run_cli
 
 MODEL = f"{TINY}:tiny_cnn"
 
@@ -95,8 +95,10 @@ def _make_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
                     raise KeyboardInterrupt
 
         ids["interrupted"] = _bench(store, MODEL, [1, 4, 8], min_s=0.6, progress=stop_midway)
+        # The tune ends when its search does (seconds); the budget only has to let a loaded
+        # host's slower runtime trials reach the combination, which the report draws.
         tune = run_tune(TuneRequest(
-            [ModelSpec(MODEL)], units="cpu:0,cpu:1", engines="torch", budget_s=45.0,
+            [ModelSpec(MODEL)], units="cpu:0,cpu:1", engines="torch", budget_s=90.0,
             batches=[4], max_instances=1, fine_tune=False, pipelines=False,
             trial=TrialSettings(min_duration_s=0.2, min_queries=16, warmup_s=0.1)), store=store)
         assert tune.run_id is not None
@@ -193,21 +195,21 @@ def test_several_runs_compare_side_by_side(report_runs):
 def test_an_unknown_run_and_a_missing_database_are_one_clear_line(report_runs, tmp_path):
     db = str(report_runs["db"])
     missing = tmp_path / "nope.db"
-    r = run_cli("report", "999", "--db", db, "-o", str(tmp_path / "x.html"))
+    r = invoke_cli("report", "999", "--db", db, "-o", str(tmp_path / "x.html"))
     assert r.returncode == 2
     assert r.stderr.strip().startswith("error: run 999 is not in")
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
-    r = run_cli("report", "1", "--db", str(missing), "-o", str(tmp_path / "x.html"))
+    r = invoke_cli("report", "1", "--db", str(missing), "-o", str(tmp_path / "x.html"))
     assert r.returncode == 2 and "does not exist" in r.stderr and "Traceback" not in r.stderr
     assert not missing.exists()  # a report never creates a database
     notes = tmp_path / "notes.db"
     notes.write_text("not a database")
-    r = run_cli("report", "1", "--db", str(notes), "-o", str(tmp_path / "x.html"))
+    r = invoke_cli("report", "1", "--db", str(notes), "-o", str(tmp_path / "x.html"))
     assert r.returncode == 2 and "not an infermux results database" in r.stderr
     assert notes.read_text() == "not a database"
-    r = run_cli("report", "abc", "--db", db)
+    r = invoke_cli("report", "abc", "--db", db)
     assert r.returncode == 2 and "is not a run id" in r.stderr
-    r = run_cli("report", "1", "--db", db, "-o", str(tmp_path / "no" / "dir.html"))
+    r = invoke_cli("report", "1", "--db", db, "-o", str(tmp_path / "no" / "dir.html"))
     assert r.returncode == 2 and "does not exist" in r.stderr
     r = run_cli("--debug", "report", "999", "--db", db, "-o", str(tmp_path / "x.html"))
     assert r.returncode != 0 and "Traceback" in r.stderr
@@ -219,20 +221,20 @@ def test_cli_writes_the_report_and_says_what_it_holds_as_json(report_runs, tmp_p
 
     out = tmp_path / "r.html"
     ids = report_runs["ids"]
-    r = run_cli("report", str(ids["bench"]), str(ids["serve"]), "--db", str(report_runs["db"]),
-                "-o", str(out), "--json")
+    r = invoke_cli("report", str(ids["bench"]), str(ids["serve"]), "--db", str(report_runs["db"]),
+                   "-o", str(out), "--json")
     assert r.returncode == 0, r.stderr
     data = json.loads(r.stdout)
     assert data["path"] == str(out) and data["bytes"] == out.stat().st_size
     assert [x["view"] for x in data["runs"]] == ["bench", "generic"]
-    r = run_cli("report", str(ids["serve"]), "--db", str(report_runs["db"]), "-o", str(out))
+    r = invoke_cli("report", str(ids["serve"]), "--db", str(report_runs["db"]), "-o", str(out))
     assert r.returncode == 0 and f"{ids['serve']} (serve, generic view)" in r.stdout
 
 
 def test_a_recorded_telemetry_window_draws_its_series(tmp_path):
     db = tmp_path / "m.db"
-    r = run_cli("monitor", "--duration", "0.6s", "--interval", "50ms", "--record", "--json",
-                "--db", str(db))
+    r = invoke_cli("monitor", "--duration", "0.6s", "--interval", "50ms", "--record", "--json",
+                   "--db", str(db))
     assert r.returncode == 0, r.stderr
     report = build_report(db, ["last"])
     assert report.runs[0]["view"] == "monitor"

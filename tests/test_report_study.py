@@ -10,7 +10,7 @@ from infermux.report import build_report
 from infermux.store import Store
 from infermux.study import StudyConfig, run_study
 
-from .conftest import TINY, run_cli
+from .conftest import TINY, invoke_cli
 
 
 def test_multi_instance_measures_combinations_and_their_contention(tmp_path):
@@ -55,65 +55,11 @@ def test_multi_instance_measures_combinations_and_their_contention(tmp_path):
     assert "415.2" not in body.replace(box.group(0), "")
 
 
-def test_multi_tenancy_compares_execution_modes_within_its_budget(tmp_path):
-    db = tmp_path / "t.db"
-    models = [f"{TINY}:tiny_cnn", f"{TINY}:wide_cnn"]
-    with Store(db) as store:
-        study = run_study(StudyConfig("multi-tenancy", models, units="cpu:0,cpu:1",
-                                      batches=[2], budget_s=90, duration_s=0.3,
-                                      min_queries=16, p99_ms=200, cpu_workers="thread"),
-                          store=store)
-    modes = {p["variant"]: p for p in study.points}
-    # CME on CPU units: every model on every core set at once (the study's opt-in).
-    cme = modes["CME (shared cores)"]
-    assert cme["status"] == "ok" and cme["params"]["units"] == ["cpu:0", "cpu:1"]
-    offline = [p for p in study.points if p["params"]["scenario"] == "offline"]
-    assert offline and all(p["status"] == "ok" for p in offline)
-    alone = [p["figures"]["items_per_s"] for p in offline if p["params"]["mode"] == "alone"]
-    seq = next(r for r in study.headline["rows"] if r["mode"] == "sequential")
-    assert abs(seq["cells"]["2"]["items_per_s"] - 2 / sum(1 / x for x in alone)) < 1e-6
-    html = build_report(db, [study.run_id]).html
-    assert "Published figures, for context — measured on NVIDIA Jetson TX2" in html
-    assert "sequential (models alone, equal items)" in html
-    # The report opens with the paper's claims beside this machine's figures.
-    assert html.index("The paper&#x27;s claims on this machine") < html.index("Published figures")
-
-
 def test_study_usage_errors_are_one_line(tmp_path):
     db = str(tmp_path / "u.db")
-    r = run_cli("study", "nope", "--db", db)
+    r = invoke_cli("study", "nope", "--db", db)
     assert r.returncode == 2 and "study 'nope' unknown" in r.stderr and "Traceback" not in r.stderr
-    r = run_cli("study", "multi-tenancy", "-m", f"{TINY}:tiny_cnn", "--units", "cpu", "--db", db)
+    r = invoke_cli("study", "multi-tenancy", "-m", f"{TINY}:tiny_cnn", "--units", "cpu", "--db", db)
     assert r.returncode == 2 and "several models" in r.stderr
-    r = run_cli("study", "multi-instance", "-m", f"{TINY}:tiny_cnn", "--budget", "0s", "--db", db)
+    r = invoke_cli("study", "multi-instance", "-m", f"{TINY}:tiny_cnn", "--budget", "0s", "--db", db)
     assert r.returncode == 2 and "--budget" in r.stderr
-
-
-def test_pipeline_study_compares_the_partitioned_plan_with_single_units_and_replicas(tmp_path):
-    db = tmp_path / "p.db"
-    with Store(db) as store:
-        study = run_study(StudyConfig("pipeline", [f"{TINY}:tiny_cnn"], units="cpu:0,cpu:1",
-                                      batches=[4], engine="torch", budget_s=60, duration_s=0.3,
-                                      min_queries=16, cpu_workers="thread"),
-                          store=store)
-    assert study.status == "complete"
-    modes = {p["params"]["mode"]: p for p in study.points if p["params"]["mode"] != "single"}
-    singles = [p for p in study.points if p["params"]["mode"] == "single"]
-    assert {tuple(p["params"]["units"]) for p in singles} == {("cpu:0",), ("cpu:1",)}
-    assert all(p["status"] == "ok" for p in study.points), [(p["variant"], p["error"])
-                                                             for p in study.points]
-    pipe = modes["pipeline"]
-    # The pipeline point runs the plan its own partition run kept, over both units.
-    assert pipe["params"]["partition_run"] and "@cpu:0" in pipe["params"]["stages"] \
-        and "@cpu:1" in pipe["params"]["stages"]
-    [row] = study.headline["rows"]
-    best_single = max(p["figures"]["items_per_s"] for p in singles)
-    assert abs(row["pipeline_over_single"] - pipe["figures"]["items_per_s"] / best_single) < 1e-9
-    assert abs(row["pipeline_over_replicas"] - pipe["figures"]["items_per_s"]
-               / modes["replicas"]["figures"]["items_per_s"]) < 1e-9
-    with Store(db) as store:
-        kinds = dict(store.connection.execute("SELECT id, kind FROM runs").fetchall())
-    assert kinds[pipe["params"]["partition_run"]] == "partition"
-    assert kinds[study.run_id] == "study"
-    html = build_report(db, [study.run_id]).html
-    assert "pipeline" in html and pipe["params"]["stages"].split(" @")[0] in html

@@ -15,7 +15,7 @@ import yaml
 from infermux.runtime import parse_plan, run_plan
 from infermux.store import Store
 
-from .conftest import TINY, needs_two_cores
+from .conftest import TINY, invoke_cli, needs_two_cores
 
 MNV3 = {"model": "mobilenet_v3_small", "input_shape": [3, 64, 64]}
 
@@ -238,18 +238,15 @@ def test_cli_run_json_and_stored_run(tmp_path):
         "dispatcher": {"cpu_workers": "thread"},
         "load": {"scenario": "offline", "min_duration_s": 0.3, "min_queries": 20}}))
     db = tmp_path / "r.db"
-    run = subprocess.run([sys.executable, "-m", "infermux", "run", str(path), "--db", str(db),
-                          "--scenario", "single-stream", "--duration", "0.3s", "--json"],
-                         capture_output=True, text=True, timeout=300)
+    run = invoke_cli("run", str(path), "--db", str(db), "--scenario", "single-stream",
+                     "--duration", "0.3s", "--json")
     assert run.returncode == 0, run.stderr
     data = json.loads(run.stdout)
     assert data["status"] == "complete" and data["result"]["scenario"] == "single-stream"
     assert data["result"]["models"]["tiny"]["completed"] >= 20
-    listed = subprocess.run([sys.executable, "-m", "infermux", "results", "list", "--db", str(db),
-                             "--json"], capture_output=True, text=True, timeout=120)
+    listed = invoke_cli("results", "list", "--db", str(db), "--json")
     assert json.loads(listed.stdout)[0]["kind"] == "run"
-    bad = subprocess.run([sys.executable, "-m", "infermux", "run", str(path), "--no-store",
-                          "--scenario", "server"], capture_output=True, text=True, timeout=300)
+    bad = invoke_cli("run", str(path), "--no-store", "--scenario", "server")
     assert bad.returncode == 2 and "load.rate_qps" in bad.stderr
 
 

@@ -1,11 +1,10 @@
-"""Pipelines as runtime models: stages in a plan, run under every scenario, partition → plan → run."""
+"""Pipelines as runtime models: stages in a plan, run under every scenario (partition → plan → run
+is tests/test_partition.py's command-line test)."""
 
-import json
 
 import numpy as np
 import pytest
 import torch
-import yaml
 
 from infermux.errors import UsageError
 from infermux.models import ModelSpec, load_model
@@ -16,7 +15,7 @@ from infermux.runtime.stages import Pipeline
 from infermux.store import Store
 from infermux.units import discover, select_units
 
-from .conftest import TINY, needs_two_cores, run_cli
+from .conftest import TINY, needs_two_cores
 
 TWO_STAGES = [{"start": "input", "end": "body_1", "units": ["cpu:0"], "batch": 8},
               {"start": "body_1", "end": "output", "units": ["cpu:1"], "batch": 8}]
@@ -118,26 +117,6 @@ def test_served_pipeline_returns_partial_chunks_in_order_and_correct():
     with torch.no_grad():
         ref = model.module(torch.from_numpy(data)).numpy()
     np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-5)
-
-
-@needs_two_cores
-def test_partition_writes_a_plan_that_check_and_run_accept(tmp_path):
-    out, db = tmp_path / "pp.yaml", tmp_path / "r.db"
-    part = run_cli("partition", "-m", f"{TINY}:tiny_cnn", "--units", "cpu:0,cpu:1", "--batch", "8",
-                   "--measure-top", "1", "--duration", "0.5s", "--warmup", "0.2s",
-                   "--out", str(out), "--db", str(db), "--json")
-    assert part.returncode == 0, part.stderr
-    written = yaml.safe_load(out.read_text())
-    assert written["models"][0]["stages"] and written["load"]["scenario"] == "offline"
-    check = run_cli("plan", "--check", str(out))
-    assert check.returncode == 0 and "1 pipeline(s)" in check.stdout, check.stdout + check.stderr
-    for extra in ([], ["--scenario", "server", "--qps", "50", "--p99", "5000"]):
-        ran = run_cli("run", str(out), "--duration", "0.5s", "--min-queries", "32",
-                      "--db", str(db), "--json", *extra)
-        assert ran.returncode == 0, ran.stderr
-        result = json.loads(ran.stdout)["result"]
-        assert result["failed"] == 0 and result["completed"] > 0
-        assert len(result["pipelines"]) == 1
 
 
 def test_compiled_replica_compiles_only_its_largest_buckets():

@@ -1,8 +1,5 @@
 """Plan validation: every malformed field gets a message naming it, the value and what is allowed."""
 
-import subprocess
-import sys
-
 import pytest
 import yaml
 
@@ -10,6 +7,8 @@ from infermux.errors import UsageError
 from infermux.runtime import EXAMPLE_PLAN, load_plan, parse_plan
 from infermux.runtime.layout import layout_workers
 from infermux.units import discover
+
+from .conftest import invoke_cli
 
 
 def base(**changes):
@@ -138,9 +137,8 @@ def test_layout_names_the_field_of_a_unit_missing_here():
         layout_workers(plan, found)
 
 
-def _cli(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "infermux", *args], capture_output=True,
-                          text=True, cwd=cwd, timeout=120)
+def _cli(*args):
+    return invoke_cli(*args)
 
 
 def test_cli_plan_example_and_check(tmp_path):

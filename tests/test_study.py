@@ -1,7 +1,8 @@
 """Each study's defaults on this machine's two cores: the units `auto` picks, no central mode
 skipped, the budget planned before anything runs, the paper's claims beside this machine's
 figures, CME on shared cores only where a study opts in, and the report's optional package
-checked before measuring."""
+checked before measuring; each study measured once for its module and its report drawn from
+that same run."""
 
 from __future__ import annotations
 
@@ -11,11 +12,12 @@ import pytest
 import yaml
 
 from infermux.errors import UsageError
+from infermux.report import build_report
 from infermux.runtime import parse_plan
 from infermux.store import Store
 from infermux.study import STUDIES, StudyConfig, prepare_study, run_study
 
-from .conftest import TINY, run_cli
+from .conftest import TINY, invoke_cli, run_cli
 
 VERDICTS = {"held", "did not hold", "not measurable here"}
 
@@ -50,7 +52,7 @@ def test_ordinary_plans_keep_disjoint_core_sets_and_studies_opt_into_sharing(tmp
         parse_plan(whole)
     path = tmp_path / "shared.yaml"
     path.write_text(yaml.safe_dump(_shared_plan()))
-    r = run_cli("plan", "--check", str(path))
+    r = invoke_cli("plan", "--check", str(path))
     assert r.returncode == 2 and "disjoint core sets" in r.stderr and "Traceback" not in r.stderr
     # The study's opt-in: marked in the plan and kept with every run's plan.
     plan = parse_plan(_shared_plan(sharing="cores"))
@@ -61,15 +63,25 @@ def test_ordinary_plans_keep_disjoint_core_sets_and_studies_opt_into_sharing(tmp
         parse_plan(_shared_plan(sharing="yes"))
 
 
-def test_multi_tenancy_defaults_measure_every_mode_offline_and_under_server_load(tmp_path):
-    db = tmp_path / "mt.db"
-    config = _defaults("multi-tenancy", [f"{TINY}:tiny_cnn", f"{TINY}:wide_cnn"], budget_s=150)
+@pytest.fixture(scope="module")
+def multi_tenancy(tmp_path_factory):
+    """The multi-tenancy study at its defaults on two tiny models, measured once for the module:
+    (the prepared study, the study, its database)."""
+    db = tmp_path_factory.mktemp("mt") / "mt.db"
+    # The budget caps the study, it is not spent: each point still measures its 0.3 s, and
+    # a loaded host's slower builds do not leave the last server points skipped.
+    config = _defaults("multi-tenancy", [f"{TINY}:tiny_cnn", f"{TINY}:wide_cnn"], budget_s=300)
     ready = prepare_study(config)
+    with Store(db) as store:
+        study = run_study(config, store=store, prepared=ready)
+    return ready, study, db
+
+
+def test_multi_tenancy_defaults_measure_every_mode_offline_and_under_server_load(multi_tenancy):
+    ready, study, db = multi_tenancy
     # auto on a CPU-only host: a core set per model.
     assert ready.choice.ids == ["cpu:0", "cpu:1"]
     assert "CPU-only host" in ready.header()[0]
-    with Store(db) as store:
-        study = run_study(config, store=store, prepared=ready)
     assert study.status == "complete"
     got = {(p["params"]["mode"], p["params"]["scenario"], p["params"]["batch"]): p
            for p in study.points}
@@ -106,6 +118,23 @@ def test_multi_tenancy_defaults_measure_every_mode_offline_and_under_server_load
     assert all(0 < p["params"]["duration_s"] <= 0.3 for p in study.points)
 
 
+def test_multi_tenancy_report_has_the_papers_claims_first_and_its_figures_beside(multi_tenancy):
+    _, study, db = multi_tenancy
+    offline = [p for p in study.points if p["params"]["scenario"] == "offline"]
+    seq = next(r for r in study.headline["rows"] if r["mode"] == "sequential")
+    for batch in (1, 8):
+        # Sequential: the models alone, one after the other, equal items of each.
+        alone = [p["figures"]["items_per_s"] for p in offline
+                 if p["params"]["mode"] == "alone" and p["params"]["batch"] == batch]
+        assert len(alone) == 2
+        assert abs(seq["cells"][str(batch)]["items_per_s"] - 2 / sum(1 / x for x in alone)) < 1e-6
+    html = build_report(db, [study.run_id]).html
+    assert "Published figures, for context — measured on NVIDIA Jetson TX2" in html
+    assert "sequential (models alone, equal items)" in html
+    # The report opens with the paper's claims beside this machine's figures.
+    assert html.index("The paper&#x27;s claims on this machine") < html.index("Published figures")
+
+
 def test_multi_instance_defaults_report_every_combination_at_every_batch(tmp_path):
     with Store(tmp_path / "mi.db") as store:
         mi = run_study(_defaults("multi-instance", [f"{TINY}:tiny_cnn"], budget_s=120),
@@ -123,10 +152,20 @@ def test_multi_instance_defaults_report_every_combination_at_every_batch(tmp_pat
     assert mi_claims["all units"]["verdict"] == "not measurable here"
 
 
-def test_pipeline_defaults_report_the_pipeline_against_each_unit_alone(tmp_path):
-    with Store(tmp_path / "pipe.db") as store:
+@pytest.fixture(scope="module")
+def pipeline_study(tmp_path_factory):
+    """The pipeline study at its defaults on a tiny model, measured once for the module:
+    (the study, its database)."""
+    db = tmp_path_factory.mktemp("pipe") / "pipe.db"
+    with Store(db) as store:
         pipe = run_study(_defaults("pipeline", [f"{TINY}:tiny_cnn"], budget_s=120),
                          store=store)
+    return pipe, db
+
+
+def test_pipeline_defaults_report_the_pipeline_against_each_unit_alone(pipeline_study):
+    pipe, db = pipeline_study
+    with Store(db) as store:
         partitions = store.connection.execute(
             "SELECT COUNT(*) FROM runs WHERE kind = 'partition'").fetchone()[0]
     # The central comparison (each unit alone, the pipeline) first; replicas after it.
@@ -144,6 +183,29 @@ def test_pipeline_defaults_report_the_pipeline_against_each_unit_alone(tmp_path)
     p_claims = _claims(pipe.headline, {"throughput", "energy"})
     assert p_claims["throughput"]["verdict"] in ("held", "did not hold")
     assert p_claims["energy"]["verdict"] in VERDICTS
+
+
+def test_pipeline_study_compares_the_partitioned_plan_with_single_units_and_replicas(
+        pipeline_study):
+    study, db = pipeline_study
+    assert study.status == "complete"
+    modes = {p["params"]["mode"]: p for p in study.points if p["params"]["mode"] != "single"}
+    singles = [p for p in study.points if p["params"]["mode"] == "single"]
+    pipe = modes["pipeline"]
+    # The pipeline point runs the plan its own partition run kept, over both units.
+    assert pipe["params"]["partition_run"] and "@cpu:0" in pipe["params"]["stages"] \
+        and "@cpu:1" in pipe["params"]["stages"]
+    [row] = study.headline["rows"]
+    best_single = max(p["figures"]["items_per_s"] for p in singles)
+    assert abs(row["pipeline_over_single"] - pipe["figures"]["items_per_s"] / best_single) < 1e-9
+    assert abs(row["pipeline_over_replicas"] - pipe["figures"]["items_per_s"]
+               / modes["replicas"]["figures"]["items_per_s"]) < 1e-9
+    with Store(db) as store:
+        kinds = dict(store.connection.execute("SELECT id, kind FROM runs").fetchall())
+    assert kinds[pipe["params"]["partition_run"]] == "partition"
+    assert kinds[study.run_id] == "study"
+    html = build_report(db, [study.run_id]).html
+    assert "pipeline" in html and pipe["params"]["stages"].split(" @")[0] in html
 
 
 def test_without_a_model_each_study_takes_its_default_for_the_units_chosen():
@@ -169,8 +231,8 @@ def test_a_budget_too_small_is_refused_before_anything_runs_and_says_what_fits(t
     with pytest.raises(UsageError, match=r"--budget 5s is too small .* --budget \d+m would fit"):
         prepare_study(config)
     db = tmp_path / "b.db"
-    r = run_cli("study", "multi-tenancy", "-m", f"{TINY}:tiny_cnn", "-m", f"{TINY}:wide_cnn",
-                "--budget", "5s", "--db", str(db))
+    r = invoke_cli("study", "multi-tenancy", "-m", f"{TINY}:tiny_cnn", "-m", f"{TINY}:wide_cnn",
+                   "--budget", "5s", "--db", str(db))
     assert r.returncode == 2 and "would fit" in r.stderr and "Traceback" not in r.stderr
     assert r.stderr.count("\n") == 1
     with Store(db) as store:

@@ -12,7 +12,7 @@ from infermux.runtime import load_plan, run_plan, with_load
 from infermux.store import Store
 from infermux.tune import Constraints, TrialSettings, TuneRequest, run_tune
 
-from .conftest import TINY, run_cli
+from .conftest import TINY, invoke_cli
 
 MODEL = f"{TINY}:tiny_cnn"
 
@@ -98,10 +98,10 @@ def test_tune_budget_is_a_wall_time_bound(tmp_path):
 
 def test_cli_tune_json_and_bad_input(tmp_path, db):
     out = tmp_path / "p.yaml"
-    res = run_cli("tune", "-m", MODEL, "--units", "cpu", "--engine", "torch", "--batch", "1,8",
-                  "--max-instances", "1", "--budget", "30s", "--trial-duration", "0.2s",
-                  "--trial-queries", "16", "--no-fine-tune", "--db", str(db), "-o", str(out),
-                  "--json")
+    res = invoke_cli("tune", "-m", MODEL, "--units", "cpu", "--engine", "torch", "--batch",
+                     "1,8", "--max-instances", "1", "--budget", "30s", "--trial-duration",
+                     "0.2s", "--trial-queries", "16", "--no-fine-tune", "--db", str(db), "-o",
+                     str(out), "--json")
     assert res.returncode == 0, res.stderr
     data = json.loads(res.stdout)
     assert data["plan_path"] == str(out) and out.exists()
@@ -118,7 +118,7 @@ def test_cli_tune_json_and_bad_input(tmp_path, db):
         (["--budget", "0s"], "--budget 0s must be positive"),
         (["--compile", "default,fast"], "--compile 'fast' is not a torch.compile mode"),
     ]:
-        bad = run_cli("tune", "-m", MODEL, "--units", "cpu", "--db", str(db), *args)
+        bad = invoke_cli("tune", "-m", MODEL, "--units", "cpu", "--db", str(db), *args)
         assert bad.returncode == 2, (args, bad.stderr)
         assert words in bad.stderr and "Traceback" not in bad.stderr
         assert len(bad.stderr.strip().splitlines()) == 1
