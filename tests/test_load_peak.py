@@ -154,3 +154,13 @@ def test_the_printed_headline_carries_the_lag_note():
     lagged = _lagging_trial(4.0)
     assert "load generator fell behind" in run_headline(lagged)
     assert "load generator" not in run_headline(_lagging_trial(0.0))
+
+
+def test_the_lag_note_starts_past_a_tenth_of_the_bound():
+    from infermux.load.scenarios import LAG_SHARE, lag_note
+
+    assert LAG_SHARE == 0.1
+    assert lag_note(5.0, 50.0) is None  # a tenth exactly: not yet behind
+    assert lag_note(None, 50.0) is None and lag_note(9.0, None) is None
+    note = lag_note(5.1, 50.0)
+    assert note is not None and "5.1 ms > 0.1 of the 50 ms bound" in note
