@@ -14,7 +14,7 @@ the load generator's issue lag, so a slow query's time is accounted for.
     # mobilenet_v3_small on a 2-core CPU, p99 50 ms (the host to itself: about 4 minutes)
     python bench/server_batching.py --model mobilenet_v3_small --unit cpu --batch 4 \
         --instances 2 --compile none --p99 50 --duration 3 --queries 512 --rounds 2 \
-        --max-s 240 --json batching_cpu.json
+        --max-s 200 --json batching_cpu.json
 
 Each trial prints a line as it ends (stderr), and each row the host's 1-minute load before and
 after it: on a shared CPU host the other processes' load decides the batch's own time.
