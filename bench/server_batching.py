@@ -11,15 +11,20 @@ the load generator's issue lag, so a slow query's time is accounted for.
     # the ResNet50 fp16 server plan on one GPU (H100: about 5 minutes)
     python bench/server_batching.py --model resnet50 --unit cuda:0/fp16 --batch 64 \
         --instances 2 --compile default --p99 15 --duration 3 --rounds 2 --json batching.json
-    # mobilenet_v3_small on the CPU
-    python bench/server_batching.py --model mobilenet_v3_small --unit cpu --batch 8 \
-        --instances 2 --compile none --p99 50 --duration 3 --rounds 2 --json batching_cpu.json
+    # mobilenet_v3_small on a 2-core CPU, p99 50 ms (the host to itself: about 4 minutes)
+    python bench/server_batching.py --model mobilenet_v3_small --unit cpu --batch 4 \
+        --instances 2 --compile none --p99 50 --duration 3 --queries 512 --rounds 2 \
+        --max-s 200 --json batching_cpu.json
+
+Each trial prints a line as it ends (stderr), and each row the host's 1-minute load before and
+after it: on a shared CPU host the other processes' load decides the batch's own time.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -55,11 +60,24 @@ def _brief(record: dict[str, Any]) -> dict[str, Any]:
         "valid": record.get("valid"), "items_per_s": record.get("items_per_s"),
         "p99_ms": (record.get("latency") or {}).get("p99_ms"),
         "issue_lag": record.get("issue_lag"),
+        "load_generator_lag": record.get("load_generator_lag"),
         "phases": model.get("phases"), "mean_batch": model.get("mean_batch"),
         "batch_histogram": model.get("batch_histogram"),
         "worker_batch_latency": {name: w.get("batch_latency")
                                  for name, w in (record.get("workers") or {}).items()},
     }
+
+
+def _say(brief: dict[str, Any]) -> None:
+    """One line per trial as it ends: a slow host shows its progress, and a stall where it is."""
+    rate = brief["rate_qps"]
+    lag = (brief.get("issue_lag") or {}).get("p99_ms")
+    p99 = brief.get("p99_ms")
+    print(f"  {brief['scenario']:>7} {'' if rate is None else f'{rate:9.1f} qps':>13}  "
+          f"{brief.get('items_per_s') or 0:8.1f} items/s  p99 "
+          f"{'-' if p99 is None else f'{p99:.1f}'} ms  valid {brief['valid']}  issue lag p99 "
+          f"{'-' if lag is None else f'{lag:.1f}'} ms  mean batch {brief.get('mean_batch')}",
+          file=sys.stderr, flush=True)
 
 
 def _one(rt: Any, rule: str, settings: dict[str, Any], shares: dict[str, float],
@@ -68,12 +86,14 @@ def _one(rt: Any, rule: str, settings: dict[str, Any], shares: dict[str, float],
     records: list[dict[str, Any]] = []
     offline = run_trial(rt, {**settings, "scenario": "offline"}, shares).record
     records.append(_brief(offline))
+    _say(records[-1])
     upper = offline.get("items_per_s") or 0.0
 
     def server(rate: float) -> Any:
         run = run_trial(rt, {**settings, "scenario": "server", "rate_qps": rate}, shares)
         result, record = run.result, run.record
         records.append(_brief(record))
+        _say(records[-1])
         return result
 
     peak = find_peak(server, upper_qps=upper, bound_ms=bound, confirm=True).record()
@@ -116,15 +136,24 @@ def main() -> int:
             for rule in order:
                 if time.perf_counter() - started > args.max_s:
                     break
+                before = os.getloadavg()
                 row = _one(rt, rule, settings, shares, args.p99)
                 row["round"] = i
+                # A shared host's load decides a CPU plan's figures: kept beside each row.
+                row["loadavg_1m"] = [before[0], os.getloadavg()[0]]
                 out["rounds"].append(row)
-                ph = ((row["at_peak"] or {}).get("phases") or {})
+                # Without a peak, the lowest rate tried says where even a light load's time went.
+                servers = [t for t in row["trials"] if t["scenario"] == "server"]
+                shown = row["at_peak"] or (min(servers, key=lambda t: t["rate_qps"] or 0)
+                                           if servers else {})
+                ph = shown.get("phases") or {}
                 p99s = {k: round(v["p99_ms"], 2) for k, v in ph.items() if v.get("p99_ms")}
                 ratio = "-" if row["ratio"] is None else f"{row['ratio']:.2f}"
                 print(f"round {i} {rule:>11}: offline {row['offline_items_per_s']:9.1f}  peak "
                       f"{row['peak_qps'] or 0:9.1f}  ratio {ratio}  edge confirmed "
-                      f"{row['edge_confirmed']}  phases p99 at peak {p99s}", flush=True)
+                      f"{row['edge_confirmed']}  load {row['loadavg_1m'][0]:.1f}"
+                      f"/{row['loadavg_1m'][1]:.1f}  phases p99 at "
+                      f"{'peak' if row['at_peak'] else 'lowest rate'} {p99s}", flush=True)
                 Path(args.json_path).write_text(json.dumps(out, indent=1))
     finally:
         rt.stop(drain=False)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from typing import Any
 
 from infermux.load import ScenarioResult, find_peak
 from tests.conftest import MS
@@ -91,3 +92,75 @@ def test_a_peak_that_never_holds_twice_is_no_peak_and_says_so():
     assert peak.peak_qps is None and peak.edge_confirmed is False
     assert [t["rate_qps"] for t in peak.trials if t.get("repeat")] == [562.5, 500, 625]
     assert "in every run" in (peak.reason or "") and "562" in (peak.reason or "")
+
+
+class _StallingSUT:
+    """Completes each query 1 ms after its issue; every issue holds the generator `stall_ms`.
+
+    The stall stands for a generator kept off the interpreter by the workers' threads: on the
+    fake clock its next queries go out late, by as much as the stall.
+    """
+
+    def __init__(self, clock: list[int], stall_ms: float) -> None:
+        self.clock, self.stall_ns = clock, int(stall_ms * MS)
+
+    def start(self, on_complete: Any) -> None:
+        self.on_complete = on_complete
+
+    def issue(self, queries: list[Any]) -> None:
+        self.clock[0] += self.stall_ns
+        self.on_complete([(q.id, len(q.samples)) for q in queries], True, self.clock[0] + MS)
+
+    def capacity_items(self, model: str) -> int:
+        return 1
+
+    def end(self) -> None:
+        pass
+
+
+def _lagging_trial(stall_ms: float) -> dict[str, Any]:
+    from infermux.load import LoadGenerator
+
+    clock = [0]
+
+    def sleep(s: float) -> None:
+        clock[0] += int(s * 1e9)
+
+    settings = {"scenario": "server", "rate_qps": 200.0, "min_duration_s": 1.0,
+                "min_queries": 100, "max_duration_s": None, "seed": 0,
+                "p99_bound_ms": BOUND_MS}
+    gen = LoadGenerator(settings, {"m": 1.0}, clock_ns=lambda: clock[0], sleep=sleep)
+    return gen.run(_StallingSUT(clock, stall_ms), {"m": 8}).record()
+
+
+def test_a_single_server_trial_says_when_its_generator_fell_behind():
+    # 200 qps (5 ms apart on average) with each issue holding the generator 4 ms: queries that
+    # arrive within a stall go out late, and the lag p99 passes a tenth of the 10 ms bound.
+    lagged = _lagging_trial(4.0)
+    assert lagged["issue_lag"]["p99_ms"] > 1.0
+    assert lagged["load_generator_lag"] is True
+    assert "load generator fell behind" in lagged["load_generator_note"]
+    assert f"{lagged['issue_lag']['p99_ms']:.1f} ms" in lagged["load_generator_note"]
+    # The latency still runs from the scheduled arrival: the lag is in it, not hidden.
+    assert lagged["latency"]["p99_ms"] > lagged["latency_from_issue"]["p99_ms"]
+    steady = _lagging_trial(0.0)
+    assert steady["issue_lag"]["p99_ms"] < 0.01
+    assert steady["load_generator_lag"] is False and "load_generator_note" not in steady
+
+
+def test_the_printed_headline_carries_the_lag_note():
+    from infermux.cli.render import run_headline
+
+    lagged = _lagging_trial(4.0)
+    assert "load generator fell behind" in run_headline(lagged)
+    assert "load generator" not in run_headline(_lagging_trial(0.0))
+
+
+def test_the_lag_note_starts_past_a_tenth_of_the_bound():
+    from infermux.load.scenarios import LAG_SHARE, lag_note
+
+    assert LAG_SHARE == 0.1
+    assert lag_note(5.0, 50.0) is None  # a tenth exactly: not yet behind
+    assert lag_note(None, 50.0) is None and lag_note(9.0, None) is None
+    note = lag_note(5.1, 50.0)
+    assert note is not None and "5.1 ms > 0.1 of the 50 ms bound" in note

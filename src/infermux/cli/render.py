@@ -437,6 +437,8 @@ def run_headline(record: dict[str, Any]) -> str:
     text = " · ".join(parts)
     if record.get("validity_notes"):
         text += "\n[dim]" + "; ".join(record["validity_notes"]) + "[/]"
+    if record.get("load_generator_note"):
+        text += "\n[yellow]note[/]: " + escape(record["load_generator_note"])
     return text
 
 
