@@ -241,6 +241,19 @@ def profile_steps(config: TrainConfig, knobs: Knobs, items: int) -> tuple[int, i
     return cold, min(cold, steady)
 
 
+def _run_recorded(setup: TrainSetup, rec: PassRecord, trainer: Any, loader: Any, cpu: Any,
+                  cpu_marks: set[int]) -> None:
+    """Run one pass into `rec`: its result and energy, or why it failed (out of memory or not)."""
+    try:
+        rec.result = run_pass(trainer, loader, cpu=cpu, cpu_marks=cpu_marks)
+    except DeviceOutOfMemoryError as exc:
+        rec.status, rec.error = "oom", str(exc)
+    except InfermuxError as exc:
+        rec.status, rec.error = "failed", str(exc)
+    if rec.result is not None:
+        _energy(setup, rec.result, rec)
+
+
 def _energy(setup: TrainSetup, result: PassResult, rec: PassRecord) -> None:
     """Energy and load of a pass: telemetry where a counter exists, else the stated CPU model."""
     summary = None
@@ -343,15 +356,8 @@ def _measure_one(setup: TrainSetup, index: int, knobs: Knobs, kind: str) -> list
             for rec in recs:
                 if rec.pass_name == "cold":
                     rec.extra["eviction"] = evict(path)
-                try:
-                    rec.result = run_pass(trainer, loader, cpu=cpu,
-                                          cpu_marks={warmup_steps(knobs.workers) - 1})
-                except DeviceOutOfMemoryError as exc:
-                    rec.status, rec.error = "oom", str(exc)
-                except InfermuxError as exc:
-                    rec.status, rec.error = "failed", str(exc)
-                if rec.result is not None:
-                    _energy(setup, rec.result, rec)
+                _run_recorded(setup, rec, trainer, loader, cpu,
+                              {warmup_steps(knobs.workers) - 1})
                 if rec.status != "ok":
                     break
     if kind == "profile" or kind.startswith("probe"):  # probe, probe:N
@@ -533,14 +539,8 @@ def measure_compute(setup: TrainSetup, knobs: Knobs, index: int,
         loader = _Repeated(make_loader(dataset, probe, device=setup.device, shuffle=False,
                                        indices=_subset(items, min(items, knobs.batch),
                                                        setup.config.seed + index)), steps)
-        try:
-            rec.result = run_pass(trainer, loader, cpu=cpu, cpu_marks={steps - 1})
-        except DeviceOutOfMemoryError as exc:
-            rec.status, rec.error = "oom", str(exc)
-        except InfermuxError as exc:
-            rec.status, rec.error = "failed", str(exc)
+        _run_recorded(setup, rec, trainer, loader, cpu, {steps - 1})
     if rec.result is not None:
-        _energy(setup, rec.result, rec)
         rec.extra["steady_cpu_s"] = rec.result.steady_cpu_s(0)
     window = rec.extra.pop("_window", None)
     if setup.store is not None and setup.run_id is not None:
