@@ -17,6 +17,8 @@ from infermux.errors import UsageError
 from infermux.models import ModelSpec
 from infermux.store import Store
 from infermux.train import DataSpec, Grid, Knobs, Trainer, evict, make_loader, run_pass
+from infermux.train.components import fit_components
+from infermux.train.covering import choose_profiled, covering_order, model_cell
 from infermux.train.data import ImageFiles, fs_type, open_dataset, write_synthetic
 from infermux.train.power import (
     parse_nvpmodel_conf,
@@ -24,16 +26,7 @@ from infermux.train.power import (
     read_power_mode,
     set_power_mode,
 )
-from infermux.train.predict import (
-    MIN_STEADY_STEPS,
-    choose_profiled,
-    covering_order,
-    fit_components,
-    model_cell,
-    predict_all,
-    profile_estimate,
-    warmup_steps,
-)
+from infermux.train.predict import predict_all
 from infermux.train.profile import MINIBATCH_SHARE, TrainConfig, profile_steps
 from infermux.train.run import (
     SHARE_MARGIN,
@@ -42,6 +35,7 @@ from infermux.train.run import (
     profile_fits,
     repredict,
 )
+from infermux.train.steady import MIN_STEADY_STEPS, profile_estimate, warmup_steps
 
 from .conftest import FIXTURES, ROOT, run_cli
 

@@ -16,15 +16,10 @@ from infermux.cli import main
 from infermux.errors import UsageError
 from infermux.train import Grid, Knobs
 from infermux.train.attribution import epoch_parts
-from infermux.train.predict import (
-    Prediction,
-    _rows_without,
-    _training_rows,
-    choose_profiled,
-    fit_components,
-    model_cell,
-    predict_all,
-)
+from infermux.train.components import fit_components
+from infermux.train.covering import choose_profiled, model_cell
+from infermux.train.learned import held_out_rows, training_rows
+from infermux.train.predict import Prediction, predict_all
 from infermux.train.run import (
     THIN_STEADY_STEPS,
     PredictReport,
@@ -58,10 +53,10 @@ def test_a_held_out_configuration_reaches_no_row_it_is_scored_against() -> None:
     held = profiled[2]
     tmpfs = {"tmpfs": True}
     clean, slowed = _passes(configs, profiled), _passes(configs, profiled, {held: 3.0})
-    a = _rows_without(clean, 2, tmpfs)(held)
-    b = _rows_without(slowed, 2, tmpfs)(held)
+    a = held_out_rows(clean, 2, tmpfs)(held)
+    b = held_out_rows(slowed, 2, tmpfs)(held)
     assert held not in set(a[3]) and np.allclose(a[0], b[0]) and np.allclose(a[1], b[1])
-    leaky_a, leaky_b = _training_rows(clean, 2, tmpfs), _training_rows(slowed, 2, tmpfs)
+    leaky_a, leaky_b = training_rows(clean, 2, tmpfs), training_rows(slowed, 2, tmpfs)
     others = leaky_a[3] != held
     assert not np.allclose(leaky_a[1][others], leaky_b[1][others])
 

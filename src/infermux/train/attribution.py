@@ -1,8 +1,8 @@
 """Which term of the epoch model missed: start-up, compute, loader or contention, measured.
 
 A validated epoch's error (measured − predicted seconds) is cut into the simple model's terms
-(`predict.Components`), each term's predicted value set against the same quantity read from
-the validated epoch's own minibatches (`predict.steady`):
+(`components.Components`), each term's predicted value set against the same quantity read from
+the validated epoch's own minibatches (`steady.steady`):
 
 - `drift`: the machine's own change of speed beside the epoch (the reference configuration
   re-profiled around it, `run._validate`): predicted × (drift − 1). The other terms are then
@@ -35,8 +35,10 @@ import statistics
 from typing import TYPE_CHECKING, Any
 
 from infermux.errors import UsageError
+from infermux.train.components import Components, fit_components
 from infermux.train.knobs import Knobs
-from infermux.train.predict import Components, Prediction, fit_components, steady
+from infermux.train.predict import Prediction
+from infermux.train.steady import steady
 
 if TYPE_CHECKING:
     from infermux.train.run import PredictReport

@@ -224,13 +224,13 @@ def profile_steps(config: TrainConfig, knobs: Knobs, items: int) -> tuple[int, i
     Both halves together stay within `MINIBATCH_SHARE` (60%) of `profile_share` of an epoch's
     minibatches (the profile's start-up, its loader's ramp and tail come on top; on a GPU host
     they took the other 40%) and within `profile_steps`. The cold half holds the
-    ramp (`predict.warmup_steps`: the loader's first round of batches) and as many steady
+    ramp (`steady.warmup_steps`: the loader's first round of batches) and as many steady
     minibatches as the warm half, which continues the same loader and has no ramp; each half has
     at least 3 steady minibatches, so a tiny epoch may be profiled beyond its share
     (`train-predict` reports the share profiled). The steady part aimed at is
-    `predict.MIN_STEADY_STEPS` minibatches per half; a shorter one is flagged.
+    `steady.MIN_STEADY_STEPS` minibatches per half; a shorter one is flagged.
     """
-    from infermux.train.predict import warmup_steps
+    from infermux.train.steady import warmup_steps
 
     per_epoch = math.ceil(items / knobs.batch)
     total = min(config.profile_steps, math.floor(MINIBATCH_SHARE * config.profile_share
@@ -304,7 +304,7 @@ def _measure_one(setup: TrainSetup, index: int, knobs: Knobs, kind: str) -> list
     """
     import torch
 
-    from infermux.train.predict import MIN_STEADY_STEPS, warmup_steps
+    from infermux.train.steady import MIN_STEADY_STEPS, warmup_steps
 
     config = setup.config
     path, dataset = setup.datasets[knobs.storage]
@@ -648,7 +648,7 @@ def start_sampler(setup: TrainSetup) -> None:
 
 def best_settings(passes: list[PassRecord]) -> dict[str, Any]:
     """The configurations with the shortest later epoch and the least energy per item."""
-    from infermux.train.predict import profile_estimate
+    from infermux.train.steady import profile_estimate
 
     by_config: dict[int, list[dict[str, Any]]] = {}
     for p in passes:

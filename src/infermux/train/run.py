@@ -1,7 +1,7 @@
 """`train-predict`: profile a third of the grid briefly, predict every epoch, validate on the rest.
 
 1. The configurations to profile: `profile_configs` of the grid (default a third), chosen to
-   cover every pair of knob levels (`predict.choose_profiled`), or the passes of a stored
+   cover every pair of knob levels (`covering.choose_profiled`), or the passes of a stored
    profile run (`from_run`).
 2. Each is profiled (`profile.measure_configs`, kind `profile`: a cold and a warm pass over a
    few dozen minibatches, within `profile_share` of an epoch).
@@ -30,21 +30,11 @@ from infermux.errors import UsageError
 from infermux.store import Recording, Store
 from infermux.train import records
 from infermux.train.attribution import attribute, attribute_passes
+from infermux.train.components import Components, fit_components
+from infermux.train.covering import covered, covering_order, model_cell
 from infermux.train.data import fs_type
 from infermux.train.knobs import Knobs
-from infermux.train.predict import (
-    MIN_STEADY_STEPS,
-    Components,
-    Prediction,
-    covered,
-    covering_order,
-    fit_components,
-    mape,
-    model_cell,
-    predict_all,
-    steady,
-    warmup_steps,
-)
+from infermux.train.predict import Prediction, mape, predict_all
 from infermux.train.profile import (
     COMPUTE_PROBE_STEPS,
     MINIBATCH_SHARE,
@@ -58,6 +48,7 @@ from infermux.train.profile import (
     recorded,
     start_sampler,
 )
+from infermux.train.steady import MIN_STEADY_STEPS, steady, warmup_steps
 
 __all__ = ["PredictReport", "repredict", "run_train_predict"]
 
@@ -290,7 +281,7 @@ def estimated_share(knobs: Knobs, passes: list[dict[str, Any]], config: TrainCon
                     items: int, comps: Components | None = None) -> float | None:
     """A profile's share of its epoch, estimated from the profiles measured so far.
 
-    The simple model (`predict.fit_components`) predicts the profile as a short epoch (one
+    The simple model (`components.fit_components`) predicts the profile as a short epoch (one
     loader over `profile.profile_steps` minibatches: start-up, ramp, steady minibatches, tail)
     and the configuration's shorter epoch; None without passes to fit on. `comps`: the model
     already fitted on `passes`.
