@@ -18,7 +18,8 @@ from infermux.runtime import Dispatcher, LatencyEstimate, WorkerState, parse_pla
 from infermux.runtime.api import LocalRuntime
 from infermux.runtime.local import _Runtime
 from infermux.runtime.peak import run_trial
-from infermux.runtime.worker import ProcessHost, RunnerSpec, Worker
+from infermux.runtime.process_host import ProcessHost, RunnerSpec
+from infermux.runtime.worker import Worker
 
 from .conftest import TINY, invoke_cli, needs_two_cores
 

@@ -8,7 +8,7 @@ from typing import Any
 from infermux.errors import RunError
 from infermux.load.base import Query
 from infermux.runtime import Batch, Dispatcher, LatencyEstimate, WorkerState
-from infermux.runtime.worker import WorkerDiedError
+from infermux.runtime.process_host import WorkerDiedError
 
 from .conftest import MS, Clock
 

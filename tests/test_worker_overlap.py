@@ -175,7 +175,7 @@ def test_a_child_killed_with_two_batches_in_flight_loses_no_query() -> None:
 @pytest.mark.parametrize("depth", [0, 3])
 def test_only_one_or_two_batches_in_flight(depth: int) -> None:
     from infermux.errors import UsageError
-    from infermux.runtime.worker import ProcessHost
+    from infermux.runtime.process_host import ProcessHost
 
     with pytest.raises(UsageError, match="use 1 or 2"):
         ProcessHost("w", (0,), [], depth=depth)

@@ -26,7 +26,8 @@ from infermux.runtime.metrics import Recorder
 from infermux.runtime.pipelined import PipelineWorker, build_pipeline, pipeline_buckets
 from infermux.runtime.placement import LatencyEstimate, ModelLoad, rebalance
 from infermux.runtime.plan import Plan
-from infermux.runtime.worker import ProcessHost, RunnerSpec, Worker
+from infermux.runtime.process_host import ProcessHost, RunnerSpec
+from infermux.runtime.worker import Worker
 from infermux.units import Discovery, discover
 
 __all__: list[str] = []

@@ -33,7 +33,7 @@ from typing import Any
 
 from infermux.runtime.api import LocalRuntime, Subscription
 from infermux.runtime.dispatcher import WorkerState
-from infermux.runtime.worker import WorkerDiedError
+from infermux.runtime.process_host import WorkerDiedError
 
 __all__ = ["Supervisor"]
 
