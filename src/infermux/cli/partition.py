@@ -101,7 +101,7 @@ def partition(
     )
     report = _run_with_progress(run_partition, config, db=db, no_store=no_store)
     if out_path and report.best is not None:
-        from infermux.partition.plan import save_pipeline
+        from infermux.partition.pipeline_file import save_pipeline
 
         save_pipeline(report.best, out_path)
     data = report.to_dict()

@@ -25,7 +25,7 @@ from infermux.partition.dp import (
     placement_unit,
     solve,
 )
-from infermux.partition.plan import entry_name, pipeline_plan, plan_yaml
+from infermux.partition.pipeline_file import entry_name, pipeline_plan, plan_yaml
 from infermux.partition.profile import Profile, profile_segments
 from infermux.progress import ProgressFn
 from infermux.runtime.plan import QUEUE_DELAY_MS, ModelEntry, Stage

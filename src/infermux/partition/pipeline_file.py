@@ -1,4 +1,4 @@
-"""The plans the partitioner writes: a runtime model entry with `stages:` (no type of its own).
+"""Writing and reading a pipeline plan file: a runtime model entry with `stages:` (no type of its own).
 
 A pipeline is a `ModelEntry` of the runtime Plan (`infermux.runtime.plan`) whose `stages:`
 cut the network into contiguous segments across units: what `infermux partition --out` writes,
