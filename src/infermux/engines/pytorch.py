@@ -655,7 +655,8 @@ class TorchEngine(Engine):
             runner = TorchRunner(module, unit, batch, model.input_shape, opts, data,
                                  input_specs=specs, length=next(iter(dims.values()), None))
         except Exception as exc:
-            # torch's CPU allocator raises a plain RuntimeError that names itself.
+            # torch's CPU allocator raises a plain RuntimeError that names itself (still in
+            # torch 2.14: no type of its own), so its text is the one signal there is.
             if is_out_of_memory(exc) or "DefaultCPUAllocator" in str(exc):
                 # Forget the caches so their memory can go, but close nothing: one engine
                 # builds the runners of several runtime workers, and closing a runner that
