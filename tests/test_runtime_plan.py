@@ -154,3 +154,23 @@ def test_cli_plan_example_and_check(tmp_path):
     assert "dispatcher.policy" in bad.stderr and "lottery" in bad.stderr
     neither = _cli("plan")
     assert neither.returncode == 2 and "--example" in neither.stderr
+
+
+def test_every_plan_infermux_writes_waits_the_one_queue_delay_default():
+    """The queue delay's default lives in one place (`QUEUE_DELAY_MS`), not one per writer.
+
+    A plan without a dispatcher section, the annotated example and a pipeline plan the
+    partitioner writes all wait it; before, the plan's default was 1 ms while the tuner, the
+    studies and the example wrote 2 ms.
+    """
+    from infermux.partition.pipeline_file import plan_yaml
+    from infermux.runtime.plan import QUEUE_DELAY_MS, ModelEntry
+
+    bare = parse_plan({"models": [{"name": "m", "model": "resnet18",
+                                   "replicas": [{"unit": "cpu:0", "batch": 4}]}]})
+    example = parse_plan(yaml.safe_load(EXAMPLE_PLAN))
+    entry = ModelEntry.model_validate({"name": "m", "model": "resnet18", "stages": [
+        {"start": "input", "end": "layer1", "units": ["cpu:0"], "batch": 4},
+        {"start": "layer1", "end": "output", "units": ["cpu:0"], "batch": 4}]})
+    written = parse_plan(yaml.safe_load(plan_yaml(entry)))
+    assert {p.dispatcher.max_queue_delay_ms for p in (bare, example, written)} == {QUEUE_DELAY_MS}
