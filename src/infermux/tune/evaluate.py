@@ -392,17 +392,17 @@ class LiveEvaluator:
         point = measure_point(bench, config.engine, engine, model, unit, config.batch,
                               self._point_progress, reference, self._sampler,
                               length=max(lengths) if lengths else None)
-        record = point.record()
-        status = point.status
-        valid, note = point.validity
-        if status == "ok" and not valid:
+        summary = point.point()
+        status = summary.status
+        if status == "ok" and not summary.valid:
             status = "invalid"
-        trial = Trial(candidate, "engine", status, point.throughput if status == "ok" else None,
-                      record.get("p99_ms"), record.get("energy_per_item_j"),
-                      record.get("mean_power_w"), _peak_memory(torch_device),
-                      {unit.id: point.throughput} if status == "ok" and point.throughput else {},
-                      error=point.error or (note or None), record=record,
-                      build_s=point.build_s or None)
+        rate = summary.items_per_s
+        trial = Trial(candidate, "engine", status, rate if status == "ok" else None,
+                      summary.p99_ms, summary.energy_per_item_j, summary.mean_power_w,
+                      _peak_memory(torch_device),
+                      {unit.id: rate} if status == "ok" and rate else {},
+                      error=summary.error or (summary.validity_note or None),
+                      record=summary.to_dict(), build_s=summary.build_s or None)
         return trial
 
     def _point_progress(self, label: str, fraction: float) -> None:

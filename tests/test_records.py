@@ -1,0 +1,70 @@
+"""Records as types: each is made on a real tiny run, kept in SQLite, read back equal.
+
+Each type's `to_dict()` is the stored JSON and `from_dict()` reads it back; a row as earlier
+versions stored it (a faithful dict, keys in their order) still reads, and the JSON written
+from the type is the same text the dict gave.
+"""
+
+from __future__ import annotations
+
+import json
+
+from infermux.bench import BenchConfig, BenchPoint, run_bench
+from infermux.models import ModelSpec
+from infermux.store import Store
+
+#: A point as the store kept it before points were a type: telemetry on, one sample's worth.
+_STORED_POINT = {
+    "model": "tiny.build", "unit": "cpu", "engine": "torch", "batch": 4, "instances": 1,
+    "data": "host", "status": "ok", "valid": True, "validity_note": "", "items": 400,
+    "window_s": 0.31, "items_per_s": 1290.3, "build_s": 0.02, "options": {"threads": 2},
+    "error": None, "weights_note": "randomly initialised", "agreement": {"status": "pass"},
+    "seq_len": None, "tokens_per_s": None, "p50_ms": 3.0, "p90_ms": 3.2, "p95_ms": 3.3,
+    "p99_ms": 3.9, "max_ms": 4.1, "mean_ms": 3.05, "h2d_ms": 0.0, "compute_ms": 3.05,
+    "d2h_ms": 0.0, "energy_j": None, "energy_per_item_j": None, "mean_power_w": None,
+    "peak_power_w": None, "items_per_s_per_w": None, "energy_source": None,
+    "energy_devices": [], "energy_by_device_j": {},
+    "utilisation": {"cpu": {"device": "cpu", "util_pct_mean": 51.0}},
+    "telemetry_flags": [], "telemetry_ticks": 3, "sampler_cost": {"cpu_pct": 0.4},
+}
+
+
+def test_bench_point_round_trips_through_the_store(tiny_factory, db):
+    config = BenchConfig(ModelSpec(f"{tiny_factory}:build"), units="cpu", batches=[2],
+                         min_duration_s=0.2, min_queries=20, warmup_s=0.02,
+                         telemetry_interval_s=0.05)
+    with Store(db) as store:
+        report = run_bench(config, store=store)
+        rows = store.run(report.run_id)["results"]
+    (measured,) = report.measurements
+    point = measured.point()
+    assert isinstance(point, BenchPoint) and point.valid and point.items >= 20
+    assert point.latency is not None and point.p99_ms == point.latency.p99_ms > 0
+    assert point.energy is not None and point.energy.telemetry_ticks > 0
+    (row,) = rows
+    assert row["samples"] == len(measured.samples)
+    assert BenchPoint.from_dict(row) == point
+    # the `--json` entry is the type's dict
+    assert report.to_dict()["results"] == [point.to_dict()]
+
+
+def test_a_bench_point_stored_as_a_dict_still_reads(db):
+    point = BenchPoint.from_dict(_STORED_POINT)
+    assert point.p99_ms == 3.9 and point.mean_power_w is None
+    assert point.energy is not None and point.energy.utilisation["cpu"]["util_pct_mean"] == 51.0
+    # the stored JSON from the type is the text the dict gave, key for key
+    assert json.dumps(point.to_dict()) == json.dumps(_STORED_POINT)
+    with Store(db) as store:
+        run_id = store.begin_run("bench", {}, {})
+        store.add_result(run_id, dict(_STORED_POINT), [])
+        (row,) = store.run(run_id)["results"]
+    # without raw samples the store derives no latency: what it kept is what was written
+    assert BenchPoint.from_dict(row) == point
+    # a row from before sequence lengths, agreement and telemetry reads with neutral values
+    older = {k: v for k, v in _STORED_POINT.items()
+             if k in ("model", "unit", "engine", "batch", "instances", "data", "status",
+                      "valid", "validity_note", "items", "window_s", "items_per_s", "options",
+                      "error")}
+    aged = BenchPoint.from_dict(older)
+    assert aged.seq_len is None and aged.agreement is None and aged.energy is None
+    assert aged.latency is None and aged.build_s == 0.0 and aged.items_per_s == 1290.3
