@@ -13,6 +13,10 @@ from infermux.bench import BenchConfig, BenchPoint, run_bench
 from infermux.models import ModelSpec
 from infermux.store import Store
 
+from .conftest import TINY
+
+MODEL = f"{TINY}:tiny_cnn"
+
 #: A point as the store kept it before points were a type: telemetry on, one sample's worth.
 _STORED_POINT = {
     "model": "tiny.build", "unit": "cpu", "engine": "torch", "batch": 4, "instances": 1,
@@ -68,3 +72,67 @@ def test_a_bench_point_stored_as_a_dict_still_reads(db):
     aged = BenchPoint.from_dict(older)
     assert aged.seq_len is None and aged.agreement is None and aged.energy is None
     assert aged.latency is None and aged.build_s == 0.0 and aged.items_per_s == 1290.3
+
+
+#: A tuner trial as the store kept it before trials kept their build time and raw record.
+_STORED_TRIAL = {
+    "plan": "cpu torch b4", "configs": [{"unit": "cpu", "engine": "torch", "instances": 1,
+                                         "batch": 4, "options": {}, "model": "net"}],
+    "method": "engine", "status": "ok", "items_per_s": 812.5, "p99_ms": 5.5,
+    "energy_per_item_j": None, "power_w": None, "memory_bytes": None,
+    "per_unit": {"cpu": 812.5}, "cost_s": 1.4, "reused": False, "error": None,
+}
+
+
+def _evaluator(store, units, **kw):
+    from infermux.tune import TrialSettings
+    from infermux.tune.evaluate import LiveEvaluator
+
+    return LiveEvaluator({"net": ModelSpec(MODEL)}, units, TrialSettings(
+        min_duration_s=0.2, min_queries=16, warmup_s=0.05), store=store, telemetry=False, **kw)
+
+
+def test_tune_trial_round_trips_through_the_store(db):
+    from infermux.tune.evaluate import Trial
+    from infermux.tune.space import Candidate, Config
+    from infermux.units import discover, select_units
+
+    units = select_units("cpu", discover())
+    candidate = Candidate.of(Config.make("net", units[0].id, "torch", 4))
+    with Store(db) as store:
+        first = _evaluator(store, units)
+        try:
+            trial = first.evaluate(candidate)
+        finally:
+            first.close()
+        assert trial.ok and trial.method == "engine" and not trial.reused
+        assert trial.record["items_per_s"] == trial.items_per_s
+        again = _evaluator(store, units)
+        try:
+            kept = again.evaluate(candidate)
+        finally:
+            again.close()
+        assert kept.reused and kept.cost_s == 0.0
+        assert kept == Trial.from_dict(trial.to_dict(with_record=True) | {
+            "cost_s": 0.0, "reused": True}, candidate)
+        # the raw record an engine trial keeps is its bench point, read back as the type
+        assert BenchPoint.from_dict(kept.record) == BenchPoint.from_dict(trial.record)
+
+
+def test_a_tune_trial_stored_as_a_dict_still_reads(db):
+    from infermux.tune.evaluate import Trial
+    from infermux.tune.space import Candidate, Config
+
+    candidate = Candidate.of(Config.make("net", "cpu", "torch", 4))
+    with Store(db) as store:
+        store.add_tune_trial(None, "f", "k", "cpu torch b4", dict(_STORED_TRIAL), 1.4)
+        found = store.tune_trial("f", "k")
+    assert found is not None
+    trial = Trial.from_dict(found[0], candidate)
+    assert trial.ok and trial.items_per_s == 812.5 and trial.per_unit == {"cpu": 812.5}
+    assert trial.build_s is None and trial.record == {}
+    # the type writes the dict it was read from, plus what trials now keep
+    assert trial.to_dict(with_record=True) == _STORED_TRIAL | {"build_s": None, "record": {}}
+    current = trial.to_dict(with_record=True) | {"build_s": 0.3, "record": {"valid": True}}
+    assert json.dumps(Trial.from_dict(current, candidate).to_dict(with_record=True)) == \
+        json.dumps(current)
