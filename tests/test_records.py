@@ -136,3 +136,69 @@ def test_a_tune_trial_stored_as_a_dict_still_reads(db):
     current = trial.to_dict(with_record=True) | {"build_s": 0.3, "record": {"valid": True}}
     assert json.dumps(Trial.from_dict(current, candidate).to_dict(with_record=True)) == \
         json.dumps(current)
+
+
+#: A served run's summary as the store kept it before it was a type: front processes, a trace.
+_STORED_SERVE = {
+    "models": {"net": {"requests_ok": 12, "requests_failed": 1, "requests_rejected": 2,
+                       "items": 30, "batches": 9, "mean_request_ms": 2.5, "mean_batch": 3.33}},
+    "ports": {"http": 8000, "grpc": 8001, "metrics": 8002}, "served_s": 4.2, "error": None,
+    "run_id": 7, "status": "complete", "requests_dropped": 0,
+    "restarts": {"net/cpu:0#0": {"restarts": 1, "failed_restarts": 0, "errors": ["killed"]}},
+    "fronts": 2, "front_restarts": 0, "front_pids": [101, 102], "front_slab_items": {"net": 64},
+    "trace": {"path": "t.jsonl", "every": 10, "requests": 1, "gaps": {}},
+}
+
+
+def test_serve_summary_round_trips_through_the_store(tmp_path):
+    import pytest
+
+    pytest.importorskip("tritonclient.http")
+    pytest.importorskip("uvicorn")
+    import tritonclient.http as thttp
+
+    from infermux.serve import ServeSummary
+
+    from .test_serve import NET, Server, _plan, _x
+
+    net = tmp_path / "net.py"
+    net.write_text(NET)
+    srv = Server(tmp_path, _plan("records", f"{net}:build"))
+    try:
+        client = thttp.InferenceServerClient(srv.http)
+        for k in range(3):
+            x = _x(2, seed=k)
+            tensor = thttp.InferInput("input", list(x.shape), "FP32")
+            tensor.set_data_from_numpy(x)
+            client.infer("net", [tensor])
+    finally:
+        code, out = srv.stop()
+    assert code == 0, out
+    stopped = json.loads(out[out.index("{"):])
+    printed = ServeSummary.from_dict(stopped)
+    net_summary = printed.models["net"]
+    # six items asked for, and the one the server's start-up probe of the outputs ran
+    assert (net_summary.requests_ok, net_summary.requests_failed, net_summary.items) == (3, 0, 7)
+    assert printed.status == "complete" and printed.ports["http"] == int(srv.http.split(":")[1])
+    with Store(srv.db) as store:
+        stored = store.run(printed.run_id)["summary"]
+    # the printed line is the stored summary with its event, and both read back as the type
+    assert stopped == {"event": "stopped", **stored}
+    assert ServeSummary.from_dict(stored) == printed
+    assert printed.to_dict() == stored
+
+
+def test_a_serve_summary_stored_as_a_dict_still_reads():
+    from infermux.serve import ServeSummary
+
+    summary = ServeSummary.from_dict(_STORED_SERVE)
+    assert summary.models["net"].requests_rejected == 2 and summary.nodes is None
+    assert summary.fronts is not None and summary.fronts["front_pids"] == [101, 102]
+    assert json.dumps(summary.to_dict()) == json.dumps(_STORED_SERVE)
+    # from before admission limits: no rejections counted
+    old = {"models": {"net": {k: v for k, v in _STORED_SERVE["models"]["net"].items()
+                              if k != "requests_rejected"}}, "ports": {}, "served_s": 1.0,
+           "error": None, "run_id": None, "status": "complete"}
+    aged = ServeSummary.from_dict(old)
+    assert aged.models["net"].requests_rejected == 0 and aged.requests_dropped == 0
+    assert aged.fronts is None and aged.trace is None and aged.restarts == {}
