@@ -150,6 +150,9 @@ _STORED_SERVE = {
 }
 
 
+_FRONTS = ("fronts", "front_restarts", "front_pids", "front_slab_items")
+
+
 def test_serve_summary_round_trips_through_the_store(tmp_path):
     import pytest
 
@@ -202,3 +205,16 @@ def test_a_serve_summary_stored_as_a_dict_still_reads():
     aged = ServeSummary.from_dict(old)
     assert aged.models["net"].requests_rejected == 0 and aged.requests_dropped == 0
     assert aged.fronts is None and aged.trace is None and aged.restarts == {}
+    # served by a cluster: a row per node, typed
+    clustered = {k: v for k, v in _STORED_SERVE.items() if k not in _FRONTS} | {"nodes": [
+        {"node": "a", "address": "10.0.0.1", "status": "ok", "lost_reason": None,
+         "completed_items": 40, "failed_items": 0, "rejected_items": 0, "rerouted_items": 2,
+         "joined": False},
+        {"node": "b", "address": "10.0.0.2", "status": "lost", "lost_reason": "node died",
+         "completed_items": 9, "failed_items": 1, "rejected_items": 0, "rerouted_items": 0,
+         "joined": True}]}
+    served = ServeSummary.from_dict(clustered)
+    assert served.fronts is None and served.nodes is not None
+    assert [(n.node, n.status, n.joined) for n in served.nodes] == [
+        ("a", "ok", False), ("b", "lost", True)]
+    assert json.dumps(served.to_dict()) == json.dumps(clustered)

@@ -33,6 +33,7 @@ from infermux.runtime.plan import Plan
 from infermux.store import Store
 
 if TYPE_CHECKING:
+    from infermux.cluster.runtime import ServedNodeSummary
     from infermux.serve.core import ServedModelSummary
 
 __all__ = ["SWITCH_INTERVAL_S", "InferenceServer", "ServeSettings", "ServeSummary", "drain_fronts",
@@ -72,7 +73,7 @@ class ServeSummary:
     #: With request tracing: the trace file and its per-stage gaps (`serve.trace.summarize`).
     trace: dict[str, Any] | None = None
     #: Served by a cluster: each node's status and counts (`ClusterRuntime.nodes()`).
-    nodes: list[dict[str, Any]] | None = None
+    nodes: list[ServedNodeSummary] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The stored and printed form."""
@@ -86,7 +87,7 @@ class ServeSummary:
         if self.trace is not None:
             data["trace"] = self.trace
         if self.nodes is not None:
-            data["nodes"] = self.nodes
+            data["nodes"] = [n.to_dict() for n in self.nodes]
         return data
 
     @classmethod
@@ -94,13 +95,18 @@ class ServeSummary:
         """A stored summary (a `serve` run's) as the type; other keys (`event`) are not its."""
         from infermux.serve.core import ServedModelSummary
 
+        nodes = None
+        if data.get("nodes") is not None:
+            from infermux.cluster.runtime import ServedNodeSummary
+
+            nodes = [ServedNodeSummary.from_dict(n) for n in data["nodes"]]
         fronts = {k: data[k] for k in _FRONT_KEYS if k in data}
         return cls({n: ServedModelSummary.from_dict(m) for n, m in
                     (data.get("models") or {}).items()},
                    dict(data.get("ports") or {}), float(data.get("served_s") or 0.0),
                    data.get("error"), data.get("run_id"), str(data.get("status") or ""),
                    int(data.get("requests_dropped") or 0), dict(data.get("restarts") or {}),
-                   fronts or None, data.get("trace"), data.get("nodes"))
+                   fronts or None, data.get("trace"), nodes)
 
 
 @dataclass(frozen=True)

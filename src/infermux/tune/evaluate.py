@@ -239,10 +239,8 @@ class TableEvaluator:
         found = self.fn(candidate)
         if found is None:
             return Trial(candidate, used, status="error", error="not in the table", cost_s=cost)
-        return Trial(candidate, used, found.status, found.items_per_s, found.p99_ms,
-                     found.energy_per_item_j, found.power_w, found.memory_bytes,
-                     dict(found.per_unit), cost, False, found.error, dict(found.record),
-                     found.build_s)
+        return replace(found, candidate=candidate, method=used, per_unit=dict(found.per_unit),
+                       cost_s=cost, reused=False, record=dict(found.record))
 
 
 class LiveEvaluator:
