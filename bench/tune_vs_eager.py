@@ -38,7 +38,7 @@ def eager_best(model: str, unit: str, batches: list[int], seconds: float) -> dic
         options={"cuda_graph": False} if unit.startswith("cuda") else {},
         min_duration_s=seconds, min_queries=64, warmup_s=0.5, telemetry_interval_s=None,
         check_agreement=False))
-    rows = [m.record() for m in report.measurements if m.status == "ok"]
+    rows = [m.point().to_dict() for m in report.measurements if m.status == "ok"]
     best = max(rows, key=lambda r: r["items_per_s"])
     return {"unit": unit, "batch": best["batch"], "engine_items_per_s":
             best["items_per_s"],

@@ -57,7 +57,7 @@ def test_validity_needs_both_duration_and_queries():
     point.window_s, point.samples = 2.0, _samples([10.0] * 5)  # 40 items
     valid, note = point.validity
     assert not valid and "40 items < min queries 100" in note
-    record = point.record()
+    record = point.point().to_dict()
     assert record["valid"] is False and record["p50_ms"] == pytest.approx(10.0)
     assert record["compute_ms"] == pytest.approx(10.0)
 
@@ -89,7 +89,7 @@ def test_run_bench_measures_and_stores(tiny_factory, db):
     assert run["environment"]["libraries"]["torch"]
     stored = {r["batch"]: r for r in run["results"]}
     for point in report.measurements:
-        rec = point.record()
+        rec = point.point().to_dict()
         assert stored[point.batch]["samples"] == len(point.samples)
         # statistics shown from the store are derived again from the raw samples
         assert stored[point.batch]["p99_ms"] == pytest.approx(rec["p99_ms"])
@@ -111,7 +111,7 @@ def test_two_instances_both_contribute(tiny_factory):
                          min_duration_s=0.3, min_queries=20, warmup_s=0.0)
     (point,) = run_bench(config).measurements
     assert {s.instance for s in point.samples} == {0, 1}
-    assert point.record()["instances"] == 2
+    assert point.point().to_dict()["instances"] == 2
 
 
 def test_out_of_memory_is_recorded_and_the_sweep_goes_on(tmp_path, db):

@@ -228,7 +228,7 @@ def test_a_node_lost_mid_serve_leaves_no_request_unanswered(net_file: Path) -> N
     summary: dict[str, Any] = {}
 
     def serve() -> None:
-        summary.update(asyncio.run(server.serve(lambda info: ready.set())))
+        summary.update(asyncio.run(server.serve(lambda info: ready.set())).to_dict())
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()

@@ -138,7 +138,7 @@ def test_tiny_bert_from_a_config_folder_on_every_cpu_engine(tiny_bert):
     for point in report.measurements:
         assert point.status == "ok", point.error
         assert point.agreement["status"] == "pass", point.agreement
-        record = point.record()
+        record = point.point().to_dict()
         assert record["tokens_per_s"] == pytest.approx(record["items_per_s"] * point.seq_len)
 
 

@@ -42,7 +42,8 @@ from infermux.telemetry import DEFAULT_INTERVAL_S, EnergySummary, Sampler, Telem
 from infermux.units import Unit, discover, select_units
 
 __all__ = [
-    "BenchConfig", "BenchReport", "Measurement", "engine_options", "engines_for", "measure",
+    "BatchLatency", "BenchConfig", "BenchPoint", "BenchReport", "Measurement", "PointEnergy",
+    "engine_options", "engines_for", "measure",
     "measure_point", "run_bench",
 ]
 
@@ -177,28 +178,193 @@ class Measurement:
             return True
         return self.agreement is not None and self.agreement.get("status") == "fail"
 
-    def record(self) -> dict[str, Any]:
+    def point(self) -> BenchPoint:
         """The point as stored and printed: setup, derived statistics, phase means."""
         valid, note = self.validity
+        latency = latency_summary_ms([s.latency_ns for s in self.samples])
+        phases: dict[str, float] = {}
+        if self.samples:
+            for phase in ("h2d", "compute", "d2h"):
+                total = sum(getattr(s, f"{phase}_ns") for s in self.samples)
+                phases[phase] = total / len(self.samples) / 1e6
+        return BenchPoint(
+            model=self.model, unit=self.unit, engine=self.engine, batch=self.batch,
+            instances=self.instances, data=self.data, status=self.status, valid=valid,
+            validity_note=note, items=self.items, window_s=self.window_s,
+            items_per_s=self.throughput, build_s=self.build_s, options=self.options,
+            error=self.error, weights_note=self.weights_note, agreement=self.agreement,
+            seq_len=self.seq_len, tokens_per_s=self.tokens_per_s,
+            latency=BatchLatency.from_dict(latency) if latency else None,
+            h2d_ms=phases.get("h2d"), compute_ms=phases.get("compute"),
+            d2h_ms=phases.get("d2h"),
+            energy=(PointEnergy.from_dict(self.energy.record(self.items))
+                    if self.energy is not None else None),
+            sampler_cost=self.telemetry.cost.to_dict() if self.telemetry is not None else None,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class BatchLatency:
+    """Percentiles of one batch's latency over a point's samples, in ms."""
+
+    p50_ms: float
+    p90_ms: float
+    p95_ms: float
+    p99_ms: float
+    max_ms: float
+    mean_ms: float
+
+    def to_dict(self) -> dict[str, float]:
+        """The keys `infermux.stats.latency_summary_ms` gives, in its order."""
+        return {"p50_ms": self.p50_ms, "p90_ms": self.p90_ms, "p95_ms": self.p95_ms,
+                "p99_ms": self.p99_ms, "max_ms": self.max_ms, "mean_ms": self.mean_ms}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> BatchLatency:
+        """From `latency_summary_ms`'s output or a stored point carrying its keys."""
+        return cls(float(data["p50_ms"]), float(data["p90_ms"]), float(data["p95_ms"]),
+                   float(data["p99_ms"]), float(data["max_ms"]), float(data["mean_ms"]))
+
+
+@dataclass(frozen=True, slots=True)
+class PointEnergy:
+    """What the telemetry sampler read over a point's measured window."""
+
+    energy_j: float | None
+    energy_per_item_j: float | None
+    mean_power_w: float | None
+    peak_power_w: float | None
+    items_per_s_per_w: float | None
+    energy_source: str | None
+    energy_devices: list[str]
+    energy_by_device_j: dict[str, float]
+    #: Per device: utilisation, clocks, temperatures (`telemetry.DeviceSummary.to_dict()`).
+    utilisation: dict[str, dict[str, Any]]
+    #: Why the window's readings make the point invalid (slowdown, other processes, ...).
+    telemetry_flags: list[str]
+    telemetry_ticks: int
+
+    def to_dict(self) -> dict[str, Any]:
+        """The keys `telemetry.EnergySummary.record()` gives, in its order."""
+        return {"energy_j": self.energy_j, "energy_per_item_j": self.energy_per_item_j,
+                "mean_power_w": self.mean_power_w, "peak_power_w": self.peak_power_w,
+                "items_per_s_per_w": self.items_per_s_per_w,
+                "energy_source": self.energy_source, "energy_devices": self.energy_devices,
+                "energy_by_device_j": self.energy_by_device_j, "utilisation": self.utilisation,
+                "telemetry_flags": self.telemetry_flags, "telemetry_ticks": self.telemetry_ticks}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> PointEnergy:
+        """From `EnergySummary.record()` or a stored point carrying its keys."""
+        return cls(data.get("energy_j"), data.get("energy_per_item_j"),
+                   data.get("mean_power_w"), data.get("peak_power_w"),
+                   data.get("items_per_s_per_w"), data.get("energy_source"),
+                   list(data.get("energy_devices") or []),
+                   dict(data.get("energy_by_device_j") or {}),
+                   dict(data.get("utilisation") or {}),
+                   list(data.get("telemetry_flags") or []), int(data.get("telemetry_ticks") or 0))
+
+
+@dataclass(frozen=True, slots=True)
+class BenchPoint:
+    """One measured (unit, batch) point as stored and printed: setup and derived figures.
+
+    Made by `Measurement.point()` from the raw samples; `to_dict()` is the stored JSON
+    (`results.record_json`) and the `--json` entry, `from_dict()` reads it back (rows written
+    by older versions too).
+    """
+
+    model: str
+    unit: str
+    engine: str
+    batch: int
+    instances: int
+    data: str
+    status: str  # ok | oom | error | interrupted
+    valid: bool
+    validity_note: str
+    items: int
+    window_s: float
+    items_per_s: float | None
+    build_s: float
+    options: dict[str, Any]
+    error: str | None
+    weights_note: str
+    #: The numerical agreement check (`infermux.agreement.Agreement.to_dict()`), None if not run.
+    agreement: dict[str, Any] | None
+    seq_len: int | None
+    tokens_per_s: float | None
+    #: One batch's latency over the samples; None when the point has none.
+    latency: BatchLatency | None = None
+    #: Mean per-batch phases (host→device copy, compute, device→host copy); None without samples.
+    h2d_ms: float | None = None
+    compute_ms: float | None = None
+    d2h_ms: float | None = None
+    energy: PointEnergy | None = None
+    #: What the telemetry sampler itself cost (`telemetry.SamplerCost.to_dict()`).
+    sampler_cost: dict[str, Any] | None = None
+
+    @property
+    def p99_ms(self) -> float | None:
+        """One batch's 99th-percentile latency."""
+        return self.latency.p99_ms if self.latency is not None else None
+
+    @property
+    def energy_per_item_j(self) -> float | None:
+        """Energy per item over the window, where the sampler read energy."""
+        return self.energy.energy_per_item_j if self.energy is not None else None
+
+    @property
+    def mean_power_w(self) -> float | None:
+        """Mean power over the window, where the sampler read power."""
+        return self.energy.mean_power_w if self.energy is not None else None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The stored and printed form (the flat record older versions wrote, key for key)."""
         data: dict[str, Any] = {
             "model": self.model, "unit": self.unit, "engine": self.engine, "batch": self.batch,
             "instances": self.instances, "data": self.data, "status": self.status,
-            "valid": valid, "validity_note": note, "items": self.items,
-            "window_s": self.window_s, "items_per_s": self.throughput,
+            "valid": self.valid, "validity_note": self.validity_note, "items": self.items,
+            "window_s": self.window_s, "items_per_s": self.items_per_s,
             "build_s": self.build_s, "options": self.options, "error": self.error,
             "weights_note": self.weights_note, "agreement": self.agreement,
             "seq_len": self.seq_len, "tokens_per_s": self.tokens_per_s,
         }
-        data.update(latency_summary_ms([s.latency_ns for s in self.samples]))
-        if self.samples:
-            for phase in ("h2d", "compute", "d2h"):
-                total = sum(getattr(s, f"{phase}_ns") for s in self.samples)
-                data[f"{phase}_ms"] = total / len(self.samples) / 1e6
+        if self.latency is not None:
+            data.update(self.latency.to_dict())
+        for phase, value in (("h2d_ms", self.h2d_ms), ("compute_ms", self.compute_ms),
+                             ("d2h_ms", self.d2h_ms)):
+            if value is not None:
+                data[phase] = value
         if self.energy is not None:
-            data.update(self.energy.record(self.items))
-        if self.telemetry is not None:
-            data["sampler_cost"] = self.telemetry.cost.to_dict()
+            data.update(self.energy.to_dict())
+        if self.sampler_cost is not None:
+            data["sampler_cost"] = self.sampler_cost
         return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> BenchPoint:
+        """A stored point (`to_dict()`'s output, or a row of `Store.run()`) as the type.
+
+        Keys a row from an older version lacks take their neutral value; keys the store adds
+        (`id`, `samples`, `raw_samples`) are not part of the point.
+        """
+        return cls(
+            model=str(data["model"]), unit=str(data["unit"]), engine=str(data["engine"]),
+            batch=int(data["batch"]), instances=int(data["instances"]), data=str(data["data"]),
+            status=str(data["status"]), valid=bool(data["valid"]),
+            validity_note=str(data.get("validity_note") or ""), items=int(data["items"]),
+            window_s=float(data["window_s"]), items_per_s=data.get("items_per_s"),
+            build_s=float(data.get("build_s") or 0.0), options=dict(data.get("options") or {}),
+            error=data.get("error"), weights_note=str(data.get("weights_note") or ""),
+            agreement=data.get("agreement"), seq_len=data.get("seq_len"),
+            tokens_per_s=data.get("tokens_per_s"),
+            latency=BatchLatency.from_dict(data) if "p50_ms" in data else None,
+            h2d_ms=data.get("h2d_ms"), compute_ms=data.get("compute_ms"),
+            d2h_ms=data.get("d2h_ms"),
+            energy=PointEnergy.from_dict(data) if "telemetry_ticks" in data else None,
+            sampler_cost=data.get("sampler_cost"),
+        )
 
 
 def measure(
@@ -330,7 +496,7 @@ class BenchReport:
             "status": self.status,
             "model": self.model.describe(),
             "units": [u.id for u in self.units],
-            "results": [m.record() for m in self.measurements],
+            "results": [m.point().to_dict() for m in self.measurements],
             "telemetry": self.telemetry,
         }
 
@@ -380,7 +546,7 @@ def run_bench(
                                           progress, reference, sampler, length=length)
                     report.measurements.append(point)
                     if store is not None and run_id is not None:
-                        result_id = store.add_result(run_id, point.record(), point.samples)
+                        result_id = store.add_result(run_id, point.point(), point.samples)
                         if point.telemetry is not None:
                             store.add_telemetry(run_id, result_id, point.telemetry.rows())
                     if point.status == "interrupted":

@@ -5,12 +5,15 @@ from __future__ import annotations
 import os
 import shlex
 import sys
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from infermux.cli._app import DbOpt, JsonOpt, _print_json, app, err, out
 from infermux.errors import UsageError
+
+if TYPE_CHECKING:
+    from infermux.serve import ServeSummary
 
 __all__ = ["masked_argv", "serve_command"]
 
@@ -114,21 +117,21 @@ def serve_command(
         summary = _serve_cluster(cluster_plan, cluster, plan_file, settings, store, command,
                                  on_ready, on_progress)
     if as_json:
-        _print_json({"event": "stopped", **summary})
+        _print_json({"event": "stopped", **summary.to_dict()})
     else:
-        for name, m in summary["models"].items():
-            out.print(f"{name}: {m['requests_ok']} answered, {m['requests_failed']} failed, "
-                      f"{m['requests_rejected']} rejected (503), {m['items']} items in "
-                      f"{m['batches']} batches")
-        trace = summary.get("trace")
+        for name, m in summary.models.items():
+            out.print(f"{name}: {m.requests_ok} answered, {m.requests_failed} failed, "
+                      f"{m.requests_rejected} rejected (503), {m.items} items in "
+                      f"{m.batches} batches")
+        trace = summary.trace
         if trace:
             worst = sorted(trace["gaps"].items(), key=lambda kv: -kv[1]["mean_ms"])[:3]
             out.print(f"trace: {trace['requests']} requests in {trace['path']}; largest gaps "
                       + ", ".join(f"{k} {v['mean_ms']:.2f} ms (p99 {v['p99_ms']:.2f})"
                                   for k, v in worst))
-        if summary.get("run_id") is not None:
-            out.print(f"[dim]stored as run {summary['run_id']} in {db}[/]")
-    if summary.get("status") != "complete":
+        if summary.run_id is not None:
+            out.print(f"[dim]stored as run {summary.run_id} in {db}[/]")
+    if summary.status != "complete":
         raise typer.Exit(1)
 
 
@@ -155,7 +158,7 @@ def masked_argv(argv: list[str]) -> list[str]:
 
 
 def _serve_cluster(cluster_plan: Any, address: str, plan_file: str, settings: Any, store: Any,
-                   command: str, on_ready: Any, on_progress: Any) -> dict[str, Any]:
+                   command: str, on_ready: Any, on_progress: Any) -> ServeSummary:
     """Connect to the cluster (here, on the main thread, as Ray wants), serve, disconnect."""
     from pathlib import Path
 

@@ -23,6 +23,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -51,7 +52,7 @@ from infermux.runtime.metrics import BatchRecord
 from infermux.runtime.placement import LatencyEstimate
 from infermux.runtime.plan import LoadSettings, Plan
 
-__all__ = ["ClusterRuntime", "front_plan"]
+__all__ = ["ClusterRuntime", "ServedNodeSummary", "front_plan"]
 
 
 class ClusterRuntime:
@@ -362,13 +363,45 @@ class ClusterRuntime:
 
     # -- beyond the protocol ----------------------------------------------------------------
 
-    def nodes(self) -> list[dict[str, Any]]:
+    def nodes(self) -> list[ServedNodeSummary]:
         """Each node's status and counts, for the stored summary."""
-        return [{"node": ln.name, "address": ln.address, "status": "ok" if ln.alive else "lost",
-                 "lost_reason": ln.lost_reason, "completed_items": ln.completed,
-                 "failed_items": ln.failed, "rejected_items": ln.rejected,
-                 "rerouted_items": ln.rerouted, "joined": bool(ln.joined_at_ns)}
+        return [ServedNodeSummary(ln.name, ln.address, "ok" if ln.alive else "lost",
+                                  ln.lost_reason, ln.completed, ln.failed, ln.rejected,
+                                  ln.rerouted, bool(ln.joined_at_ns))
                 for ln in self.links]
+
+
+@dataclass(frozen=True, slots=True)
+class ServedNodeSummary:
+    """One node of a cluster over a server's life (an entry of the summary's `nodes`)."""
+
+    node: str
+    address: str
+    status: str  # ok | lost
+    lost_reason: str | None
+    completed_items: int
+    failed_items: int
+    #: Items failed here for their own input (the node's engine rejected it): not retried.
+    rejected_items: int
+    #: Items sent on to another node from this one.
+    rerouted_items: int
+    #: Joined while the server ran (not one of the nodes it started with).
+    joined: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        """The stored and printed form."""
+        return {"node": self.node, "address": self.address, "status": self.status,
+                "lost_reason": self.lost_reason, "completed_items": self.completed_items,
+                "failed_items": self.failed_items, "rejected_items": self.rejected_items,
+                "rerouted_items": self.rerouted_items, "joined": self.joined}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ServedNodeSummary:
+        """A stored entry as the type (rows from before nodes could join read as not joined)."""
+        return cls(str(data["node"]), str(data.get("address") or ""), str(data["status"]),
+                   data.get("lost_reason"), int(data.get("completed_items") or 0),
+                   int(data.get("failed_items") or 0), int(data.get("rejected_items") or 0),
+                   int(data.get("rerouted_items") or 0), bool(data.get("joined")))
 
 
 if TYPE_CHECKING:

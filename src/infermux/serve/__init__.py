@@ -8,8 +8,14 @@ The server's libraries (uvicorn, grpcio, tritonclient's stubs, prometheus-client
 `serve` extra and are imported only when a server starts.
 """
 
-from infermux.serve.core import InferenceCore, ModelInfo, ProtocolError, TensorSpec
-from infermux.serve.server import InferenceServer, ServeSettings, serve_plan
+from infermux.serve.core import (
+    InferenceCore,
+    ModelInfo,
+    ProtocolError,
+    ServedModelSummary,
+    TensorSpec,
+)
+from infermux.serve.server import InferenceServer, ServeSettings, ServeSummary, serve_plan
 
 __all__ = [
     "InferenceCore",
@@ -17,6 +23,8 @@ __all__ = [
     "ModelInfo",
     "ProtocolError",
     "ServeSettings",
+    "ServeSummary",
+    "ServedModelSummary",
     "TensorSpec",
     "serve_plan",
 ]

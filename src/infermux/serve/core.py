@@ -49,6 +49,7 @@ __all__ = [
     "InferenceCore",
     "ModelInfo",
     "ProtocolError",
+    "ServedModelSummary",
     "TensorSpec",
     "find_model",
     "tensor_from_bytes",
@@ -137,6 +138,35 @@ class ModelStats:
     last_inference_ms: int = 0
     #: batch size → (count, compute_input ns, compute_infer ns, compute_output ns)
     batches: dict[int, list[int]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class ServedModelSummary:
+    """One model's totals over a server's life (an entry of the summary's `models`)."""
+
+    requests_ok: int
+    requests_failed: int
+    #: Refused with a 503 at the admission limit (never queued).
+    requests_rejected: int
+    items: int
+    batches: int
+    #: Mean time of an answered request, from its admission to its answer.
+    mean_request_ms: float | None
+    mean_batch: float | None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The stored and printed form."""
+        return {"requests_ok": self.requests_ok, "requests_failed": self.requests_failed,
+                "requests_rejected": self.requests_rejected, "items": self.items,
+                "batches": self.batches, "mean_request_ms": self.mean_request_ms,
+                "mean_batch": self.mean_batch}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ServedModelSummary:
+        """A stored entry as the type."""
+        return cls(int(data["requests_ok"]), int(data["requests_failed"]),
+                   int(data.get("requests_rejected") or 0), int(data["items"]),
+                   int(data["batches"]), data.get("mean_request_ms"), data.get("mean_batch"))
 
 
 @dataclass
@@ -912,18 +942,18 @@ class InferenceCore:
                 self._finish(qid, None, reason)
         return len(pending)
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> dict[str, ServedModelSummary]:
         """Per-model totals for the stored run and `--json`."""
-        out: dict[str, Any] = {}
+        out: dict[str, ServedModelSummary] = {}
         for name, info in self.models.items():
             s = info.stats
-            out[name] = {
-                "requests_ok": s.success.count, "requests_failed": s.fail.count,
-                "requests_rejected": s.rejected, "items": s.inference_count,
-                "batches": s.execution_count,
-                "mean_request_ms": s.success.ns / s.success.count / 1e6 if s.success.count else None,
-                "mean_batch": s.inference_count / s.execution_count if s.execution_count else None,
-            }
+            out[name] = ServedModelSummary(
+                requests_ok=s.success.count, requests_failed=s.fail.count,
+                requests_rejected=s.rejected, items=s.inference_count,
+                batches=s.execution_count,
+                mean_request_ms=s.success.ns / s.success.count / 1e6 if s.success.count else None,
+                mean_batch=s.inference_count / s.execution_count if s.execution_count else None,
+            )
         return out
 
 

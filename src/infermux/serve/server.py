@@ -26,19 +26,87 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from infermux.errors import UsageError
 from infermux.runtime.plan import Plan
 from infermux.store import Store
 
-__all__ = ["SWITCH_INTERVAL_S", "InferenceServer", "ServeSettings", "drain_fronts", "serve_plan"]
+if TYPE_CHECKING:
+    from infermux.cluster.runtime import ServedNodeSummary
+    from infermux.serve.core import ServedModelSummary
+
+__all__ = ["SWITCH_INTERVAL_S", "InferenceServer", "ServeSettings", "ServeSummary", "drain_fronts",
+           "serve_plan"]
 
 #: The interpreter's switch interval while a server runs (see `serve_plan`).
 SWITCH_INTERVAL_S = 0.0005
 
 #: Samples per model the runtime keeps for its own warm-up (a server's data comes in requests).
 _SERVE_SAMPLE_POOL = 4
+
+
+#: The keys of the front processes' part of a summary (`serve.fronts.FrontHub.summary()`).
+_FRONT_KEYS = ("fronts", "front_restarts", "front_pids", "front_slab_items")
+
+
+@dataclass(frozen=True, slots=True)
+class ServeSummary:
+    """What a server did over its life: the stored run's summary and `--json`'s last line.
+
+    `to_dict()` is that JSON (absent parts leave their keys out), `from_dict()` reads it back.
+    """
+
+    models: dict[str, ServedModelSummary]
+    #: The ports it listened on (`http`, `grpc`, `metrics`).
+    ports: dict[str, int]
+    served_s: float
+    error: str | None
+    run_id: int | None
+    status: str  # complete | interrupted | failed
+    #: Requests admitted but never answered (dropped at shutdown).
+    requests_dropped: int
+    #: Per worker: restarts, failed restarts and their errors (`runtime.Supervisor.summary()`).
+    restarts: dict[str, Any]
+    #: With front processes: their count, restarts, process ids and slab sizes.
+    fronts: dict[str, Any] | None = None
+    #: With request tracing: the trace file and its per-stage gaps (`serve.trace.summarize`).
+    trace: dict[str, Any] | None = None
+    #: Served by a cluster: each node's status and counts (`ClusterRuntime.nodes()`).
+    nodes: list[ServedNodeSummary] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The stored and printed form."""
+        data: dict[str, Any] = {
+            "models": {n: m.to_dict() for n, m in self.models.items()}, "ports": self.ports,
+            "served_s": self.served_s, "error": self.error, "run_id": self.run_id,
+            "status": self.status, "requests_dropped": self.requests_dropped,
+            "restarts": self.restarts}
+        if self.fronts is not None:
+            data.update(self.fronts)
+        if self.trace is not None:
+            data["trace"] = self.trace
+        if self.nodes is not None:
+            data["nodes"] = [n.to_dict() for n in self.nodes]
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ServeSummary:
+        """A stored summary (a `serve` run's) as the type; other keys (`event`) are not its."""
+        from infermux.serve.core import ServedModelSummary
+
+        nodes = None
+        if data.get("nodes") is not None:
+            from infermux.cluster.runtime import ServedNodeSummary
+
+            nodes = [ServedNodeSummary.from_dict(n) for n in data["nodes"]]
+        fronts = {k: data[k] for k in _FRONT_KEYS if k in data}
+        return cls({n: ServedModelSummary.from_dict(m) for n, m in
+                    (data.get("models") or {}).items()},
+                   dict(data.get("ports") or {}), float(data.get("served_s") or 0.0),
+                   data.get("error"), data.get("run_id"), str(data.get("status") or ""),
+                   int(data.get("requests_dropped") or 0), dict(data.get("restarts") or {}),
+                   fronts or None, data.get("trace"), nodes)
 
 
 @dataclass(frozen=True)
@@ -180,7 +248,7 @@ class InferenceServer:
                                                "signal before the request was served")
 
     async def serve(self, on_ready: Callable[[dict[str, Any]], None] | None = None,
-                    ) -> dict[str, Any]:
+                    ) -> ServeSummary:
         """Serve until `stop()`; the summary (per-model totals, ports, run id)."""
         from infermux.store import recording
 
@@ -200,7 +268,7 @@ class InferenceServer:
             return await self._serve(rec, http_sock, on_ready)
 
     async def _serve(self, rec: Any, http_sock: socket.socket,
-                     on_ready: Callable[[dict[str, Any]], None] | None) -> dict[str, Any]:
+                     on_ready: Callable[[dict[str, Any]], None] | None) -> ServeSummary:
         from infermux.runtime.session import start_runtime
         from infermux.runtime.supervisor import Supervisor
         from infermux.serve.core import InferenceCore
@@ -292,23 +360,21 @@ class InferenceServer:
                 await asyncio.to_thread(runtime.stop, drain=status == "complete")
             if sampler is not None:
                 sampler.stop()
-            summary = {"models": self.core.summary() if self.core is not None else {},
-                       "ports": self.ports, "served_s": time.perf_counter() - started,
-                       "error": error, "run_id": self.run_id, "status": status,
-                       "requests_dropped": self.dropped,
-                       "restarts": supervisor.summary() if supervisor is not None else {}}
-            if self.front_hub is not None:
-                summary.update(self.front_hub.summary())
+            trace = None
             if self.core is not None and self.core.trace is not None:
                 from infermux.serve.trace import summarize
 
                 # The front processes wrote their lines as they exited (drained above).
                 self.core.trace.close()
-                summary["trace"] = {"path": s.trace_path, "every": s.trace_requests,
-                                    **summarize(s.trace_path)}
-            if runtime is not None and hasattr(runtime, "nodes"):
-                summary["nodes"] = runtime.nodes()
-            rec.status, rec.summary = status, summary
+                trace = {"path": s.trace_path, "every": s.trace_requests,
+                         **summarize(s.trace_path)}
+            summary = ServeSummary(
+                self.core.summary() if self.core is not None else {}, self.ports,
+                time.perf_counter() - started, error, self.run_id, status, self.dropped,
+                supervisor.summary() if supervisor is not None else {},
+                self.front_hub.summary() if self.front_hub is not None else None, trace,
+                runtime.nodes() if runtime is not None and hasattr(runtime, "nodes") else None)
+            rec.status, rec.summary = status, summary.to_dict()
         return summary
 
     def ready_info(self, runtime: Any) -> dict[str, Any]:
@@ -560,12 +626,12 @@ def serve_plan(plan: Plan | None, settings: ServeSettings | None = None, *,
                on_ready: Callable[[dict[str, Any]], None] | None = None,
                progress: Callable[[str, float], None] | None = None,
                backend: Callable[[Callable[[str, float], None] | None], Any] | None = None,
-               config: dict[str, Any] | None = None) -> dict[str, Any]:
+               config: dict[str, Any] | None = None) -> ServeSummary:
     """Serve `plan` (or `backend`'s runtime) until SIGTERM or Ctrl-C; the summary."""
     server = InferenceServer(plan, settings, store=store, command=command, progress=progress,
                              backend=backend, config=config)
 
-    async def main() -> dict[str, Any]:
+    async def main() -> ServeSummary:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, server.stop)

@@ -17,12 +17,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 from infermux.errors import UsageError, first_line
 from infermux.stats import latency_summary_ms
 
-__all__ = ["DEFAULT_DB", "RESULT_COLUMNS", "Recording", "Sample", "StoreCore"]
+__all__ = ["DEFAULT_DB", "RESULT_COLUMNS", "Recording", "Sample", "StoreCore", "StoredRecord"]
 
 DEFAULT_DB = "infermux.db"
 SCHEMA_VERSION = 2
@@ -130,6 +130,22 @@ def _migrate(db: sqlite3.Connection, version: int) -> None:
 
 def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+class StoredRecord(Protocol):
+    """A typed record the store keeps as JSON: its `to_dict()` is the stored form.
+
+    Records are types from where they are made to here; the store is where they become dicts
+    (and each type's `from_dict()` reads them back).
+    """
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON-ready form that is stored."""
+        ...
+
+
+def _as_dict(record: StoredRecord | dict[str, Any]) -> dict[str, Any]:
+    return record if isinstance(record, dict) else record.to_dict()
 
 
 @dataclass
@@ -261,8 +277,10 @@ class StoreCore:
             assert rec.run_id is not None
             self.finish_run(rec.run_id, rec.status, rec.summary)
 
-    def add_result(self, run_id: int, record: dict[str, Any], samples: Sequence[Sample]) -> int:
-        """Store one measured point and its raw samples in one transaction."""
+    def add_result(self, run_id: int, point: StoredRecord | dict[str, Any],
+                   samples: Sequence[Sample]) -> int:
+        """Store one measured point (a `bench.BenchPoint`) and its raw samples in one transaction."""
+        record = _as_dict(point)
         with self._tx() as db:
             cur = db.execute(
                 "INSERT INTO results(run_id, model, unit, engine, batch, instances, data, status, "

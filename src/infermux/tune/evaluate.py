@@ -25,7 +25,7 @@ import json
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from infermux.errors import DeviceOutOfMemoryError, InfermuxError, UsageError
@@ -163,9 +163,9 @@ class Trial:
             out.append(f"power {self.power_w} W > {watts:g} W")
         return out
 
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready summary (without the raw record)."""
-        return {
+    def to_dict(self, *, with_record: bool = False) -> dict[str, Any]:
+        """The JSON-ready form: without the raw record for `--json`, with it for the store."""
+        data: dict[str, Any] = {
             "plan": self.candidate.label(), "configs": [c.replica() | {"model": c.model}
                                                         for c in self.candidate.configs],
             "method": self.method, "status": self.status, "items_per_s": self.items_per_s,
@@ -174,6 +174,23 @@ class Trial:
             "per_unit": self.per_unit, "cost_s": self.cost_s, "build_s": self.build_s,
             "reused": self.reused, "error": self.error,
         }
+        if with_record:
+            data["record"] = self.record
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], candidate: Candidate) -> Trial:
+        """A stored trial (`to_dict(with_record=True)`) of `candidate`, as the type.
+
+        The candidate is the caller's (the store finds a trial by its candidate's key, and the
+        stored `plan`/`configs` are only its description). Rows written before a trial kept
+        its build time or raw record read with None and an empty record.
+        """
+        return cls(candidate, str(data["method"]), str(data["status"]), data.get("items_per_s"),
+                   data.get("p99_ms"), data.get("energy_per_item_j"), data.get("power_w"),
+                   data.get("memory_bytes"), dict(data.get("per_unit") or {}),
+                   float(data.get("cost_s") or 0.0), bool(data.get("reused")), data.get("error"),
+                   dict(data.get("record") or {}), data.get("build_s"))
 
 
 class Evaluator(Protocol):
@@ -222,10 +239,8 @@ class TableEvaluator:
         found = self.fn(candidate)
         if found is None:
             return Trial(candidate, used, status="error", error="not in the table", cost_s=cost)
-        return Trial(candidate, used, found.status, found.items_per_s, found.p99_ms,
-                     found.energy_per_item_j, found.power_w, found.memory_bytes,
-                     dict(found.per_unit), cost, False, found.error, dict(found.record),
-                     found.build_s)
+        return replace(found, candidate=candidate, method=used, per_unit=dict(found.per_unit),
+                       cost_s=cost, reused=False, record=dict(found.record))
 
 
 class LiveEvaluator:
@@ -353,10 +368,7 @@ class LiveEvaluator:
         if found is None:
             return None
         data, cost_s = found
-        trial = Trial(Candidate(()), data["method"], data["status"], data["items_per_s"],
-                      data["p99_ms"], data["energy_per_item_j"], data["power_w"],
-                      data["memory_bytes"], data["per_unit"], 0.0, True, data["error"],
-                      data.get("record", {}), data.get("build_s"))
+        trial = replace(Trial.from_dict(data, Candidate(())), cost_s=0.0, reused=True)
         self._keep(key, trial, original_cost_s=cost_s)
         return trial
 
@@ -365,7 +377,7 @@ class LiveEvaluator:
             return
         self.store.add_tune_trial(
             self.run_id, self.fingerprint, key, trial.candidate.label(),
-            trial.to_dict() | {"record": trial.record},
+            trial.to_dict(with_record=True),
             original_cost_s if original_cost_s is not None else trial.cost_s)
 
     def _engine(self, candidate: Candidate) -> Trial:
@@ -392,17 +404,17 @@ class LiveEvaluator:
         point = measure_point(bench, config.engine, engine, model, unit, config.batch,
                               self._point_progress, reference, self._sampler,
                               length=max(lengths) if lengths else None)
-        record = point.record()
-        status = point.status
-        valid, note = point.validity
-        if status == "ok" and not valid:
+        summary = point.point()
+        status = summary.status
+        if status == "ok" and not summary.valid:
             status = "invalid"
-        trial = Trial(candidate, "engine", status, point.throughput if status == "ok" else None,
-                      record.get("p99_ms"), record.get("energy_per_item_j"),
-                      record.get("mean_power_w"), _peak_memory(torch_device),
-                      {unit.id: point.throughput} if status == "ok" and point.throughput else {},
-                      error=point.error or (note or None), record=record,
-                      build_s=point.build_s or None)
+        rate = summary.items_per_s
+        trial = Trial(candidate, "engine", status, rate if status == "ok" else None,
+                      summary.p99_ms, summary.energy_per_item_j, summary.mean_power_w,
+                      _peak_memory(torch_device),
+                      {unit.id: rate} if status == "ok" and rate else {},
+                      error=summary.error or (summary.validity_note or None),
+                      record=summary.to_dict(), build_s=summary.build_s or None)
         return trial
 
     def _point_progress(self, label: str, fraction: float) -> None:
