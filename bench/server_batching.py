@@ -20,6 +20,10 @@ lag, so a slow query's time is accounted for.
     python bench/server_batching.py --model mobilenet_v3_small --unit cpu --tune 120 \
         --cpu-workers process,thread --p99 50 --duration 2 --queries 256 --rounds 1 \
         --max-s 330 --json batching_cpu.json
+    # the same hostings at fixed rates, alternated (a loaded host, where a search finds none)
+    python bench/server_batching.py --model mobilenet_v3_small --unit cpu --engine openvino \
+        --batch 4 --instances 2 --compile none --cpu-workers process,thread --rules queue_delay \
+        --rates 10,30 --p99 50 --duration 3 --queries 64 --rounds 3 --json hosting_cpu.json
 
 Each trial prints a line as it ends (stderr), and each row the host's 1-minute load before and
 after it: on a shared CPU host the other processes' load decides the batch's own time.
@@ -65,8 +69,9 @@ def _tuned(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
     from infermux.tune import Constraints, TuneRequest, run_tune
 
     request = TuneRequest(models=[ModelSpec(args.model, None, None)], units=args.unit,
-                          scenario="server", constraints=Constraints(p99_bound_ms=args.p99),
-                          budget_s=args.tune, fresh=True)
+                          engines=args.tune_engines, scenario="server",
+                          constraints=Constraints(p99_bound_ms=args.p99), budget_s=args.tune,
+                          fresh=True)
 
     def said(phase: str, info: dict[str, Any]) -> None:
         t = info["trial"]
@@ -130,7 +135,7 @@ def _say(brief: dict[str, Any]) -> None:
 
 
 def _one(rt: Any, rule: str, settings: dict[str, Any], shares: dict[str, float],
-         bound: float) -> dict[str, Any]:
+         bound: float, rates: list[float]) -> dict[str, Any]:
     rt.set_batching(rule)
     records: list[dict[str, Any]] = []
     offline = run_trial(rt, {**settings, "scenario": "offline"}, shares).record
@@ -145,6 +150,15 @@ def _one(rt: Any, rule: str, settings: dict[str, Any], shares: dict[str, float],
         _say(records[-1])
         return result
 
+    if rates:
+        # Fixed rates instead of the search: on a loaded host every variant is judged at the
+        # same loads, and a search that finds no valid rate does not halve down to minutes-long
+        # trials at a few queries/s.
+        for rate in rates:
+            server(rate)
+        return {"rule": rule, "offline_items_per_s": upper, "peak_qps": None, "ratio": None,
+                "edge_confirmed": None, "p99_spread_ms": None, "notes": [], "reason": None,
+                "at_peak": None, "trials": records}
     peak = find_peak(server, upper_qps=upper, bound_ms=bound, confirm=True).record()
     at_peak = [r for r in records[1:] if r["rate_qps"] == peak["peak_qps"] and r["valid"]]
     return {"rule": rule, "offline_items_per_s": upper, "peak_qps": peak["peak_qps"],
@@ -173,10 +187,15 @@ def main() -> int:
     parser.add_argument("--plan", help="measure this plan file instead of building one")
     parser.add_argument("--tune", type=float, metavar="S",
                         help="measure the plan `infermux tune --scenario server` writes in S s")
+    parser.add_argument("--tune-engines", default="auto",
+                        help="engines the tune considers (auto, or a comma list)")
     parser.add_argument("--cpu-workers", default="",
                         help="host CPU workers as process, thread or both (process,thread: "
                              "alternated); default: as the plan says")
     parser.add_argument("--rules", default=",".join(RULES), help="batching rules to alternate")
+    parser.add_argument("--rates", default="",
+                        help="server rates (queries/s, comma list) run by every variant instead "
+                             "of the peak search")
     parser.add_argument("--delay-ms", type=float, default=2.0,
                         help="max_queue_delay_ms (the queue_delay rule's wait)")
     parser.add_argument("--p99", type=float, default=15.0, help="the bound, ms")
@@ -190,6 +209,13 @@ def main() -> int:
     if args.plan and args.tune:
         raise SystemExit("--plan and --tune both given: measure a plan file or a tuned plan")
     rules = _names(args.rules, RULES, "--rules")
+    try:
+        rates = [float(r) for r in args.rates.split(",") if r.strip()]
+    except ValueError:
+        raise SystemExit(f"--rates {args.rates!r}: give queries/s as a comma list, e.g. "
+                         "10,20") from None
+    if any(r <= 0 for r in rates):
+        raise SystemExit(f"--rates {args.rates!r}: every rate must be positive")
     hostings: list[str | None] = (list(_names(args.cpu_workers, HOSTINGS, "--cpu-workers"))
                                   if args.cpu_workers else [None])
     started = time.perf_counter()
@@ -220,7 +246,7 @@ def main() -> int:
                 if time.perf_counter() - started > args.max_s:
                     break
                 before = os.getloadavg()
-                row = _one(runtimes[hosting], rule, settings, shares, args.p99)
+                row = _one(runtimes[hosting], rule, settings, shares, args.p99, rates)
                 row["round"], row["hosting"] = i, hosting or "plan"
                 # A shared host's load decides a CPU plan's figures: kept beside each row.
                 row["loadavg_1m"] = [before[0], os.getloadavg()[0]]
@@ -231,6 +257,12 @@ def main() -> int:
                                            if servers else {})
                 ph = shown.get("phases") or {}
                 p99s = {k: round(v["p99_ms"], 2) for k, v in ph.items() if v.get("p99_ms")}
+                for t in servers if rates else []:
+                    tp = {k: round(v["p99_ms"], 1) for k, v in (t.get("phases") or {}).items()
+                          if v.get("p99_ms")}
+                    print(f"round {i} {row['hosting']:>7} {rule:>11}: {t['rate_qps']:7.1f} qps "
+                          f"p99 {t['p99_ms'] or 0:7.1f} ms valid {t['valid']}  phases p99 {tp}",
+                          flush=True)
                 ratio = "-" if row["ratio"] is None else f"{row['ratio']:.2f}"
                 print(f"round {i} {row['hosting']:>7} {rule:>11}: offline "
                       f"{row['offline_items_per_s']:9.1f}  peak {row['peak_qps'] or 0:9.1f}  "
