@@ -81,8 +81,13 @@ def _tuned(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
     started = time.perf_counter()
     report = run_tune(request, progress=said)
     if report.plan is None:
-        raise SystemExit(f"the tune found no plan within p99 {args.p99:g} ms in {args.tune:g} s: "
-                         "give it a longer --tune or a plan with --plan")
+        ok = [t for t in report.result.trials if t.ok]
+        closest = min(ok, key=lambda t: t.p99_ms or float("inf"), default=None)
+        said = "" if closest is None or closest.p99_ms is None else (
+            f" (the lowest batch p99 measured, {closest.candidate.label()}: "
+            f"{closest.p99_ms:.1f} ms; a server plan's batch must hold half the bound)")
+        raise SystemExit(f"the tune found no plan within p99 {args.p99:g} ms in {args.tune:g} s"
+                         f"{said}: give it a longer --tune or a plan with --plan")
     best = report.result.best
     return report.plan, {"budget_s": args.tune, "seconds": time.perf_counter() - started,
                          "best": best.candidate.label() if best else None,
