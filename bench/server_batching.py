@@ -1,20 +1,30 @@
-"""Server peak / offline under the two batching rules, alternated on one built plan.
+"""Server peak / offline: the batching rules (and CPU workers' hosting) alternated on built plans.
 
-The plan is built once (one process, one compile); then, round after round, each rule runs
-the offline trial and `--find-peak` (bisection, then the edge repeated) on the same workers:
-`queue_delay` (wait `max_queue_delay_ms` for a fuller batch, the rule before deadline
-batching) and `deadline` (partial batches wait while the oldest query can still finish within
-the bound). Taking turns puts both rules on the same host noise. Every trial keeps its latency
-phases (queueing, batching wait, launch, run, host overhead, hand-over; runtime.metrics) and
-the load generator's issue lag, so a slow query's time is accounted for.
+The plan is the one a user would get (`--tune S`: `infermux tune --scenario server` for S
+seconds, whose server search ranks its finalists by find-peak), a plan file (`--plan FILE`),
+or one built from `--model/--unit/--engine/--batch/--instances`. It is built once per hosting
+(`--cpu-workers process,thread` builds it both ways, each runtime kept, the idle one parked);
+then, round after round, each (hosting, rule) runs the offline trial and `--find-peak`
+(bisection, then the edge repeated) on the same workers: `queue_delay` (wait
+`max_queue_delay_ms` for a fuller batch) and `deadline` (partial batches wait while the oldest
+query can still finish within the bound). Taking turns, the order flipped every round, puts
+every variant on the same host noise. Every trial keeps its latency phases (queueing, batching
+wait, launch, run, host overhead, hand-over; runtime.metrics) and the load generator's issue
+lag, so a slow query's time is accounted for.
 
     # the ResNet50 fp16 server plan on one GPU (H100: about 5 minutes)
     python bench/server_batching.py --model resnet50 --unit cuda:0/fp16 --batch 64 \
         --instances 2 --compile default --p99 15 --duration 3 --rounds 2 --json batching.json
-    # mobilenet_v3_small on a 2-core CPU, p99 50 ms (the host to itself: about 4 minutes)
-    python bench/server_batching.py --model mobilenet_v3_small --unit cpu --batch 4 \
-        --instances 2 --compile none --p99 50 --duration 3 --queries 512 --rounds 2 \
-        --max-s 200 --json batching_cpu.json
+    # mobilenet_v3_small on a 2-core CPU, p99 50 ms: the tuned plan, both hostings and rules
+    # (the host to itself: about 6 minutes; LiteRT's conversion, ~90 s here, and torch, 4-10x
+    # slower than the others on these cores, are left out of the tune to fit)
+    python bench/server_batching.py --model mobilenet_v3_small --unit cpu --tune 150 \
+        --tune-engines onnxruntime,openvino --cpu-workers process,thread --p99 50 \
+        --duration 2 --queries 128 --rounds 1 --max-s 300 --json batching_cpu.json
+    # the same hostings at fixed rates, alternated (a loaded host, where a search finds none)
+    python bench/server_batching.py --model mobilenet_v3_small --unit cpu --engine openvino \
+        --batch 4 --instances 2 --compile none --cpu-workers process,thread --rules queue_delay \
+        --rates 10,30 --p99 50 --duration 3 --queries 64 --rounds 3 --json hosting_cpu.json
 
 Each trial prints a line as it ends (stderr), and each row the host's 1-minute load before and
 after it: on a shared CPU host the other processes' load decides the batch's own time.
@@ -30,12 +40,16 @@ import time
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from infermux.load import find_peak
 from infermux.runtime import parse_plan
 from infermux.runtime.peak import run_trial
+from infermux.runtime.plan import Plan
 from infermux.runtime.session import start_runtime
 
 RULES = ("queue_delay", "deadline")
+HOSTINGS = ("process", "thread")
 
 
 def _plan(args: argparse.Namespace) -> dict[str, Any]:
@@ -43,12 +57,58 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "name": f"b{args.batch}x{args.instances}",
         "models": [{"name": "m", "model": args.model, "replicas": [
-            {"unit": args.unit, "engine": "torch", "instances": args.instances,
+            {"unit": args.unit, "engine": args.engine, "instances": args.instances,
              "batch": args.batch, "batch_buckets": "pow2", "options": options}]}],
         "dispatcher": {"max_queue_delay_ms": args.delay_ms},
-        "load": {"scenario": "server", "p99_bound_ms": args.p99, "min_duration_s": args.duration,
-                 "min_queries": args.queries},
+        "load": {"scenario": "server", "p99_bound_ms": args.p99},
     }
+
+
+def _tuned(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
+    """`infermux tune --scenario server` for `args.tune` seconds: its plan and what it saw."""
+    from infermux.models import ModelSpec
+    from infermux.tune import Constraints, TuneRequest, run_tune
+
+    request = TuneRequest(models=[ModelSpec(args.model, None, None)], units=args.unit,
+                          engines=args.tune_engines, scenario="server",
+                          constraints=Constraints(p99_bound_ms=args.p99), budget_s=args.tune,
+                          fresh=True)
+
+    def said(phase: str, info: dict[str, Any]) -> None:
+        t = info["trial"]
+        figure = f"{t.items_per_s:.1f} items/s" if t.ok else f"{t.status}: {t.error}"
+        print(f"  tune {phase:>9} {t.candidate.label()}: {figure}", file=sys.stderr, flush=True)
+
+    started = time.perf_counter()
+    report = run_tune(request, progress=said)
+    if report.plan is None:
+        ok = [t for t in report.result.trials if t.ok]
+        closest = min(ok, key=lambda t: t.p99_ms or float("inf"), default=None)
+        said = "" if closest is None or closest.p99_ms is None else (
+            f" (the lowest batch p99 measured, {closest.candidate.label()}: "
+            f"{closest.p99_ms:.1f} ms; a server plan's batch must hold half the bound)")
+        raise SystemExit(f"the tune found no plan within p99 {args.p99:g} ms in {args.tune:g} s"
+                         f"{said}: give it a longer --tune or a plan with --plan")
+    best = report.result.best
+    return report.plan, {"budget_s": args.tune, "seconds": time.perf_counter() - started,
+                         "best": best.candidate.label() if best else None,
+                         "server_peaks": report.server_peaks}
+
+
+def _with_load(plan: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """The plan with the bench's server load: its bound, trial length and query count."""
+    load = {**plan.get("load", {}), "scenario": "server", "p99_bound_ms": args.p99,
+            "min_duration_s": args.duration, "min_queries": args.queries}
+    load.pop("find_peak", None)
+    load.pop("rate_qps", None)
+    return {**plan, "load": load}
+
+
+def _hosted(plan: dict[str, Any], hosting: str | None) -> Plan:
+    if hosting is None:
+        return parse_plan(plan, source="bench plan")
+    return parse_plan({**plan, "dispatcher": {**plan.get("dispatcher", {}),
+                                              "cpu_workers": hosting}}, source="bench plan")
 
 
 def _brief(record: dict[str, Any]) -> dict[str, Any]:
@@ -81,7 +141,7 @@ def _say(brief: dict[str, Any]) -> None:
 
 
 def _one(rt: Any, rule: str, settings: dict[str, Any], shares: dict[str, float],
-         bound: float) -> dict[str, Any]:
+         bound: float, rates: list[float]) -> dict[str, Any]:
     rt.set_batching(rule)
     records: list[dict[str, Any]] = []
     offline = run_trial(rt, {**settings, "scenario": "offline"}, shares).record
@@ -96,6 +156,15 @@ def _one(rt: Any, rule: str, settings: dict[str, Any], shares: dict[str, float],
         _say(records[-1])
         return result
 
+    if rates:
+        # Fixed rates instead of the search: on a loaded host every variant is judged at the
+        # same loads, and a search that finds no valid rate does not halve down to minutes-long
+        # trials at a few queries/s.
+        for rate in rates:
+            server(rate)
+        return {"rule": rule, "offline_items_per_s": upper, "peak_qps": None, "ratio": None,
+                "edge_confirmed": None, "p99_spread_ms": None, "notes": [], "reason": None,
+                "at_peak": None, "trials": records}
     peak = find_peak(server, upper_qps=upper, bound_ms=bound, confirm=True).record()
     at_peak = [r for r in records[1:] if r["rate_qps"] == peak["peak_qps"] and r["valid"]]
     return {"rule": rule, "offline_items_per_s": upper, "peak_qps": peak["peak_qps"],
@@ -105,13 +174,34 @@ def _one(rt: Any, rule: str, settings: dict[str, Any], shares: dict[str, float],
             "trials": records}
 
 
+def _names(text: str, allowed: tuple[str, ...], flag: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in allowed]
+    if not names or bad:
+        raise SystemExit(f"{flag} {text!r}: use a comma list of {', '.join(allowed)}")
+    return names
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="resnet50")
     parser.add_argument("--unit", default="cuda:0/fp16")
+    parser.add_argument("--engine", default="torch", help="the built plan's engine")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--instances", type=int, default=2)
     parser.add_argument("--compile", default="default", help="torch.compile mode, or none")
+    parser.add_argument("--plan", help="measure this plan file instead of building one")
+    parser.add_argument("--tune", type=float, metavar="S",
+                        help="measure the plan `infermux tune --scenario server` writes in S s")
+    parser.add_argument("--tune-engines", default="auto",
+                        help="engines the tune considers (auto, or a comma list)")
+    parser.add_argument("--cpu-workers", default="",
+                        help="host CPU workers as process, thread or both (process,thread: "
+                             "alternated); default: as the plan says")
+    parser.add_argument("--rules", default=",".join(RULES), help="batching rules to alternate")
+    parser.add_argument("--rates", default="",
+                        help="server rates (queries/s, comma list) run by every variant instead "
+                             "of the peak search")
     parser.add_argument("--delay-ms", type=float, default=2.0,
                         help="max_queue_delay_ms (the queue_delay rule's wait)")
     parser.add_argument("--p99", type=float, default=15.0, help="the bound, ms")
@@ -119,44 +209,76 @@ def main() -> int:
     parser.add_argument("--queries", type=int, default=1024, help="min_queries per trial")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--max-s", type=float, default=300.0,
-                        help="start no round after this many seconds")
+                        help="start no find-peak after this many seconds")
     parser.add_argument("--json", dest="json_path", required=True)
     args = parser.parse_args()
-    started = time.perf_counter()
-    plan = parse_plan(_plan(args), source="bench plan")
-    rt = start_runtime(plan)
-    out: dict[str, Any] = {"plan": plan.to_dict(), "build_s": time.perf_counter() - started,
-                           "rounds": []}
-    settings = plan.load.model_dump(mode="json")
-    shares = {m.name: m.share for m in plan.models}
+    if args.plan and args.tune:
+        raise SystemExit("--plan and --tune both given: measure a plan file or a tuned plan")
+    rules = _names(args.rules, RULES, "--rules")
     try:
+        rates = [float(r) for r in args.rates.split(",") if r.strip()]
+    except ValueError:
+        raise SystemExit(f"--rates {args.rates!r}: give queries/s as a comma list, e.g. "
+                         "10,20") from None
+    if any(r <= 0 for r in rates):
+        raise SystemExit(f"--rates {args.rates!r}: every rate must be positive")
+    hostings: list[str | None] = (list(_names(args.cpu_workers, HOSTINGS, "--cpu-workers"))
+                                  if args.cpu_workers else [None])
+    started = time.perf_counter()
+    out: dict[str, Any] = {"args": vars(args), "rows": []}
+    if args.plan:
+        base = yaml.safe_load(Path(args.plan).read_text())
+    elif args.tune:
+        base, out["tune"] = _tuned(args)
+    else:
+        base = _plan(args)
+    base = _with_load(base, args)
+    runtimes: dict[str | None, Any] = {}
+    out["plans"] = {}
+    try:
+        for hosting in hostings:
+            plan = _hosted(base, hosting)
+            built = time.perf_counter()
+            runtimes[hosting] = start_runtime(plan)
+            out["plans"][hosting or "plan"] = {"plan": plan.to_dict(),
+                                               "build_s": time.perf_counter() - built}
+        parsed = parse_plan(base, source="bench plan")
+        settings = parsed.load.model_dump(mode="json")
+        shares = {m.name: m.share for m in parsed.models}
+        variants = [(h, r) for h in hostings for r in rules]
         for i in range(args.rounds):
-            # The order flips each round, so neither rule always runs first.
-            order = RULES if i % 2 == 0 else tuple(reversed(RULES))
-            for rule in order:
+            # The order flips each round, so no variant always runs first.
+            for hosting, rule in (variants if i % 2 == 0 else list(reversed(variants))):
                 if time.perf_counter() - started > args.max_s:
                     break
                 before = os.getloadavg()
-                row = _one(rt, rule, settings, shares, args.p99)
-                row["round"] = i
+                row = _one(runtimes[hosting], rule, settings, shares, args.p99, rates)
+                row["round"], row["hosting"] = i, hosting or "plan"
                 # A shared host's load decides a CPU plan's figures: kept beside each row.
                 row["loadavg_1m"] = [before[0], os.getloadavg()[0]]
-                out["rounds"].append(row)
+                out["rows"].append(row)
                 # Without a peak, the lowest rate tried says where even a light load's time went.
                 servers = [t for t in row["trials"] if t["scenario"] == "server"]
                 shown = row["at_peak"] or (min(servers, key=lambda t: t["rate_qps"] or 0)
                                            if servers else {})
                 ph = shown.get("phases") or {}
                 p99s = {k: round(v["p99_ms"], 2) for k, v in ph.items() if v.get("p99_ms")}
+                for t in servers if rates else []:
+                    tp = {k: round(v["p99_ms"], 1) for k, v in (t.get("phases") or {}).items()
+                          if v.get("p99_ms")}
+                    print(f"round {i} {row['hosting']:>7} {rule:>11}: {t['rate_qps']:7.1f} qps "
+                          f"p99 {t['p99_ms'] or 0:7.1f} ms valid {t['valid']}  phases p99 {tp}",
+                          flush=True)
                 ratio = "-" if row["ratio"] is None else f"{row['ratio']:.2f}"
-                print(f"round {i} {rule:>11}: offline {row['offline_items_per_s']:9.1f}  peak "
-                      f"{row['peak_qps'] or 0:9.1f}  ratio {ratio}  edge confirmed "
-                      f"{row['edge_confirmed']}  load {row['loadavg_1m'][0]:.1f}"
-                      f"/{row['loadavg_1m'][1]:.1f}  phases p99 at "
+                print(f"round {i} {row['hosting']:>7} {rule:>11}: offline "
+                      f"{row['offline_items_per_s']:9.1f}  peak {row['peak_qps'] or 0:9.1f}  "
+                      f"ratio {ratio}  edge confirmed {row['edge_confirmed']}  load "
+                      f"{row['loadavg_1m'][0]:.1f}/{row['loadavg_1m'][1]:.1f}  phases p99 at "
                       f"{'peak' if row['at_peak'] else 'lowest rate'} {p99s}", flush=True)
                 Path(args.json_path).write_text(json.dumps(out, indent=1))
     finally:
-        rt.stop(drain=False)
+        for rt in runtimes.values():
+            rt.stop(drain=False)
     out["seconds"] = time.perf_counter() - started
     Path(args.json_path).write_text(json.dumps(out, indent=1))
     return 0

@@ -110,6 +110,56 @@ def test_a_lone_query_at_light_load_goes_at_once():
     assert batch.taken_ns == batch.items[0].enqueued_ns
 
 
+def test_a_free_worker_waits_only_where_an_item_is_expected_to_join():
+    for gap_ms, waits in [(30.0, False), (2.0, True)]:
+        clock = Clock()
+        a, b = worker(0), worker(1)
+        d = make(clock, a, b)
+        busy_other(clock, d, b)  # one arrival; b computes it, so the model is not idle
+        clock.advance(gap_ms)
+        d.submit(queries(1))  # the next arrival, gap_ms later: the model's mean gap so far
+        assert d.arrival_gap_ns["m"] == pytest.approx(gap_ms * MS)
+        # Bucket 1 (2 ms) may start as late as 14 ms from now. At one arrival every 30 ms no
+        # item is expected by then: a, free, takes the lone item now. Every 2 ms one is.
+        got = d.poll(a)
+        if waits:
+            assert isinstance(got, float) and got == pytest.approx(0.014)
+        else:
+            assert isinstance(got, Batch) and len(got.items) == 1 and got.bucket == 1
+            assert got.taken_ns == got.items[0].enqueued_ns
+
+
+def test_a_busy_worker_or_an_unknown_rate_waits_as_before():
+    def expected(bucket: int) -> float:
+        return EST_MS[bucket] * MS
+
+    far = 100.0 * MS  # arrivals far apart
+    # Free now, rate unknown: wait until the latest start (16 - 4 ms for bucket 4).
+    assert deadline_take(3, [1, 2, 4, 8], expected, 0, 0, 16 * MS, idle=False,
+                         flush=False) == (0, 12 * MS)
+    # Free now, arrivals far apart: go now.
+    assert deadline_take(3, [1, 2, 4, 8], expected, 0, 0, 16 * MS, idle=False,
+                         flush=False, arrival_gap_ns=far) == (3, 0)
+    # Busy until 5 ms: the batch cannot start before then anyway, so it still waits.
+    assert deadline_take(3, [1, 2, 4, 8], expected, 0, 5 * MS, 16 * MS, idle=False,
+                         flush=False, arrival_gap_ns=far) == (0, 12 * MS)
+
+
+def test_a_new_trial_forgets_the_arrival_gaps():
+    clock = Clock()
+    a = worker(0)
+    d = make(clock, a)
+    d.submit(queries(1))
+    clock.advance(40)
+    d.submit(queries(1, start=1))
+    assert d.arrival_gap_ns == {"m": pytest.approx(40 * MS)}
+    d.begin_trial(settle_s=0.0)
+    assert d.arrival_gap_ns == {}
+    clock.advance(5)
+    d.submit(queries(2, start=2))  # together: a gap of 0, the first arrival of the trial
+    assert d.arrival_gap_ns == {"m": 0.0}
+
+
 @pytest.mark.parametrize("how", ["no bound", "queue_delay rule"])
 def test_without_a_bound_the_queue_delay_rules_as_before(how):
     clock = Clock()

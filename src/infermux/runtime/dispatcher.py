@@ -12,7 +12,9 @@
   once; once waiting is no longer safe the largest bucket that still meets the deadline goes
   (the rest waits for the next batch); a partial batch goes at once when no worker of the
   model holds a batch (light load: no running batch's end to overlap, so a wait only adds
-  latency). Without a bound (or with `batching="queue_delay"`) it waits until the oldest has
+  latency), or when the worker asking is free and no further item is expected before the
+  batch's latest safe start (the model's mean gap between arrivals is longer than that wait:
+  it would only add latency). Without a bound (or with `batching="queue_delay"`) it waits until the oldest has
   waited `max_queue_delay_ms`, then takes what is there; there `take_when_idle` (a server's
   latency setting) takes a partial batch at once when every worker of the model is idle.
   After the load generator's last query (`end()`) partial batches go at once.
@@ -186,7 +188,7 @@ def batch_ready(queued: int, batch: int, oldest_ns: int, now_ns: int, max_delay_
 
 def deadline_take(queued: int, buckets: Sequence[int], expected_ns: Callable[[int], float],
                   now_ns: int, free_ns: int, deadline_ns: int, *, idle: bool,
-                  flush: bool) -> tuple[int, int]:
+                  flush: bool, arrival_gap_ns: float | None = None) -> tuple[int, int]:
     """(items to take now, else 0 and ns to wait) under deadline batching.
 
     `expected_ns(bucket)` is a batch's time from its start to its completion (the worker's
@@ -194,9 +196,12 @@ def deadline_take(queued: int, buckets: Sequence[int], expected_ns: Callable[[in
     `max(now_ns, free_ns)`, when the worker is done with the batch it computes. A full largest
     bucket, a flush, or a model whose workers are all `idle` take what is queued at once.
     Otherwise waiting is safe while the batch as it stands would still meet `deadline_ns` (the
-    oldest item's) if it started later: wait until the latest such start. Once it is not, take
-    the largest batch (all queued, else a full smaller bucket) that meets the deadline; if none
-    does, take all queued (late is better than never, and a backlog needs the throughput).
+    oldest item's) if it started later: wait until the latest such start, unless the worker is
+    free now and the model's mean gap between arrivals (`arrival_gap_ns`, None: not known yet)
+    is longer than that wait: then no item is expected to join the batch, and the wait would
+    only spend the margin a slow batch needs, so it goes at once. Once waiting is not safe,
+    take the largest batch (all queued, else a full smaller bucket) that meets the deadline; if
+    none does, take all queued (late is better than never, and a backlog needs the throughput).
     """
     top = buckets[-1]
     if queued >= top:
@@ -206,6 +211,9 @@ def deadline_take(queued: int, buckets: Sequence[int], expected_ns: Callable[[in
     bucket = next(b for b in buckets if b >= queued)
     latest_start = deadline_ns - int(expected_ns(bucket))
     if now_ns < latest_start and free_ns < latest_start:
+        if (free_ns <= now_ns and arrival_gap_ns is not None
+                and arrival_gap_ns > latest_start - now_ns):
+            return queued, 0
         return 0, latest_start - now_ns
     start = max(now_ns, free_ns)
     for size in [queued] + [b for b in reversed(buckets) if b < queued]:
@@ -251,6 +259,10 @@ class Dispatcher:
         self.clock_ns = clock_ns
         #: Take a partial batch at once when every worker of its model is idle (see above).
         self.take_when_idle = False
+        #: Per model, the moving average of the gap between two items' arrivals, and when the
+        #: last one came: deadline batching waits only where an item is expected to join.
+        self.arrival_gap_ns: dict[str, float] = {}
+        self._last_arrival_ns: dict[str, int] = {}
         self.workers: dict[int, WorkerState] = {}
         self.queues: dict[str, deque[Item]] = {m: deque() for m in self.models}
         #: Per model of several sequence-length buckets: an item's bucket (its group), from
@@ -310,6 +322,9 @@ class Dispatcher:
             self.retried = 0
             self.failed_items = 0
             self._flush = False
+            # A trial's load is its own: the gaps of an earlier one say nothing of it.
+            self.arrival_gap_ns.clear()
+            self._last_arrival_ns.clear()
             deadline = time.monotonic() + settle_s
             while any(w.alive and w.in_flight for w in self.workers.values()):
                 left = deadline - time.monotonic()
@@ -339,12 +354,26 @@ class Dispatcher:
                         item.group = group_of(s, item.data)
                     if not ok:
                         dead.append(item)
-                    elif self.policy == "round_robin":
+                        continue
+                    self._arrived(q.model, now)
+                    if self.policy == "round_robin":
                         self._place(item)
                     else:
                         self.queues[q.model].append(item)
             self.cond.notify_all()
         self._fail_items(dead, now)
+
+    def _arrived(self, model: str, now_ns: int) -> None:
+        """Fold one item's arrival into its model's mean gap between arrivals (lock held).
+
+        Items submitted together count as gaps of 0: a burst is a high rate.
+        """
+        last = self._last_arrival_ns.get(model)
+        self._last_arrival_ns[model] = now_ns
+        if last is not None:
+            gap = float(now_ns - last)
+            old = self.arrival_gap_ns.get(model)
+            self.arrival_gap_ns[model] = gap if old is None else old + _GAP_ALPHA * (gap - old)
 
     def _live(self, model: str) -> list[WorkerState]:
         return [w for w in self.workers.values() if w.alive and w.model == model]
@@ -497,7 +526,7 @@ class Dispatcher:
         free = w.busy_until_ns if w.in_flight else now_ns
         deadline = oldest_ns + int(bound_ns * self.deadline_share)
         return deadline_take(queued, w.buckets, expected, now_ns, free, deadline, idle=idle,
-                             flush=self._flush)
+                             flush=self._flush, arrival_gap_ns=self.arrival_gap_ns.get(model))
 
     def next_batch(self, w: WorkerState, *, block: bool = True) -> Batch | None:
         """Block until `poll` gives a batch, or None when the worker should exit.
@@ -720,6 +749,9 @@ class Dispatcher:
             self.cond.notify_all()
         self._fail_items(give_up, now)
 
+
+#: Weight of the newest gap in a model's mean gap between arrivals (`Dispatcher._arrived`).
+_GAP_ALPHA = 0.1
 
 #: How far past the batch size a grouped take looks for items of the oldest item's group.
 _GROUP_WINDOW = 8
