@@ -113,3 +113,19 @@ def test_bad_options_are_one_line(bert, tiny_bert, module_cache_dir):
                      "--seq", "8", "-o", "transformer_fusion=maybe", "--no-store", env=env)
     assert bad.returncode != 0 and "transformer_fusion" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+def test_quantize_command_writes_the_dynamic_int8_file(tiny_bert, module_cache_dir, tmp_path):
+    import json
+
+    env = {"INFERMUX_CACHE_DIR": str(module_cache_dir)}
+    out = tmp_path / "bert-int8.onnx"
+    done = invoke_cli("quantize", "-m", tiny_bert, "--method", "dynamic", "--output", str(out),
+                      "--no-store", "--json", env=env)
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout)
+    assert summary["quantize_method"] == "dynamic" and summary["model_precision"] == "int8"
+    assert "MatMulInteger" in {n.op_type for n in onnx.load(str(out)).graph.node}
+    static = invoke_cli("quantize", "-m", tiny_bert, "--no-store", env=env)
+    assert static.returncode != 0 and "use --method dynamic" in static.stderr
+    assert "Traceback" not in static.stderr

@@ -604,6 +604,11 @@ def run_precision(config: PrecisionConfig, store: Any = None,
         started = time.perf_counter()
         say(f"loading {config.model.ref}", 0.05)
         model = load_model(config.model)
+        if (config.precision == "int8" and config.method != "dynamic"
+                and not model.spec_io.simple):
+            raise UsageError(f"--method {config.method}: {model.name!r} takes several or integer "
+                             "inputs, and calibration is made for one float input: use "
+                             "--method dynamic")
         say("exporting to ONNX", 0.15)
         source = export_onnx(model)
         say(f"setting {config.precision} in the model", 0.3)
