@@ -209,7 +209,7 @@ def _torch_export(model: LoadedModel, path: Path, opset: int) -> None:
     which: dict[str, Any] = (
         {"dynamo": False} if "dynamo" in inspect.signature(torch.onnx.export).parameters else {})
     # A transformer exports its attention as matmul-softmax-matmul, the pattern ONNX Runtime's
-    # transformer fusions and OpenVINO's attention matcher recognise (`HFModule.export_form`).
+    # transformer fusions recognise (`HFModule.export_form`).
     form = module.export_form() if hasattr(module, "export_form") else nullcontext()
     try:
         with warnings.catch_warnings(), form:

@@ -141,8 +141,8 @@ class HFModule(torch.nn.Module):
         """The network with its attention written out (matmul, softmax, matmul) for export.
 
         PyTorch runs attention through `scaled_dot_product_attention`, whose ONNX form (with
-        NaN guards for fully masked rows) no runtime recognises; the plain form is what ONNX
-        Runtime fuses into its Attention operator and OpenVINO into its own. Same outputs.
+        NaN guards for fully masked rows) ONNX Runtime's transformer optimizer does not
+        recognise; the plain form is what it fuses into its Attention operator. Same outputs.
         """
         setter = getattr(self.model, "set_attn_implementation", None)
         before = getattr(getattr(self.model, "config", None), "_attn_implementation", None)
