@@ -20,7 +20,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -92,6 +92,8 @@ def content_hash(model: LoadedModel, opset: int) -> str:
     # A factory file's path and content: its classes' source is not importable by name, and two
     # factories with one file name must never share an export.
     h.update(model.identity.encode())
+    if hasattr(module, "export_form"):  # transformers: attention written out (see _torch_export)
+        h.update(b"|attention:plain")
     for cls in sorted({type(m) for m in module.modules()}, key=lambda c: c.__qualname__):
         h.update(f"{cls.__module__}.{cls.__qualname__}".encode())
         try:
@@ -206,8 +208,11 @@ def _torch_export(model: LoadedModel, path: Path, opset: int) -> None:
     # torch ≥ 2.5 has both exporters and (from 2.9) defaults to dynamo; older ones only this one.
     which: dict[str, Any] = (
         {"dynamo": False} if "dynamo" in inspect.signature(torch.onnx.export).parameters else {})
+    # A transformer exports its attention as matmul-softmax-matmul, the pattern ONNX Runtime's
+    # transformer fusions recognise (`HFModule.export_form`).
+    form = module.export_form() if hasattr(module, "export_form") else nullcontext()
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), form:
             warnings.simplefilter("ignore")  # the exporter's deprecation notice, not ours to fix
             torch.onnx.export(
                 module, examples, str(path), opset_version=opset, input_names=input_names,

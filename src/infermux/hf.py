@@ -16,6 +16,8 @@ CUDA graphs need. The wrapper carries its spec (`inputs`, `outputs`, `default_di
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -133,6 +135,33 @@ class HFModule(torch.nn.Module):
         self.default_dims: dict[str, int] = {}
         self.weights_from: str | None = None
         self.hf_config: dict[str, Any] = {}
+
+    @contextmanager
+    def export_form(self) -> Iterator[None]:
+        """The network with its attention written out (matmul, softmax, matmul) for export.
+
+        PyTorch runs attention through `scaled_dot_product_attention`, whose ONNX form (with
+        NaN guards for fully masked rows) ONNX Runtime's transformer optimizer does not
+        recognise; the plain form is what it fuses into its Attention operator. Same outputs.
+        """
+        setter = getattr(self.model, "set_attn_implementation", None)
+        before = getattr(getattr(self.model, "config", None), "_attn_implementation", None)
+        if setter is None or before in (None, "eager"):
+            yield
+            return
+        setter("eager")
+        try:
+            yield
+        finally:
+            setter(before)
+
+    def attention_shape(self) -> tuple[int, int] | None:
+        """(heads, hidden size) of the attention, from the config; None when it has neither."""
+        config = self.hf_config
+        heads = (config.get("num_attention_heads") or config.get("n_heads")
+                 or config.get("encoder_attention_heads"))
+        hidden = config.get("hidden_size") or config.get("dim") or config.get("d_model")
+        return (int(heads), int(hidden)) if heads and hidden else None
 
     def forward(self, *args: Any) -> tuple[Any, ...]:
         """The network's outputs, named by `output_names`, for inputs in `input_names` order."""

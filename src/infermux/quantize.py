@@ -16,6 +16,11 @@ of every tensor comes from the ONNX model. This module makes those models, once,
   ONNX Runtime's `quantize_static`, or ModelOpt's ONNX PTQ where installed and asked for. The
   same file runs on ONNX Runtime's CPU provider, OpenVINO (which folds the Q/DQ pairs into u8
   kernels) and TensorRT (explicit quantization). Cached by (model, data, method, tool).
+- `quantize_dynamic_int8(onnx)`: dynamic quantization, the recipe for transformer encoders on
+  the CPU: the weights of every MatMul (and of ONNX Runtime's fused Attention) become int8 per
+  output channel, the activations are quantized per batch as they come (no calibration data,
+  so it works for token ids and masks), with ONNX Runtime's `quantize_dynamic`. ONNX Runtime
+  only (its MatMulInteger/DynamicQuantizeMatMul kernels).
 - `load_calibration(spec, input_shape, items)`: calibration data from an image folder, a `.npy`
   file, or `random` (seeded noise: fine for timing, meaningless for accuracy).
 """
@@ -51,6 +56,7 @@ __all__ = [
     "has_qdq",
     "load_calibration",
     "model_at_precision",
+    "quantize_dynamic_int8",
     "quantize_qdq",
     "run_precision",
     "tensor_types",
@@ -58,8 +64,9 @@ __all__ = [
 
 #: Low precisions a model can be cast to, and their ONNX element types.
 LOW_PRECISIONS = {"fp16": 10, "bf16": 16}  # onnx.TensorProto.FLOAT16, BFLOAT16
-#: Calibration methods (ONNX Runtime's names; ModelOpt has minmax as `max`, entropy as such).
-QUANT_METHODS = ("minmax", "entropy", "percentile")
+#: Calibration methods (ONNX Runtime's names; ModelOpt has minmax as `max`, entropy as such),
+#: and `dynamic`: no calibration, activations quantized per batch (`quantize_dynamic_int8`).
+QUANT_METHODS = ("minmax", "entropy", "percentile", "dynamic")
 #: Who quantizes: ONNX Runtime's tools (always there with the onnx extra) or NVIDIA ModelOpt.
 QUANT_TOOLS = ("onnxruntime", "modelopt")
 #: Operators kept in fp32 in a cast model: normalisations and softmax (ranges, sums of squares),
@@ -361,9 +368,9 @@ def quantize_qdq(source: ExportedModel | Path, calibration: np.ndarray, method: 
     Cached by (model digest, data digest, method, tool, per-channel): the same inputs give the
     same file without calibrating again.
     """
-    if method not in QUANT_METHODS:
-        raise UsageError(f"quantization method {method!r} unknown: use one of "
-                         f"{', '.join(QUANT_METHODS)}")
+    if method not in QUANT_METHODS or method == "dynamic":
+        raise UsageError(f"calibration method {method!r} unknown: use one of "
+                         f"{', '.join(QUANT_METHODS[:-1])}")
     if tool not in QUANT_TOOLS:
         raise UsageError(f"quantization tool {tool!r} unknown: use one of {', '.join(QUANT_TOOLS)}")
     calibration = np.ascontiguousarray(calibration, dtype=np.float32)
@@ -441,6 +448,41 @@ def _ort_quantize(path: Path, calibration: np.ndarray, method: str, per_channel:
     return target
 
 
+def quantize_dynamic_int8(source: ExportedModel | Path, root: Path | None = None) -> ExportedModel:
+    """`source` with int8 weights in its MatMuls (and fused Attention), activations dynamic.
+
+    Per output channel, 7-bit weights (`reduce_range`, for the same reason as `quantize_qdq`:
+    AVX2 CPUs without VNNI saturate the int16 sums of full-range u8 x s8 products). Only
+    MatMuls with a constant weight are quantized: attention's activation x activation products
+    stay fp32. Cached by the source's digest and the recipe.
+    """
+    try:
+        from onnxruntime.quantization import QuantType, quantize_dynamic
+    except ImportError as exc:
+        raise UsageError(f"int8 needs onnxruntime's quantization tools ({exc}): "
+                         "pip install 'infermux[onnx]'") from None
+    path, digest = _source(source)
+    key = hashlib.sha256(f"{digest}|dynamic|{_RECIPE}".encode()).hexdigest()[:20]
+    target = (root or cache_dir()) / "onnx-int8" / f"{path.stem[:40]}-dyn-int8-{key}.onnx"
+    if not _cached(target):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as work:
+            written = Path(work) / "int8.onnx"
+            try:
+                quantize_dynamic(str(path), str(written), weight_type=QuantType.QInt8,
+                                 per_channel=True, reduce_range=True,
+                                 op_types_to_quantize=["MatMul", "Attention"],
+                                 # ORT's fused operators have no ONNX type inference: their
+                                 # outputs are float.
+                                 extra_options={"DefaultTensorType": _FLOAT,
+                                                "MatMulConstBOnly": True})
+            except Exception as exc:  # the quantizer raises whatever its graph walk hits
+                raise RunError(f"dynamic int8 quantization of {path.name} failed: "
+                               f"{first_line(exc)}") from exc
+            os.replace(written, target)
+    return ExportedModel(target, file_digest(target), None, exported=False)
+
+
 def _modelopt_quantize(path: Path, calibration: np.ndarray, method: str, work: Path) -> Path:
     try:
         from modelopt.onnx.quantization import quantize
@@ -480,7 +522,8 @@ def model_at_precision(source: ExportedModel, precision: str, input_shape: tuple
 
     int8: a file that already holds Q/DQ nodes is used as is; otherwise it is quantized with
     `calibration_items` items of `calibration_data` (None: seeded noise, right for timing and
-    wrong for accuracy, so the record says `random`). The second value is what goes into a
+    wrong for accuracy, so the record says `random`), or, with `method="dynamic"`, without
+    calibration (`quantize_dynamic_int8`). The second value is what goes into a
     runner's options: the precision set in the model and the calibration that set it.
     """
     data = calibration_data or "random"
@@ -492,6 +535,12 @@ def model_at_precision(source: ExportedModel, precision: str, input_shape: tuple
     if precision == "int8":
         if has_qdq(source.path):
             result, how = source, "given"
+        elif method == "dynamic":
+            if tool != "onnxruntime":
+                raise UsageError(f"quantize_method=dynamic is ONNX Runtime's: drop "
+                                 f"quantize_tool={tool}")
+            result, how = quantize_dynamic_int8(source), tool
+            info.update(quantize_method="dynamic")
         else:
             items = load_calibration(data, input_shape, calibration_items)
             result, how = quantize_qdq(source, items, method=method, tool=tool), tool
@@ -555,6 +604,11 @@ def run_precision(config: PrecisionConfig, store: Any = None,
         started = time.perf_counter()
         say(f"loading {config.model.ref}", 0.05)
         model = load_model(config.model)
+        if (config.precision == "int8" and config.method != "dynamic"
+                and not model.spec_io.simple):
+            raise UsageError(f"--method {config.method}: {model.name!r} takes several or integer "
+                             "inputs, and calibration is made for one float input: use "
+                             "--method dynamic")
         say("exporting to ONNX", 0.15)
         source = export_onnx(model)
         say(f"setting {config.precision} in the model", 0.3)

@@ -17,7 +17,7 @@ def quantize(
     precision: Annotated[str, typer.Option("--precision", "-p", help="fp16 or bf16 (casts, fp32 islands) or int8 (Q/DQ).")] = "int8",
     calibration_data: Annotated[str | None, typer.Option("--calibration-data", help="int8: image folder, (N, *input) .npy file, or random (timing only; the default).")] = None,
     calibration_items: Annotated[int, typer.Option("--calibration-items", help="int8: items calibrated on.")] = 256,
-    method: Annotated[str, typer.Option("--method", help="int8 calibration: minmax, entropy or percentile.")] = "minmax",
+    method: Annotated[str, typer.Option("--method", help="int8: minmax, entropy or percentile (calibrated), or dynamic (no calibration; ONNX Runtime).")] = "minmax",
     tool: Annotated[str, typer.Option("--tool", help="int8 by onnxruntime or modelopt (NVIDIA ModelOpt, if installed).")] = "onnxruntime",
     output: Annotated[str | None, typer.Option("--output", help="Copy the ONNX file here (it is cached either way).")] = None,
     weights: Annotated[str | None, typer.Option("--weights", help="State dict or checkpoint file.")] = None,

@@ -2,9 +2,14 @@
 
 Units: `cpu` and core sets (CPU provider, intra-op threads = the unit's cores per instance),
 `cpu/int8` and `cpu:0-1/int8` (the CPU provider running a Q/DQ int8 model, made once from
-calibration data by `infermux.quantize`), `cuda:N/fp32|tf32` (CUDA provider), `cuda:N/fp16|int8`
-and `dla:N/fp16|int8` (TensorRT provider, with its engine and timing caches). The GPU providers
-need the `onnxruntime-gpu` wheel.
+calibration data by `infermux.quantize`, or, for a model of token ids and masks, a dynamically
+quantized one: int8 MatMul weights, activations quantized per batch), `cuda:N/fp32|tf32`
+(CUDA provider), `cuda:N/fp16|int8` and `dla:N/fp16|int8` (TensorRT provider, with its engine
+and timing caches). The GPU providers need the `onnxruntime-gpu` wheel.
+
+Transformer encoders on the CPU: `transformer_fusion=true` loads the file rewritten by ONNX
+Runtime's transformer optimizer (`engines/onnxruntime_fusion.py`: fused Attention, embedding
+and skip LayerNorms, BiasGelu), in fp32 or before the dynamic int8 quantization.
 
 The TensorRT provider follows the TensorRT engine's rules: linked against TensorRT 11 (ONNX
 Runtime 1.27 and later), networks are strongly typed, so fp16 comes from a model cast to fp16 and
@@ -77,8 +82,14 @@ class OrtOptions(BaseModel):
     #: right for timing, meaningless for accuracy).
     calibration_data: str | None = None
     calibration_items: int = Field(256, ge=1)
-    quantize_method: Literal["minmax", "entropy", "percentile"] = "minmax"
+    #: How int8 is made: calibrated Q/DQ (minmax, entropy, percentile), or dynamic (CPU
+    #: provider: int8 MatMul weights, activations quantized per batch, no calibration). None:
+    #: minmax for a model of one float input, dynamic for one of token ids and masks.
+    quantize_method: Literal["minmax", "entropy", "percentile", "dynamic"] | None = None
     quantize_tool: Literal["onnxruntime", "modelopt"] = "onnxruntime"
+    #: CPU provider: rewrite a transformer encoder with ONNX Runtime's fused operators
+    #: (Attention, EmbedLayerNormalization, SkipLayerNormalization, BiasGelu) before loading it.
+    transformer_fusion: bool = False
     #: The TensorRT provider: strongly typed (TensorRT 11: precision from the model), weakly
     #: typed (TensorRT 10: precision flags), or auto (by the TensorRT release installed).
     trt_typing: Literal["auto", "strong", "weak"] = "auto"
@@ -108,10 +119,18 @@ class OrtOptions(BaseModel):
                     "precision is in its name: use the unit cpu/int8 (or cpu:0-1/int8) for int8, "
                     "cpu for fp32, and drop the option")
             update["int8"] = unit.mode == "int8"
+            if self.quantize_method == "dynamic" and unit.mode != "int8":
+                raise UsageError(f"option quantize_method=dynamic makes int8: use the unit "
+                                 f"cpu/int8 (or cpu:0-1/int8), not {unit.id!r}")
             update["intra_op_threads"] = self.intra_op_threads or len(unit.cores) or 1
             update["pin_threads"] = (self.pin_threads if self.pin_threads is not None
                                      else unit.id != "cpu")
         elif unit.kind in ("cuda", "dla"):
+            if self.transformer_fusion or self.quantize_method == "dynamic":
+                option = ("transformer_fusion=true" if self.transformer_fusion
+                          else "quantize_method=dynamic")
+                raise UsageError(f"option {option} is for ONNX Runtime's CPU provider, not "
+                                 f"{unit.id!r}: use the unit cpu (cpu/int8 for int8)")
             if unit.mode == "bf16":
                 raise UsageError(f"ONNX Runtime has no bf16 mode for {unit.id!r}: use fp16 or tf32")
             needs_trt = unit.kind == "dla" or unit.mode in ("fp16", "int8")
@@ -371,6 +390,10 @@ class OrtEngine(Engine):
                         data: str) -> OrtOptions:
         """Parsed, with defaults resolved for the unit (provider, threads)."""
         opts = parse_options(OrtOptions, "onnxruntime", options).resolve(unit)
+        if opts.quantize_method is None and opts.int8:
+            # Calibration feeds one float input; token ids and masks get dynamic int8.
+            method = "minmax" if model.spec_io.simple or opts.provider != "cpu" else "dynamic"
+            opts = opts.model_copy(update={"quantize_method": method})
         if opts.cuda_graph and data != "device":
             raise UsageError("option cuda_graph=true needs inputs and outputs in device memory "
                              "(ONNX Runtime replays fixed addresses): add --data device")
@@ -389,10 +412,13 @@ class OrtEngine(Engine):
         io = model.spec_io
         dims = {} if io.simple else io.dims_for(length)
         specs = () if io.simple else io.resolved(dims)
-        if specs and model_precision(unit, opts) != "fp32":
+        dynamic = opts.provider == "cpu" and opts.quantize_method == "dynamic"
+        if specs and model_precision(unit, opts) != "fp32" and not dynamic:
+            hint = (f"drop quantize_method={opts.quantize_method} (int8 is then dynamic, with "
+                    "no calibration)" if opts.provider == "cpu" else "use an fp32 unit")
             raise UsageError(f"{model.name!r} takes several or integer inputs; the {unit.id} "
-                             "precision needs a quantised or cast model, which infermux makes "
-                             "for one float input only: use an fp32 unit")
+                             "precision needs a calibrated or cast model, which infermux makes "
+                             f"for one float input only: {hint}")
 
         provider = _PROVIDER_NAMES[opts.provider or "cpu"]
         if provider not in ort.get_available_providers():
@@ -403,14 +429,21 @@ class OrtEngine(Engine):
         started = time.perf_counter()
         onnx_file = self.onnx_for(model, opts.opset)
         precision_info: dict[str, Any] = {}
+        if opts.transformer_fusion:
+            from infermux.engines.onnxruntime_fusion import fuse_transformer
+
+            shape = getattr(model.module, "attention_shape", None)
+            onnx_file, fused = fuse_transformer(onnx_file, shape() if shape else None)
+            precision_info["fused_operators"] = fused
         precision = model_precision(unit, opts)
         if precision != "fp32":
             from infermux.quantize import model_at_precision
 
-            onnx_file, precision_info = model_at_precision(
+            onnx_file, info = model_at_precision(
                 onnx_file, precision, model.input_shape, calibration_data=opts.calibration_data,
-                calibration_items=opts.calibration_items, method=opts.quantize_method,
-                tool=opts.quantize_tool)
+                calibration_items=opts.calibration_items,
+                method=opts.quantize_method or "minmax", tool=opts.quantize_tool)
+            precision_info.update(info)
         so = ort.SessionOptions()
         so.intra_op_num_threads = opts.intra_op_threads or 1
         so.inter_op_num_threads = opts.inter_op_threads or 1

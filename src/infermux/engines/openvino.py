@@ -481,7 +481,8 @@ class OvEngine(Engine):
         specs = () if io.simple else io.resolved(dims)
         if specs and opts.precision == "u8":
             raise UsageError(f"{model.name!r} takes several or integer inputs: int8 (u8) is "
-                             "made for one float input only; use an fp32 unit")
+                             "made for one float input only; use an fp32 unit, or --engine "
+                             "onnxruntime, whose cpu/int8 quantizes such a model dynamically")
         started = time.perf_counter()
         onnx_file = self.onnx_for(model, opts.opset)
         if self._core is None:
