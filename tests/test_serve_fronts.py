@@ -552,7 +552,7 @@ def test_a_frame_of_requests_is_admitted_in_order_and_counted_like_single_reques
     s = info.stats
     assert (s.success.count, s.fail.count, s.rejected) == (5 + 2, 0, 2)
     assert s.inference_count == 6 + 3 and info.in_flight_items == info.in_flight_requests == 0
-    assert core.summary()["tiny"]["requests_rejected"] == 2
+    assert core.summary()["tiny"].requests_rejected == 2
     text = metrics.text().decode()
     assert 'nv_inference_request_success_total{model="tiny",version="1"} 7.0' in text
     assert 'infermux_requests_rejected_total{model="tiny"} 2.0' in text
