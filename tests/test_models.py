@@ -16,6 +16,24 @@ def test_torchvision_name():
     assert model.describe()["parameters"] > 1_000_000
 
 
+def test_a_randomly_initialised_network_computes_within_fp16_range():
+    # A fresh torchvision network's batch norms assume unit-variance inputs, so its activations
+    # shrank block by block: mobilenet_v3_small's logits were ~1e-9, zeros in fp16, and no fp16
+    # engine could agree with it. Its norms now hold its own activations' statistics.
+    from infermux.agreement import TOLERANCES, _compare
+
+    model = load_model("mobilenet_v3_small")
+    assert not model.module.training
+    x = torch.randn(4, *model.input_shape, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        ref = model.module(x)
+        half = pickle.loads(pickle.dumps(model.module)).half()(x.half()).float()
+    assert float(ref.abs().max()) > 1e-3
+    found = _compare([half.numpy()], [ref.numpy()], 4, TOLERANCES["fp16"], "fp16")
+    assert not isinstance(found, str) and not found.problems, found
+    assert found.top1 == 1.0
+
+
 def test_timm_name():
     pytest.importorskip("timm")
     model = load_model(ModelSpec("timm:resnet10t"))

@@ -398,6 +398,8 @@ def load_model(spec: ModelSpec | str) -> LoadedModel:
         )
     display = Path(name.rpartition(":")[0]).stem + ":" + name.rpartition(":")[2] if (
         source == "factory") else name
+    if source in ("torchvision", "timm") and not spec.weights:
+        _settle_norms(module, tuple(shape))
     params = sum(p.numel() for p in module.parameters())
     identity = ""
     if source == "factory":
@@ -405,6 +407,46 @@ def load_model(spec: ModelSpec | str) -> LoadedModel:
         identity = _file_identity(Path(path_text), func)
     return LoadedModel(spec, display, source, shape, spec.dtype, note, module=module,
                        info={"parameters": int(params)}, identity=identity)
+
+
+#: Seeded items whose batch statistics become a randomly initialised network's norm statistics.
+_SETTLE_ITEMS = 4
+
+
+def _settle_norms(module: Any, shape: tuple[int, ...]) -> None:
+    """Give a randomly initialised network's batch norms the statistics of its own activations.
+
+    A fresh torchvision network's batch norms hold mean 0 and variance 1 whatever their input
+    is, so its activations shrink block by block (mobilenet_v3_small's logits are ~1e-9). That
+    is below what fp16 can hold: an fp16 engine returns zeros and no agreement check can pass,
+    though the engine is right. One seeded batch in training mode (cumulative statistics) sets
+    every norm to its input's real statistics, as training would, so activations stay near unit
+    scale in every precision. Timings are unchanged: the same layers, the same shapes.
+    """
+    import torch
+
+    norms = [m for m in module.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    if not norms or not shape or 0 in shape:
+        return
+    momenta = [m.momentum for m in norms]
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn((_SETTLE_ITEMS, *shape), generator=generator)
+    for m in norms:
+        m.reset_running_stats()
+        m.momentum = None  # a cumulative average: after one batch, exactly its statistics
+    try:
+        module.train()
+        with torch.no_grad():
+            module(x)
+    except (RuntimeError, ValueError):
+        # The shape does not fit the network: the run says so where it builds; the norms keep
+        # their initial statistics, as before this step.
+        for m in norms:
+            m.reset_running_stats()
+    finally:
+        for m, momentum in zip(norms, momenta, strict=True):
+            m.momentum = momentum
+        module.eval()
 
 
 def _build_hf(name: str) -> Any:
