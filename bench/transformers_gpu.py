@@ -148,6 +148,24 @@ def _served(args: argparse.Namespace, plan: dict[str, Any], offline_items_per_s:
                                   if best and offline_items_per_s else None)}
 
 
+def _outputs_factory(model: str, names: list[str]) -> str:
+    """`FILE:build` of the `hf:` network `model` returning only the outputs `names`."""
+    if not model.startswith("hf:"):
+        raise SystemExit(f"--served-outputs takes an hf: model, not {model!r}")
+    path = Path(tempfile.mkdtemp(prefix="infermux-bert-outputs-")) / "outputs_of.py"
+    path.write_text(
+        "from infermux import hf\n\n\n"
+        "def build():\n"
+        f"    net = hf.build({model.removeprefix('hf:')!r})\n"
+        f"    keep = [t for t in net.outputs if t.name in {names!r}]\n"
+        f"    if len(keep) != {len(names)}:\n"
+        "        raise ValueError('the network has only ' + repr(net.output_names))\n"
+        "    net.outputs = keep\n"
+        "    net.output_names = [t.name for t in keep]\n"
+        "    return net\n")
+    return f"{path}:build"
+
+
 def _tuned(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
     """`run_tune` on the unit at sequence `--seq`: (its written plan, a summary of the tune)."""
     from infermux.tune import TrialSettings, TuneRequest, run_tune
@@ -258,10 +276,23 @@ def runtime_main(args: argparse.Namespace) -> dict[str, Any]:
                                          "mixed_vs_fixed_tokens": ratio(v)}
                                      for k, v in mixed_runs.items()}}}
     if args.perf_analyzer:
-        served_plan = _plan(args.model, args.unit, batch, options, instances=instances,
+        served_model, offline_items_per_s = args.model, best.get("items_per_s")
+        if args.served_outputs:
+            # The network as a service that answers only these outputs (a factory module), its
+            # offline figure measured again with the same outputs: the ratio's denominator.
+            served_model = _outputs_factory(args.model, args.served_outputs.split(","))
+            again = _offline(_plan(served_model, args.unit, batch, options,
+                                   instances=instances, seq_buckets=[seq], lengths=seq,
+                                   duration_s=args.min_duration))
+            out["served_outputs"] = {"outputs": args.served_outputs.split(","),
+                                     "model": served_model, "offline": again}
+            offline_items_per_s = again.get("items_per_s")
+            print(f"plan {'outputs ' + args.served_outputs:14s} "
+                  f"{offline_items_per_s or 0:10.1f} items/s {again.get('error', '')}", flush=True)
+        served_plan = _plan(served_model, args.unit, batch, options, instances=instances,
                             seq_buckets=[seq], lengths=seq, duration_s=args.min_duration,
                             buckets="pow2")
-        by_fronts = {n: _served(args, served_plan, best.get("items_per_s"), n)
+        by_fronts = {n: _served(args, served_plan, offline_items_per_s, n)
                      for n in (int(f) for f in args.fronts.split(","))}
         out["served_by_fronts"] = by_fronts
         out["served"] = max(by_fronts.values(),
@@ -286,6 +317,9 @@ def main() -> None:
     parser.add_argument("--only-mixed", action="store_true",
                         help="with --runtime: only the mixed-lengths pair")
     parser.add_argument("--concurrency", default="16,64,128,256")
+    parser.add_argument("--served-outputs", default="",
+                        help="serve only these outputs (comma-separated names, e.g. "
+                             "pooler_output), with the offline figure of the same")
     parser.add_argument("--fronts", default="1,8",
                         help="front processes to serve with, each measured in turn (1: the "
                              "server process alone)")

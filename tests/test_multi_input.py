@@ -163,6 +163,42 @@ def test_a_tiny_bert_plan_on_torch_process_workers_serves_rows(bert):
             np.testing.assert_allclose(x, y, atol=1e-5)
 
 
+def test_two_large_served_batches_in_a_worker_process_do_not_block_each_other(bert):
+    """Two batches of 32 items × three 128-token inputs (98 KB each) sent back to back while
+    the child answers the first (outputs of 512 KB): both are answered. Through the pipe,
+    the second batch's send waited for the child, which waited to write the first answer."""
+    from infermux.runtime.process_host import ProcessHost, RunnerSpec
+
+    spec = RunnerSpec("m", bert, None, None, "torch", "cpu:0", (32,), {}, "host", 0, 4, 0,
+                      seq_buckets=(128,), lengths=128)
+    host = ProcessHost("m/cpu#0", (0,), [spec], depth=2, call_timeout_s=60.0)
+    rows = [(np.arange(i, i + 128) % 100, np.ones(128, np.int64), np.zeros(128, np.int64))
+            for i in range(32)]
+    answers: list[list[np.ndarray] | None] = []
+
+    def two_batches() -> None:
+        host.send_rows("m", 32, rows)
+        host.send_rows("m", 32, rows[::-1])
+        answers.extend(host.receive()[1] for _ in range(2))
+
+    try:
+        host.start()
+        host.wait_ready()
+        caller = threading.Thread(target=two_batches, daemon=True)
+        caller.start()
+        caller.join(90)
+        stuck = caller.is_alive()
+        if stuck and host._proc is not None:
+            host._proc.kill()  # unblocks the caller's send; close() would wait on the pipe too
+        assert not stuck, "the two batches were never both answered"
+    finally:
+        host.close()
+    first, second = answers
+    assert first is not None and second is not None
+    assert first[0].shape[:2] == (32, 128)
+    np.testing.assert_allclose(first[0][0], second[0][-1], atol=1e-5)
+
+
 @pytest.mark.parametrize(("inputs", "message"), [
     ([{"name": "features", "dtype": "float32", "shape": [16]}],
      "plan field models[0].inputs: input 'ids' is missing: the model takes ids: int64[batch, seq]"),

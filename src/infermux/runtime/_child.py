@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import pickle
 import signal
 import sys
 import time
@@ -91,8 +92,11 @@ def child_main(conn_in: Any, conn_out: Any) -> None:
         try:
             runner = runners[(model_name, bucket)]
             if kind == "rows":  # a served batch of several inputs: per item, every input
-                shape = (len(indices),)
-                runner.gather_input(IORows(indices), range(len(indices)))
+                name, nbytes = indices
+                items = pickle.loads(_attach(shared, name).buf[:nbytes])
+                shape = (len(items),)
+                runner.gather_input(IORows(items), range(len(items)))
+                del items
             elif kind == "shm":  # a served batch: its own input rows, outputs sent back
                 name, shape = indices
                 rows = np.ndarray(shape, np.float32, buffer=_attach(shared, name).buf)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -285,10 +286,25 @@ class ProcessHost:
     def send_io_rows(self, model: str, bucket: int, rows: Any) -> None:
         """Queue one served batch of a model of several inputs: each item's inputs, pickled.
 
-        Token ids and masks are small (a 128-token item of three inputs is 3 KB) and each
-        item has its own length, so they cross the pipe as they are.
+        Each item has its own length, so the items are pickled as they are, into the batch's
+        shared memory block; only its name and size cross the pipe. Through the pipe itself, a
+        batch of 32 BERT items (98 KB) filled it while the child was writing the previous
+        batch's outputs into the other pipe: each waited for the other to read, for good.
         """
-        self._send(("rows", model, bucket, [tuple(np.asarray(a) for a in row) for row in rows]))
+        from multiprocessing.shared_memory import SharedMemory
+
+        payload = pickle.dumps([tuple(np.asarray(a) for a in row) for row in rows],
+                               protocol=pickle.HIGHEST_PROTOCOL)
+        key = (model, self._sent % self.depth)
+        shm = self._shm.get(key)
+        if shm is None or shm.size < len(payload):
+            if shm is not None:
+                _release(shm)
+            shm = self._shm[key] = SharedMemory(create=True, size=max(1, 2 * len(payload)))
+        block = np.ndarray((len(payload),), np.uint8, buffer=shm.buf)
+        block[...] = np.frombuffer(payload, np.uint8)
+        del block
+        self._send(("rows", model, bucket, (shm.name, len(payload))))
 
     def _send(self, request: tuple[Any, ...]) -> None:
         if self._conn_out is None:
