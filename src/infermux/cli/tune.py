@@ -117,10 +117,16 @@ def tune_command(
     if len(report.server_peaks) > 1:
         for row in report.server_peaks:
             mark = "[bold]chosen[/]" if row["chosen"] else "      "
-            out.print(f"  {mark} {escape(row['plan'])}, {row['batching']} batching: "
+            hosted = (f", CPU workers as {row['cpu_workers']}s"
+                      + (f" (round {row['hosting_round']})" if row.get("hosting_round") else "")
+                      if row.get("cpu_workers") else "")
+            out.print(f"  {mark} {escape(row['plan'])}{hosted}, {row['batching']} batching: "
                       f"offline {num(row['offline_items_per_s'])} items/s, "
                       f"peak {num(row['peak_qps'])} qps"
                       + (f" ({escape(str(row['reason']))})" if row["peak_qps"] is None and row["reason"] else ""))
+    if report.hosting is not None:
+        out.print(f"[bold]CPU workers[/]: {report.hosting['cpu_workers']}s written: "
+                  f"{escape(report.hosting['reason'])}")
     failed = data_out["failed"]
     if failed:
         first = failed[0]
