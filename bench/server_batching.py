@@ -92,7 +92,9 @@ def _tuned(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
     best = report.result.best
     return report.plan, {"budget_s": args.tune, "seconds": time.perf_counter() - started,
                          "best": best.candidate.label() if best else None,
-                         "server_peaks": report.server_peaks}
+                         "server_peaks": report.server_peaks,
+                         # Which CPU hosting the tune wrote, and on what figures.
+                         "hosting": report.hosting}
 
 
 def _with_load(plan: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:

@@ -14,6 +14,10 @@ from infermux.cli.render import explain_table, num, pareto_table, pipelines_tabl
 
 __all__ = ["tune_command"]
 
+#: How a `server_peaks` row's `cpu_workers` reads in the table.
+_HOSTED = {"process": "processes", "thread": "threads"}
+
+
 def _compile_modes(text: str) -> tuple[str, ...]:
     """`--compile`: a comma list of torch.compile modes, or none."""
     modes = tuple(m.strip() for m in text.split(",") if m.strip())
@@ -117,10 +121,16 @@ def tune_command(
     if len(report.server_peaks) > 1:
         for row in report.server_peaks:
             mark = "[bold]chosen[/]" if row["chosen"] else "      "
-            out.print(f"  {mark} {escape(row['plan'])}, {row['batching']} batching: "
+            hosted = (f", CPU workers as {_HOSTED[row['cpu_workers']]}"
+                      + (f" (round {row['hosting_round']})" if row.get("hosting_round") else "")
+                      if row.get("cpu_workers") else "")
+            out.print(f"  {mark} {escape(row['plan'])}{hosted}, {row['batching']} batching: "
                       f"offline {num(row['offline_items_per_s'])} items/s, "
                       f"peak {num(row['peak_qps'])} qps"
                       + (f" ({escape(str(row['reason']))})" if row["peak_qps"] is None and row["reason"] else ""))
+    if report.hosting is not None:
+        out.print(f"[bold]CPU workers[/]: {_HOSTED[report.hosting['cpu_workers']]} written: "
+                  f"{escape(report.hosting['reason'])}")
     failed = data_out["failed"]
     if failed:
         first = failed[0]

@@ -22,6 +22,7 @@ from infermux.tune.evaluate import (
     TrialSettings,
     model_name,
 )
+from infermux.tune.hosting import HOSTINGS, HostingPeak, choose_hosting
 from infermux.tune.pipelines import PipelineTrial, pipeline_units, tune_pipelines
 from infermux.tune.search import OBJECTIVES, Tuner, TuneResult, TuneSettings
 from infermux.tune.space import (
@@ -128,12 +129,16 @@ class TuneReport:
     pipelines_note: str | None = None
     #: The best replica plan's runtime figure the pipelines were compared with (items/s).
     replica_items_per_s: float | None = None
+    #: Server scenario, a plan of lock-releasing CPU engines: how its CPU workers' hosting was
+    #: chosen (`tune.hosting.HostingChoice.to_dict`); None where it was not compared.
+    hosting: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready copy."""
         return {"run_id": self.run_id, "request": self.request.to_dict(),
                 "plan": self.plan, "plan_path": self.plan_path,
                 "server_peak": self.server_peak, "server_peaks": self.server_peaks,
+                "hosting": self.hosting,
                 "pipelines": [p.to_dict() for p in self.pipelines],
                 "pipelines_note": self.pipelines_note,
                 "replica_items_per_s": self.replica_items_per_s, **self.result.to_dict()}
@@ -319,7 +324,7 @@ def run_tune(
                                            progress=measure_progress)
                 if out_path is not None:
                     text = _plan_header(result, request, report.pipelines_note,
-                                        report.server_peaks) + yaml.safe_dump(
+                                        report.server_peaks, report.hosting) + yaml.safe_dump(
                         report.plan, sort_keys=False, width=100)
                     try:
                         Path(out_path).write_text(text)
@@ -336,7 +341,9 @@ def run_tune(
                 "measured": report.result.measured,
                 "best": best.candidate.label() if best else None,
                 "best_items_per_s": best.items_per_s if best else None,
-                "plan_path": report.plan_path}
+                "plan_path": report.plan_path,
+                # Both hostings' find-peaks, their trials and the decision, kept with the run.
+                "server_peaks": report.server_peaks or None, "hosting": report.hosting}
     if status == "interrupted":
         raise KeyboardInterrupt
     return report
@@ -450,7 +457,8 @@ def _choose_by_server_peak(report: TuneReport, evaluator: LiveEvaluator, request
     carries the bound; its dispatcher waits `max_queue_delay_ms` for a fuller batch unless the
     plan asks for deadline batching. A chosen plan whose CPU workers run engines that release
     the interpreter lock is measured hosted both ways, as processes and as threads
-    (`_thread_hosted`), right after it: the higher peak is written.
+    (`_thread_hosted`), alternated and repeated while the budget allows
+    (`_choose_hosting_of`): the hosting `choose_hosting` picks from the median peaks is written.
     """
     result = report.result
     assert report.plan is not None and result.best is not None
@@ -467,36 +475,102 @@ def _choose_by_server_peak(report: TuneReport, evaluator: LiveEvaluator, request
         others.append(trial)
     label = ("the chosen pipeline" if "stages" in chosen["models"][0]
              else result.best.candidate.label())
-    queue: list[tuple[dict[str, Any], str, float | None]] = [(chosen, label, chosen_items)]
     threaded = _thread_hosted(chosen)
-    if threaded is not None:
-        # Right after the chosen plan, so the budget measures both hostings of it first.
-        queue.append((threaded, label, chosen_items))
-    queue += [(_plan_for(evaluator, t, request), t.candidate.label(), t.items_per_s)
-              for t in others[:SERVER_ALTERNATIVES]]
     best: tuple[float, int, dict[str, Any]] | None = None  # (peak, row, peak record)
     evaluator.release()
-    for i, (plan, label, offline) in enumerate(queue):
-        if i and time.monotonic() >= deadline:
-            break
-        if (best is not None and offline is not None and offline <= best[0]
-                and plan is not threaded):
-            continue
+
+    def measure(plan: dict[str, Any], label: str, offline: float | None,
+                **extra: Any) -> tuple[dict[str, Any], int]:
         peak = _server_peak(evaluator, plan, progress) or {}
-        peak_qps = peak.get("peak_qps")
         report.server_peaks.append({"plan": label, "offline_items_per_s": offline,
-                                    "batching": _batching(plan), "peak_qps": peak_qps,
+                                    "batching": _batching(plan), "peak_qps": peak.get("peak_qps"),
                                     "reason": peak.get("reason"), "chosen": False,
-                                    "cpu_workers": _cpu_workers(plan)})
-        if i == 0:
-            report.server_peak = peak or None
+                                    "cpu_workers": _cpu_workers(plan), **extra,
+                                    **_peak_figures(peak)})
+        return peak, len(report.server_peaks) - 1
+
+    if threaded is None:
+        peak, row = measure(chosen, label, chosen_items)
+        report.server_peak = peak or None
+        if peak.get("peak_qps") is not None:
+            best = (peak["peak_qps"], row, peak)
+    else:
+        best = _choose_hosting_of(report, chosen, threaded, label, chosen_items, measure,
+                                  deadline)
+    for trial in others[:SERVER_ALTERNATIVES]:
+        if time.monotonic() >= deadline:
+            break
+        if best is not None and trial.items_per_s is not None and trial.items_per_s <= best[0]:
+            continue
+        plan = _plan_for(evaluator, trial, request)
+        peak, row = measure(plan, trial.candidate.label(), trial.items_per_s)
+        peak_qps = peak.get("peak_qps")
         if peak_qps is not None and (best is None or peak_qps > best[0]):
-            best = (peak_qps, len(report.server_peaks) - 1, peak)
+            best = (peak_qps, row, peak)
             report.plan = plan
     row = best[1] if best is not None else 0
     report.server_peaks[row]["chosen"] = True
     if best is not None:
         report.server_peak = best[2]
+
+
+#: Find-peak runs of each hosting when the budget allows (alternated: process, thread, ...).
+HOSTING_ROUNDS = 2
+
+
+def _choose_hosting_of(report: TuneReport, chosen: dict[str, Any], threaded: dict[str, Any],
+                       label: str, offline: float | None,
+                       measure: Callable[..., tuple[dict[str, Any], int]], deadline: float,
+                       ) -> tuple[float, int, dict[str, Any]] | None:
+    """Measure the chosen plan hosted both ways, alternated; the chosen hosting's is written.
+
+    `report.plan` becomes the plan of the hosting `choose_hosting` picks. Returns (its median
+    peak, the row standing for it, that row's peak). A second round runs only where the first
+    one's duration still fits before `deadline`; the rows carry `hosting_round`, and
+    `report.hosting` the decision and its figures.
+    """
+    plans = {"process": chosen, "thread": threaded}
+    runs: list[HostingPeak] = []
+    rows: dict[str, list[tuple[int, dict[str, Any]]]] = {h: [] for h in HOSTINGS}
+    round_s = 0.0
+    for k in range(HOSTING_ROUNDS):
+        started = time.monotonic()
+        if k and started + round_s > deadline:
+            break
+        for hosting in HOSTINGS:
+            peak, row = measure(plans[hosting], label, offline, hosting_round=k + 1)
+            rows[hosting].append((row, peak))
+            figures = report.server_peaks[row]
+            runs.append(HostingPeak(hosting, peak.get("peak_qps"), figures.get("peak_p99_ms"),
+                                    peak.get("edge_confirmed")))
+        round_s = time.monotonic() - started
+    choice = choose_hosting(runs)
+    report.hosting = choice.to_dict()
+    report.plan = plans[choice.cpu_workers]
+    median = choice.median_peak_qps[choice.cpu_workers]
+    # The row that stands for the hosting: its run whose peak is nearest the median.
+    row, peak = min(rows[choice.cpu_workers],
+                    key=lambda rp: abs((rp[1].get("peak_qps") or 0.0) - median))
+    report.server_peak = peak or None
+    return (median, row, peak) if median > 0 else None
+
+
+def _peak_figures(peak: dict[str, Any]) -> dict[str, Any]:
+    """A find-peak's figures for its `server_peaks` row.
+
+    The p99 at the peak, the edge's confirmation and spread, and every trial's rate, p99 and
+    validity.
+    """
+    rate = peak.get("peak_qps")
+    at_peak = [t.get("p99_ms") for t in peak.get("trials") or []
+               if rate is not None and t.get("rate_qps") == rate and t.get("valid")
+               and t.get("p99_ms") is not None]
+    return {"peak_p99_ms": max(at_peak) if at_peak else None,
+            "edge_confirmed": peak.get("edge_confirmed"),
+            "p99_spread_ms": peak.get("p99_spread_ms"),
+            "trials": [{"rate_qps": t.get("rate_qps"), "p99_ms": t.get("p99_ms"),
+                        "valid": t.get("valid"), "repeat": bool(t.get("repeat"))}
+                       for t in peak.get("trials") or []]}
 
 
 #: Engines whose runners compute outside the interpreter lock (ONNX Runtime's `run`,
@@ -557,7 +631,8 @@ def _server_peak(evaluator: LiveEvaluator, plan: dict[str, Any],
 
 
 def _plan_header(result: TuneResult, request: TuneRequest, pipelines: str | None = None,
-                 server_peaks: list[dict[str, Any]] | None = None) -> str:
+                 server_peaks: list[dict[str, Any]] | None = None,
+                 hosting_choice: dict[str, Any] | None = None) -> str:
     best = result.best
     assert best is not None
     lines = [
@@ -580,5 +655,9 @@ def _plan_header(result: TuneResult, request: TuneRequest, pipelines: str | None
                      f"{row['plan']}{hosted}, {row['batching']} batching: "
                      + (f"{peak:.1f} queries/s" if peak is not None else
                                           f"none ({row['reason']})")
+                     + (f" (round {row['hosting_round']})" if row.get("hosting_round") else "")
                      + (" (chosen)" if row["chosen"] else ""))
+    if hosting_choice is not None:
+        workers = {"process": "processes", "thread": "threads"}[hosting_choice["cpu_workers"]]
+        lines.append(f"# CPU workers as {workers}: {hosting_choice['reason']}")
     return "\n".join(lines) + "\n"
