@@ -40,6 +40,7 @@ import argparse
 import json
 import os
 import platform
+import select
 import signal
 import statistics
 import subprocess
@@ -174,6 +175,10 @@ class Bench:
                                 env=_env(self.src[tree]), start_new_session=True)
         try:
             assert proc.stdout is not None  # stdout=PIPE above
+            # The ready line comes once the workers are built; a server that never gets there
+            # is given up on rather than waited on for good.
+            if not select.select([proc.stdout], [], [], self.timeout_s())[0]:
+                raise RunError(f"server not ready after {self.timeout_s():.0f} s")
             ready_line = proc.stdout.readline()
             if not ready_line.strip().startswith("{"):
                 proc.wait(30)
@@ -311,7 +316,7 @@ def plans_by_current_run(bench: Bench, name: str, runs: dict[str, list[dict[str,
     missing = [t for t in TREES if t not in plans or not plans[t].exists()]
     if missing:
         return {"comparable": False, "errors": {t: "no plan written" for t in missing}}
-    note = f"{name} plans by the current run"
+    note = f"{name} plan of each tree, run by the current tree"
     return ab(bench, note, lambda tree, i: bench.run_plan_file("after", plans[tree]),
               ("items_per_s", "p99_ms"))
 
