@@ -27,7 +27,9 @@ not a difference this run can tell from noise.
 Flags that only one tree has are passed to that tree alone (`TREE_FLAGS`): the current
 `serve` takes `--fronts 1` (the front in the server process, as the older tree always had it).
 Where a tree cannot run a command, the command is reported as not comparable with that tree's
-error line.
+error line. Each run builds its workers afresh (an ONNX export, worker processes), so the
+defaults (two runs of each tree, six commands, plus the written plans run again) take about 19
+minutes on two loaded cores; `--only` picks a subset, `--model digits-cnn` a smaller network.
 
     git -C . archive f2fd2a5 src | tar -x -C /tmp/house-before
     python bench/house_ab.py --before-src /tmp/house-before/src --json house-ab.json
@@ -331,8 +333,12 @@ def summary_line(name: str, rep: dict[str, Any]) -> str:
             continue
         spread = max(c[t]["spread"] or 0.0 for t in TREES)
         parts.append(f"{key} {c['before']['median']:,.1f} → {c['after']['median']:,.1f} "
-                     f"(×{c['ratio_after_over_before']:.3f}, spread ±{spread:.1%}"
+                     f"(×{c['ratio_after_over_before']:.3f}, spread {spread:.1%}"
                      f"{'' if c['within_noise'] else ', OUTSIDE the spread'})")
+    # The plan each tree chose (partition, tune): a different choice explains a different figure.
+    chose = {t: sorted({str(r["plan"]) for r in rep["runs"][t] if r.get("plan")}) for t in TREES}
+    if any(chose.values()):
+        parts.append("chosen: " + "; ".join(f"{t} {' / '.join(chose[t])}" for t in TREES))
     return f"{name}: " + "; ".join(parts)
 
 
