@@ -29,7 +29,7 @@ Flags that only one tree has are passed to that tree alone (`TREE_FLAGS`): the c
 Where a tree cannot run a command, the command is reported as not comparable with that tree's
 error line. Each run builds its workers afresh (an ONNX export, worker processes), so the
 defaults (two runs of each tree, six commands, plus the written plans run again) take about 19
-minutes on two loaded cores; `--only` picks a subset, `--model digits-cnn` a smaller network.
+minutes on two loaded cores; `--only` picks a subset.
 
     git -C . archive f2fd2a5 src | tar -x -C /tmp/house-before
     python bench/house_ab.py --before-src /tmp/house-before/src --json house-ab.json
@@ -272,13 +272,15 @@ def compare(runs: dict[str, list[dict[str, Any]]], key: str) -> dict[str, Any]:
             continue
         med = statistics.median(values)
         medians[tree] = med
+        # One run of a tree has no spread to tell noise by (None, not 0).
         out[tree] = {"values": values, "median": med,
-                     "spread": (max(values) - min(values)) / med if med else None}
+                     "spread": (max(values) - min(values)) / med if med and len(values) > 1
+                     else None}
     if len(medians) == 2 and medians["before"]:
         ratio = medians["after"] / medians["before"]
-        spreads = [out[t]["spread"] or 0.0 for t in TREES]
+        spreads = [out[t]["spread"] for t in TREES if out[t]["spread"] is not None]
         out["ratio_after_over_before"] = ratio
-        out["within_noise"] = abs(ratio - 1.0) <= max(spreads)
+        out["within_noise"] = abs(ratio - 1.0) <= max(spreads) if spreads else None
     return out
 
 
@@ -331,10 +333,11 @@ def summary_line(name: str, rep: dict[str, Any]) -> str:
     for key, c in rep["compare"].items():
         if c.get("ratio_after_over_before") is None:
             continue
-        spread = max(c[t]["spread"] or 0.0 for t in TREES)
+        spreads = [c[t]["spread"] for t in TREES if c[t]["spread"] is not None]
+        noise = (f"spread {max(spreads):.1%}" if spreads else "one run each: no spread")
+        outside = ", OUTSIDE the spread" if c["within_noise"] is False else ""
         parts.append(f"{key} {c['before']['median']:,.1f} → {c['after']['median']:,.1f} "
-                     f"(×{c['ratio_after_over_before']:.3f}, spread {spread:.1%}"
-                     f"{'' if c['within_noise'] else ', OUTSIDE the spread'})")
+                     f"(×{c['ratio_after_over_before']:.3f}, {noise}{outside})")
     # The plan each tree chose (partition, tune): a different choice explains a different figure.
     chose = {t: sorted({str(r["plan"]) for r in rep["runs"][t] if r.get("plan")}) for t in TREES}
     if any(chose.values()):
