@@ -14,10 +14,6 @@ from infermux.cli.render import explain_table, num, pareto_table, pipelines_tabl
 
 __all__ = ["tune_command"]
 
-#: How a `server_peaks` row's `cpu_workers` reads in the table.
-_HOSTED = {"process": "processes", "thread": "threads"}
-
-
 def _compile_modes(text: str) -> tuple[str, ...]:
     """`--compile`: a comma list of torch.compile modes, or none."""
     modes = tuple(m.strip() for m in text.split(",") if m.strip())
@@ -64,6 +60,7 @@ def tune_command(
     from infermux.models import ModelSpec
     from infermux.store import open_store
     from infermux.tune import Constraints, TrialSettings, TuneRequest, model_name, run_tune
+    from infermux.tune.hosting import hosting_word
 
     shape = parse_shape(input_shape) if input_shape else None
     constraints = Constraints(
@@ -121,7 +118,7 @@ def tune_command(
     if len(report.server_peaks) > 1:
         for row in report.server_peaks:
             mark = "[bold]chosen[/]" if row["chosen"] else "      "
-            hosted = (f", CPU workers as {_HOSTED[row['cpu_workers']]}"
+            hosted = (f", CPU workers as {hosting_word(row['cpu_workers'])}"
                       + (f" (round {row['hosting_round']})" if row.get("hosting_round") else "")
                       if row.get("cpu_workers") else "")
             out.print(f"  {mark} {escape(row['plan'])}{hosted}, {row['batching']} batching: "
@@ -129,7 +126,7 @@ def tune_command(
                       f"peak {num(row['peak_qps'])} qps"
                       + (f" ({escape(str(row['reason']))})" if row["peak_qps"] is None and row["reason"] else ""))
     if report.hosting is not None:
-        out.print(f"[bold]CPU workers[/]: {_HOSTED[report.hosting['cpu_workers']]} written: "
+        out.print(f"[bold]CPU workers[/]: {hosting_word(report.hosting['cpu_workers'])} written: "
                   f"{escape(report.hosting['reason'])}")
     failed = data_out["failed"]
     if failed:

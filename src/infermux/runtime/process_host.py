@@ -260,20 +260,12 @@ class ProcessHost:
         ResNet-sized batch of 4 (2.4 MB) took 6.3 ms to cross the pipe and back on the 2-core
         dev machine, about half of the batch's compute. Each batch in flight has its own block.
         """
-        from multiprocessing.shared_memory import SharedMemory
-
         if self.info.get(model, {}).get(bucket, {}).get("io"):  # every input of each item
             self.send_io_rows(model, bucket, rows)
             return
         first = np.asarray(rows[0])
         shape = (len(rows), *first.shape)
-        nbytes = int(np.prod(shape)) * 4
-        key = (model, self._sent % self.depth)
-        shm = self._shm.get(key)
-        if shm is None or shm.size < nbytes:
-            if shm is not None:
-                _release(shm)
-            shm = self._shm[key] = SharedMemory(create=True, size=max(1, nbytes))
+        shm = self._block(model, int(np.prod(shape)) * 4)
         block = np.ndarray(shape, np.float32, buffer=shm.buf)
         if isinstance(rows, np.ndarray):
             block[...] = rows
@@ -291,20 +283,31 @@ class ProcessHost:
         batch of 32 BERT items (98 KB) filled it while the child was writing the previous
         batch's outputs into the other pipe: each waited for the other to read, for good.
         """
-        from multiprocessing.shared_memory import SharedMemory
-
         payload = pickle.dumps([tuple(np.asarray(a) for a in row) for row in rows],
                                protocol=pickle.HIGHEST_PROTOCOL)
-        key = (model, self._sent % self.depth)
-        shm = self._shm.get(key)
-        if shm is None or shm.size < len(payload):
-            if shm is not None:
-                _release(shm)
-            shm = self._shm[key] = SharedMemory(create=True, size=max(1, 2 * len(payload)))
+        # Twice the size: the next batches' lengths vary, and each new block is a new mapping
+        # in the child.
+        shm = self._block(model, len(payload), room=2)
         block = np.ndarray((len(payload),), np.uint8, buffer=shm.buf)
         block[...] = np.frombuffer(payload, np.uint8)
         del block
         self._send(("rows", model, bucket, (shm.name, len(payload))))
+
+    def _block(self, model: str, nbytes: int, room: int = 1) -> Any:
+        """The shared memory block of the next batch in flight, holding at least `nbytes`.
+
+        Each batch in flight has its own (`depth` per model); one too small is replaced by one
+        of `room` × `nbytes`.
+        """
+        from multiprocessing.shared_memory import SharedMemory
+
+        key = (model, self._sent % self.depth)
+        shm = self._shm.get(key)
+        if shm is None or shm.size < nbytes:
+            if shm is not None:
+                _release(shm)
+            shm = self._shm[key] = SharedMemory(create=True, size=max(1, room * nbytes))
+        return shm
 
     def _send(self, request: tuple[Any, ...]) -> None:
         if self._conn_out is None:

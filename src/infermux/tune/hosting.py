@@ -14,7 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["HOSTINGS", "TIE_SHARE", "HostingChoice", "HostingPeak", "choose_hosting"]
+__all__ = ["HOSTINGS", "TIE_SHARE", "HostingChoice", "HostingPeak", "choose_hosting",
+           "hosting_word"]
 
 #: The two ways the runtime hosts CPU workers; the first is its default.
 HOSTINGS = ("process", "thread")
@@ -59,7 +60,8 @@ class HostingChoice:
                          for r in self.runs]}
 
 
-def _plural(hosting: str) -> str:
+def hosting_word(hosting: str) -> str:
+    """How a `cpu_workers` value reads in a sentence: processes, threads."""
     return {"process": "processes", "thread": "threads"}.get(hosting, hosting)
 
 
@@ -90,11 +92,11 @@ def choose_hosting(runs: Sequence[HostingPeak], *, tie_share: float = TIE_SHARE
     top = order[0]
 
     def said(h: str) -> str:
-        return f"{_plural(h)} {medians[h]:.1f}"
+        return f"{hosting_word(h)} {medians[h]:.1f}"
 
     if len(order) == 1:
         return HostingChoice(top, medians, mid_p99, peaks,
-                             f"only {_plural(top)} measured (median peak {medians[top]:.1f} "
+                             f"only {hosting_word(top)} measured (median peak {medians[top]:.1f} "
                              "queries/s)", list(runs))
     other = order[1]
     counts = "/".join(str(len(peaks[h])) for h in (top, other))
@@ -113,7 +115,7 @@ def choose_hosting(runs: Sequence[HostingPeak], *, tie_share: float = TIE_SHARE
         rest = other if pick == top else top
         return HostingChoice(pick, medians, mid_p99, peaks,
                              f"median peaks {said(top)} vs {said(other)} queries/s are within "
-                             f"{tie_share:.0%} ({counts} runs): {_plural(pick)} held the lower "
+                             f"{tie_share:.0%} ({counts} runs): {hosting_word(pick)} held the lower "
                              f"p99 at the peak ({mid_p99[pick]:.1f} vs {mid_p99[rest]:.1f} ms)",
                              list(runs))
     pick = HOSTINGS[0] if HOSTINGS[0] in medians else top

@@ -22,7 +22,7 @@ from infermux.tune.evaluate import (
     TrialSettings,
     model_name,
 )
-from infermux.tune.hosting import HOSTINGS, HostingPeak, choose_hosting
+from infermux.tune.hosting import HOSTINGS, HostingPeak, choose_hosting, hosting_word
 from infermux.tune.pipelines import PipelineTrial, pipeline_units, tune_pipelines
 from infermux.tune.search import OBJECTIVES, Tuner, TuneResult, TuneSettings
 from infermux.tune.space import (
@@ -649,8 +649,8 @@ def _plan_header(result: TuneResult, request: TuneRequest, pipelines: str | None
         lines.append(f"# pipelines: {pipelines}")
     for row in server_peaks or []:
         peak = row["peak_qps"]
-        hosting = {"process": "processes", "thread": "threads"}.get(row.get("cpu_workers") or "")
-        hosted = f", CPU workers as {hosting}" if hosting else ""
+        hosted = (f", CPU workers as {hosting_word(row['cpu_workers'])}"
+                  if row.get("cpu_workers") else "")
         lines.append(f"# server peak within p99 {request.constraints.p99_bound_ms:g} ms: "
                      f"{row['plan']}{hosted}, {row['batching']} batching: "
                      + (f"{peak:.1f} queries/s" if peak is not None else
@@ -658,6 +658,6 @@ def _plan_header(result: TuneResult, request: TuneRequest, pipelines: str | None
                      + (f" (round {row['hosting_round']})" if row.get("hosting_round") else "")
                      + (" (chosen)" if row["chosen"] else ""))
     if hosting_choice is not None:
-        workers = {"process": "processes", "thread": "threads"}[hosting_choice["cpu_workers"]]
-        lines.append(f"# CPU workers as {workers}: {hosting_choice['reason']}")
+        lines.append(f"# CPU workers as {hosting_word(hosting_choice['cpu_workers'])}: "
+                     f"{hosting_choice['reason']}")
     return "\n".join(lines) + "\n"

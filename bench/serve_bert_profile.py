@@ -1,0 +1,117 @@
+"""Where a served BERT request's time goes: perf_analyzer's server split, a trace, py-spy.
+
+One server (`infermux serve --fronts 8`) of BERT-base as a service answering only
+`pooler_output` (the factory module `transformers_gpu._outputs_factory` writes), fp16 on
+`cuda:0`, batch `--batch` × `--instances` with `torch.compile` `default`; perf_analyzer over
+gRPC at `--concurrency` (a perf_analyzer range, e.g. 128:256:128) with zero-filled INT64 inputs of
+length 128; with `--py-spy PATH`, eight seconds of the runtime process's stacks (raw, 200 Hz)
+summed per thread and per frame. Needs the `hf` and `serve` extras and a GPU.
+
+    python bench/serve_bert_profile.py --out prof --perf-analyzer /tmp/opt/perf_analyzer \
+        --py-spy /tmp/pyspy/bin/py-spy
+    python bench/serve_bert_profile.py --out prof --perf-analyzer PA --instances 2 \
+        --concurrency 128:256:128
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import transformers_gpu
+from infermux.serve.trace import summarize
+
+
+def _spy_summary(raw: Path) -> dict[str, list[tuple[str, float]]]:
+    """Shares of the samples per thread, per innermost frame and per infermux frame."""
+    own: collections.Counter[str] = collections.Counter()
+    threads: collections.Counter[str] = collections.Counter()
+    inclusive: collections.Counter[str] = collections.Counter()
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        frames, n = stack.split(";"), int(count)
+        threads[frames[0]] += n
+        own[frames[-1]] += n
+        for frame in set(frames[1:]):
+            inclusive[frame] += n
+    total = sum(threads.values()) or 1
+    return {"threads": [(t, c / total) for t, c in threads.most_common(12)],
+            "own": [(f, c / total) for f, c in own.most_common(30)],
+            "inclusive": [(f, c / total) for f, c in inclusive.most_common(300)
+                          if "infermux" in f][:30]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True, help="folder for the plan, logs, trace and report")
+    p.add_argument("--perf-analyzer", required=True)
+    p.add_argument("--py-spy", help="py-spy executable: profile the runtime process")
+    p.add_argument("--instances", type=int, default=1)
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--concurrency", default="128:128")
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model = transformers_gpu._outputs_factory("hf:bert-base", ["pooler_output"])
+    plan = {"name": "bert", "models": [{"name": "bert", "model": model, "seq_buckets": [128],
+            "replicas": [{"unit": "cuda:0/fp16", "engine": "torch", "instances": args.instances,
+                          "batch": args.batch, "batch_buckets": "pow2",
+                          "options": {"compile": "default"}}]}]}
+    (out / "plan.json").write_text(json.dumps(plan))
+    trace = out / "trace.jsonl"
+    started = time.monotonic()
+    with (out / "serve.log").open("w") as log:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "infermux", "serve", str(out / "plan.json"), "--http-port", "0",
+             "--grpc-port", "0", "--metrics-port", "0", "--json", "--fronts", "8", "--no-store",
+             "--telemetry", "off", "--trace-requests", "8", "--trace-file", str(trace)],
+            stdout=subprocess.PIPE, stderr=log, text=True)
+        assert server.stdout is not None
+        line = server.stdout.readline()
+        if not line:
+            raise SystemExit(f"the server did not start: see {out / 'serve.log'}")
+        ready = json.loads(line)
+        report: dict[str, object] = {"plan": plan, "ready_s": time.monotonic() - started}
+        cmd = [args.perf_analyzer, "-m", "bert", "-u", f"127.0.0.1:{ready['grpc_port']}", "-i",
+               "grpc", "--concurrency-range", args.concurrency, "--measurement-interval", "5000",
+               "--max-trials", "3", "--stability-percentage", "50", "--input-data", "zero"]
+        for name in ("input_ids", "attention_mask", "token_type_ids"):
+            cmd += ["--shape", f"{name}:128"]
+        lib = Path(args.perf_analyzer).resolve().parent / "lib"
+        env = dict(os.environ, LD_LIBRARY_PATH=os.pathsep.join(
+            [str(lib), os.environ.get("LD_LIBRARY_PATH", "")]))
+        began = time.perf_counter_ns()
+        client = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True, env=env)
+        if args.py_spy:
+            time.sleep(6)  # past perf_analyzer's warm-up
+            subprocess.run([args.py_spy, "record", "--pid", str(server.pid), "--duration", "8",
+                            "--rate", "200", "--format", "raw", "--output", str(out / "spy.txt"),
+                            "--nonblocking", "--threads"], capture_output=True, check=False)
+        shown = client.communicate(timeout=300)[0]
+        ended = time.perf_counter_ns()
+        server.send_signal(signal.SIGTERM)
+        server.communicate(timeout=120)
+    report["perf_analyzer"] = [ln.strip() for ln in shown.splitlines() if any(
+        k in ln for k in ("Request concurrency", "Throughput", "p99 latency", "Avg request",
+                          "Avg gRPC"))]
+    report["trace"] = summarize(str(trace), (began, ended))
+    if (out / "spy.txt").exists():
+        report["py_spy"] = _spy_summary(out / "spy.txt")
+    (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
+    print("\n".join(report["perf_analyzer"]))  # type: ignore[arg-type]
+    for kind in ("threads", "own", "inclusive"):
+        for frame, share in (report.get("py_spy") or {}).get(kind, []):  # type: ignore[attr-defined]
+            print(f"{kind:9s} {share:.3f} {frame[:140]}")
+
+
+if __name__ == "__main__":
+    main()
