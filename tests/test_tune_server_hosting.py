@@ -142,7 +142,15 @@ def test_server_tune_measures_both_hostings_and_writes_the_higher_peak(tmp_path,
     assert [r["cpu_workers"] for r in rows[:2]] == ["process", "thread"]
     assert rows[0]["plan"] == rows[1]["plan"]
     chosen = next(r for r in rows if r["chosen"])
-    assert chosen["peak_qps"] == max(r["peak_qps"] or 0 for r in rows)
+    # The hosting written is the one the rule picks from the two rows' own figures (peaks
+    # within 5% are a tie that the lower p99 breaks, so not always the higher peak); a later
+    # plan is written only past that hosting's peak.
+    decided = choose_hosting([HostingPeak(r["cpu_workers"], r["peak_qps"], r["peak_p99_ms"],
+                                          r["edge_confirmed"]) for r in rows[:2]])
+    if chosen in rows[:2]:
+        assert chosen["cpu_workers"] == decided.cpu_workers
+    else:
+        assert chosen["peak_qps"] > decided.median_peak_qps[decided.cpu_workers]
     text = out.read_text()
     data = yaml.safe_load(text)
     assert data["dispatcher"].get("cpu_workers", "process") == chosen["cpu_workers"]
