@@ -3,8 +3,9 @@
 The plan is the one a user would get (`--tune S`: `infermux tune --scenario server` for S
 seconds, whose server search ranks its finalists by find-peak), a plan file (`--plan FILE`),
 or one built from `--model/--unit/--engine/--batch/--instances`. It is built once per hosting
-(`--cpu-workers process,thread` builds it both ways, each runtime kept, the idle one parked);
-then, round after round, each (hosting, rule) runs the offline trial and `--find-peak`
+and bucket set (`--cpu-workers process,thread` builds it both ways, `--buckets pow2,fine` with
+each bucket set; each runtime kept, the idle ones parked);
+then, round after round, each (hosting, buckets, rule) runs the offline trial and `--find-peak`
 (bisection, then the edge repeated) on the same workers: `queue_delay` (wait
 `max_queue_delay_ms` for a fuller batch) and `deadline` (partial batches wait while the oldest
 query can still finish within the bound). Taking turns, the order flipped every round, puts
@@ -15,6 +16,11 @@ lag, so a slow query's time is accounted for.
     # the ResNet50 fp16 server plan on one GPU (H100: about 5 minutes)
     python bench/server_batching.py --model resnet50 --unit cuda:0/fp16 --batch 64 \
         --instances 2 --compile default --p99 15 --duration 3 --rounds 2 --json batching.json
+    # power-of-two against fine batch buckets (`--buckets`, each a runtime of its own),
+    # alternated ABBA under the default rule (H200: about 4 minutes)
+    python bench/server_batching.py --model resnet50 --unit cuda:0/fp16 --batch 64 \
+        --instances 2 --compile default --p99 15 --duration 3 --rounds 2 \
+        --buckets pow2,fine --rules queue_delay --json buckets.json
     # mobilenet_v3_small on a 2-core CPU, p99 50 ms: the tuned plan, both hostings and rules
     # (the host to itself: about 6 minutes; LiteRT's conversion, ~90 s here, and torch, 4-10x
     # slower than the others on these cores, are left out of the tune to fit)
@@ -50,6 +56,7 @@ from infermux.runtime.session import start_runtime
 
 RULES = ("queue_delay", "deadline")
 HOSTINGS = ("process", "thread")
+BUCKETS = ("pow2", "fine", "none")
 
 
 def _plan(args: argparse.Namespace) -> dict[str, Any]:
@@ -106,11 +113,15 @@ def _with_load(plan: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]
     return {**plan, "load": load}
 
 
-def _hosted(plan: dict[str, Any], hosting: str | None) -> Plan:
-    if hosting is None:
-        return parse_plan(plan, source="bench plan")
-    return parse_plan({**plan, "dispatcher": {**plan.get("dispatcher", {}),
-                                              "cpu_workers": hosting}}, source="bench plan")
+def _hosted(plan: dict[str, Any], hosting: str | None, buckets: str | None = None) -> Plan:
+    """The plan with its CPU workers hosted `hosting` and every replica's `batch_buckets`."""
+    if hosting is not None:
+        plan = {**plan, "dispatcher": {**plan.get("dispatcher", {}), "cpu_workers": hosting}}
+    if buckets is not None:
+        plan = {**plan, "models": [
+            {**m, "replicas": [{**r, "batch_buckets": buckets} for r in m.get("replicas", [])]}
+            for m in plan["models"]]}
+    return parse_plan(plan, source="bench plan")
 
 
 def _brief(record: dict[str, Any]) -> dict[str, Any]:
@@ -201,6 +212,8 @@ def main() -> int:
                         help="host CPU workers as process, thread or both (process,thread: "
                              "alternated); default: as the plan says")
     parser.add_argument("--rules", default=",".join(RULES), help="batching rules to alternate")
+    parser.add_argument("--buckets", default="",
+                        help="batch bucket sets to alternate, e.g. pow2,fine (default: the plan's)")
     parser.add_argument("--rates", default="",
                         help="server rates (queries/s, comma list) run by every variant instead "
                              "of the peak search")
@@ -226,6 +239,8 @@ def main() -> int:
         raise SystemExit(f"--rates {args.rates!r}: every rate must be positive")
     hostings: list[str | None] = (list(_names(args.cpu_workers, HOSTINGS, "--cpu-workers"))
                                   if args.cpu_workers else [None])
+    bucket_sets: list[str | None] = (list(_names(args.buckets, BUCKETS, "--buckets"))
+                                     if args.buckets else [None])
     started = time.perf_counter()
     out: dict[str, Any] = {"args": vars(args), "rows": []}
     if args.plan:
@@ -235,27 +250,31 @@ def main() -> int:
     else:
         base = _plan(args)
     base = _with_load(base, args)
-    runtimes: dict[str | None, Any] = {}
+    runtimes: dict[tuple[str | None, str | None], Any] = {}
     out["plans"] = {}
     try:
         for hosting in hostings:
-            plan = _hosted(base, hosting)
-            built = time.perf_counter()
-            runtimes[hosting] = start_runtime(plan)
-            out["plans"][hosting or "plan"] = {"plan": plan.to_dict(),
-                                               "build_s": time.perf_counter() - built}
+            for buckets in bucket_sets:
+                plan = _hosted(base, hosting, buckets)
+                built = time.perf_counter()
+                runtimes[hosting, buckets] = start_runtime(plan)
+                name = "/".join(n for n in (hosting, buckets) if n) or "plan"
+                out["plans"][name] = {"plan": plan.to_dict(),
+                                      "build_s": time.perf_counter() - built}
         parsed = parse_plan(base, source="bench plan")
         settings = parsed.load.model_dump(mode="json")
         shares = {m.name: m.share for m in parsed.models}
-        variants = [(h, r) for h in hostings for r in rules]
+        variants = [(h, b, r) for h in hostings for b in bucket_sets for r in rules]
         for i in range(args.rounds):
             # The order flips each round, so no variant always runs first.
-            for hosting, rule in (variants if i % 2 == 0 else list(reversed(variants))):
+            for hosting, buckets, rule in (variants if i % 2 == 0
+                                           else list(reversed(variants))):
                 if time.perf_counter() - started > args.max_s:
                     break
                 before = os.getloadavg()
-                row = _one(runtimes[hosting], rule, settings, shares, args.p99, rates)
+                row = _one(runtimes[hosting, buckets], rule, settings, shares, args.p99, rates)
                 row["round"], row["hosting"] = i, hosting or "plan"
+                row["buckets"] = buckets or "plan"
                 # A shared host's load decides a CPU plan's figures: kept beside each row.
                 row["loadavg_1m"] = [before[0], os.getloadavg()[0]]
                 out["rows"].append(row)
@@ -268,11 +287,12 @@ def main() -> int:
                 for t in servers if rates else []:
                     tp = {k: round(v["p99_ms"], 1) for k, v in (t.get("phases") or {}).items()
                           if v.get("p99_ms")}
-                    print(f"round {i} {row['hosting']:>7} {rule:>11}: {t['rate_qps']:7.1f} qps "
+                    print(f"round {i} {row['hosting']:>7} {row['buckets']:>5} {rule:>11}: "
+                          f"{t['rate_qps']:7.1f} qps "
                           f"p99 {t['p99_ms'] or 0:7.1f} ms valid {t['valid']}  phases p99 {tp}",
                           flush=True)
                 ratio = "-" if row["ratio"] is None else f"{row['ratio']:.2f}"
-                print(f"round {i} {row['hosting']:>7} {rule:>11}: offline "
+                print(f"round {i} {row['hosting']:>7} {row['buckets']:>5} {rule:>11}: offline "
                       f"{row['offline_items_per_s']:9.1f}  peak {row['peak_qps'] or 0:9.1f}  "
                       f"ratio {ratio}  edge confirmed {row['edge_confirmed']}  load "
                       f"{row['loadavg_1m'][0]:.1f}/{row['loadavg_1m'][1]:.1f}  phases p99 at "

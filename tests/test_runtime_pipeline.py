@@ -144,6 +144,18 @@ def test_compiled_replica_compiles_only_its_largest_buckets():
             if options_for_bucket(spec.options, spec.buckets, b).get("compile")] == [4, 8]
 
 
+def test_fine_buckets_compile_every_bucket_above_half_the_batch():
+    """`fine` compiles where server batches land (above half), and nothing smaller."""
+    from infermux.runtime.layout import bucket_options
+
+    plan = parse_plan({"models": [{"name": "r", "model": "resnet50", "replicas": [
+        {"unit": "cuda:0/fp16", "batch": 64, "batch_buckets": "fine",
+         "options": {"compile": "default"}}]}]})
+    rep = plan.models[0].replicas[0]
+    assert rep.buckets() == [1, 2, 4, 8, 16, 32, 40, 48, 56, 64]
+    assert [b for b in rep.buckets() if bucket_options(rep, b).get("compile")] == [40, 48, 56, 64]
+
+
 @pytest.mark.parametrize("threaded", [False, True], ids=["one-thread", "split-gather"])
 def test_fed_indices_gather_the_right_rows(threaded, monkeypatch):
     """The runtime feeds rows of its sample pool by index, split over threads when large."""

@@ -1,5 +1,7 @@
 """Plan validation: every malformed field gets a message naming it, the value and what is allowed."""
 
+import itertools
+
 import pytest
 import yaml
 
@@ -33,7 +35,7 @@ BAD = [
     (replica(instances=2), ["models[0].replicas[0]", "oversubscribe", "at most 1"]),
     (replica(batch=0), ["models[0].replicas[0].batch", "greater than or equal to 1"]),
     (replica(batch="big"), ["models[0].replicas[0].batch", '"big"', "integer"]),
-    (replica(batch_buckets="odd"), ["batch_buckets", "'pow2'", "'none'"]),
+    (replica(batch_buckets="odd"), ["batch_buckets", "'pow2'", "'fine'", "'none'"]),
     (replica(batch=4, batch_buckets=[1, 8]), ["batch_buckets", "past batch 4"]),
     (replica(batchsize=4), ["models[0].replicas[0].batchsize", "not a plan field",
                             "unit, engine, instances, batch"]),
@@ -174,3 +176,20 @@ def test_every_plan_infermux_writes_waits_the_one_queue_delay_default():
         {"start": "layer1", "end": "output", "units": ["cpu:0"], "batch": 4}]})
     written = parse_plan(yaml.safe_load(plan_yaml(entry)))
     assert {p.dispatcher.max_queue_delay_ms for p in (bare, example, written)} == {QUEUE_DELAY_MS}
+
+
+@pytest.mark.parametrize("batch, expected", [
+    (64, [1, 2, 4, 8, 16, 32, 40, 48, 56, 64]),
+    (128, [1, 2, 4, 8, 16, 32, 64, 80, 96, 112, 128]),
+    (8, [1, 2, 4, 5, 6, 7, 8]),
+    (3, [1, 2, 3]),
+    (1, [1]),
+])
+def test_fine_buckets_step_by_an_eighth_above_half_the_batch(batch, expected):
+    from infermux.runtime.plan import fine_buckets
+
+    assert fine_buckets(batch) == expected
+    # Padding above half the batch is at most an eighth of it (rounded down, at least one).
+    upper = [b for b in expected if 2 * b >= batch]
+    assert max((b - a for a, b in itertools.pairwise(upper)), default=0) <= max(1, batch // 8)
+

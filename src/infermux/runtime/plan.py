@@ -30,6 +30,7 @@ __all__ = [
     "Plan",
     "Replica",
     "Stage",
+    "fine_buckets",
     "load_plan",
     "options_for_bucket",
     "parse_plan",
@@ -65,8 +66,10 @@ class Replica(_Strict):
     instances: int = Field(1, ge=1, le=64)
     batch: int = Field(1, ge=1, le=4096)
     #: Batch sizes with their own runner (a partial batch runs in the smallest that holds it,
-    #: padded): `pow2` = 1, 2, 4, ... up to `batch`; `none` = only `batch` (always padded).
-    batch_buckets: Literal["pow2", "none"] | list[int] = "pow2"
+    #: padded): `pow2` = 1, 2, 4, ... up to `batch`; `fine` = powers of two below half the
+    #: batch, then steps of an eighth of it (`fine_buckets`); `none` = only `batch` (always
+    #: padded).
+    batch_buckets: Literal["pow2", "fine", "none"] | list[int] = "pow2"
     options: dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("unit")
@@ -78,7 +81,8 @@ class Replica(_Strict):
     @classmethod
     def _buckets(cls, value: Any) -> Any:
         if isinstance(value, list) and (not value or any(b < 1 for b in value)):
-            raise ValueError(f"batch_buckets {value!r} must be positive batch sizes, pow2 or none")
+            raise ValueError(f"batch_buckets {value!r} must be positive batch sizes, pow2, fine "
+                             "or none")
         return value
 
     @model_validator(mode="after")
@@ -108,7 +112,24 @@ class Replica(_Strict):
         if self.batch_buckets == "pow2":
             sizes = [1 << i for i in range(self.batch.bit_length()) if (1 << i) < self.batch]
             return [*sizes, self.batch]
+        if self.batch_buckets == "fine":
+            return fine_buckets(self.batch)
         return sorted({*self.batch_buckets, self.batch})
+
+
+def fine_buckets(batch: int) -> list[int]:
+    """Powers of two below half of `batch`, then every eighth of it from the half up.
+
+    Under server load a worker takes whatever has queued, so its batches spread over every
+    size between half the batch and the batch; in power-of-two buckets each of those runs at
+    the whole batch's cost (a batch of 33 pads to 64). Eighths cap the padding at an eighth
+    of the batch where the load near the peak lands. Measured against `pow2` it was not
+    better on every host, so it is not the default (docs/architecture-runtime.md).
+    """
+    half = max(1, batch // 2)
+    step = max(1, batch // 8)
+    low = [1 << i for i in range(half.bit_length()) if (1 << i) < half]
+    return sorted({*low, *range(half, batch, step), batch})
 
 
 class Stage(_Strict):
@@ -483,7 +504,8 @@ def load_plan(path: str | Path) -> Plan:
     return parse_plan(data, source=str(path))
 
 
-#: Buckets this much smaller than a compiled replica's batch run its engine without compiling.
+#: A compiled replica compiles its largest buckets this many at least, and every bucket above
+#: half its batch; smaller ones run its engine without compiling.
 COMPILED_BUCKETS = 2
 
 
@@ -493,12 +515,15 @@ def options_for_bucket(options: dict[str, Any], buckets: Sequence[int], bucket: 
 
     torch.compile builds every batch size on its own (about 11 s each for ResNet50 on an H100),
     so compiling every power-of-two bucket made a compiled plan take 101 s to start instead of
-    18 s. Only the plan's batch and the next bucket down are compiled; smaller, partial batches
-    (light server load) run the same engine with CUDA graphs, where per-batch overhead is what
-    matters, not kernel choice. Thread and process-hosted workers both build with these.
+    18 s. The plan's batch and the next bucket down are compiled, and every bucket above half
+    the batch (`fine` buckets: where batches land near the server peak); smaller, partial
+    batches (light server load) run the same engine with CUDA graphs, where per-batch overhead
+    is what matters, not kernel choice. Thread and process-hosted workers both build with these.
     """
     out = dict(options)
-    if out.get("compile") and bucket not in sorted(buckets)[-COMPILED_BUCKETS:]:
+    ordered = sorted(buckets)
+    compiled = bucket in ordered[-COMPILED_BUCKETS:] or 2 * bucket > ordered[-1]
+    if out.get("compile") and not compiled:
         del out["compile"]
         out.pop("compile_cache_dir", None)
     return out
@@ -521,7 +546,7 @@ models:
         engine: torch
         instances: 1               # one worker each; CPU instances split the core set
         batch: 8                   # the largest batch a worker takes
-        batch_buckets: pow2        # runners for 1, 2, 4, 8 (pow2), only `batch` (none), or a list
+        batch_buckets: pow2        # 1, 2, 4, 8 (pow2), eighths above half (fine), `batch` (none), a list
         options: {{}}                # engine options, e.g. {{cuda_graph: true}}
   - name: resnet
     model: resnet18
