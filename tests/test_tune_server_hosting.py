@@ -160,3 +160,34 @@ def test_server_tune_measures_both_hostings_and_writes_the_higher_peak(tmp_path,
     workers = {"process": "processes", "thread": "threads"}[chosen["cpu_workers"]]
     assert f"# CPU workers as {workers}: " in text
     assert all(r["trials"] for r in rows[:2])
+
+
+def test_server_order_measures_the_shorter_predicted_query_first_among_near_ties():
+    """Near the best offline figure, more workers of a similar batch latency go first.
+
+    The figures are an H200's ResNet50 fp16 trials: b64 ×2 and b32 ×4 ran the same offline
+    with the same batch p99, and b32 ×4 peaked at 0.94–0.97 of offline where b64 ×2 reached
+    0.50–0.66. A candidate far below the best offline figure keeps its throughput order.
+    """
+    from infermux.tune.evaluate import Trial
+    from infermux.tune.run import SERVER_TIE_SHARE, predicted_query_ms, server_order
+    from infermux.tune.space import Candidate, Config
+
+    def trial(batch, instances, items_per_s, p99_ms, status="ok"):
+        config = Config.make("resnet50", "cuda:0/fp16", "torch", batch, instances,
+                             {"compile": "default"})
+        return Trial(Candidate.of(config), "runtime", status, items_per_s, p99_ms)
+
+    b64x2 = trial(64, 2, 22_595.0, 5.7)
+    b32x4 = trial(32, 4, 22_563.0, 6.0)
+    b16x2 = trial(16, 2, 15_000.0, 2.0)  # far below the best: stays behind, whatever its p99
+    slow = trial(128, 2, 23_000.0, 8.0)  # over half the 15 ms bound: not a server candidate
+    broken = trial(8, 8, 30_000.0, 1.0, status="oom")
+    bound = Constraints(p99_bound_ms=15.0)
+    assert predicted_query_ms(b32x4) < predicted_query_ms(b64x2)
+    order = server_order([b64x2, b16x2, slow, broken, b32x4, b64x2], bound)
+    assert order == [b32x4, b64x2, b16x2]
+    # Outside the tie share, throughput decides again.
+    far = trial(32, 4, 22_595.0 * (1 - SERVER_TIE_SHARE) - 1.0, 6.0)
+    assert server_order([b64x2, far], bound) == [b64x2, far]
+    assert server_order([broken], bound) == []
