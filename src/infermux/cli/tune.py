@@ -45,6 +45,9 @@ def tune_command(
     no_fine_tune: Annotated[bool, typer.Option("--no-fine-tune", help="Stop after the ladders and combinations.")] = False,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the fine-tuning sampler.")] = 0,
     pipelines: Annotated[bool, typer.Option("--pipelines/--no-pipelines", help="With 2+ CPU core sets or GPUs: measure the partitioner's best pipelines beside the replica plans.")] = True,
+    verify: Annotated[bool, typer.Option("--verify/--no-verify", help="Measure the chosen plan through the runtime when the search measured it in-process.")] = True,
+    peak_trial_duration: Annotated[str, typer.Option("--peak-trial-duration", help="Server scenario: minimum duration of each find-peak rate's trial (at least 3× --trial-duration).")] = "2s",
+    peak_trial_queries: Annotated[int, typer.Option("--peak-trial-queries", help="Server scenario: minimum queries of each find-peak rate's trial.")] = 256,
     db: DbOpt = "infermux.db",
     as_json: JsonOpt = False,
 ) -> None:
@@ -76,7 +79,9 @@ def tune_command(
         trial=TrialSettings(min_duration_s=parse_duration_s(trial_duration, name="--trial-duration"),
                             min_queries=trial_queries, data=data, lengths=lengths),
         fresh=fresh, seed=seed, fine_tune=not no_fine_tune, pipelines=pipelines,
-        seq_buckets=_lengths(seq) if seq else None)
+        seq_buckets=_lengths(seq) if seq else None, verify=verify,
+        peak_min_duration_s=parse_duration_s(peak_trial_duration, name="--peak-trial-duration"),
+        peak_min_queries=peak_trial_queries)
     path = out_file or f"tuned-{'-'.join(model_name(m) for m in model)}.yaml"
     store = open_store(db)
     command = "infermux " + shlex.join(sys.argv[1:])

@@ -68,6 +68,14 @@ class TuneRequest:
     #: Sequence lengths to compile for models with one (`--seq`); None: candidates derived
     #: from the query lengths (`trial.lengths`) are searched.
     seq_buckets: list[int] | None = None
+    #: Check the chosen plan through the runtime when it was measured in-process (`--no-verify`
+    #: skips it: the plan written is then the search's own figure).
+    verify: bool = True
+    #: Server scenario: the floor of each find-peak rate's trial (`--peak-trial-duration`,
+    #: `--peak-trial-queries`). A rate's p99 is judged on its tail, so the default is seconds and
+    #: hundreds of queries; each trial still runs at least 3× the search's duration.
+    peak_min_duration_s: float = 2.0
+    peak_min_queries: int = 256
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -83,6 +91,12 @@ class TuneRequest:
             raise UsageError(f"--budget {self.budget_s:g}s must be positive, e.g. --budget 10m")
         if self.max_instances < 1:
             raise UsageError(f"--max-instances {self.max_instances} must be at least 1")
+        if self.peak_min_duration_s < 0:
+            raise UsageError(f"--peak-trial-duration {self.peak_min_duration_s:g}s must not be "
+                             "negative, e.g. --peak-trial-duration 2s")
+        if self.peak_min_queries < 1:
+            raise UsageError(f"--peak-trial-queries {self.peak_min_queries} must be at least 1, "
+                             "e.g. --peak-trial-queries 256")
         self.compile_modes = tuple(self.compile_modes)
         unknown = [m for m in self.compile_modes if m not in COMPILE_MODES]
         if unknown:
@@ -108,7 +122,9 @@ class TuneRequest:
             "max_instances": self.max_instances, "compile_modes": list(self.compile_modes),
             "trial": self.trial.to_dict(), "fresh": self.fresh, "seed": self.seed,
             "fine_tune": self.fine_tune, "pipelines": self.pipelines,
-            "seq_buckets": self.seq_buckets,
+            "seq_buckets": self.seq_buckets, "verify": self.verify,
+            "peak_min_duration_s": self.peak_min_duration_s,
+            "peak_min_queries": self.peak_min_queries,
         }
 
 
@@ -301,7 +317,8 @@ def run_tune(
             share += SERVER_BUDGET_SHARE
         settings = TuneSettings(objective=request.objective,
                                 budget_s=max(1.0, (request.budget_s - setup_s) * (1 - share)),
-                                seed=request.seed, fine_tune=request.fine_tune)
+                                seed=request.seed, fine_tune=request.fine_tune,
+                                verify=request.verify)
         status = "complete"
         report = TuneReport(run_id, request, TuneResult(None, [], [], {}, [], None, {}, 0.0, False),
                             None, None)
@@ -528,7 +545,7 @@ def _choose_by_server_peak(report: TuneReport, evaluator: LiveEvaluator, request
 
     def measure(plan: dict[str, Any], label: str, offline: float | None,
                 **extra: Any) -> tuple[dict[str, Any], int]:
-        peak = _server_peak(evaluator, plan, progress) or {}
+        peak = _server_peak(evaluator, plan, request, progress) or {}
         report.server_peaks.append({"plan": label, "offline_items_per_s": offline,
                                     "batching": _batching(plan), "peak_qps": peak.get("peak_qps"),
                                     "reason": peak.get("reason"), "chosen": False,
@@ -662,7 +679,7 @@ def _batching(plan: dict[str, Any]) -> str:
     return f"queue delay {float(d.get('max_queue_delay_ms', QUEUE_DELAY_MS)):g} ms"
 
 
-def _server_peak(evaluator: LiveEvaluator, plan: dict[str, Any],
+def _server_peak(evaluator: LiveEvaluator, plan: dict[str, Any], request: TuneRequest,
                  progress: ProgressFn | None) -> dict[str, Any] | None:
     """The chosen plan's highest Poisson rate within the p99 bound, measured (short trials)."""
     from infermux.runtime import run_plan
@@ -671,8 +688,10 @@ def _server_peak(evaluator: LiveEvaluator, plan: dict[str, Any],
     s = evaluator.settings
     # Each rate is one trial, and its p99 is judged on few queries' tails: a trial needs
     # seconds and hundreds of queries, not the search's short trials, or one host stall sinks it.
-    data = {**plan, "load": {**plan["load"], "min_duration_s": max(2.0, 3 * s.min_duration_s),
-                             "min_queries": max(256, s.min_queries)}}
+    data = {**plan, "load": {**plan["load"],
+                             "min_duration_s": max(request.peak_min_duration_s,
+                                                   3 * s.min_duration_s),
+                             "min_queries": max(request.peak_min_queries, s.min_queries)}}
     report = run_plan(parse_plan(data, source="tuned plan"), progress=progress)
     return report.peak
 
