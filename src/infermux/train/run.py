@@ -976,6 +976,8 @@ def _stored_drift(passes: list[dict[str, Any]], profile: list[dict[str, Any]],
         got = epoch_drift([g for g in (series[n:n + 2] if len(series) > 1 else series) if g])
         if got is not None:
             by_config[cfg] = got
-    out = _drift_summary(label, series, [{"e": v} for v in by_config.values()])
+    # Both epochs of a validated configuration take the probes around it.
+    out = _drift_summary(label, series,
+                         [{"first": v, "later": v} for v in by_config.values()])
     out["by_config"] = by_config
     return out
