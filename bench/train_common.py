@@ -109,7 +109,10 @@ def print_figure(name: str, fig: dict[str, Any]) -> None:
     d = fig.get("drift")
     if d and d.get("range"):
         print(f"{name}: drift: {d['label']} re-profiled beside the validation: "
-              f"{d['range'][0]:.2f}-{d['range'][1]:.2f}x its profiled time per minibatch; "
+              f"{d['range'][0]:.2f}-{d['range'][1]:.2f}x its profiled time per minibatch "
+              f"(noise ±{200 * (d.get('noise_se_log') or 0):.0f}%; corrected in "
+              f"{d.get('resolved_epochs', '?')} of {d.get('epochs', '?')} validated epochs, "
+              "where out of it); "
               f"MAPE time corrected for it {pct(s.get('first_time_mape_drift_corrected_pct'))}"
               f" / {pct(s.get('later_time_mape_drift_corrected_pct'))}")
     print(f"{name}: validated {s['configurations']} of {s.get('held_out')} held-out "

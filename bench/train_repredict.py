@@ -74,6 +74,13 @@ def main() -> None:
                   f" energy {pct(s['first_energy_mape_pct'])} / "
                   f"{pct(s['later_energy_mape_pct'])} over {s['configurations']} held-out; "
                   f"within bounds {s['first_within_bounds']} / {s['later_within_bounds']}")
+            d = res.get("drift") or {}
+            if d.get("range"):
+                print(f"  drift: probes {d['range'][0]:.2f}-{d['range'][1]:.2f}x (noise ±"
+                      f"{200 * (d.get('noise_se_log') or 0):.0f}%, 2 standard errors), resolved "
+                      f"in {d.get('resolved_epochs', 0)} of {d.get('epochs', 0)} validated epochs; "
+                      f"MAPE time corrected {pct(s.get('first_time_mape_drift_corrected_pct'))}"
+                      f" / {pct(s.get('later_time_mape_drift_corrected_pct'))}")
             print("  profile share of the predicted epoch: " + ", ".join(
                 f"{label} {share:.1%}" for label, share in res["profile_shares"].items()))
             for epoch in ("first", "later"):

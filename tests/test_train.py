@@ -587,6 +587,8 @@ def test_train_profile_and_predict_from_the_cli(tmp_path: Path,
     # Every validated epoch carries the drift beside it, and the scores say what it moved.
     measured = [r for r in again["predictions"] if r["measured_s"]]
     assert measured and all(r["drift"] and r["drift"] > 0 for r in measured)
+    # With its noise (from the reference's own minibatches), and whether it stood out of it.
+    assert all(r["drift_se"] > 0 and isinstance(r["drift_resolved"], bool) for r in measured)
     assert again["scores"]["later_time_mape_drift_corrected_pct"] is not None
     # Offline too, each validated epoch's error cut into the model's terms, adding up to it.
     rows = again["attribution"]["epochs"]
@@ -595,7 +597,9 @@ def test_train_profile_and_predict_from_the_cli(tmp_path: Path,
     for r in rows:
         assert sum(r["parts_s"].values()) == pytest.approx(r["measured_s"] - r["predicted_s"],
                                                            abs=1e-3)
-        assert r["drift"] and r["parts_s"]["drift"] != 0
+        # The drift part is the drift applied (1 where within its noise): predicted × (it − 1).
+        assert r["drift"] and r["parts_s"]["drift"] == pytest.approx(
+            r["predicted_s"] * (r["drift"] - 1), abs=1e-5)
     for row in again["predictions"]:
         assert row["predicted_s"] == pytest.approx(stored[(row["label"], row["epoch"])],
                                                    rel=1e-9)

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from infermux.errors import UsageError
 from infermux.train.components import Components, fit_components
+from infermux.train.drift import applied_drift
 from infermux.train.knobs import Knobs
 from infermux.train.predict import Prediction
 from infermux.train.steady import steady
@@ -155,7 +156,7 @@ def attribute_passes(passes: list[dict[str, Any]], epochs: list[dict[str, Any]],
         if not predicted:
             continue
         row = epoch_parts(comps, data, predicted, items,
-                          pred.measured.get(epoch, {}).get("drift"))
+                          applied_drift(pred.measured.get(epoch, {})))
         if row is None:
             continue
         row = {"label": data["label"], "epoch": epoch, "method": pred.method,

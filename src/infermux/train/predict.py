@@ -131,6 +131,9 @@ class Prediction:
                         # The machine's speed when the epoch was measured over its speed
                         # when profiled (a reference re-measured beside it); None unmeasured.
                         "drift": meas.get("drift"),
+                        # Its standard error (log) and whether it stood out of it (`drift`).
+                        "drift_se": meas.get("drift_se"),
+                        "drift_resolved": meas.get("drift_resolved"),
                         "knobs": self.knobs.to_dict()})
         return out
 

@@ -33,6 +33,7 @@ from infermux.train.attribution import attribute, attribute_passes
 from infermux.train.components import Components, fit_components
 from infermux.train.covering import covered, covering_order, model_cell
 from infermux.train.data import fs_type
+from infermux.train.drift import DRIFT_Z, applied_drift, drift_of, epoch_drift
 from infermux.train.knobs import Knobs
 from infermux.train.predict import Prediction, mape, predict_all
 from infermux.train.profile import (
@@ -48,7 +49,7 @@ from infermux.train.profile import (
     recorded,
     start_sampler,
 )
-from infermux.train.steady import MIN_STEADY_STEPS, steady, warmup_steps
+from infermux.train.steady import MIN_STEADY_STEPS, warmup_steps
 
 __all__ = ["PredictReport", "repredict", "run_train_predict"]
 
@@ -101,8 +102,10 @@ class PredictReport:
                  for p in held])
             # The machine's speed moved by `drift` between the profiles and this epoch: the
             # prediction scaled by it (the reference configuration's own change).
+            # Only a drift resolved from its noise scales it (`drift.applied_drift`).
             corrected: list[tuple[float | None, float | None]] = [
-                ((p.epochs[epoch]["predicted_s"] or 0.0) * (p.measured[epoch]["drift"] or 1.0),
+                ((p.epochs[epoch]["predicted_s"] or 0.0)
+                 * (applied_drift(p.measured[epoch]) or 1.0),
                  p.measured[epoch].get("s")) for p in held
                 if p.measured.get(epoch, {}).get("drift")]
             out[f"{epoch}_time_mape_drift_corrected_pct"] = (
@@ -762,7 +765,7 @@ def _validate(setup: TrainSetup, report: PredictReport, validate: int | None,
     count = len(order) if validate is None else min(validate, len(order))
     order = order[:count]
     ref = _reference_config(report) if probes else None
-    series: list[float | None] = []
+    series: list[dict[str, Any] | None] = []
     before = ([p.as_data() for p in report.passes if p.config == ref and p.kind == "profile"
                and p.status == "ok"] if ref is not None else [])
 
@@ -771,8 +774,7 @@ def _validate(setup: TrainSetup, report: PredictReport, validate: int | None,
             return
         recs, _ = measure_configs(setup, [configs[ref]], kind=f"probe:{n}", indices=[ref])
         after = [p.as_data() for p in recs if p.status == "ok" and p.result]
-        got = drift_of(configs[ref].label, before, after) if len(after) == 2 else None
-        series.append(got["ratio"] if got else None)
+        series.append(drift_of(configs[ref].label, before, after) if len(after) == 2 else None)
 
     started = time.perf_counter()
     costs: list[float] = []
@@ -820,45 +822,61 @@ def _validate(setup: TrainSetup, report: PredictReport, validate: int | None,
     if ref is None or not series:
         return
     for n, i in enumerate(done):
-        around = [r for r in series[n:n + 2] if r]
-        if not around:
+        got = epoch_drift([g for g in series[n:n + 2] if g])
+        if got is None:
             continue
-        ratio = math.exp(statistics.fmean(math.log(r) for r in around))
         for fig in report.predictions[i].measured.values():
-            fig["drift"] = ratio
-    good = [r for r in series if r]
-    base = [steady(p) for p in before]
-    before_ms = 1e3 * statistics.fmean(f["T"] for f in base if f) if any(base) else None
-    report.drift = {
-        "label": configs[ref].label, "before_ms": before_ms,
-        "probes": series, "after_ms": (before_ms * good[-1]) if good and before_ms else None,
-        "ratio": good[-1] if good else None,
-        "range": [min(good), max(good)] if good else None,
-        "corrected": "each validated epoch's prediction × its drift, in the scores' "
-                     "*_drift_corrected_pct (time only: energy is not corrected)"}
-    if good and max(abs(r - 1) for r in good) > DRIFT_NOTE:
+            fig.update(got)
+    report.drift = _drift_summary(configs[ref].label, series,
+                                  [report.predictions[i].measured for i in done])
+    resolved = report.drift["resolved_range"]
+    if resolved and max(abs(r - 1) for r in resolved) > DRIFT_NOTE:
         report.notes.append(
             f"the machine drifted: {configs[ref].label} re-profiled beside the validation ran "
-            f"{min(good):.2f}–{max(good):.2f}× as long per minibatch as when profiled; the "
-            "time scores are given as measured and corrected for it")
+            f"{min(resolved):.2f}–{max(resolved):.2f}× as long per minibatch as when profiled, "
+            "beyond its own noise; the time scores are given as measured and corrected for it")
+    elif report.drift["range"] and max(abs(r - 1) for r in report.drift["range"]) > DRIFT_NOTE:
+        report.notes.append(
+            f"{configs[ref].label} re-profiled beside the validation read "
+            f"{report.drift['range'][0]:.2f}–{report.drift['range'][1]:.2f}× its profiled time "
+            f"per minibatch, within the noise of its few minibatches (±"
+            f"{100 * DRIFT_Z * report.drift['noise_se_log']:.0f}%): not corrected for")
 
 
-#: A reference profile that moved by more than this between profiling and validation is
-#: reported: the machine itself changed speed, and the measured epochs carry that.
+#: A drift of more than this, resolved from its noise (`drift.epoch_drift`), is reported: the
+#: machine itself changed speed, and the measured epochs carry that.
 DRIFT_NOTE = 0.1
 
 
-def drift_of(label: str, before: list[dict[str, Any]], after: list[dict[str, Any]]
-             ) -> dict[str, Any] | None:
-    """Steady per-minibatch time of a profile (its passes' data) and of its probe, and the ratio."""
-    t_before = [f for f in (steady(p) for p in before) if f]
-    t_after = [f for f in (steady(p) for p in after) if f]
-    if not t_before or len(t_before) != len(t_after):
-        return None
-    b = sum(f["T"] for f in t_before) / len(t_before)
-    a = sum(f["T"] for f in t_after) / len(t_after)
-    return {"label": label, "before_ms": b * 1e3, "after_ms": a * 1e3,
-            "ratio": a / b if b else None}
+def _drift_summary(label: str, series: list[dict[str, Any] | None],
+                   measured: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
+    """The run's drift: each probe's ratio and noise, and the ranges of both.
+
+    The ranges: of the probes' ratios, and of the drifts applied to validated epochs (resolved
+    from their noise, else 1); `noise_se_log`, the probes' median standard error (log).
+    """
+    good = [g for g in series if g and g.get("ratio")]
+    epochs = [m for ms in measured for m in ms.values() if m.get("drift")]
+    applied = [applied_drift(m) or 1.0 for m in epochs]
+    resolved = [m["drift"] for m in epochs if m.get("drift_resolved")]
+    first = good[0] if good else None
+    return {
+        "label": label, "before_ms": first["before_ms"] if first else None,
+        "probes": [g["ratio"] if g else None for g in series],
+        "probes_se_log": [g["se_log"] if g else None for g in series],
+        "probe_steady_minibatches": first["after_steps"] if first else None,
+        "profile_steady_minibatches": first["before_steps"] if first else None,
+        "after_ms": good[-1]["after_ms"] if good else None,
+        "ratio": good[-1]["ratio"] if good else None,
+        "range": ([min(g["ratio"] for g in good), max(g["ratio"] for g in good)]
+                  if good else None),
+        "noise_se_log": statistics.median(g["se_log"] for g in good) if good else None,
+        "applied_range": [min(applied), max(applied)] if applied else None,
+        "resolved_range": [min(resolved), max(resolved)] if resolved else None,
+        "resolved_epochs": len(resolved), "epochs": len(epochs),
+        "corrected": "each validated epoch's prediction × its drift where the drift stands "
+                     f"{DRIFT_Z:g} standard errors out of its noise (else × 1), in the "
+                     "scores' *_drift_corrected_pct (time only: energy is not corrected)"}
 
 
 def _grid_configs(grid: dict[str, Any]) -> list[Knobs]:
@@ -914,7 +932,7 @@ def repredict(store: Store, run_id: int, *, reference_run: int | None = None,
     for p in epochs:
         predictions[p["config"]].measured["first" if p["pass"] == "cold" else "later"] = {
             "s": p["wall_ns"] / 1e9, "energy_j": p.get("energy_j"),
-            "drift": (drift or {}).get("by_config", {}).get(p["config"])}
+            **((drift or {}).get("by_config", {}).get(p["config"]) or {})}
     report = PredictReport(run_id, config.get("model", {}), configs,
                            sorted({p["config"] for p in profile}), predictions, info, [], [],
                            config["dataset_items"],
@@ -951,19 +969,15 @@ def _stored_drift(passes: list[dict[str, Any]], profile: list[dict[str, Any]],
     for p in probes:
         rounds[p["kind"]].append(p)
     keys = sorted(rounds, key=lambda k: int(k.split(":")[1]) if ":" in k else 10**9)
-    series = []
-    for key in keys:
-        got = drift_of(label, before, rounds[key])
-        series.append(got["ratio"] if got else None)
+    series = [drift_of(label, before, rounds[key]) for key in keys]
     validated = list(dict.fromkeys(p["config"] for p in epochs))
-    by_config: dict[int, float] = {}
+    by_config: dict[int, dict[str, Any]] = {}
     for n, cfg in enumerate(validated):
-        around = [r for r in (series[n:n + 2] if len(series) > 1 else series) if r]
-        if around:
-            by_config[cfg] = math.exp(statistics.fmean(math.log(r) for r in around))
-    good = [r for r in series if r]
-    first = drift_of(label, before, rounds[keys[0]]) if keys else None
-    return {"label": label, "before_ms": first["before_ms"] if first else None,
-            "probes": series, "ratio": good[-1] if good else None,
-            "after_ms": (first["before_ms"] * good[-1]) if first and good else None,
-            "range": [min(good), max(good)] if good else None, "by_config": by_config}
+        got = epoch_drift([g for g in (series[n:n + 2] if len(series) > 1 else series) if g])
+        if got is not None:
+            by_config[cfg] = got
+    # Both epochs of a validated configuration take the probes around it.
+    out = _drift_summary(label, series,
+                         [{"first": v, "later": v} for v in by_config.values()])
+    out["by_config"] = by_config
+    return out
