@@ -38,13 +38,11 @@ from infermux.runtime.trial import (
     TimelineRow,
     TrialSummary,
     WorkerSummary,
-    completed_items,
     latency_of,
 )
 from infermux.stats import latency_summary_ms
 
-__all__ = ["BatchRecord", "ModelSummary", "Recorder", "TrialSummary", "WorkerSummary",
-           "completed_items", "summarise"]
+__all__ = ["BatchRecord", "Recorder", "summarise"]
 
 
 @dataclass
@@ -169,7 +167,8 @@ def summarise(
             served[r.model] += r.size
         per_worker[w.name] = WorkerSummary(
             w.name, w.unit, worker_models.get(w.name, w.model),
-            "ok" if w.alive else (w.failure or "failed"), w.error, len(recs), items,
+            "ok" if w.alive else ("oom" if w.failure == "oom" else "failed"), w.error,
+            len(recs), items,
             items / total_items, dict(served), busy, busy / duration if duration else None,
             items / duration if duration else None, _histogram(recs),
             # One batch from its launch to its outputs on the host (what a bench point times).

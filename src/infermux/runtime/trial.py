@@ -12,11 +12,14 @@ store holds: records from before a quantity was named for items (`completed_samp
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 __all__ = ["ClusterTrial", "LatencySummary", "ModelQueries", "ModelSummary", "Phases",
-           "ServerLoad", "Timeline", "TimelineRow", "TrialSummary", "WorkerSummary",
-           "completed_items", "latency_of"]
+           "ServerLoad", "Timeline", "TimelineRow", "TrialSummary", "WorkerStatus",
+           "WorkerSummary", "completed_items", "latency_of"]
+
+#: How a worker ended a trial: serving, out of device memory, or failed otherwise.
+WorkerStatus = Literal["ok", "oom", "failed"]
 
 _PERCENTILE_KEYS = ("p50_ms", "p90_ms", "p95_ms", "p99_ms", "max_ms", "mean_ms")
 
@@ -186,8 +189,7 @@ class WorkerSummary:
     worker: str
     unit: str
     model: str
-    #: How the worker ended the trial: `ok` (serving), `oom`, or what failed it.
-    status: str
+    status: WorkerStatus
     error: str | None
     batches: int
     items: int
@@ -228,8 +230,9 @@ class WorkerSummary:
     def from_dict(cls, name: str, data: dict[str, Any]) -> WorkerSummary:
         """Read a stored entry (older ones count `samples`, not items)."""
         items = data.get("items", data.get("samples"))
+        status = data.get("status")
         return cls(str(data.get("worker") or name), str(data.get("unit")),
-                   str(data.get("model")), str(data.get("status") or "failed"),
+                   str(data.get("model")), status if status in ("ok", "oom") else "failed",
                    data.get("error"), int(data.get("batches") or 0), int(items or 0),
                    float(data.get("share") or 0.0),
                    dict(data.get("items_by_model", data.get("samples_by_model")) or {}),
