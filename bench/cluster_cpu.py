@@ -47,11 +47,14 @@ def single(model: str, batch: int, cores: list[int], duration: float) -> dict[st
     plan = parse_plan({**local_plan(model, batch, [f"cpu:{c}" for c in cores]),
                        "load": load(duration)})
     report = run_plan(plan)
-    rec = report.final or {}
-    return {"throughput": rec.get("items_per_s"), "completed": rec.get("completed"),
-            "failed": rec.get("failed"), "unfinished": rec.get("unfinished"),
-            "workers": {w: r["items_per_s"] for w, r in rec.get("workers", {}).items()},
-            "batch_latency": {w: r["batch_latency"] for w, r in rec.get("workers", {}).items()}}
+    rec = report.final
+    if rec is None:
+        raise SystemExit(f"the single runtime ran no trial: {report.error}")
+    return {"throughput": rec.items_per_s, "completed": rec.completed, "failed": rec.failed,
+            "unfinished": rec.unfinished,
+            "workers": {w: r.items_per_s for w, r in rec.workers.items()},
+            "batch_latency": {w: r.batch_latency.to_dict() if r.batch_latency else {}
+                              for w, r in rec.workers.items()}}
 
 
 def cluster_plan(model: str, batch: int, cores: list[int], lo: dict[str, Any]) -> Any:
@@ -63,16 +66,24 @@ def cluster_plan(model: str, batch: int, cores: list[int], lo: dict[str, Any]) -
         "load": lo})
 
 
+def _cluster_part(rep: Any) -> Any:
+    """The cluster's part of a cluster run's trial (its nodes, routing, events)."""
+    if rep.record is None or rep.record.cluster is None:
+        raise SystemExit(f"the cluster run gave no trial: {rep.error}")
+    return rep.record.cluster
+
+
 def summary(rep: Any) -> dict[str, Any]:
-    r = rep.record
-    return {"throughput": r["items_per_s"], "issued": r["issued"],
-            "completed": r["completed"], "failed": r["failed"], "unfinished": r["unfinished"],
-            "valid": r["valid"], "notes": r["validity_notes"], "latency": r["latency"],
-            "routing": r["routing"], "start_s": rep.start_s,
+    r, cluster = rep.record, _cluster_part(rep)
+    return {"throughput": r.items_per_s, "issued": r.issued,
+            "completed": r.completed, "failed": r.failed, "unfinished": r.unfinished,
+            "valid": r.valid, "notes": r.validity_notes,
+            "latency": r.latency.to_dict() if r.latency else {},
+            "routing": cluster.routing, "start_s": rep.start_s,
             "nodes": [{k: n.get(k) for k in ("node", "status", "completed_items", "share",
                                               "lost_at_s", "rerouted_items", "failed_items")}
-                      for n in r["nodes"]],
-            "events": r["cluster_events"]}
+                      for n in cluster.nodes],
+            "events": cluster.cluster_events}
 
 
 def pairs(args: argparse.Namespace, cores: list[int], out: dict[str, Any]) -> None:
@@ -85,8 +96,8 @@ def pairs(args: argparse.Namespace, cores: list[int], out: dict[str, Any]) -> No
             one = single(args.model, args.batch, cores, args.duration)["throughput"]
             rep = run_cluster(cluster_plan(args.model, args.batch, cores, load(args.duration)),
                               handle)
-            two = rep.record["items_per_s"]
-            routing = rep.record["routing"]
+            two = rep.record.items_per_s if rep.record else None
+            routing = _cluster_part(rep).routing
             batches = max(1, len(rep.batches))
             rows.append({"pair": i, "single": one, "cluster": two, "ratio": two / one,
                          # What the driver spent per batch run, and how full the batches were.
@@ -143,7 +154,7 @@ def main() -> None:
             rep = run_cluster(cluster_plan(args.model, args.batch, cores, load(args.duration)),
                               handle)
             runs.append(summary(rep))
-            own[f"offline {i}"] = (rep.batches, rep.delays_ns, rep.record["routing"])
+            own[f"offline {i}"] = (rep.batches, rep.delays_ns, _cluster_part(rep).routing)
             if i == 0:
                 records += rep.batches
             print(json.dumps(runs[-1]["throughput"]), flush=True)
@@ -156,11 +167,11 @@ def main() -> None:
             rep = run_cluster(cluster_plan(args.model, args.batch, cores, load(
                 args.duration, scenario="server", rate_qps=rate, min_queries=64)), handle)
             out["server"].append({"rate_qps": rate, **summary(rep)})
-            own[f"server {rate}"] = (rep.batches, rep.delays_ns, rep.record["routing"])
+            own[f"server {rate}"] = (rep.batches, rep.delays_ns, _cluster_part(rep).routing)
             if frac == 0.3:
                 records += rep.batches
                 delays = rep.delays_ns
-                out["calibration_routing"] = rep.record["routing"]
+                out["calibration_routing"] = _cluster_part(rep).routing
 
         def kill(sut: Any) -> None:
             time.sleep(args.duration * 0.4)
@@ -171,7 +182,7 @@ def main() -> None:
         rep = run_cluster(cluster_plan(args.model, args.batch, cores, load(args.duration)),
                           handle, during=kill)
         out["killed"] = summary(rep)
-        out["killed"]["node_timeline"] = rep.record["node_timeline"]
+        out["killed"]["node_timeline"] = _cluster_part(rep).node_timeline
     print("single runtime (after the cluster)", flush=True)
     out["single_after"] = single(args.model, args.batch, cores, args.duration)
     single_tp = (out["single_before"]["throughput"] + out["single_after"]["throughput"]) / 2

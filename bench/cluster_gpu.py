@@ -58,10 +58,11 @@ def single(duration: float) -> dict[str, Any]:
 
     spec = yaml.safe_load((PLANS / "resnet50_2gpu.yaml").read_text())
     report = run_plan(parse_plan({**spec, "load": load(duration)}))
-    rec = report.final or {}
-    return {"throughput": rec.get("items_per_s"), "completed": rec.get("completed"),
-            "failed": rec.get("failed"),
-            "workers": {w: r["items_per_s"] for w, r in rec.get("workers", {}).items()}}
+    rec = report.final
+    if rec is None:
+        return {"throughput": None, "completed": None, "failed": None, "workers": {}}
+    return {"throughput": rec.items_per_s, "completed": rec.completed, "failed": rec.failed,
+            "workers": {w: r.items_per_s for w, r in rec.workers.items()}}
 
 
 def cluster_plan(duration: float) -> Any:
@@ -106,15 +107,18 @@ def main() -> None:
                 one = single(args.duration)
                 rep = run_cluster(cluster_plan(args.duration), handle)
                 rec = rep.record
+                if rec is None or rec.cluster is None:
+                    raise SystemExit(f"the cluster run gave no trial: {rep.error}")
                 rows.append({
                     "pair": i, "single": one["throughput"], "single_workers": one["workers"],
-                    "cluster": rec["items_per_s"], "ratio": rec["items_per_s"] / one["throughput"],
-                    "cluster_failed": rec["failed"], "cluster_unfinished": rec["unfinished"],
-                    "cluster_valid": rec["valid"], "cluster_notes": rec["validity_notes"],
+                    "cluster": rec.items_per_s,
+                    "ratio": (rec.items_per_s or 0.0) / one["throughput"],
+                    "cluster_failed": rec.failed, "cluster_unfinished": rec.unfinished,
+                    "cluster_valid": rec.valid, "cluster_notes": rec.validity_notes,
                     "cluster_nodes": [{k: n.get(k) for k in ("node", "status", "items_per_s",
                                                              "share", "rate_at_start")}
-                                      for n in rec["nodes"]],
-                    "routing": rec["routing"], "cluster_build_s": rep.start_s})
+                                      for n in rec.cluster.nodes],
+                    "routing": rec.cluster.routing, "cluster_build_s": rep.start_s})
                 print(json.dumps(rows[-1]), flush=True)
     finally:
         stop_cluster()

@@ -81,17 +81,20 @@ def main() -> None:
     for r in range(args.rounds):
         with Pipeline(entry, model, graph, units) as pipe:
             direct = pipe.measure(args.duration, 1.0).items_per_s
-        ran = run_plan(offline).final or {}
-        rounds.append({"partitioner": direct, "runtime": ran.get("items_per_s") or 0.0,
-                       "runtime_p99_ms": (ran.get("latency") or {}).get("p99_ms") or 0.0})
+        ran = run_plan(offline).final
+        rounds.append({"partitioner": direct, "runtime": (ran.items_per_s if ran else None) or 0.0,
+                       "runtime_p99_ms": (ran.latency.p99_ms if ran and ran.latency else 0.0)})
         print(f"round {r + 1}: partitioner {direct:,.1f}, runtime {rounds[-1]['runtime']:,.1f} "
               "items/s", flush=True)
     ratio = statistics.median(x["runtime"] / x["partitioner"] for x in rounds if x["partitioner"])
     rate = args.server_fraction * statistics.median(x["runtime"] for x in rounds)
     server = run_plan(_with_load(plan, scenario="server", rate_qps=rate, min_duration_s=args.duration,
-                                 min_queries=128, p99_bound_ms=args.p99)).final or {}
-    print(f"server at {rate:,.1f} qps: {server.get('items_per_s') or 0:,.1f} items/s, "
-          f"p99 {(server.get('latency') or {}).get('p99_ms')} ms, valid {server.get('valid')}")
+                                 min_queries=128, p99_bound_ms=args.p99)).final
+    if server is None:
+        raise SystemExit("the server run gave no trial")
+    server_p99 = server.latency.p99_ms if server.latency else None
+    print(f"server at {rate:,.1f} qps: {server.items_per_s or 0:,.1f} items/s, "
+          f"p99 {server_p99} ms, valid {server.valid}")
     peak = None
     if args.p99 is not None:
         found_peak = run_plan(_with_load(plan, scenario="server", find_peak=True, p99_bound_ms=args.p99,
@@ -105,9 +108,9 @@ def main() -> None:
         "partition_measured_items_per_s": report.best.measured_items_per_s,
         "predicted_items_per_s": report.best.predicted_items_per_s,
         "rounds": rounds, "runtime_over_partitioner_median": ratio,
-        "server": {"rate_qps": rate, "throughput": server.get("items_per_s"),
-                   "latency": server.get("latency"), "valid": server.get("valid"),
-                   "pipelines": server.get("pipelines")},
+        "server": {"rate_qps": rate, "throughput": server.items_per_s,
+                   "latency": server.latency.to_dict() if server.latency else {},
+                   "valid": server.valid, "pipelines": server.pipelines},
         "peak": peak, "elapsed_s": time.perf_counter() - started,
     }
     print(f"runtime / partitioner (median of {args.rounds} rounds): {ratio:.3f}")

@@ -99,8 +99,10 @@ def run_runtime(model_ref: str, shape: tuple[int, ...] | None, batch: int, durat
         "dispatcher": {"cpu_workers": hosting},
         "load": {"scenario": "offline", "min_duration_s": duration_s, "min_queries": 1},
     })
-    report = run_plan(plan)
-    return float(report.final["items_per_s"])
+    final = run_plan(plan).final
+    if final is None or final.items_per_s is None:
+        raise SystemExit(f"{model_ref} on {hosting} workers ran no trial")
+    return float(final.items_per_s)
 
 
 def main() -> None:

@@ -81,8 +81,11 @@ def plan(setup: Setup, replicas: list[dict[str, Any]], load: dict[str, Any],
 
 def offline_rate(setup: Setup, replicas: list[dict[str, Any]]) -> tuple[float, dict[str, Any]]:
     report = run_plan(plan(setup, replicas, {"scenario": "offline"}))
-    rec = report.final or {}
-    return float(rec.get("items_per_s") or 0.0), rec
+    rec = report.final
+    if rec is None:
+        return 0.0, {}
+    # the trial's record as stored (JSON for the results file)
+    return float(rec.items_per_s or 0.0), rec.to_dict()
 
 
 def plain_eager(setup: Setup, batch: int) -> float:
@@ -198,11 +201,11 @@ def main() -> None:
     for name, reps in (("GPU-only", gpu), ("GPU + CPU", mixed)):
         rec = run_plan(plan(setup, reps, {"scenario": "server", "rate_qps": rate,
                                           "p99_bound_ms": setup.bound_ms},
-                            bound_ms=setup.bound_ms)).final or {}
-        p99s[name] = rec.get("latency", {}).get("p99_ms")
+                            bound_ms=setup.bound_ms)).final
+        p99s[name] = rec.latency.p99_ms if rec is not None and rec.latency else None
         row("3 mixed", f"{name} plan, server p99 at {rate:,.0f} qps", p99s[name], "ms",
             p99s.get("GPU-only") if name != "GPU-only" else None, "≤ GPU-only")
-        results[f"server_{name}"] = rec
+        results[f"server_{name}"] = rec.to_dict() if rec is not None else {}
     row("4 peak", f"server peak within p99 ≤ {setup.bound_ms:g} ms", peak.get("peak_qps"),
         "qps", gpu_offline, "MLPerf H100 TensorRT: 0.82")
     results["peak"] = peak

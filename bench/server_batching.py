@@ -53,6 +53,7 @@ from infermux.runtime import parse_plan
 from infermux.runtime.peak import run_trial
 from infermux.runtime.plan import Plan
 from infermux.runtime.session import start_runtime
+from infermux.runtime.trial import TrialSummary
 
 RULES = ("queue_delay", "deadline")
 HOSTINGS = ("process", "thread")
@@ -124,20 +125,22 @@ def _hosted(plan: dict[str, Any], hosting: str | None, buckets: str | None = Non
     return parse_plan(plan, source="bench plan")
 
 
-def _brief(record: dict[str, Any]) -> dict[str, Any]:
-    """A trial's figures that say where the time went."""
-    models = record.get("models") or {}
-    model = next(iter(models.values()), {})
+def _brief(record: TrialSummary) -> dict[str, Any]:
+    """A trial's figures that say where the time went (JSON, as the results file keeps them)."""
+    model = next(iter(record.models.values()), None)
+    server = record.server
     return {
-        "scenario": record.get("scenario"), "rate_qps": record.get("rate_qps"),
-        "valid": record.get("valid"), "items_per_s": record.get("items_per_s"),
-        "p99_ms": (record.get("latency") or {}).get("p99_ms"),
-        "issue_lag": record.get("issue_lag"),
-        "load_generator_lag": record.get("load_generator_lag"),
-        "phases": model.get("phases"), "mean_batch": model.get("mean_batch"),
-        "batch_histogram": model.get("batch_histogram"),
-        "worker_batch_latency": {name: w.get("batch_latency")
-                                 for name, w in (record.get("workers") or {}).items()},
+        "scenario": record.scenario, "rate_qps": record.rate_qps,
+        "valid": record.valid, "items_per_s": record.items_per_s,
+        "p99_ms": record.latency.p99_ms if record.latency else None,
+        "issue_lag": server.issue_lag.to_dict() if server and server.issue_lag else (
+            {} if server else None),
+        "load_generator_lag": server.load_generator_lag if server else None,
+        "phases": model.phases.to_dict() if model else None,
+        "mean_batch": model.mean_batch if model else None,
+        "batch_histogram": model.batch_histogram if model else None,
+        "worker_batch_latency": {name: w.batch_latency.to_dict() if w.batch_latency else {}
+                                 for name, w in record.workers.items()},
     }
 
 
@@ -160,7 +163,7 @@ def _one(rt: Any, rule: str, settings: dict[str, Any], shares: dict[str, float],
     offline = run_trial(rt, {**settings, "scenario": "offline"}, shares).record
     records.append(_brief(offline))
     _say(records[-1])
-    upper = offline.get("items_per_s") or 0.0
+    upper = offline.items_per_s or 0.0
 
     def server(rate: float) -> Any:
         run = run_trial(rt, {**settings, "scenario": "server", "rate_qps": rate}, shares)

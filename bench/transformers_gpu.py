@@ -81,11 +81,14 @@ def _offline(plan: dict[str, Any]) -> dict[str, Any]:
         report = run_plan(parse_plan(plan))
     except Exception as exc:  # noqa: BLE001 - one plan's failure is its row, the rest run on
         return {"error": f"{type(exc).__name__}: {exc}", "wall_s": time.perf_counter() - t0}
-    final = report.final or {}
-    model = (final.get("models") or {}).get("bert", {})
-    return {"items_per_s": final.get("items_per_s"), "tokens_per_s": final.get("tokens_per_s"),
-            "mean_length": model.get("mean_length"), "valid": final.get("valid"),
-            "p99_ms": (final.get("latency") or {}).get("p99_ms"), "status": report.status,
+    final = report.final
+    model = final.models.get("bert") if final is not None else None
+    return {"items_per_s": final.items_per_s if final else None,
+            "tokens_per_s": final.tokens_per_s if final else None,
+            "mean_length": model.mean_length if model else None,
+            "valid": final.valid if final else None,
+            "p99_ms": final.latency.p99_ms if final and final.latency else None,
+            "status": report.status,
             "build_s": report.build.get("build_s"), "wall_s": time.perf_counter() - t0}
 
 

@@ -15,9 +15,11 @@ def through_runtime(plan: dict[str, Any], seconds: float) -> float:
                              "min_queries": 256, "find_peak": False}}
     data["load"].pop("p99_bound_ms", None)
     report = run_plan(parse_plan(data, source="bench plan"))
-    if report.final is None or not report.final["valid"]:
-        raise SystemExit(f"plan {plan.get('name')!r} gave no valid offline result: {report.final}")
-    return float(report.final["items_per_s"])
+    final = report.final
+    if final is None or not final.valid or final.items_per_s is None:
+        raise SystemExit(f"plan {plan.get('name')!r} gave no valid offline result: "
+                         f"{final.validity_notes if final else 'no trial'}")
+    return float(final.items_per_s)
 
 
 def side_by_side(plans: dict[str, dict[str, Any]], seconds: float, rounds: int

@@ -60,23 +60,23 @@ def test_run_across_two_nodes_stored_by_node(cluster, tmp_path) -> None:
                          command="test")
     rec = report.record
     assert report.status == "complete", report.error
-    assert rec["valid"], rec["validity_notes"]
-    assert rec["failed"] == 0 and rec["unfinished"] == 0 and rec["completed"] > 0
-    rows = {n["node"]: n for n in rec["nodes"]}
+    assert rec.valid, rec.validity_notes
+    assert rec.failed == 0 and rec.unfinished == 0 and rec.completed > 0
+    rows = {n["node"]: n for n in rec.cluster.nodes}
     assert set(rows) == {"a", "b"}
     assert all(r["status"] == "ok" and r["completed_items"] > 0 for r in rows.values())
     # Every completed sample is credited to one node, and the nodes ran on distinct Ray nodes.
-    assert sum(r["completed_items"] for r in rows.values()) == rec["completed_items"]
+    assert sum(r["completed_items"] for r in rows.values()) == rec.completed_items
     assert rows["a"]["node_id"] != rows["b"]["node_id"]
     assert rows["a"]["cores"] != [] and rows["a"]["pid"] != rows["b"]["pid"]
     # Nodes get whole batches (pieces of half a batch made half batches), and the driver
     # makes fewer calls and takes fewer answers than the nodes run batches.
     sizes = [b.size for b in report.batches]
     assert sum(s == 4 for s in sizes) >= 0.9 * len(sizes), sorted(set(sizes))
-    routing = rec["routing"]
+    routing = rec.cluster.routing
     assert routing["node_calls"] < len(sizes) and routing["answers"] < len(sizes), routing
     # Workers are tagged by node, in the record and in the store.
-    assert {w.split("/")[0] for w in rec["workers"]} == {"a", "b"}
+    assert {w.split("/")[0] for w in rec.workers} == {"a", "b"}
     run = store.run(report.run_id)
     assert run["kind"] == "cluster" and run["status"] == "complete"
     db = store.connection
@@ -120,14 +120,14 @@ def test_find_peak_searches_the_cluster_s_highest_rate_within_the_bound(cluster,
     peak = report.peak
     assert peak is not None and peak["peak_qps"] is not None, peak
     # An offline trial gives the upper bound, then the server trials of the bisection.
-    assert [t["scenario"] for t in report.trials] == ["offline"] + ["server"] * len(peak["trials"])
-    assert 0 < peak["peak_qps"] < peak["offline_items_per_s"] == report.trials[0]["items_per_s"]
-    best = max((t for t in report.trials[1:] if t["valid"]), key=lambda t: t["rate_qps"])
-    assert report.record is best and best["rate_qps"] == peak["peak_qps"]
-    assert best["latency"]["p99_ms"] <= 250
+    assert [t.scenario for t in report.trials] == ["offline"] + ["server"] * len(peak["trials"])
+    assert 0 < peak["peak_qps"] < peak["offline_items_per_s"] == report.trials[0].items_per_s
+    best = max((t for t in report.trials[1:] if t.valid), key=lambda t: t.rate_qps)
+    assert report.record is best and best.rate_qps == peak["peak_qps"]
+    assert best.latency.p99_ms <= 250
     # Each trial starts from empty nodes: its per-node counts are its own.
     for t in report.trials[1:]:  # server queries are of one sample
-        assert sum(n["completed_items"] for n in t["nodes"]) == t["completed"]
+        assert sum(n["completed_items"] for n in t.cluster.nodes) == t.completed
     rows = store.connection.execute(
         "SELECT COUNT(DISTINCT trial) FROM cluster_nodes WHERE run_id = ?",
         (report.run_id,)).fetchone()[0]
@@ -165,20 +165,20 @@ def test_a_node_that_joins_mid_run_is_used_once_it_has_measured_itself(cluster) 
     assert not thread.is_alive()
     rec = got["report"].record  # type: ignore[attr-defined]
     assert before == len(cluster.nodes()) - 1
-    rows = {n["node_id"]: n for n in rec["nodes"]}
-    assert new_id in rows, (rec["cluster_events"], list(rows))
+    rows = {n["node_id"]: n for n in rec.cluster.nodes}
+    assert new_id in rows, (rec.cluster.cluster_events, list(rows))
     joined = rows[new_id]
     assert joined["joined_at_s"] is not None and joined["status"] == "ok"
     # It joined only once started and measured (its build's estimate seeds its rate) ...
     assert joined["rate_at_start"].get("cnn", 0) > 0
-    events = [e for e in rec["cluster_events"] if e["event"] == "node_joined"]
+    events = [e for e in rec.cluster.cluster_events if e["event"] == "node_joined"]
     assert [e["node_id"] for e in events] == [new_id] and events[0]["start_s"] > 0
     # ... and then took its share of the load, with nothing lost.
-    assert joined["completed_items"] > 0, rec["nodes"]
-    assert rec["failed"] == 0 and rec["unfinished"] == 0
+    assert joined["completed_items"] > 0, rec.cluster.nodes
+    assert rec.failed == 0 and rec.unfinished == 0
     assert all(n["joined_at_s"] is None for i, n in rows.items() if i != new_id)
-    bin_s = rec["node_timeline"]["bin_s"]
-    early = [r["items"] for r in rec["node_timeline"]["rows"]
+    bin_s = rec.cluster.node_timeline["bin_s"]
+    early = [r["items"] for r in rec.cluster.node_timeline["rows"]
              if r["node"] == joined["node"] and r["t_s"] + bin_s <= joined["joined_at_s"]]
     assert early and not any(early)  # nothing routed to it before it joined
 
@@ -199,18 +199,18 @@ def test_a_node_killed_mid_run_loses_no_query(cluster) -> None:
     assert "at" in killed
     assert time.perf_counter() - started < 60  # never hangs on the lost node
     # Every issued query completed: what the lost node held went to the other one.
-    assert rec["failed"] == 0 and rec["unfinished"] == 0, rec["validity_notes"]
-    assert rec["completed"] == rec["issued"] > 0
-    rows = {n["node"]: n for n in rec["nodes"]}
+    assert rec.failed == 0 and rec.unfinished == 0, rec.validity_notes
+    assert rec.completed == rec.issued > 0
+    rows = {n["node"]: n for n in rec.cluster.nodes}
     assert rows["b"]["status"] == "lost" and rows["b"]["lost_at_s"] is not None
     assert rows["a"]["status"] == "ok"
-    lost = [e for e in rec["cluster_events"] if e["event"] == "node_lost"]
+    lost = [e for e in rec.cluster.cluster_events if e["event"] == "node_lost"]
     assert len(lost) == 1 and lost[0]["node"] == "b"
     assert lost[0]["rerouted_items"] == lost[0]["held_items"]
     # The gap shows: after the loss only node a completes samples.
     lost_at = rows["b"]["lost_at_s"]
-    bin_s = rec["node_timeline"]["bin_s"]
-    late_b = [r["items"] for r in rec["node_timeline"]["rows"]
+    bin_s = rec.cluster.node_timeline["bin_s"]
+    late_b = [r["items"] for r in rec.cluster.node_timeline["rows"]
               if r["node"] == "b" and r["t_s"] > lost_at + bin_s]
     assert late_b and not any(late_b)
     assert threading.active_count() < 200

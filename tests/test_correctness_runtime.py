@@ -60,8 +60,8 @@ def test_what_an_earlier_trial_left_queued_is_never_served_into_the_next():
     counts = result.counts()
     assert counts["unfinished"] == 0 and counts["failed"] == 0
     # Every batch served in the trial was the trial's own: nothing stale was credited.
-    assert served == counts["completed_items"] == record["completed_items"]
-    assert record["dropped_from_earlier_trial"] == 50
+    assert served == counts["completed_items"] == record.completed_items
+    assert record.dropped_from_earlier_trial == 50
     # Each query completed after its own arrival, never before it.
     assert min(result.latencies_ns()) > 0
 
@@ -76,9 +76,9 @@ def test_each_trial_of_a_peak_search_counts_its_own_retries():
     report = run_plan(p)
     assert report.status == "complete", report.error
     offline, *servers = report.trials
-    assert offline["scenario"] == "offline" and offline["retried_items"] >= 1
-    assert servers and all(t["retried_items"] == 0 and t["failed_items"] == 0 for t in servers)
-    assert all(t["unfinished"] == 0 for t in report.trials)
+    assert offline.scenario == "offline" and offline.retried_items >= 1
+    assert servers and all(t.retried_items == 0 and t.failed_items == 0 for t in servers)
+    assert all(t.unfinished == 0 for t in report.trials)
 
 
 # -- the peak search's ends ------------------------------------------------------------------
@@ -93,7 +93,7 @@ def test_an_empty_offline_trial_ends_the_peak_search_with_a_reason():
     assert peak is not None and peak["peak_qps"] is None and peak["trials"] == []
     assert "offline trial completed no samples" in peak["reason"]
     assert "injected failure in a worker" in peak["reason"]
-    assert len(report.trials) == 1 and report.trials[0]["completed"] == 0
+    assert len(report.trials) == 1 and report.trials[0].completed == 0
 
 
 def test_no_rate_within_the_bound_says_the_batch_latency_alone_breaks_it():

@@ -149,5 +149,5 @@ def test_an_openvino_worker_process_serves_a_runtime_plan() -> None:
     report = run_plan(plan)
     assert report.status == "complete", report.error
     final = report.final
-    assert final is not None and final["items_per_s"] > 0
+    assert final is not None and final.items_per_s > 0
     assert report.build["workers"][0]["hosting"] == "process"

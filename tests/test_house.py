@@ -78,10 +78,10 @@ def test_a_worker_that_runs_out_of_memory_has_the_oom_status() -> None:
         "load": {"scenario": "offline", "min_duration_s": 0.3, "min_queries": 16},
     }, source="test")
     report = run_plan(plan)
-    workers = report.final["workers"]
-    assert {w["unit"]: w["status"] for w in workers.values()} == {"cpu:0": "oom", "cpu:1": "ok"}
-    assert "ran out of memory" in next(w["error"] for w in workers.values() if w["unit"] == "cpu:0")
-    assert report.final["completed"] > 0  # the other worker served the load
+    workers = report.final.workers
+    assert {w.unit: w.status for w in workers.values()} == {"cpu:0": "oom", "cpu:1": "ok"}
+    assert "ran out of memory" in next(w.error for w in workers.values() if w.unit == "cpu:0")
+    assert report.final.completed > 0  # the other worker served the load
 
 
 def test_a_run_whose_model_has_no_worker_fails_with_the_reason() -> None:

@@ -258,7 +258,7 @@ def test_runtime_runs_litert_replicas_in_worker_processes(tiny, cpu, tmp_path):
     with Store(tmp_path / "r.db") as store:
         report = run_plan(plan, store=store, command="test")
     assert report.status == "complete", report.error
-    assert report.final["failed"] == 0 and report.final["completed"] >= 20
+    assert report.final.failed == 0 and report.final.completed >= 20
     assert [w["hosting"] for w in report.build["workers"]] == ["process"]
 
 

@@ -150,10 +150,11 @@ def test_a_single_server_trial_says_when_its_generator_fell_behind():
 
 def test_the_printed_headline_carries_the_lag_note():
     from infermux.cli.render import run_headline
+    from infermux.runtime.trial import TrialSummary
 
-    lagged = _lagging_trial(4.0)
+    lagged = TrialSummary.from_dict(_lagging_trial(4.0))
     assert "load generator fell behind" in run_headline(lagged)
-    assert "load generator" not in run_headline(_lagging_trial(0.0))
+    assert "load generator" not in run_headline(TrialSummary.from_dict(_lagging_trial(0.0)))
 
 
 def test_the_lag_note_starts_past_a_tenth_of_the_bound():

@@ -143,7 +143,7 @@ def test_a_two_input_onnx_file_runs_a_plan_on_onnxruntime(two, hosting):
                             lengths="uniform:2-8"))
     final = report.final
     assert report.status == "complete", report.error
-    assert final["valid"] and final["items_per_s"] > 0 and not final["failed"], final
+    assert final.valid and final.items_per_s > 0 and not final.failed, final
 
 
 def test_a_tiny_bert_plan_on_torch_process_workers_serves_rows(bert):
@@ -268,8 +268,8 @@ def test_run_takes_query_lengths_and_reports_tokens_per_second(two, tmp_path):
 def test_fixed_lengths_run_at_their_bucket(bert):
     """Queries of 5 tokens run in the 8 bucket; tokens count their own length, not the bucket's."""
     report = run_plan(_plan(bert, seq_buckets=[8, 32], lengths=5, batch=2))
-    model = report.final["models"]["m"]
-    assert report.status == "complete" and model["mean_length"] == 5, model
+    model = report.final.models["m"]
+    assert report.status == "complete" and model.mean_length == 5, model
 
 
 # -- step 3: `serve` -------------------------------------------------------------------------

@@ -218,3 +218,78 @@ def test_a_serve_summary_stored_as_a_dict_still_reads():
     assert [(n.node, n.status, n.joined) for n in served.nodes] == [
         ("a", "ok", False), ("b", "lost", True)]
     assert json.dumps(served.to_dict()) == json.dumps(clustered)
+
+
+def _runtime_plan(load):
+    from infermux.runtime import parse_plan
+
+    return parse_plan({
+        "name": "records", "models": [{"name": "tiny", "model": MODEL,
+                                       "replicas": [{"unit": "cpu", "batch": 4}]}],
+        "dispatcher": {"cpu_workers": "thread", "max_queue_delay_ms": 1},
+        "load": {"sample_pool": 16, "min_duration_s": 0.2, "min_queries": 24, **load}})
+
+
+def test_runtime_trial_round_trips_through_the_store(db):
+    from infermux.runtime import run_plan
+    from infermux.runtime.trial import TrialSummary
+
+    with Store(db) as store:
+        report = run_plan(_runtime_plan({"scenario": "server", "rate_qps": 150}), store=store)
+        stored = store.runtime_trials(report.run_id)
+        text = store.connection.execute(
+            "SELECT record_json FROM run_trials WHERE run_id = ?", (report.run_id,)).fetchone()[0]
+    (trial,) = report.trials
+    assert isinstance(trial, TrialSummary) and trial is report.final
+    assert trial.scenario == "server" and trial.server is not None and trial.rate_qps == 150
+    assert trial.completed > 0 and trial.models["tiny"].latency is not None
+    assert trial.workers and all(w.ok and w.batch_latency is not None
+                                 for w in trial.workers.values())
+    assert trial.trial == 0 and trial.settings is not None and trial.timeline.rows
+    # the stored row is the type's dict, text for text, and reads back equal
+    (row,) = stored
+    assert row == trial.to_dict()
+    assert text == json.dumps(trial.to_dict())
+    back = TrialSummary.from_dict(row)
+    assert back == trial
+    assert back.to_dict() == row and json.dumps(back.to_dict()) == json.dumps(row)
+    # the `--json` output carries the same dict
+    assert report.to_dict()["result"] == row and report.to_dict()["trials"] == [row]
+
+
+def test_a_runtime_trial_stored_before_its_newer_fields_still_reads():
+    from infermux.runtime import run_plan
+    from infermux.runtime.trial import TrialSummary
+
+    current = run_plan(_runtime_plan({"scenario": "offline"})).final
+    assert current is not None and current.server is None and current.metric == "items_per_s"
+    now = current.to_dict()
+    assert json.dumps(TrialSummary.from_dict(now).to_dict()) == json.dumps(now)
+    # as an earlier version stored it: samples, not items; no launch/run phases, no batch
+    # latency, no loop counters or settings
+    old = {k: v for k, v in now.items() if k not in (
+        "completed_items", "items_per_s", "settings", "retried_items", "failed_items",
+        "dropped_from_earlier_trial", "trial")}
+    old |= {"completed_samples": now["completed_items"],
+            "throughput_samples_per_s": now["items_per_s"]}
+    old["models"] = {n: {k: v for k, v in m.items() if k not in ("completed_items", "phases")}
+                     | {"completed_samples": m["completed_items"],
+                        "phases": {k: p for k, p in m["phases"].items()
+                                   if k not in ("launch", "run")}}
+                     for n, m in now["models"].items()}
+    old["workers"] = {n: {k: v for k, v in w.items() if k not in (
+        "items", "items_by_model", "batch_latency", "latency_estimate_ms_by_model")}
+        | {"samples": w["items"]} for n, w in now["workers"].items()}
+    aged = TrialSummary.from_dict(old)
+    assert aged.completed_items == current.completed_items > 0
+    assert aged.items_per_s == current.items_per_s
+    assert aged.models["tiny"].completed_items == current.models["tiny"].completed_items
+    assert aged.models["tiny"].phases.launch is None
+    assert aged.models["tiny"].phases.queueing == current.models["tiny"].phases.queueing
+    (worker,) = aged.workers.values()
+    assert worker.items == next(iter(current.workers.values())).items and worker.ok
+    assert worker.batch_latency is None and worker.batch_p99_ms is None
+    assert aged.trial is None and aged.settings is None and aged.retried_items is None
+    # written back, it is the current version's record less what the old row never had
+    assert set(aged.to_dict()) == set(now) - {"settings", "retried_items", "failed_items",
+                                              "dropped_from_earlier_trial", "trial"}

@@ -43,13 +43,13 @@ def test_two_models_on_two_core_sets_in_worker_processes(tmp_path):
         report = run_plan(p, store=store, command="test")
     assert report.status == "complete", report.error
     rec = report.final
-    assert rec["valid"], rec["validity_notes"]
-    assert rec["failed"] == 0 and rec["unfinished"] == 0
-    assert {m: v["completed"] > 5 for m, v in rec["models"].items()} == {"tiny": True, "mnv3": True}
-    units = {w["unit"]: w for w in rec["workers"].values()}
+    assert rec.valid, rec.validity_notes
+    assert rec.failed == 0 and rec.unfinished == 0
+    assert {m: v.completed > 5 for m, v in rec.models.items()} == {"tiny": True, "mnv3": True}
+    units = {w.unit: w for w in rec.workers.values()}
     assert set(units) == {"cpu:0", "cpu:1"}
-    assert set(units["cpu:0"]["items_by_model"]) == {"tiny"}
-    assert set(units["cpu:1"]["items_by_model"]) == {"mnv3"}
+    assert set(units["cpu:0"].items_by_model) == {"tiny"}
+    assert set(units["cpu:1"].items_by_model) == {"mnv3"}
     assert {w["hosting"] for w in report.build["workers"]} == {"process"}
     db = sqlite3.connect(tmp_path / "r.db")
     kind, status, summary = db.execute("SELECT kind, status, summary_json FROM runs").fetchone()
@@ -58,9 +58,9 @@ def test_two_models_on_two_core_sets_in_worker_processes(tmp_path):
     assert db.execute("SELECT COUNT(*) FROM run_models").fetchone()[0] == 2
     assert db.execute("SELECT COUNT(*) FROM run_workers").fetchone()[0] == 2
     issued = db.execute("SELECT COUNT(*) FROM run_queries WHERE latency_ns > 0").fetchone()[0]
-    assert issued == rec["completed"]
+    assert issued == rec.completed
     items = db.execute("SELECT SUM(size) FROM run_batches").fetchone()[0]
-    assert items == rec["completed_items"]
+    assert items == rec.completed_items
     # the results table of the offline benchmark is untouched
     assert db.execute("SELECT COUNT(*) FROM results").fetchone()[0] == 0
 
@@ -73,17 +73,17 @@ def test_dynamic_batching_forms_batches():
         return run_plan(p).final
 
     final = run(20.0, 400)
-    batched = final["models"]["tiny"]
+    batched = final.models["tiny"]
     # A batch's own latency (launch to outputs) is part of its compute phase (take to outputs).
-    (worker,) = final["workers"].values()
-    assert worker["batch_latency"]["p50_ms"] > 0
-    assert worker["batch_latency"]["max_ms"] <= batched["phases"]["compute"]["max_ms"]
-    hist = {int(k): v for k, v in batched["batch_histogram"].items()}
-    assert max(hist) >= 4 and batched["mean_batch"] > 2.0
-    assert batched["phases"]["batching_wait"]["p50_ms"] > 0.5
-    assert batched["phases"]["batching_wait"]["max_ms"] < 20.0 + 25.0  # the delay, plus noise
-    unbatched = run(0.0, 50)["models"]["tiny"]
-    assert unbatched["mean_batch"] < 1.5
+    (worker,) = final.workers.values()
+    assert worker.batch_latency.p50_ms > 0
+    assert worker.batch_latency.max_ms <= batched.phases.compute.max_ms
+    hist = {int(k): v for k, v in batched.batch_histogram.items()}
+    assert max(hist) >= 4 and batched.mean_batch > 2.0
+    assert batched.phases.batching_wait.p50_ms > 0.5
+    assert batched.phases.batching_wait.max_ms < 20.0 + 25.0  # the delay, plus noise
+    unbatched = run(0.0, 50).models["tiny"]
+    assert unbatched.mean_batch < 1.5
 
 
 @needs_two_cores
@@ -95,8 +95,8 @@ def test_work_stealing_gives_the_faster_unit_more_work():
             dispatcher={"policy": policy}, load={"scenario": "offline", "min_duration_s": 1.5,
                                                  "min_queries": 50})
         rec = run_plan(p).final
-        share = {w["unit"]: w["share"] for w in rec["workers"].values()}
-        return share["cpu:0"], rec["items_per_s"]
+        share = {w.unit: w.share for w in rec.workers.values()}
+        return share["cpu:0"], rec.items_per_s
 
     pull_share, pull_rate = run("pull")
     rr_share, rr_rate = run("round_robin")
@@ -128,23 +128,23 @@ def test_slo_aware_dispatch_keeps_p99_under_the_bound_where_round_robin_breaks_i
     blind = run("round_robin", 30, 120)
     # What the policy decides: almost nothing goes to the unit that cannot meet the bound,
     # where round robin sends it half.
-    shares = {w["unit"]: w["share"] for w in slo["workers"].values()}
+    shares = {w.unit: w.share for w in slo.workers.values()}
     assert shares["cpu:1"] < 0.1
-    blind_shares = {w["unit"]: w["share"] for w in blind["workers"].values()}
+    blind_shares = {w.unit: w.share for w in blind.workers.values()}
     assert blind_shares["cpu:1"] > 0.4
-    assert blind["latency"]["p99_ms"] > bound_ms, blind["latency"]
-    assert not blind["valid"]
+    assert blind.latency.p99_ms > bound_ms, blind.latency
+    assert not blind.valid
     # What it is for: the bound holds. The fast unit's own latency is a few ms, so this fails
     # only if the policy sends queries to the slow unit, or if other processes take the fast
     # unit's core for tens of ms at a time (then the share above still shows the policy).
     # A run whose p99 misses is run once more (one stall of a shared host can decide a p99);
     # a policy that breaks the bound misses in both.
-    if slo["latency"]["p99_ms"] > bound_ms:
+    if slo.latency.p99_ms > bound_ms:
         slo = run("pull", 60, 300)
-    assert slo["latency"]["p50_ms"] <= bound_ms / 4, slo["latency"]
-    assert slo["latency"]["p99_ms"] < blind["latency"]["p99_ms"] / 2
-    assert slo["latency"]["p99_ms"] <= bound_ms, slo["latency"]
-    assert slo["valid"]
+    assert slo.latency.p50_ms <= bound_ms / 4, slo.latency
+    assert slo.latency.p99_ms < blind.latency.p99_ms / 2
+    assert slo.latency.p99_ms <= bound_ms, slo.latency
+    assert slo.valid
 
 
 @needs_two_cores
@@ -159,12 +159,12 @@ def test_a_failing_worker_loses_no_query(tmp_path, hosting):
         report = run_plan(p, store=store)
     assert report.status == "complete"
     rec = report.final
-    workers = {w["unit"]: w for w in rec["workers"].values()}
-    assert workers["cpu:1"]["status"] == "failed"
-    assert "injected kernel failure" in workers["cpu:1"]["error"]
-    assert workers["cpu:0"]["status"] == "ok"
-    assert rec["issued"] == rec["completed"] and rec["failed"] == 0 and rec["unfinished"] == 0
-    assert rec["retried_items"] >= 1
+    workers = {w.unit: w for w in rec.workers.values()}
+    assert workers["cpu:1"].status == "failed"
+    assert "injected kernel failure" in workers["cpu:1"].error
+    assert workers["cpu:0"].status == "ok"
+    assert rec.issued == rec.completed and rec.failed == 0 and rec.unfinished == 0
+    assert rec.retried_items >= 1
     db = sqlite3.connect(tmp_path / "r.db")
     rows = dict(db.execute("SELECT unit, status FROM run_workers").fetchall())
     assert rows == {"cpu:0": "ok", "cpu:1": "failed"}
@@ -174,23 +174,23 @@ def test_single_stream_and_multi_stream():
     single = run_plan(plan([tiny(replicas=[{"unit": "cpu:0", "batch": 8}])],
                            load={"scenario": "single-stream", "min_queries": 30,
                                  "min_duration_s": 0.3})).final
-    assert single["valid"] and single["metric"] == "p90_ms"
-    assert single["models"]["tiny"]["batch_histogram"] == {"1": single["completed"]}
+    assert single.valid and single.metric == "p90_ms"
+    assert single.models["tiny"].batch_histogram == {"1": single.completed}
     multi = run_plan(plan([tiny(replicas=[{"unit": "cpu:0", "batch": 8}])],
                           dispatcher={"max_queue_delay_ms": 5},
                           load={"scenario": "multi-stream", "samples_per_query": 8,
                                 "min_queries": 20, "min_duration_s": 0.3})).final
-    assert multi["valid"] and multi["metric"] == "p99_ms"
-    assert multi["completed_items"] == 8 * multi["completed"]
-    assert "8" in multi["models"]["tiny"]["batch_histogram"]
+    assert multi.valid and multi.metric == "p99_ms"
+    assert multi.completed_items == 8 * multi.completed
+    assert "8" in multi.models["tiny"].batch_histogram
 
 
 def test_server_arrivals_follow_the_requested_rate():
     rec = run_plan(plan([tiny(replicas=[{"unit": "cpu:0", "batch": 8}])],
                         load={"scenario": "server", "rate_qps": 200, "min_duration_s": 2.0,
                               "seed": 7})).final
-    assert abs(rec["achieved_issue_rate_qps"] - 200) / 200 < 0.15
-    assert rec["valid"]
+    assert abs(rec.server.achieved_issue_rate_qps - 200) / 200 < 0.15
+    assert rec.valid
 
 
 def test_find_peak_reports_a_fraction_of_offline():
@@ -206,7 +206,7 @@ def test_find_peak_reports_a_fraction_of_offline():
     assert peak["offline_items_per_s"] > 0
     assert peak["peak_qps"] is not None
     assert 0 < peak["peak_fraction_of_offline"] <= 1.0
-    assert report.final["scenario"] == "server" and report.final["valid"]
+    assert report.final.scenario == "server" and report.final.valid
 
 
 @needs_two_cores
@@ -221,14 +221,14 @@ def test_dynamic_placement_follows_a_load_shift():
                    "mix": [{"at_s": 0, "shares": {"a": 0.95, "b": 0.05}},
                            {"at_s": shift_s, "shares": {"a": 0.05, "b": 0.95}}]})
     rec = run_plan(p).final
-    rows = rec["timeline"]["rows"]
-    early_b_unit_on_a = sum(r["items"] for r in rows
-                            if r["unit"] == "cpu:1" and r["model"] == "a" and r["t_s"] < shift_s)
-    late_a_unit_on_b = sum(r["items"] for r in rows
-                           if r["unit"] == "cpu:0" and r["model"] == "b" and r["t_s"] >= shift_s)
+    rows = rec.timeline.rows
+    early_b_unit_on_a = sum(r.items for r in rows
+                            if r.unit == "cpu:1" and r.model == "a" and r.t_s < shift_s)
+    late_a_unit_on_b = sum(r.items for r in rows
+                           if r.unit == "cpu:0" and r.model == "b" and r.t_s >= shift_s)
     assert early_b_unit_on_a > 0 and late_a_unit_on_b > 0, rows
-    assert any(e["event"] == "serve" for e in rec["events"])
-    assert rec["failed"] == 0
+    assert any(e["event"] == "serve" for e in rec.events)
+    assert rec.failed == 0
 
 
 def test_cli_run_json_and_stored_run(tmp_path):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from infermux.runtime import parse_plan, start_runtime
 from infermux.runtime.api import LocalRuntime
-from infermux.runtime.metrics import TrialSummary
 from infermux.runtime.peak import TrialRun, best_at_peak, run_load, run_trial
+from infermux.runtime.trial import TrialSummary
 
 from .conftest import TINY
 
@@ -28,19 +28,19 @@ def test_a_peak_search_hands_every_trial_to_keep_in_order_on_one_build() -> None
     finally:
         rt.stop(drain=False)
     assert peak is not None and peak["peak_qps"] is not None, peak
-    assert [k.index for k in kept] == list(range(len(kept))) == [k.record["trial"] for k in kept]
-    assert kept[0].record["scenario"] == "offline"
-    assert all(k.record["scenario"] == "server" for k in kept[1:])
+    assert [k.index for k in kept] == list(range(len(kept))) == [k.record.trial for k in kept]
+    assert kept[0].record.scenario == "offline"
+    assert all(k.record.scenario == "server" for k in kept[1:])
     # One trial per runtime trial: the loop numbers its queries from the runtime's own count.
     assert rt.trial == len(kept)
     # A valid trial's batches are its own and add up to the items it completed (a batch is
     # recorded before its completion is reported).
-    assert kept[0].record["dropped_from_earlier_trial"] == 0
+    assert kept[0].record.dropped_from_earlier_trial == 0
     for k in kept:
-        if k.record["valid"]:
-            assert sum(b.size for b in k.batches) == k.record["completed_items"] > 0
+        if k.record.valid:
+            assert sum(b.size for b in k.batches) == k.record.completed_items > 0
     best = best_at_peak([k.record for k in kept], peak)
-    assert best is not None and best["rate_qps"] == peak["peak_qps"] and best["valid"]
+    assert best is not None and best.rate_qps == peak["peak_qps"] and best.valid
 
 
 def test_one_trial_without_a_search_returns_no_peak() -> None:
@@ -52,15 +52,16 @@ def test_one_trial_without_a_search_returns_no_peak() -> None:
         again = run_trial(rt, plan.load.model_dump(mode="json"), {"tiny": 1.0}, index=7)
     finally:
         rt.stop(drain=False)
-    assert len(kept) == 1 and kept[0].record["valid"], kept[0].record["validity_notes"]
-    assert again.record["trial"] == 7 and again.record["completed_items"] > 0
+    assert len(kept) == 1 and kept[0].record.valid, kept[0].record.validity_notes
+    assert again.record.trial == 7 and again.record.completed_items > 0
 
 
 def test_the_peak_answers_with_its_own_rate_not_a_higher_lucky_one() -> None:
-    trials = [{"scenario": "offline", "valid": True, "rate_qps": None},
-              {"scenario": "server", "valid": True, "rate_qps": 100.0},
-              {"scenario": "server", "valid": True, "rate_qps": 150.0},  # passed once
-              {"scenario": "server", "valid": False, "rate_qps": 150.0}]
+    trials = [TrialSummary.from_dict(t) for t in (
+        {"scenario": "offline", "valid": True},
+        {"scenario": "server", "valid": True, "rate_qps": 100.0},
+        {"scenario": "server", "valid": True, "rate_qps": 150.0},  # passed once
+        {"scenario": "server", "valid": False, "rate_qps": 150.0})]
     assert best_at_peak(trials, {"peak_qps": 100.0}) is trials[1]
     assert best_at_peak(trials, {"peak_qps": None}) is None
     assert best_at_peak(trials, None) is None
@@ -69,7 +70,7 @@ def test_the_peak_answers_with_its_own_rate_not_a_higher_lucky_one() -> None:
 def test_a_record_stored_with_completed_samples_still_reads() -> None:
     old = {"scenario": "offline", "valid": True, "items_per_s": 10.0, "completed_samples": 40,
            "models": {"m": {"completed_samples": 40, "items_per_s": 10.0, "latency": {}}}}
-    summary = TrialSummary.from_record(old)
+    summary = TrialSummary.from_dict(old)
     assert summary.completed_items == 40 and summary.models["m"].completed_items == 40
     new = {**old, "completed_items": 41}
-    assert TrialSummary.from_record(new).completed_items == 41
+    assert TrialSummary.from_dict(new).completed_items == 41

@@ -64,17 +64,17 @@ def test_pipeline_runs_under_each_scenario(scenario, tmp_path):
         stored = store.run(report.run_id)
     record = report.final
     assert report.status == "complete" and record is not None
-    model = record["models"]["tiny"]
-    assert model["completed"] == model["issued"] > 0 and model["failed"] == 0
-    stages = record["pipelines"]["tiny"]
+    model = record.models["tiny"]
+    assert model.completed == model.issued > 0 and model.failed == 0
+    stages = record.pipelines["tiny"]
     assert [s["segment"] for s in stages] == ["input→body_1", "body_1→output"]
     assert all(s["items"] > 0 and 0 < s["busy"] <= 1 for s in stages)
     # Every item went through both stages (whole batches in offline, what was waiting otherwise).
     assert stages[0]["items"] == stages[1]["items"]
     if scenario == "single-stream":
         assert stages[0]["mean_batch"] == 1.0  # one query at a time: no padding to the batch
-    worker = record["workers"]["tiny/pipeline"]
-    assert worker["unit"] == "cpu:0|cpu:1" and 0 < worker["utilisation"] <= 1
+    worker = record.workers["tiny/pipeline"]
+    assert worker.unit == "cpu:0|cpu:1" and 0 < worker.utilisation <= 1
     assert stored["status"] == "complete"
 
 
@@ -84,10 +84,10 @@ def test_pipeline_replicas_beside_data_parallel_replicas():
                           {"start": "body_1", "units": ["cpu:0"], "batch": 4}],
                          replicas=[{"unit": "cpu:1", "batch": 4}])
     report = run_plan(plan)
-    workers = report.final["workers"]
-    assert workers["tiny/pipeline"]["items"] > 0
-    assert workers["tiny/cpu:1#0"]["items"] > 0
-    assert report.final["models"]["tiny"]["failed"] == 0
+    workers = report.final.workers
+    assert workers["tiny/pipeline"].items > 0
+    assert workers["tiny/cpu:1#0"].items > 0
+    assert report.final.models["tiny"].failed == 0
 
 
 def test_served_pipeline_returns_partial_chunks_in_order_and_correct():

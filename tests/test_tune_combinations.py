@@ -39,13 +39,13 @@ def test_two_units_of_two_engines_serve_in_one_plan():
         {"unit": "cpu:1", "engine": "openvino", "batch": 4}]))
     assert report.status == "complete", report.error
     rec = report.final
-    assert rec["valid"], rec["validity_notes"]
-    assert rec["failed"] == 0
-    workers = {w["unit"]: w for w in rec["workers"].values()}
+    assert rec.valid, rec.validity_notes
+    assert rec.failed == 0
+    workers = {w.unit: w for w in rec.workers.values()}
     assert set(workers) == {"cpu:0", "cpu:1"}
     for unit, w in workers.items():
-        assert w["status"] == "ok" and not w["error"], (unit, w["error"])
-        assert w["items"] > 0 and w["items_per_s"] > 0, unit
+        assert w.status == "ok" and not w.error, (unit, w.error)
+        assert w.items > 0 and w.items_per_s > 0, unit
 
 
 @needs_two_cores
@@ -58,12 +58,12 @@ def test_a_worker_out_of_memory_at_build_leaves_the_other_serving():
         {"unit": "cpu:1", "engine": "torch", "batch": 32, "batch_buckets": "none"}],
         model=BOUNDED, cpu_workers="thread"))
     assert report.status == "complete", report.error
-    workers = {w["unit"]: w for w in report.final["workers"].values()}
-    assert workers["cpu:0"]["status"] == "ok", workers["cpu:0"]["error"]
-    assert workers["cpu:0"]["items"] > 0
-    assert workers["cpu:1"]["status"] == "oom"  # by the error's type, not its words
-    assert "ran out of memory" in workers["cpu:1"]["error"]
-    assert report.final["failed"] == 0  # its queries went to the worker that was built
+    workers = {w.unit: w for w in report.final.workers.values()}
+    assert workers["cpu:0"].status == "ok", workers["cpu:0"].error
+    assert workers["cpu:0"].items > 0
+    assert workers["cpu:1"].status == "oom"  # by the error's type, not its words
+    assert "ran out of memory" in workers["cpu:1"].error
+    assert report.final.failed == 0  # its queries went to the worker that was built
 
 
 @needs_two_cores

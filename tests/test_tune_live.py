@@ -57,7 +57,7 @@ def test_tune_writes_a_runnable_plan_and_reuses_its_trials(tmp_path):
     # Any load may be put on it: a partial batch runs in the smallest power-of-two bucket.
     assert replica.batch_buckets == "pow2" and replica.buckets()[0] == 1
     report = run_plan(with_load(plan, min_duration_s=0.3, min_queries=32))
-    assert report.final["valid"] and report.final["failed"] == 0
+    assert report.final.valid and report.final.failed == 0
 
 
 def test_tune_server_scenario_holds_the_bound_and_finds_a_peak(tmp_path):

@@ -124,8 +124,9 @@ def test_a_mixed_length_tune_measures_through_the_runtime_and_writes_its_buckets
     # The written plan runs (threads here: process workers are covered in test_multi_input).
     short = {**plan, "dispatcher": {**plan["dispatcher"], "cpu_workers": "thread"},
              "load": {**plan["load"], "min_duration_s": 0.3, "min_queries": 32}}
-    final = run_plan(parse_plan(short)).final or {}
-    assert final.get("tokens_per_s") and final["tokens_per_s"] > final["items_per_s"] * 8
+    final = run_plan(parse_plan(short)).final
+    assert final is not None and final.tokens_per_s and final.items_per_s
+    assert final.tokens_per_s > final.items_per_s * 8
 
 
 def test_a_fixed_length_tune_measures_in_process_at_that_length(tiny_bert, tmp_path):

@@ -6,10 +6,13 @@ Rendering never changes the data it is given.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.markup import escape
 from rich.table import Table
+
+if TYPE_CHECKING:
+    from infermux.runtime.trial import LatencySummary, TrialSummary
 
 __all__ = [
     "accuracy_table",
@@ -369,44 +372,45 @@ def candidates_table(report: dict[str, Any]) -> Table:
     return table
 
 
-def run_models_table(record: dict[str, Any]) -> Table:
+def _p(latency: LatencySummary | None, key: str) -> float | None:
+    return getattr(latency, key) if latency is not None else None
+
+
+def run_models_table(record: TrialSummary) -> Table:
     """A runtime run per model: throughput, latency percentiles and the bound."""
     table = Table(title="Models")
     for col in ("model", "completed", "failed", "samples/s", "p50 ms", "p99 ms",
                 "queue p99", "batch-wait p99", "compute p99", "batch sizes"):
         table.add_column(col, justify="left" if col in ("model", "batch sizes") else "right")
-    for m in record.get("models", {}).values():
-        ph = m["phases"]
-        hist = " ".join(f"{k}×{v}" for k, v in m["batch_histogram"].items())
-        table.add_row(m["model"], str(m["completed"]), str(m["failed"]),
-                      num(m["items_per_s"]) + (f" ({num(m['tokens_per_s'])} tok/s)"
-                                               if m.get("tokens_per_s") else ""),
-                      num(m["latency"].get("p50_ms"), 2),
-                      num(m["latency"].get("p99_ms"), 2),
-                      num(ph["queueing"].get("p99_ms"), 2),
-                      num(ph["batching_wait"].get("p99_ms"), 2),
-                      num(ph["compute"].get("p99_ms"), 2), hist[:40])
+    for m in record.models.values():
+        ph = m.phases
+        hist = " ".join(f"{k}×{v}" for k, v in m.batch_histogram.items())
+        table.add_row(m.model, str(m.completed), str(m.failed),
+                      num(m.items_per_s) + (f" ({num(m.tokens_per_s)} tok/s)"
+                                            if m.tokens_per_s else ""),
+                      num(_p(m.latency, "p50_ms"), 2), num(_p(m.latency, "p99_ms"), 2),
+                      num(_p(ph.queueing, "p99_ms"), 2), num(_p(ph.batching_wait, "p99_ms"), 2),
+                      num(_p(ph.compute, "p99_ms"), 2), hist[:40])
     return table
 
 
-def workers_table(record: dict[str, Any]) -> Table:
+def workers_table(record: TrialSummary) -> Table:
     """A runtime run per worker: unit, batches, busy share and status."""
     table = Table(title="Workers")
     for col in ("worker", "unit", "status", "batches", "items", "share", "utilisation",
                 "batch sizes"):
         table.add_column(col)
-    for w in record.get("workers", {}).values():
-        hist = " ".join(f"{k}×{v}" for k, v in w["batch_histogram"].items())
-        status = w["status"] if not w.get("error") else f"{w['status']}: {w['error'][:50]}"
-        table.add_row(w["worker"], w["unit"], status, str(w["batches"]), str(w["items"]),
-                      f"{w['share']:.1%}", num((w.get("utilisation") or 0) * 100, 0) + "%",
-                      hist[:40])
+    for w in record.workers.values():
+        hist = " ".join(f"{k}×{v}" for k, v in w.batch_histogram.items())
+        status = w.status if not w.error else f"{w.status}: {w.error[:50]}"
+        table.add_row(w.worker, w.unit, status, str(w.batches), str(w.items),
+                      f"{w.share:.1%}", num((w.utilisation or 0) * 100, 0) + "%", hist[:40])
     return table
 
 
-def stages_table(record: dict[str, Any]) -> Table | None:
+def stages_table(record: TrialSummary) -> Table | None:
     """A pipeline's stages (none when the run has no pipeline)."""
-    pipelines = record.get("pipelines") or {}
+    pipelines = record.pipelines or {}
     if not pipelines:
         return None
     table = Table(title="Pipeline stages")
@@ -422,40 +426,41 @@ def stages_table(record: dict[str, Any]) -> Table | None:
     return table
 
 
-def run_headline(record: dict[str, Any]) -> str:
+def run_headline(record: TrialSummary) -> str:
     """One line that says what a runtime run reached."""
-    lat = record.get("latency", {})
-    parts = [f"[bold]{record['scenario']}[/]",
-             "[green]valid[/]" if record["valid"] else "[red]INVALID[/]",
-             f"{num(record.get('items_per_s'))} samples/s"
-             + (f" ({num(record['tokens_per_s'])} tok/s)" if record.get("tokens_per_s") else ""),
-             f"{record['completed']} queries in {record['duration_s']:.2f}s",
-             f"p50 {num(lat.get('p50_ms'), 2)} / p90 {num(lat.get('p90_ms'), 2)} / "
-             f"p99 {num(lat.get('p99_ms'), 2)} ms"]
-    if record.get("rate_qps"):
-        parts.append(f"at {record['rate_qps']:.1f} qps")
+    lat = record.latency
+    parts = [f"[bold]{record.scenario}[/]",
+             "[green]valid[/]" if record.valid else "[red]INVALID[/]",
+             f"{num(record.items_per_s)} samples/s"
+             + (f" ({num(record.tokens_per_s)} tok/s)" if record.tokens_per_s else ""),
+             f"{record.completed} queries in {record.duration_s:.2f}s",
+             f"p50 {num(_p(lat, 'p50_ms'), 2)} / p90 {num(_p(lat, 'p90_ms'), 2)} / "
+             f"p99 {num(_p(lat, 'p99_ms'), 2)} ms"]
+    if record.rate_qps:
+        parts.append(f"at {record.rate_qps:.1f} qps")
     text = " · ".join(parts)
-    if record.get("validity_notes"):
-        text += "\n[dim]" + "; ".join(record["validity_notes"]) + "[/]"
-    if record.get("load_generator_note"):
-        text += "\n[yellow]note[/]: " + escape(record["load_generator_note"])
+    if record.validity_notes:
+        text += "\n[dim]" + "; ".join(record.validity_notes) + "[/]"
+    note = record.server.load_generator_note if record.server is not None else None
+    if note:
+        text += "\n[yellow]note[/]: " + escape(note)
     return text
 
 
-def timeline_text(record: dict[str, Any]) -> str:
+def timeline_text(record: TrialSummary) -> str:
     """Which unit served which model over time, when any unit served more than one model."""
-    rows = record.get("timeline", {}).get("rows", [])
+    rows = record.timeline.rows
     per_unit: dict[str, set[str]] = {}
     for r in rows:
-        per_unit.setdefault(r["unit"], set()).add(r["model"])
+        per_unit.setdefault(r.unit, set()).add(r.model)
     if not rows or all(len(models) <= 1 for models in per_unit.values()):
         return ""
     units = sorted(per_unit)
     lines = ["timeline (items served per unit and model, by completion time):"]
-    for t in sorted({r["t_s"] for r in rows}):
+    for t in sorted({r.t_s for r in rows}):
         cells = []
         for unit in units:
-            served = {r["model"]: r["items"] for r in rows if r["t_s"] == t and r["unit"] == unit}
+            served = {r.model: r.items for r in rows if r.t_s == t and r.unit == unit}
             text = ", ".join(f"{m} {n}" for m, n in sorted(served.items())) or "idle"
             cells.append(f"{unit}: {text}")
         lines.append(f"  {t:6.2f}s  " + " | ".join(cells))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import shlex
 import sys
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.markup import escape
@@ -20,6 +20,9 @@ from infermux.cli.render import (
     workers_table,
 )
 from infermux.errors import UsageError
+
+if TYPE_CHECKING:
+    from infermux.runtime.trial import TrialSummary
 
 __all__ = ["plan_command", "run_command"]
 
@@ -191,7 +194,7 @@ def _run_cluster(plan_file: str, address: str, overrides: dict[str, object], db:
             out.print(_nodes_table(record))
             out.print(run_models_table(record))
             out.print(workers_table(record))
-            for e in record.get("cluster_events", []):
+            for e in record.cluster.cluster_events if record.cluster is not None else []:
                 if e["event"] == "node_lost":
                     out.print(f"[yellow]node {escape(str(e['node']))} lost[/] at {e['t_s']:.2f} "
                               f"s ({escape(str(e.get('reason')))}): {e['held_items']} items "
@@ -216,12 +219,12 @@ def _run_cluster(plan_file: str, address: str, overrides: dict[str, object], db:
         raise typer.Exit(130)
 
 
-def _nodes_table(record: dict[str, Any]) -> Table:
+def _nodes_table(record: TrialSummary) -> Table:
     table = Table(title="Nodes")
     for col in ("node", "address", "status", "samples", "share", "items/s", "joined at s",
                 "lost at s", "retried"):
         table.add_column(col)
-    for n in record.get("nodes", []):
+    for n in record.cluster.nodes if record.cluster is not None else []:
         table.add_row(escape(str(n["node"])), str(n["address"]), str(n["status"]),
                       str(n["completed_items"]), f"{n['share']:.0%}", num(n["items_per_s"]),
                       num(n.get("joined_at_s"), 2), num(n["lost_at_s"], 2),

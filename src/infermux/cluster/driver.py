@@ -24,6 +24,7 @@ from infermux.load.scenarios import ScenarioResult
 from infermux.progress import ProgressFn
 from infermux.runtime.metrics import BatchRecord
 from infermux.runtime.peak import TrialRun, best_at_peak, run_load
+from infermux.runtime.trial import TrialSummary
 from infermux.store import Store
 
 __all__ = ["ClusterReport", "run_cluster"]
@@ -36,7 +37,7 @@ class ClusterReport:
     run_id: int | None
     plan: ClusterPlan
     status: str
-    record: dict[str, Any] | None = None
+    record: TrialSummary | None = None
     nodes: list[dict[str, Any]] = field(default_factory=list)
     error: str | None = None
     start_s: float = 0.0
@@ -47,22 +48,22 @@ class ClusterReport:
     delays_ns: dict[str, list[int]] = field(default_factory=dict, repr=False)
     #: Every trial's record in order (one, or with `load.find_peak` the offline trial and the
     #: server trials of the search), and the search's result.
-    trials: list[dict[str, Any]] = field(default_factory=list, repr=False)
+    trials: list[TrialSummary] = field(default_factory=list, repr=False)
     peak: dict[str, Any] | None = None
 
     @property
-    def final(self) -> dict[str, Any] | None:
-        """The trial's record (the same shape as a runtime trial's, plus `nodes`)."""
+    def final(self) -> TrialSummary | None:
+        """The trial's record (a runtime trial's, with its `cluster` part)."""
         return self.record
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready."""
         out = {"run_id": self.run_id, "status": self.status, "error": self.error,
                "plan": self.plan.to_dict(), "start_s": self.start_s, "nodes": self.nodes,
-               "result": self.record}
+               "result": self.record.to_dict() if self.record is not None else None}
         if self.peak is not None:
             out["peak"] = self.peak
-            out["trials"] = self.trials
+            out["trials"] = [t.to_dict() for t in self.trials]
         return out
 
 
@@ -103,7 +104,7 @@ def run_cluster(
                             else f"{type(exc).__name__}: {exc}")
             raise
         finally:
-            record = report.record or {}
+            record = report.record.to_dict() if report.record is not None else {}
             report.nodes = record.get("nodes", [])
             rec.status = report.status
             rec.summary = {k: record.get(k) for k in (
@@ -157,7 +158,7 @@ def _run(report: ClusterReport, plan: ClusterPlan, handle: ClusterHandle, store:
         best = best_at_peak(report.trials, report.peak)
         if best is not None:
             report.record = best
-            report.batches, report.delays_ns = kept[best["trial"]]
+            report.batches, report.delays_ns = kept[best.trial or 0]
     except KeyboardInterrupt:
         report.status = "interrupted"
     finally:
@@ -167,7 +168,7 @@ def _run(report: ClusterReport, plan: ClusterPlan, handle: ClusterHandle, store:
             _stop_nodes(handle.ray, links)
 
 
-def _store(store: Store, run_id: int, record: dict[str, Any], result: ScenarioResult,
+def _store(store: Store, run_id: int, record: TrialSummary, result: ScenarioResult,
            batches: list[BatchRecord], trial: int = 0) -> None:
-    store.add_runtime_trial(run_id, trial, record, result, batches)
-    store.add_cluster_nodes(run_id, trial, record["nodes"])
+    store.add_runtime_trial(run_id, trial, record.to_dict(), result, batches)
+    store.add_cluster_nodes(run_id, trial, record.cluster.nodes if record.cluster else [])

@@ -23,7 +23,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -51,6 +51,7 @@ from infermux.runtime.dispatcher import Batch, Item, WorkerState
 from infermux.runtime.metrics import BatchRecord
 from infermux.runtime.placement import LatencyEstimate
 from infermux.runtime.plan import LoadSettings, Plan
+from infermux.runtime.trial import ClusterTrial, TrialSummary
 
 __all__ = ["ClusterRuntime", "ServedNodeSummary", "front_plan"]
 
@@ -281,7 +282,7 @@ class ClusterRuntime:
             failed += int(got["failed_items"])
         return TrialCounts(records, [], retried + self.sut.retried, failed, states)
 
-    def trial_details(self, result: ScenarioResult, record: dict[str, Any]) -> None:
+    def trial_details(self, result: ScenarioResult, record: TrialSummary) -> TrialSummary:
         """A row per node, the per-node timeline, the cluster's events and routing costs."""
         sut = self.sut
         dur = result.duration_s
@@ -302,11 +303,9 @@ class ClusterRuntime:
                 "clock_offset_ns": ln.offset_ns, "build_s": ln.build.get("build_s"),
                 "plan": ln.plan.name if ln.plan else None, "models": sorted(ln.models),
                 **ln.facts, **self._node_counts.get(ln.name, {})})
-        record["nodes"] = nodes
-        record["node_timeline"] = _node_timeline(sut, result.start_ns, dur)
-        record["cluster_events"] = [{**e, "t_s": (e["t_ns"] - result.start_ns) / 1e9}
-                                    for e in sut.events if "t_ns" in e]
-        record["routing"] = {
+        events = [{**e, "t_s": (e["t_ns"] - result.start_ns) / 1e9} for e in sut.events
+                  if "t_ns" in e]
+        routing = {
             "pieces": sut.routed_pieces, "route_s": sut.route_ns / 1e9,
             "per_piece_us": sut.route_ns / 1e3 / max(1, sut.routed_pieces),
             "node_calls": sut.node_calls,
@@ -317,6 +316,8 @@ class ClusterRuntime:
             "return_p50_ms": float(np.median(sut.return_ns)) / 1e6 if sut.return_ns else None,
             "to_node_p50_ms": (float(np.median(sut.to_node_ns)) / 1e6 if sut.to_node_ns
                                else None)}
+        return replace(record, cluster=ClusterTrial(
+            nodes, _node_timeline(sut, result.start_ns, dur), events, routing))
 
     def trial_delays_ns(self, result: ScenarioResult) -> dict[str, list[int]]:
         """The trial's measured delays in ns (the simulation's input).

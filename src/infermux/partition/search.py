@@ -300,18 +300,20 @@ def measure_plan(plan: ModelEntry, *, duration_s: float,
               "max_duration_s": max(10.0, 4 * duration_s), "sample_pool": 64},
         dispatcher={"max_queue_delay_ms": QUEUE_DELAY_MS})
     report = run_plan(runtime_plan, progress=progress)
-    summary = report.summary
+    summary = report.final
+    if summary is None:
+        return CandidateMeasurement(items=0, window_s=0.0, items_per_s=0.0, valid=False)
     worker = next(iter(summary.workers.values()), None)
     if worker is not None and not worker.ok:
         raise (DeviceOutOfMemoryError if worker.status == "oom" else InfermuxError)(
             worker.error or "the pipeline failed")
-    record = summary.record
     return CandidateMeasurement(
-        items=summary.completed_items, window_s=float(record.get("duration_s") or 0.0),
+        items=summary.completed_items, window_s=summary.duration_s,
         items_per_s=summary.items_per_s or 0.0, valid=summary.valid,
         validity_notes=summary.validity_notes,
-        stage_busy=[float(st.get("busy") or 0.0) for st in summary.pipelines.get(plan.name, [])],
-        latency=dict(record.get("latency") or {}))
+        stage_busy=[float(st.get("busy") or 0.0)
+                    for st in (summary.pipelines or {}).get(plan.name, [])],
+        latency=summary.latency.to_dict() if summary.latency is not None else {})
 
 
 def run_partition(

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from infermux.load.base import CompletionFn, Query
 from infermux.runtime.dispatcher import Batch, WorkerState
+from infermux.runtime.trial import TrialSummary
 
 if TYPE_CHECKING:
     from infermux.load.scenarios import ScenarioResult
@@ -234,8 +235,8 @@ class TrialRuntime(Runtime, Protocol):
         """The trial is over: its batch records, events, counters and workers."""
         ...
 
-    def trial_details(self, result: ScenarioResult, record: dict[str, Any]) -> None:
-        """Add what this runtime alone knows of the trial to its summarised `record`."""
+    def trial_details(self, result: ScenarioResult, record: TrialSummary) -> TrialSummary:
+        """The summarised `record` with what this runtime alone knows of the trial added."""
         ...
 
 
@@ -370,18 +371,20 @@ class LocalRuntime:
         """The trial's counts (its workers keep running for the next one)."""
         return self.trial_counts()
 
-    def trial_details(self, result: ScenarioResult, record: dict[str, Any]) -> None:
+    def trial_details(self, result: ScenarioResult, record: TrialSummary) -> TrialSummary:
         """Each pipeline's stage figures; a pipeline worker's utilisation is its busiest stage."""
         pipelines = self._rt.pipelines
         if not pipelines:
-            return
-        record["pipelines"] = {p.state.model: p.stage_stats() for p in pipelines}
+            return record
+        stages = {p.state.model: p.stage_stats() for p in pipelines}
+        workers = dict(record.workers)
         for pipe in pipelines:
-            row = record.get("workers", {}).get(pipe.state.name)
+            row = workers.get(pipe.state.name)
             if row is not None:
                 # Batches overlap in a pipeline: its busiest stage is its utilisation.
-                row["utilisation"] = max((st["busy"] for st in record["pipelines"][
-                    pipe.state.model]), default=None)
+                workers[pipe.state.name] = replace(row, utilisation=max(
+                    (st["busy"] for st in stages[pipe.state.model]), default=None))
+        return replace(record, pipelines=stages, workers=workers)
 
     def trial_counts(self) -> TrialCounts:
         """The trial's batch records, dispatcher events and retried/failed items."""

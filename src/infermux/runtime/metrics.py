@@ -21,121 +21,28 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy as np
 
 from infermux.load.scenarios import ScenarioResult
 from infermux.runtime.dispatcher import Batch, WorkerState
+from infermux.runtime.trial import (
+    LatencySummary,
+    ModelQueries,
+    ModelSummary,
+    Phases,
+    ServerLoad,
+    Timeline,
+    TimelineRow,
+    TrialSummary,
+    WorkerSummary,
+    latency_of,
+)
 from infermux.stats import latency_summary_ms
 
-__all__ = ["BatchRecord", "ModelSummary", "Recorder", "TrialSummary", "WorkerSummary", "completed_items",
-           "summarise"]
-
-#: How a worker ended a trial: serving, out of device memory, or failed otherwise.
-WorkerStatus = Literal["ok", "oom", "failed"]
-
-
-@dataclass(frozen=True)
-class WorkerSummary:
-    """One worker's figures in a trial, read from the trial's record."""
-
-    worker: str
-    unit: str
-    model: str
-    status: WorkerStatus
-    error: str | None
-    batches: int
-    items: int
-    items_per_s: float | None
-    #: One batch from its launch to its outputs on the host (what a bench point times).
-    batch_p99_ms: float | None
-
-    @property
-    def ok(self) -> bool:
-        """Still serving at the end of the trial."""
-        return self.status == "ok"
-
-    @classmethod
-    def from_record(cls, rec: dict[str, Any]) -> WorkerSummary:
-        """The typed view of one entry of a trial record's `workers`."""
-        status = rec.get("status")
-        return cls(str(rec.get("worker")), str(rec.get("unit")), str(rec.get("model")),
-                   status if status in ("ok", "oom") else "failed", rec.get("error"),
-                   int(rec.get("batches") or 0), int(rec.get("items") or 0),
-                   rec.get("items_per_s"), (rec.get("batch_latency") or {}).get("p99_ms"))
-
-
-def completed_items(rec: dict[str, Any]) -> int:
-    """Items a trial record (or one model's entry) completed.
-
-    Records stored before the key was named for items call it `completed_samples`.
-    """
-    n = rec.get("completed_items")
-    if n is None:
-        n = rec.get("completed_samples")
-    return int(n or 0)
-
-
-@dataclass(frozen=True)
-class ModelSummary:
-    """One model's figures in a trial."""
-
-    model: str
-    completed_items: int
-    items_per_s: float | None
-    p99_ms: float | None
-
-    @classmethod
-    def from_record(cls, name: str, rec: dict[str, Any]) -> ModelSummary:
-        """The typed view of one entry of a trial record's `models`."""
-        return cls(name, completed_items(rec),
-                   rec.get("items_per_s"), (rec.get("latency") or {}).get("p99_ms"))
-
-
-@dataclass(frozen=True)
-class TrialSummary:
-    """A trial's headline, per model and per worker, typed; `record` is the stored dict."""
-
-    scenario: str
-    valid: bool
-    validity_notes: list[str]
-    items_per_s: float | None
-    completed_items: int
-    models: dict[str, ModelSummary]
-    workers: dict[str, WorkerSummary]
-    #: A pipeline model's stage figures, by model.
-    pipelines: dict[str, list[dict[str, Any]]]
-    record: dict[str, Any] = field(repr=False)
-
-    @property
-    def failed_workers(self) -> list[WorkerSummary]:
-        """Workers that did not end the trial serving."""
-        return [w for w in self.workers.values() if not w.ok]
-
-    def failures(self) -> str:
-        """One line per distinct failure, naming the workers it took out (empty when none).
-
-        Four workers that ran out of memory the same way are one message, not four.
-        """
-        errors: dict[str, list[str]] = {}
-        for w in self.failed_workers:
-            errors.setdefault(w.error or w.status, []).append(w.worker)
-        return "; ".join(f"{text} ({', '.join(names)})" if len(names) > 1 else text
-                         for text, names in errors.items())
-
-    @classmethod
-    def from_record(cls, rec: dict[str, Any] | None) -> TrialSummary:
-        """The typed view of a trial record (`summarise`'s output); empty for None."""
-        rec = rec or {}
-        return cls(
-            str(rec.get("scenario") or ""), bool(rec.get("valid")),
-            list(rec.get("validity_notes") or []), rec.get("items_per_s"),
-            completed_items(rec),
-            {n: ModelSummary.from_record(n, m) for n, m in (rec.get("models") or {}).items()},
-            {n: WorkerSummary.from_record(w) for n, w in (rec.get("workers") or {}).items()},
-            dict(rec.get("pipelines") or {}), rec)
+__all__ = ["BatchRecord", "Recorder", "summarise"]
 
 
 @dataclass
@@ -192,7 +99,7 @@ class Recorder:
             self.records.append(rec)
 
 
-def _phases(records: Sequence[BatchRecord]) -> dict[str, dict[str, float]]:
+def _phases(records: Sequence[BatchRecord]) -> Phases:
     """Per-item phase percentiles (ms); see the module docstring for what each covers."""
     queue, wait, compute, launch, run, overhead, handoff = [], [], [], [], [], [], []
     for r in records:
@@ -207,14 +114,13 @@ def _phases(records: Sequence[BatchRecord]) -> dict[str, dict[str, float]]:
             overhead += [max(0, r.end_ns - r.start_ns - r.device_ns)] * n
         if r.handed_ns:
             handoff += [max(0, r.handed_ns - r.end_ns)] * n
-    out = {"queueing": latency_summary_ms(queue), "batching_wait": latency_summary_ms(wait),
-           "compute": latency_summary_ms(compute), "launch": latency_summary_ms(launch),
-           "run": latency_summary_ms(run)}
-    if overhead:
-        out["host_overhead"] = latency_summary_ms(overhead)
-    if handoff:
-        out["handoff"] = latency_summary_ms(handoff)
-    return out
+    return Phases(_latency(queue), _latency(wait), _latency(compute), _latency(launch),
+                  _latency(run), _latency(overhead), _latency(handoff))
+
+
+def _latency(values_ns: Sequence[int]) -> LatencySummary | None:
+    """The latency summary of ns values, None when there are none."""
+    return latency_of(latency_summary_ms(values_ns))
 
 
 def _histogram(records: Sequence[BatchRecord]) -> dict[str, int]:
@@ -230,35 +136,28 @@ def summarise(
     *,
     events: Sequence[dict[str, Any]] = (),
     timeline_bins: int = 20,
-) -> dict[str, Any]:
-    """The run's record: scenario headline, per-model and per-worker figures, timeline."""
+) -> TrialSummary:
+    """The trial's record: scenario headline, per-model and per-worker figures, timeline."""
     run = result.record()
     duration = result.duration_s
     total_items = sum(r.size for r in records) or 1
-    models: dict[str, dict[str, Any]] = {}
+    models: dict[str, ModelSummary] = {}
     for name in result.models:
         recs = [r for r in records if r.model == name]
-        base = run["per_model"][name]
+        base = ModelQueries.from_dict(run["per_model"][name])
         items = sum(r.size for r in recs)
-        models[name] = {
-            "model": name,
-            **{k: base[k] for k in ("issued", "completed", "failed", "unfinished",
-                                    "completed_items")},
-            "throughput_qps": base["completed"] / duration if duration else None,
-            "items_per_s": base["completed_items"] / duration if duration else None,
-            "latency": base["latency"],
-            "phases": _phases(recs),
-            "batch_histogram": _histogram(recs),
-            "batches": len(recs),
-            "mean_batch": items / len(recs) if recs else None,
-        }
+        rate = base.completed_items / duration if duration else None
         tokens = sum(r.tokens for r in recs)
-        if tokens and items:
-            # Tokens beside items: each item counts its own length, not its bucket's padding.
-            rate = models[name]["items_per_s"]
-            models[name]["mean_length"] = tokens / items
-            models[name]["tokens_per_s"] = rate * tokens / items if rate is not None else None
-    per_worker: dict[str, dict[str, Any]] = {}
+        # Tokens beside items: each item counts its own length, not its bucket's padding.
+        with_tokens = bool(tokens and items)
+        models[name] = ModelSummary(
+            name, base.issued, base.completed, base.failed, base.unfinished,
+            base.completed_items, base.completed / duration if duration else None, rate,
+            base.latency, _phases(recs), _histogram(recs), len(recs),
+            items / len(recs) if recs else None,
+            tokens / items if with_tokens else None,
+            rate * tokens / items if with_tokens and rate is not None else None)
+    per_worker: dict[str, WorkerSummary] = {}
     for w in workers:
         recs = [r for r in records if r.worker == w.name]
         items = sum(r.size for r in recs)
@@ -266,46 +165,46 @@ def summarise(
         served: Counter[str] = Counter()
         for r in recs:
             served[r.model] += r.size
-        per_worker[w.name] = {
-            "worker": w.name, "unit": w.unit, "model": worker_models.get(w.name, w.model),
-            "status": "ok" if w.alive else (w.failure or "failed"), "error": w.error,
-            "batches": len(recs), "items": items, "share": items / total_items,
-            "items_by_model": dict(served),
-            "busy_s": busy, "utilisation": busy / duration if duration else None,
-            "items_per_s": items / duration if duration else None,
-            "batch_histogram": _histogram(recs),
+        per_worker[w.name] = WorkerSummary(
+            w.name, w.unit, worker_models.get(w.name, w.model),
+            "ok" if w.alive else ("oom" if w.failure == "oom" else "failed"), w.error,
+            len(recs), items,
+            items / total_items, dict(served), busy, busy / duration if duration else None,
+            items / duration if duration else None, _histogram(recs),
             # One batch from its launch to its outputs on the host (what a bench point times).
-            "batch_latency": latency_summary_ms([r.end_ns - r.start_ns for r in recs]),
-            "latency_estimate_ms": {str(b): v / 1e6
-                                    for b, v in w.estimate.snapshot(w.model).items()},
-            "latency_estimate_ms_by_model": {
-                m: {str(b): v / 1e6 for b, v in w.estimate.snapshot(m).items()}
-                for m in w.estimate.models()},
-        }
-    run["models"] = models
-    token_rates = [m["tokens_per_s"] for m in models.values() if m.get("tokens_per_s")]
-    if token_rates:
-        run["tokens_per_s"] = sum(token_rates)
-    run["workers"] = per_worker
-    run["timeline"] = timeline(records, result.start_ns, duration, timeline_bins)
-    run["events"] = [{**e, "t_s": (e["t_ns"] - result.start_ns) / 1e9} for e in events
-                     if e["t_ns"] >= result.start_ns]
-    return run
+            _latency([r.end_ns - r.start_ns for r in recs]),
+            {str(b): v / 1e6 for b, v in w.estimate.snapshot(w.model).items()},
+            {m: {str(b): v / 1e6 for b, v in w.estimate.snapshot(m).items()}
+             for m in w.estimate.models()})
+    token_rates = [m.tokens_per_s for m in models.values() if m.tokens_per_s]
+    metric = str(run["metric"])
+    return TrialSummary(
+        result.scenario, bool(run["valid"]), list(run["validity_notes"]), duration,
+        run["issued"], run["completed"], run["failed"], run["unfinished"],
+        run["completed_items"], run["throughput_qps"], run["items_per_s"],
+        latency_of(run["latency"]), bool(run["interrupted"]),
+        ServerLoad.from_dict(run) if result.scenario == "server" else None,
+        metric, run["metric_value" if metric == "items_per_s" else "metric_value_ms"],
+        {m: ModelQueries.from_dict(v) for m, v in run["per_model"].items()}, models,
+        per_worker, timeline(records, result.start_ns, duration, timeline_bins),
+        [{**e, "t_s": (e["t_ns"] - result.start_ns) / 1e9} for e in events
+         if e["t_ns"] >= result.start_ns],
+        tokens_per_s=sum(token_rates) if token_rates else None)
 
 
 def timeline(records: Sequence[BatchRecord], start_ns: int, duration_s: float,
-             bins: int) -> dict[str, Any]:
+             bins: int) -> Timeline:
     """Items each worker served for each model, per time bin (by batch completion)."""
     if not records or duration_s <= 0:
-        return {"bin_s": 0.0, "rows": []}
+        return Timeline(0.0, [])
     bin_s = duration_s / bins
     table: Counter[tuple[int, str, str, str]] = Counter()
     for r in records:
         idx = min(bins - 1, max(0, int((r.end_ns - start_ns) / 1e9 / bin_s)))
         table[(idx, r.worker, r.unit, r.model)] += r.size
-    rows = [{"t_s": round(i * bin_s, 4), "worker": w, "unit": u, "model": m, "items": n}
+    rows = [TimelineRow(round(i * bin_s, 4), w, u, m, n)
             for (i, w, u, m), n in sorted(table.items())]
-    return {"bin_s": bin_s, "rows": rows}
+    return Timeline(bin_s, rows)
 
 
 def records_array(records: Sequence[BatchRecord]) -> list[dict[str, Any]]:

@@ -13,7 +13,7 @@ rates of `load.scenarios.find_peak`, each trial handed to `keep` as it ends (sto
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from infermux.errors import UsageError
@@ -21,6 +21,7 @@ from infermux.load.base import CompletionFn, Query
 from infermux.load.scenarios import LoadGenerator, ScenarioResult, find_peak
 from infermux.progress import ProgressFn
 from infermux.runtime.metrics import BatchRecord, summarise
+from infermux.runtime.trial import TrialSummary
 
 if TYPE_CHECKING:
     from infermux.runtime.api import Subscription, TrialRuntime
@@ -37,8 +38,8 @@ class TrialRun:
 
     index: int
     result: ScenarioResult
-    #: The stored record (`runtime.metrics.summarise` and the runtime's own additions).
-    record: dict[str, Any]
+    #: The trial's record (`runtime.metrics.summarise` and the runtime's own additions).
+    record: TrialSummary
     #: Every batch the trial ran (what the store keeps per batch).
     batches: list[BatchRecord]
 
@@ -91,12 +92,10 @@ def run_trial(rt: TrialRuntime, settings: dict[str, Any], shares: dict[str, floa
             sut.subscription.cancel()
         counts = rt.end_trial()
     record = summarise(result, counts.records, counts.workers, {}, events=counts.events)
-    record["settings"] = settings
-    rt.trial_details(result, record)
-    record["retried_items"] = counts.retried_items
-    record["failed_items"] = counts.failed_items
-    record["dropped_from_earlier_trial"] = dropped
-    record["trial"] = index
+    record = rt.trial_details(result, replace(record, settings=settings))
+    record = replace(record, retried_items=counts.retried_items,
+                     failed_items=counts.failed_items, dropped_from_earlier_trial=dropped,
+                     trial=index)
     return TrialRun(index, result, record, counts.records)
 
 
@@ -128,12 +127,12 @@ def run_load(rt: TrialRuntime, settings: dict[str, Any], *, keep: KeepFn,
     offline = one({**settings, "scenario": "offline", "find_peak": False})
     if offline.result.interrupted:
         return None
-    upper = offline.record.get("items_per_s") or 0.0
+    upper = offline.record.items_per_s or 0.0
     phases: list[dict[str, Any]] = []
 
     def server(rate: float) -> ScenarioResult:
         run = one({**settings, "scenario": "server", "rate_qps": rate, "find_peak": False})
-        phases.append({m: v.get("phases") for m, v in (run.record.get("models") or {}).items()})
+        phases.append({m: v.phases.to_dict() for m, v in run.record.models.items()})
         return run.result
 
     # With `confirm`, the edge is run twice (the last valid rate and the first invalid one):
@@ -144,9 +143,8 @@ def run_load(rt: TrialRuntime, settings: dict[str, Any], *, keep: KeepFn,
     if peak.peak_qps is None and peak.reason is not None:
         if upper <= 0:
             record = offline.record
-            notes = "; ".join(record.get("validity_notes") or []) or "no notes"
-            errors = "; ".join(sorted({w["error"] for w in record.get("workers", {}).values()
-                                       if w.get("error")}))
+            notes = "; ".join(record.validity_notes) or "no notes"
+            errors = "; ".join(sorted({w.error for w in record.workers.values() if w.error}))
             peak.reason = (f"the offline trial completed no samples ({notes}"
                            + (f"; {errors}" if errors else "") + "), so there is no server rate "
                            "to search: fix what failed and run again")
@@ -155,8 +153,8 @@ def run_load(rt: TrialRuntime, settings: dict[str, Any], *, keep: KeepFn,
     return peak.record()
 
 
-def best_at_peak(trials: Sequence[dict[str, Any]], peak: dict[str, Any] | None
-                 ) -> dict[str, Any] | None:
+def best_at_peak(trials: Sequence[TrialSummary], peak: dict[str, Any] | None
+                 ) -> TrialSummary | None:
     """The trial that answers a peak search: its best valid server trial at the peak rate.
 
     A repeated rate above the peak may have passed once: the peak's own trials answer. None
@@ -164,9 +162,9 @@ def best_at_peak(trials: Sequence[dict[str, Any]], peak: dict[str, Any] | None
     """
     if peak is None or peak.get("peak_qps") is None:
         return None
-    best = [t for t in trials if t.get("scenario") == "server" and t.get("valid")
-            and t.get("rate_qps") == peak["peak_qps"]]
-    return max(best, key=lambda t: t.get("rate_qps") or 0) if best else None
+    best = [t for t in trials if t.scenario == "server" and t.valid
+            and t.rate_qps == peak["peak_qps"]]
+    return max(best, key=lambda t: t.rate_qps or 0) if best else None
 
 
 def _no_peak_reason(rt: TrialRuntime, bound_ms: float, searched: str) -> str:

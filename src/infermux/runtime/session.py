@@ -15,9 +15,9 @@ from infermux.errors import InfermuxError, UsageError
 from infermux.progress import ProgressFn
 from infermux.runtime.api import LocalRuntime
 from infermux.runtime.local import _Runtime
-from infermux.runtime.metrics import TrialSummary
 from infermux.runtime.peak import TrialRun, best_at_peak, run_load
 from infermux.runtime.plan import Plan, parse_plan
+from infermux.runtime.trial import TrialSummary
 from infermux.store import Recording, Store, recording
 
 __all__ = ["RunReport", "run_plan", "start_runtime", "with_load"]
@@ -37,29 +37,26 @@ class RunReport:
     run_id: int | None
     plan: Plan
     status: str  # complete | interrupted | failed
-    trials: list[dict[str, Any]] = field(default_factory=list)
+    trials: list[TrialSummary] = field(default_factory=list)
     peak: dict[str, Any] | None = None
     build: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
 
     @property
-    def final(self) -> dict[str, Any] | None:
+    def final(self) -> TrialSummary | None:
         """The trial that answers the question: the last one, or the peak's best valid one."""
         best = best_at_peak(self.trials, self.peak)
         if best is not None:
             return best
         return self.trials[-1] if self.trials else None
 
-    @property
-    def summary(self) -> TrialSummary:
-        """The final trial, typed (empty when no trial ran)."""
-        return TrialSummary.from_record(self.final)
-
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready."""
+        final = self.final
         return {"run_id": self.run_id, "status": self.status, "error": self.error,
                 "plan": self.plan.to_dict(), "build": self.build, "peak": self.peak,
-                "result": self.final, "trials": self.trials}
+                "result": final.to_dict() if final is not None else None,
+                "trials": [t.to_dict() for t in self.trials]}
 
 
 def start_runtime(plan: Plan, *, progress: ProgressFn | None = None,
@@ -109,7 +106,7 @@ def run_plan(
         if run.result.interrupted:
             report.status = "interrupted"
         if store is not None and report.run_id is not None:
-            store.add_runtime_trial(report.run_id, run.index, run.record, run.result,
+            store.add_runtime_trial(report.run_id, run.index, run.record.to_dict(), run.result,
                                     run.batches)
 
     with recording(store, "run", {"plan": plan.to_dict(), "model": plan.name}, command) as rec:
@@ -133,7 +130,7 @@ def run_plan(
 
 def _finish(rt: _Runtime, report: RunReport, rec: Recording, built: bool) -> None:
     rt.shutdown(now=report.status != "complete" or not built)
-    final = report.final or {}
+    final = report.final.to_dict() if report.final is not None else {}
     summary = {k: final.get(k) for k in ("scenario", "valid", "validity_notes", "duration_s",
                                            "items_per_s", "throughput_qps",
                                            "metric", "metric_value_ms", "completed",

@@ -152,8 +152,11 @@ def unit_of_worker(worker_unit: str, units: Sequence[str]) -> str:
 
 def _figures(report: Any, units: Sequence[str]) -> dict[str, Any]:
     """Throughput, p99 and each unit's and model's items/s of a finished runtime run."""
-    summary = report.summary
-    final = summary.record
+    from infermux.runtime.trial import TrialSummary
+
+    summary = report.final
+    if summary is None:
+        summary = TrialSummary.from_dict({})  # no trial ran: every figure empty
     per_unit: dict[str, float] = {}
     batch_p99 = []
     failed = []
@@ -169,7 +172,7 @@ def _figures(report: Any, units: Sequence[str]) -> dict[str, Any]:
     return {
         "scenario": summary.scenario or None,
         "items_per_s": summary.items_per_s,
-        "p99_ms": (final.get("latency") or {}).get("p99_ms"),
+        "p99_ms": summary.latency.p99_ms if summary.latency is not None else None,
         "batch_p99_ms": max(batch_p99) if batch_p99 else None,
         "per_unit": per_unit, "per_model": per_model, "valid": summary.valid,
         "notes": summary.validity_notes, "failed_workers": failed,
@@ -426,11 +429,11 @@ def _measure(config: StudyConfig, point: Point, i: int, duration_s: float,
         report = run_plan(plan, store=store, progress=mark,
                           command=f"infermux study {config.name} (point {i})")
         t1 = time.perf_counter_ns()
-        measured_s = sum(float(t.get("duration_s") or 0.0) for t in report.trials)
+        measured_s = sum(t.duration_s for t in report.trials)
         point.sub_run_id = report.run_id
         point.figures = _figures(report, point.params.get("units") or [])
         if point.figures.get("scenario") == "offline":
-            completed = int(((report.final or {}).get("completed_items")) or 0)
+            completed = report.final.completed_items if report.final is not None else 0
             point.figures.update(_energy(sampler, devices, marks.get("t0"), t1, completed))
         if report.status == "interrupted":
             point.status, point.error = "interrupted", "interrupted by the user"

@@ -478,7 +478,9 @@ class LiveEvaluator:
             status = "oom" if isinstance(exc, DeviceOutOfMemoryError) else "error"
             return Trial(candidate, "runtime", status, error=str(exc))
         t1 = time.perf_counter_ns()
-        summary = report.summary
+        summary = report.final
+        if summary is None:
+            return Trial(candidate, "runtime", "error", error="the plan ran no trial")
         workers = list(summary.workers.values())
         failed = summary.failed_workers
         status = "ok" if summary.valid and not failed else "invalid"
@@ -494,7 +496,7 @@ class LiveEvaluator:
         # next batch while one runs includes the batch ahead of it.)
         batch_p99 = [w.batch_p99_ms for w in workers]
         error = summary.failures()
-        rec = summary.record
+        rec = summary.to_dict()
         trial = Trial(candidate, "runtime", status,
                       summary.items_per_s if status == "ok" else None,
                       max((c for c in batch_p99 if c is not None), default=None),
@@ -506,7 +508,7 @@ class LiveEvaluator:
         if self._sampler is not None and "t0" in marks and trial.items_per_s:
             window = self._sampler.window(marks["t0"], t1)
             devices = sorted({self.units[u].telemetry_device for u in candidate.units})
-            energy = window.summary(devices).record(int(rec.get("completed_items") or 0))
+            energy = window.summary(devices).record(summary.completed_items)
             trial.energy_per_item_j = energy.get("energy_per_item_j")
             trial.power_w = energy.get("mean_power_w")
         return trial

@@ -99,17 +99,17 @@ def _runtime_trial(plan: ModelEntry, name: str, spec: ModelSpec, settings: Trial
             raise
         trial.status, trial.error = "error", str(exc)
     else:
-        summary = report.summary
-        worker = next(iter(summary.workers.values()), None)
+        summary = report.final
+        worker = next(iter(summary.workers.values()), None) if summary is not None else None
         if worker is None or not worker.ok:
             trial.status = "error"
             trial.error = (worker.error if worker else None) or "the pipeline failed"
-        elif not summary.valid:
+        elif summary is None or not summary.valid:
             trial.status = "invalid"
-            trial.error = "; ".join(summary.validity_notes) or None
-        trial.items_per_s = summary.items_per_s if trial.status == "ok" else None
+            trial.error = "; ".join(summary.validity_notes if summary else []) or None
+        trial.items_per_s = summary.items_per_s if summary and trial.status == "ok" else None
         trial.p99_ms = worker.batch_p99_ms if worker else None
-        trial.stages = summary.pipelines.get(name, [])
+        trial.stages = (summary.pipelines or {}).get(name, []) if summary else []
     trial.cost_s = time.monotonic() - started
     return trial
 

@@ -7,7 +7,7 @@ workers, the placement timeline, pipeline stages and the latency of every query.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -16,6 +16,9 @@ from infermux.report.figures import bar, figure, hline, line, scatter, vline
 from infermux.report.kinds import Headline, register_kind
 from infermux.report.kinds.common import status_cell
 from infermux.report.page import Section, fmt
+
+if TYPE_CHECKING:
+    from infermux.runtime.trial import LatencySummary, ModelSummary, TrialSummary, WorkerSummary
 
 __all__ = ["final_trial", "render_run"]
 
@@ -92,15 +95,19 @@ def _peak_figure(run: RunData, trials: Sequence[dict[str, Any]]) -> dict[str, An
                   shapes=shapes, annotations=notes)
 
 
-def _phase_figure(models: dict[str, Any]) -> dict[str, Any] | None:
+def _ms(latency: LatencySummary | None, key: str) -> float | None:
+    return getattr(latency, key) if latency is not None else None
+
+
+def _phase_figure(models: dict[str, ModelSummary]) -> dict[str, Any] | None:
     names = list(models)
     if not names:
         return None
     traces = []
     for phase, label in (("queueing", "queueing"), ("batching_wait", "batching wait"),
                          ("compute", "compute")):
-        means = [((models[m].get("phases") or {}).get(phase) or {}).get("mean_ms") for m in names]
-        p99 = [((models[m].get("phases") or {}).get(phase) or {}).get("p99_ms") for m in names]
+        means = [_ms(getattr(models[m].phases, phase), "mean_ms") for m in names]
+        p99 = [_ms(getattr(models[m].phases, phase), "p99_ms") for m in names]
         traces.append(bar(names, [v or 0.0 for v in means], label,
                           hover=[f"{label}: mean {fmt(a, 2)} ms, p99 {fmt(b, 2)} ms"
                                  for a, b in zip(means, p99, strict=True)]))
@@ -108,13 +115,13 @@ def _phase_figure(models: dict[str, Any]) -> dict[str, Any] | None:
                   "mean latency)", x="model", y="ms", barmode="stack", x_category=True)
 
 
-def _worker_figure(workers: dict[str, Any]) -> dict[str, Any] | None:
+def _worker_figure(workers: dict[str, WorkerSummary]) -> dict[str, Any] | None:
     names = list(workers)
     if not names:
         return None
-    util = [(workers[w].get("utilisation") or 0.0) * 100 for w in names]
-    share = [(workers[w].get("share") or 0.0) * 100 for w in names]
-    hover = [f"{w}: {workers[w].get('unit')} · {workers[w].get('status')}" for w in names]
+    util = [(workers[w].utilisation or 0.0) * 100 for w in names]
+    share = [workers[w].share * 100 for w in names]
+    hover = [f"{w}: {workers[w].unit} · {workers[w].status}" for w in names]
     fig = figure([bar(names, util, "utilisation (% of the trial busy)", hover=hover),
                   bar(names, share, "share of the items served (%)", hover=hover)],
                  title="Workers: utilisation and share of the work", x="worker", y="%",
@@ -122,21 +129,20 @@ def _worker_figure(workers: dict[str, Any]) -> dict[str, Any] | None:
     return fig
 
 
-def _timeline_figure(record: dict[str, Any]) -> dict[str, Any] | None:
-    tl = record.get("timeline") or {}
-    rows = tl.get("rows") or []
+def _timeline_figure(record: TrialSummary) -> dict[str, Any] | None:
+    rows = record.timeline.rows
     if not rows:
         return None
     series: dict[str, dict[float, int]] = {}
     for r in rows:
-        key = f"{r['unit']} · {r['model']}"
+        key = f"{r.unit} · {r.model}"
         series.setdefault(key, {})
-        series[key][r["t_s"]] = series[key].get(r["t_s"], 0) + r["items"]
-    times = sorted({r["t_s"] for r in rows})
-    bin_s = tl.get("bin_s") or 0.0
+        series[key][r.t_s] = series[key].get(r.t_s, 0) + r.items
+    times = sorted({r.t_s for r in rows})
+    bin_s = record.timeline.bin_s
     traces = [bar(times, [per.get(t, 0) for t in times], key) for key, per in series.items()]
     shapes, notes = [], []
-    for e in (record.get("events") or [])[:40]:
+    for e in record.events[:40]:
         if e.get("event") in ("move", "worker_failed"):
             text = (f"{e.get('worker')}: {e.get('from')}→{e.get('to')}" if e["event"] == "move"
                     else f"{e.get('worker')} failed")
@@ -144,7 +150,7 @@ def _timeline_figure(record: dict[str, Any]) -> dict[str, Any] | None:
                          "#cf222e" if e["event"] == "worker_failed" else "#5b6475")
             shapes.append(s)
             notes.append(n)
-    dynamic = len({r["model"] for r in rows}) > 1 or shapes
+    dynamic = len({r.model for r in rows}) > 1 or shapes
     title = ("Which unit served which model over time" if dynamic
              else "Items served over time") + f" (items per {bin_s * 1000:.0f} ms)"
     return figure(traces, title=title, x="time into the trial (s)", y="items completed",
@@ -169,8 +175,8 @@ def _query_cdf(run: RunData, trial: int) -> dict[str, Any] | None:
                   y_range=[0, 1.02])
 
 
-def _stages(section: Section, record: dict[str, Any]) -> None:
-    pipelines = record.get("pipelines") or {}
+def _stages(section: Section, record: TrialSummary) -> None:
+    pipelines = record.pipelines or {}
     if not pipelines:
         return
     section.heading("Pipeline stages")
@@ -195,6 +201,8 @@ def _stages(section: Section, record: dict[str, Any]) -> None:
 @register_kind("run", headline=_headline)
 def render_run(run: RunData, section: Section) -> None:
     """Trials, the peak curve, then the deciding trial's models, workers, timeline, stages."""
+    from infermux.runtime.trial import TrialSummary
+
     trials = _trials(run)
     errors = run.summary.get("build_errors") or {}
     for name, text in errors.items():
@@ -219,37 +227,34 @@ def render_run(run: RunData, section: Section) -> None:
     section.figure(_peak_figure(run, trials))
     final = final_trial(run, trials)
     assert final is not None
-    record = final.get("record") or {}
+    record = TrialSummary.from_dict(final.get("record") or {})
     which = f"trial {final['trial']}" + (" (the peak)" if peak.get("peak_qps") else "")
-    models = record.get("models") or {}
+    models = record.models
     if models:
         section.heading(f"Models — {which}")
         section.table(["model", "completed", "failed", "samples/s", "p50 ms", "p99 ms",
                        "queue p99", "batch-wait p99", "compute p99", "batch sizes"],
-                      ([name, fmt(m.get("completed")), fmt(m.get("failed")),
-                        fmt(m.get("items_per_s")),
-                        fmt((m.get("latency") or {}).get("p50_ms"), 2),
-                        fmt((m.get("latency") or {}).get("p99_ms"), 2),
-                        *(fmt(((m.get("phases") or {}).get(p) or {}).get("p99_ms"), 2)
+                      ([name, fmt(m.completed), fmt(m.failed), fmt(m.items_per_s),
+                        fmt(_ms(m.latency, "p50_ms"), 2), fmt(_ms(m.latency, "p99_ms"), 2),
+                        *(fmt(_ms(getattr(m.phases, p), "p99_ms"), 2)
                           for p in ("queueing", "batching_wait", "compute")),
-                        " ".join(f"{k}×{v}" for k, v in (m.get("batch_histogram") or {}).items())]
+                        " ".join(f"{k}×{v}" for k, v in m.batch_histogram.items())]
                        for name, m in models.items()),
                       numeric=("completed", "failed", "samples/s", "p50 ms", "p99 ms",
                                "queue p99", "batch-wait p99", "compute p99"))
         section.figure(_phase_figure(models))
-    workers = record.get("workers") or {}
+    workers = record.workers
     if workers:
         section.heading(f"Workers — {which}")
         for name, w in workers.items():
-            if w.get("status") != "ok":
-                section.note(f"worker {name} on {w.get('unit')} failed: {w.get('error')}", "bad")
+            if not w.ok:
+                section.note(f"worker {name} on {w.unit} failed: {w.error}", "bad")
         section.table(["worker", "unit", "model", "status", "batches", "items", "share",
                        "utilisation", "items/s", "batch sizes"],
-                      ([name, str(w.get("unit")), str(w.get("model")),
-                        status_cell(str(w.get("status"))), fmt(w.get("batches")),
-                        fmt(w.get("items")), f"{(w.get('share') or 0):.1%}",
-                        f"{(w.get('utilisation') or 0):.0%}", fmt(w.get("items_per_s")),
-                        " ".join(f"{k}×{v}" for k, v in (w.get("batch_histogram") or {}).items())]
+                      ([name, w.unit, w.model, status_cell(w.status), fmt(w.batches),
+                        fmt(w.items), f"{w.share:.1%}", f"{(w.utilisation or 0):.0%}",
+                        fmt(w.items_per_s),
+                        " ".join(f"{k}×{v}" for k, v in w.batch_histogram.items())]
                        for name, w in workers.items()),
                       numeric=("batches", "items", "share", "utilisation", "items/s"))
         section.figure(_worker_figure(workers))
