@@ -36,7 +36,7 @@ from infermux.engines.select import engine_options, engines_for
 from infermux.errors import DeviceOutOfMemoryError, InfermuxError, UsageError, first_line
 from infermux.models import LoadedModel, ModelSpec, load_model
 from infermux.progress import ProgressFn
-from infermux.stats import latency_summary_ms
+from infermux.stats import LatencySummary, latency_summary_ms
 from infermux.store import Sample, Store, recording
 from infermux.telemetry import DEFAULT_INTERVAL_S, EnergySummary, Sampler, TelemetryWindow
 from infermux.units import Unit, discover, select_units
@@ -203,27 +203,8 @@ class Measurement:
         )
 
 
-@dataclass(frozen=True, slots=True)
-class BatchLatency:
-    """Percentiles of one batch's latency over a point's samples, in ms."""
-
-    p50_ms: float
-    p90_ms: float
-    p95_ms: float
-    p99_ms: float
-    max_ms: float
-    mean_ms: float
-
-    def to_dict(self) -> dict[str, float]:
-        """The keys `infermux.stats.latency_summary_ms` gives, in its order."""
-        return {"p50_ms": self.p50_ms, "p90_ms": self.p90_ms, "p95_ms": self.p95_ms,
-                "p99_ms": self.p99_ms, "max_ms": self.max_ms, "mean_ms": self.mean_ms}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> BatchLatency:
-        """From `latency_summary_ms`'s output or a stored point carrying its keys."""
-        return cls(float(data["p50_ms"]), float(data["p90_ms"]), float(data["p95_ms"]),
-                   float(data["p99_ms"]), float(data["max_ms"]), float(data["mean_ms"]))
+#: Percentiles of one batch's latency over a point's samples (`stats.LatencySummary`).
+BatchLatency = LatencySummary
 
 
 @dataclass(frozen=True, slots=True)

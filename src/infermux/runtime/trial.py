@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from infermux.stats import LatencySummary
+
 __all__ = ["ClusterTrial", "LatencySummary", "ModelQueries", "ModelSummary", "Phases",
            "ServerLoad", "Timeline", "TimelineRow", "TrialSummary", "WorkerStatus",
            "WorkerSummary", "completed_items", "latency_of"]
@@ -24,28 +26,11 @@ WorkerStatus = Literal["ok", "oom", "failed"]
 _PERCENTILE_KEYS = ("p50_ms", "p90_ms", "p95_ms", "p99_ms", "max_ms", "mean_ms")
 
 
-@dataclass(frozen=True, slots=True)
-class LatencySummary:
-    """`infermux.stats.latency_summary_ms` as a type: percentiles, max and mean in ms."""
-
-    p50_ms: float
-    p90_ms: float
-    p95_ms: float
-    p99_ms: float
-    max_ms: float
-    mean_ms: float
-
-    def to_dict(self) -> dict[str, float]:
-        """The keys `latency_summary_ms` gives, in its order."""
-        return {"p50_ms": self.p50_ms, "p90_ms": self.p90_ms, "p95_ms": self.p95_ms,
-                "p99_ms": self.p99_ms, "max_ms": self.max_ms, "mean_ms": self.mean_ms}
-
-
 def latency_of(data: dict[str, Any] | None) -> LatencySummary | None:
     """A stored latency summary, None for an empty one (nothing was measured)."""
     if not data or any(data.get(k) is None for k in _PERCENTILE_KEYS):
         return None
-    return LatencySummary(*(float(data[k]) for k in _PERCENTILE_KEYS))
+    return LatencySummary.from_dict(data)
 
 
 def _lat(latency: LatencySummary | None) -> dict[str, float]:
