@@ -11,7 +11,13 @@ from infermux.runtime import parse_plan
 from infermux.tune import Constraints, TrialSettings, TuneRequest, run_tune
 from infermux.tune import run as tune_run
 from infermux.tune.hosting import HostingPeak, choose_hosting
-from infermux.tune.run import TuneReport, _choose_hosting_of, _cpu_workers, _thread_hosted
+from infermux.tune.run import (
+    TuneReport,
+    _choose_hosting_of,
+    _cpu_workers,
+    _hosted_as,
+    _thread_hosted,
+)
 
 from .conftest import TINY
 
@@ -44,6 +50,14 @@ def test_thread_hosting_is_tried_for_lock_releasing_cpu_engines_only():
     mixed["models"][0]["replicas"].append({"unit": "cpu:1", "engine": "torch", "instances": 1,
                                            "batch": 4})
     assert _thread_hosted(mixed) is None
+
+
+def test_a_later_plan_is_hosted_as_the_comparison_chose():
+    threads, processes = {"cpu_workers": "thread"}, {"cpu_workers": "process"}
+    assert _cpu_workers(_hosted_as(_plan(), threads)) == "thread"
+    assert _hosted_as(_plan(), processes) == _plan() and _hosted_as(_plan(), None) == _plan()
+    # A plan that cannot run its CPU workers as threads keeps its own hosting.
+    assert _cpu_workers(_hosted_as(_plan("torch"), threads)) == "process"
 
 
 def _runs(process, thread, p99=(None, None)):
@@ -158,8 +172,11 @@ def test_server_tune_measures_both_hostings_and_writes_the_higher_peak(tmp_path,
     data = yaml.safe_load(text)
     assert data["dispatcher"].get("cpu_workers", "process") == chosen["cpu_workers"]
     assert "CPU workers as processes" in text and "CPU workers as threads" in text
-    # The decision and both hostings' trials are in the result.
+    # The decision and both hostings' trials are in the result; a later plan that wins was
+    # measured, and is written, in the hosting the comparison chose.
     assert report.hosting["cpu_workers"] == chosen["cpu_workers"]
+    assert report.hosting["written_cpu_workers"] == chosen["cpu_workers"]
+    assert all(r["cpu_workers"] == decided.cpu_workers for r in rows[2:])
     workers = {"process": "processes", "thread": "threads"}[chosen["cpu_workers"]]
     assert f"# CPU workers as {workers}: " in text
     assert all(r["trials"] for r in rows[:2])

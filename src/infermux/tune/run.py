@@ -566,12 +566,17 @@ def _choose_by_server_peak(report: TuneReport, evaluator: LiveEvaluator, request
             break
         if best is not None and trial.items_per_s is not None and trial.items_per_s <= best[0]:
             continue
-        plan = _plan_for(evaluator, trial, request)
+        # An alternative is measured, and written, in the hosting the comparison chose.
+        plan = _hosted_as(_plan_for(evaluator, trial, request), report.hosting)
         peak, row = measure(plan, trial.candidate.label(), trial.items_per_s)
         peak_qps = peak.get("peak_qps")
         if peak_qps is not None and (best is None or peak_qps > best[0]):
             best = (peak_qps, row, peak)
             report.plan = plan
+    if report.hosting is not None:
+        # Whether the plan written is hosted as the comparison chose (an alternative without
+        # lock-releasing CPU replicas keeps its own hosting).
+        report.hosting["written_cpu_workers"] = _cpu_workers(report.plan)
     row = best[1] if best is not None else 0
     report.server_peaks[row]["chosen"] = True
     if best is not None:
@@ -663,6 +668,17 @@ def _thread_hosted(plan: dict[str, Any]) -> dict[str, Any] | None:
     return {**plan, "dispatcher": {**plan.get("dispatcher", {}), "cpu_workers": "thread"}}
 
 
+def _hosted_as(plan: dict[str, Any], hosting: dict[str, Any] | None) -> dict[str, Any]:
+    """`plan` with its CPU workers hosted as `hosting` (a `HostingChoice.to_dict`) chose.
+
+    Unchanged without a choice, when processes were chosen (the runtime's default), or where
+    `plan` cannot be thread-hosted (`_thread_hosted`).
+    """
+    if hosting is None or hosting.get("cpu_workers") != "thread":
+        return plan
+    return _thread_hosted(plan) or plan
+
+
 def _cpu_workers(plan: dict[str, Any]) -> str | None:
     """How the plan hosts its CPU workers (`process` or `thread`); None without CPU replicas."""
     if not any(str(r["unit"]).startswith("cpu") for m in plan["models"]
@@ -726,4 +742,9 @@ def _plan_header(result: TuneResult, request: TuneRequest, pipelines: str | None
     if hosting_choice is not None:
         lines.append(f"# CPU workers as {hosting_word(hosting_choice['cpu_workers'])}: "
                      f"{hosting_choice['reason']}")
+        written = hosting_choice.get("written_cpu_workers", hosting_choice["cpu_workers"])
+        if written != hosting_choice["cpu_workers"]:
+            lines.append("# the plan written is another candidate's, which keeps "
+                         + (f"its CPU workers as {hosting_word(written)}" if written
+                            else "no CPU workers"))
     return "\n".join(lines) + "\n"
