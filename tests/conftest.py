@@ -61,6 +61,25 @@ def db(tmp_path: Path) -> Path:
     return tmp_path / "results.db"
 
 
+def worker_children(pid: int) -> list:
+    """`pid`'s process-hosted worker children (psutil processes), at any depth below it.
+
+    Forked from the worker template they carry its name (`infermux-worker`); started as fresh
+    interpreters, their command line names `infermux.runtime._child`.
+    """
+    import psutil
+
+    from infermux.runtime._zygote import WORKER_NAME
+
+    found = []
+    for child in psutil.Process(pid).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if child.name() == WORKER_NAME or "infermux.runtime._child" in " ".join(
+                    child.cmdline()):
+                found.append(child)
+    return found
+
+
 def run_cli(*args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run `python -m infermux ARGS` in a fresh process, as a user would."""
     full_env = {**os.environ, "COLUMNS": "200", **(env or {})}

@@ -15,7 +15,7 @@ import yaml
 from infermux.runtime import parse_plan, run_plan
 from infermux.store import Store
 
-from .conftest import TINY, invoke_cli, needs_two_cores
+from .conftest import TINY, invoke_cli, needs_two_cores, worker_children
 
 MNV3 = {"model": "mobilenet_v3_small", "input_shape": [3, 64, 64]}
 
@@ -268,8 +268,7 @@ def test_ctrl_c_ends_the_run_cleanly_with_what_was_measured(tmp_path):
     deadline = time.time() + 180
     while time.time() < deadline and not any("running the server" in ln for ln in lines):
         time.sleep(0.2)
-    children = [c for c in psutil.Process(proc.pid).children(recursive=True)
-                if "infermux.runtime._child" in " ".join(c.cmdline())]
+    children = worker_children(proc.pid)
     assert len(children) == 2
     time.sleep(1.5)  # serve for a while
     proc.send_signal(signal.SIGINT)

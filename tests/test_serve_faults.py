@@ -32,6 +32,7 @@ import tritonclient.grpc as tgrpc
 import tritonclient.http as thttp
 from tritonclient.utils import InferenceServerException
 
+from tests.conftest import worker_children
 from tests.test_serve import Server
 
 FAULTY = Path(__file__).parent / "engine_models" / "faulty.py"
@@ -153,10 +154,8 @@ def test_a_killed_worker_process_is_restarted_and_its_request_answered(tmp_path:
 
 
 def _children(pid: int) -> list[int]:
-    """Process ids of `pid`'s children."""
-    import psutil
-
-    return [p.pid for p in psutil.Process(pid).children()]
+    """Process ids of `pid`'s worker children."""
+    return [p.pid for p in worker_children(pid)]
 
 
 def _worker_child(srv: Server, children: set[int], exclude: int) -> int:
@@ -165,8 +164,7 @@ def _worker_child(srv: Server, children: set[int], exclude: int) -> int:
         if p == exclude:
             continue
         with contextlib.suppress(OSError):
-            cmd = Path(f"/proc/{p}/cmdline").read_bytes()
-            if b"infermux.runtime._child" in cmd and _affinity(p) == {1}:
+            if _affinity(p) == {1}:
                 return p
     raise AssertionError(f"no worker child on core 1 among {sorted(children)}")
 

@@ -23,6 +23,7 @@ import numpy as np
 
 from infermux.engines.base import BatchTiming, Runner
 from infermux.errors import DeviceOutOfMemoryError, RunError, UsageError
+from infermux.runtime.zygote import ForkedChild, spawn_child
 
 __all__ = [
     "BatchRaisedError",
@@ -141,9 +142,11 @@ class ProxyRunner(Runner):
 class ProcessHost:
     """A child process pinned to `cores` that builds and runs one worker's runners.
 
-    The child is a fresh interpreter (`python -m infermux.runtime._child`) talking over two
-    pipes, not a multiprocessing child: spawning through multiprocessing re-imports the
-    caller's main script, which breaks scripts and notebooks without a main guard.
+    The child talks over two pipes. It is forked from a template process that has imported
+    torch and the engines already (`runtime.zygote`), else a fresh interpreter (`python -m
+    infermux.runtime._child`); not a multiprocessing child: spawning through multiprocessing
+    re-imports the caller's main script, which breaks scripts and notebooks without a main
+    guard.
 
     Batches go in with `send`/`send_rows` and their answers come back, in the order sent, from
     `receive`; up to `depth` may be in the child at once. With 2 the worker sends the next batch
@@ -163,7 +166,7 @@ class ProcessHost:
         #: Batches the child may hold at once (the one it runs and the next, waiting).
         self.depth = depth
         self.info: dict[str, dict[int, dict[str, Any]]] = {}
-        self._proc: subprocess.Popen[bytes] | None = None
+        self._proc: subprocess.Popen[bytes] | ForkedChild | None = None
         self._conn_in: Connection | None = None
         self._conn_out: Connection | None = None
         #: Per model and slot, the shared memory a served batch's rows go through (`send_rows`):
@@ -182,12 +185,12 @@ class ProcessHost:
         env = dict(os.environ)
         paths = [p for p in sys.path if p]
         env["PYTHONPATH"] = os.pathsep.join([*paths, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "infermux.runtime._child", str(to_child_r), str(from_child_w)],
-            pass_fds=(to_child_r, from_child_w), env=env,
-            # The parent handles Ctrl-C and ends the children itself.
-            start_new_session=True,
-        )
+        try:
+            self._proc = spawn_child(to_child_r, from_child_w, env)
+        except BaseException:
+            for fd in (to_child_r, to_child_w, from_child_r, from_child_w):
+                os.close(fd)
+            raise
         os.close(to_child_r)
         os.close(from_child_w)
         self._conn_out = Connection(to_child_w, readable=False)
