@@ -77,14 +77,22 @@ def drift_of(label: str, before: list[dict[str, Any]], after: list[dict[str, Any
         return None
     devs = b[2] + a[2]
     dof = len(devs) - len(b[1]) - len(a[1])  # one mean fitted per pass
-    cv = math.sqrt(sum(d * d for d in devs) / dof) if dof > 0 else 0.0
+    ratio = a[0] / b[0] if b[0] else None
+    if dof <= 0:
+        # One minibatch a pass (a compute probe where the epoch allowed no more): no spread to
+        # measure the noise by, so the ratio is never taken as resolved (`epoch_drift`).
+        return {"label": label, "measure": measure, "before_ms": b[0] * 1e3,
+                "after_ms": a[0] * 1e3, "ratio": ratio, "cv": None, "se_log": None,
+                "before_rel_se": None, "after_rel_se": None, "before_steps": sum(b[1]),
+                "after_steps": sum(a[1])}
+    cv = math.sqrt(sum(d * d for d in devs) / dof)
 
     def rel_se(counts: list[int]) -> float:
         return cv * math.sqrt(sum(1 / n for n in counts if n)) / len(counts)
 
     rel_b, rel_a = rel_se(b[1]), rel_se(a[1])
     return {"label": label, "measure": measure, "before_ms": b[0] * 1e3, "after_ms": a[0] * 1e3,
-            "ratio": a[0] / b[0] if b[0] else None, "cv": cv,
+            "ratio": ratio, "cv": cv,
             "se_log": math.hypot(rel_b, rel_a), "before_rel_se": rel_b, "after_rel_se": rel_a,
             "before_steps": sum(b[1]), "after_steps": sum(a[1])}
 
@@ -102,6 +110,9 @@ def epoch_drift(around: list[dict[str, Any]]) -> dict[str, Any] | None:
         return None
     k = len(good)
     log_r = statistics.fmean(math.log(g["ratio"]) for g in good)
+    if any(g.get("se_log") is None for g in good):
+        # Its noise could not be measured: reported, never corrected for.
+        return {"drift": math.exp(log_r), "drift_se": None, "drift_resolved": False}
     se = math.sqrt(good[0]["before_rel_se"] ** 2
                    + sum(g["after_rel_se"] ** 2 for g in good) / k ** 2)
     return {"drift": math.exp(log_r), "drift_se": se,

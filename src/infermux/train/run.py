@@ -1009,8 +1009,10 @@ def _validate(setup: TrainSetup, report: PredictReport, validate: int | None,
         report.notes.append(
             f"the drift probes beside the validation ({report.drift['label']}) read "
             f"{report.drift['range'][0]:.2f}–{report.drift['range'][1]:.2f}× their profile-time "
-            f"figure per minibatch, within the noise of their few minibatches (±"
-            f"{100 * DRIFT_Z * report.drift['noise_se_log']:.0f}%): not corrected for")
+            "figure per minibatch, within the noise of their few minibatches"
+            + (f" (±{100 * DRIFT_Z * report.drift['noise_se_log']:.0f}%)"
+               if report.drift["noise_se_log"] is not None else " (not measurable)")
+            + ": not corrected for")
 
 
 def _basis_label(bases: list[dict[str, Any] | None]) -> str:
@@ -1038,6 +1040,7 @@ def _drift_summary(label: str, series: list[dict[str, Any] | None],
     from their noise, else 1); `noise_se_log`, the probes' median standard error (log).
     """
     good = [g for g in series if g and g.get("ratio")]
+    noise = [g["se_log"] for g in good if g.get("se_log") is not None]
     epochs = [m for ms in measured for m in ms.values() if m.get("drift")]
     applied = [applied_drift(m) or 1.0 for m in epochs]
     resolved = [m["drift"] for m in epochs if m.get("drift_resolved")]
@@ -1052,7 +1055,7 @@ def _drift_summary(label: str, series: list[dict[str, Any] | None],
         "ratio": good[-1]["ratio"] if good else None,
         "range": ([min(g["ratio"] for g in good), max(g["ratio"] for g in good)]
                   if good else None),
-        "noise_se_log": statistics.median(g["se_log"] for g in good) if good else None,
+        "noise_se_log": statistics.median(noise) if noise else None,
         "applied_range": [min(applied), max(applied)] if applied else None,
         "resolved_range": [min(resolved), max(resolved)] if resolved else None,
         "resolved_epochs": len(resolved), "epochs": len(epochs),
