@@ -8,8 +8,9 @@
 3. Every configuration's first and later epoch is predicted (`predict.predict_all`), with a
    reference network's runs for transfer when given.
 4. `validate`: held-out configurations, drawn at random one model cell at a time, are
-   trained for two full epochs (kind `epoch`), with the reference configuration re-profiled
-   between them for the machine's drift, and the predictions are scored against them (MAPE
+   trained for two full epochs (kind `epoch`), each with what it was predicted from at its own
+   batch (`drift_basis`) re-measured before and after it for the machine's drift, and the
+   predictions are scored against them (MAPE
    for time, as measured and corrected for drift, and for energy), each validated epoch's
    error cut into the model's terms (`attribution`: start-up, compute, loader, contention)
    and the term that missed named.
@@ -919,7 +920,12 @@ def _validate(setup: TrainSetup, report: PredictReport, validate: int | None,
             recs = [measure_compute(setup, configs[j], j, basis["steps"], kind=f"drift:{n}",
                                     extra=extra)]
         else:
-            recs, _ = measure_configs(setup, [configs[j]], kind=f"probe:{n}", indices=[j],
+            # The profile's own minibatches again (a thin or shortened profile had fewer than
+            # the run's share gives): its cold and warm halves come out as they were.
+            steps = sum(len(b.get("steps") or []) for b in basis["before"])
+            again = replace(setup, config=replace(setup.config, profile_steps=steps,
+                                                  profile_share=1.0))
+            recs, _ = measure_configs(again, [configs[j]], kind=f"probe:{n}", indices=[j],
                                       extra=extra)
         report.drift_passes += recs
         after = [r.as_data() for r in recs if r.status == "ok" and r.result]
