@@ -681,6 +681,9 @@ def _compute_probes(setup: TrainSetup, report: PredictReport, passes: list[dict[
     `report.passes`): the compute term at that batch is measured instead of drawn from a line
     through the other batch sizes (on a GPU, a line from batch 32 predicted batch 128's
     minibatch far too long). They count in the profile budget (`PredictReport.budget`).
+    Where a counter measures power, each also reads its batch's power
+    (`profile.PROBE_POWER_S`), in minibatches out of what the rule's cost leaves after the
+    profiles (`_power_room`), so the rule held without them still holds with them.
     """
     configs = report.configs
     reached = {(tuple(p["knobs"]["cores"] or ()), p["knobs"]["precision"], p["knobs"]["batch"])
@@ -690,6 +693,12 @@ def _compute_probes(setup: TrainSetup, report: PredictReport, passes: list[dict[
     # A power counter measured the profiles (NVML, RAPL): the probes read it too.
     counter = any(p.get("energy_j") and not str(p.get("energy_source", "none")).startswith(
         ("modelled", "none")) for p in passes)
+    cells = {(tuple(k.cores or ()), k.precision, k.batch) for k in configs} - reached
+    # The power reads' minibatches come out of what the rule's cost in all leaves after the
+    # profiles (`power_room`), shared among the probes: a probe's steps run faster than an
+    # epoch's average minibatch, so a share of the epoch's minibatches is at most that share
+    # of its time.
+    room = _power_room(setup, report, passes) / max(1, len(cells)) if counter else 0.0
     for i, knobs in enumerate(configs):
         key = (tuple(knobs.cores or ()), knobs.precision, knobs.batch)
         if key in reached or key in done:
@@ -698,9 +707,10 @@ def _compute_probes(setup: TrainSetup, report: PredictReport, passes: list[dict[
         # At most the profile share of the epoch's minibatches: a batch size with a handful of
         # minibatches an epoch (a probe of three was half of a 400-image epoch on the CPU)
         # stays extrapolated, or is measured whole.
-        most = math.floor(setup.config.profile_share
-                          * math.ceil(setup.dataset_items / knobs.batch))
+        per_epoch = math.ceil(setup.dataset_items / knobs.batch)
+        most = math.floor(setup.config.profile_share * per_epoch)
         steps = min(COMPUTE_PROBE_STEPS, most)
+        most = max(steps, min(most, math.floor(room * per_epoch)))
         if steps < 1:
             skipped.append(f"b{knobs.batch} {knobs.precision}")
             continue
@@ -729,6 +739,30 @@ def _compute_probes(setup: TrainSetup, report: PredictReport, passes: list[dict[
             f"no compute probe of {', '.join(skipped)}: one minibatch is over "
             f"{setup.config.profile_share:.0%} of such an epoch (more data, or whole epochs, "
             "would measure it)")
+
+
+def _power_room(setup: TrainSetup, report: PredictReport, passes: list[dict[str, Any]]
+                ) -> float:
+    """Epochs the rule's cost in all leaves after the profiles (≥ 0), for the probes' power.
+
+    The rule's cost is a third of the grid at the profile share each; each profile's (and
+    whole epoch's) wall time counts over its configuration's shorter epoch as the simple model
+    predicts it from the profiles so far (as `PredictReport.budget` counts it from the final
+    predictions).
+    """
+    share = setup.config.profile_share
+    allowed = share * math.ceil(len(report.configs) / 3)
+    comps = _components([p for p in passes if p.get("kind") != "compute"])
+    if comps is None:
+        return allowed
+    spent = 0.0
+    for i in report.profiled:
+        wall = sum(p.get("wall_ns", 0) for p in passes if p.get("config") == i
+                   and p.get("kind") in ("profile", "whole")) / 1e9
+        epoch = min(comps.predict(report.configs[i], n, setup.dataset_items)["epoch_s"]
+                    for n in ("cold", "warm"))
+        spent += wall / epoch if epoch > 0 else share
+    return max(0.0, allowed - spent)
 
 
 def _whole_epochs(setup: TrainSetup, report: PredictReport, passes: list[dict[str, Any]],
