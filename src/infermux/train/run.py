@@ -881,7 +881,8 @@ def drift_basis(report: PredictReport, i: int, ref: int | None) -> dict[str, Any
               and p.result is not None
               and (p.knobs.cores, p.knobs.precision, p.knobs.batch) == key]
     if probes:
-        return {"kind": "compute", "config": i, "label": f"compute probe b{k.batch} "
+        # Measured as the probe was (its configuration's index seeds the same batch of files).
+        return {"kind": "compute", "config": probes[0].config, "label": f"compute probe b{k.batch} "
                 f"{k.precision}", "key": ("compute", key),
                 "before": [probes[0].as_data()],
                 "steps": len(probes[0].as_data()["steps"])}
