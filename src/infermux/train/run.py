@@ -941,6 +941,7 @@ def _validate(setup: TrainSetup, report: PredictReport, validate: int | None,
         nonlocal last
         basis = bases.get(i)
         if basis is None:
+            last = None  # epochs without a probe come between: none is shared across them
             return None
         if when == "before" and last is not None and last[0] == basis["key"]:
             series[last[1]]["for"].append(configs[i].label)
