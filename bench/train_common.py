@@ -69,6 +69,12 @@ def summary(report: PredictReport, started: float, args: dict[str, Any]) -> dict
         "profile_mode": data["profile_mode"], "verdict": data["model_info"].get("verdict"),
         "compute_probes": data["budget"].get("compute_probes", []),
         "settle": data["model_info"].get("settle"),
+        # Which probe measured each validated configuration's drift, and where each
+        # configuration's energy prediction took its power from.
+        "drift_by_config": (data["drift"] or {}).get("by_config", []),
+        "power_sources": data["model_info"].get("power_sources", {}),
+        "short_epochs": data["budget"].get("short_epochs"),
+        "drift_probes_counted": data["budget"].get("drift_probes_counted"),
         "rows": rows(report),
         "misses": miss_terms(report, len(os.sched_getaffinity(0))),
         "missed": {e: data["attribution"][e] for e in ("first", "later")
@@ -108,7 +114,7 @@ def print_figure(name: str, fig: dict[str, Any]) -> None:
             " of its epoch)" for p in probes))
     d = fig.get("drift")
     if d and d.get("range"):
-        print(f"{name}: drift: {d['label']} re-profiled beside the validation: "
+        print(f"{name}: drift probes beside the validation ({d['label']}): "
               f"{d['range'][0]:.2f}-{d['range'][1]:.2f}x its profiled time per minibatch "
               f"(noise ±{200 * (d.get('noise_se_log') or 0):.0f}%; corrected in "
               f"{d.get('resolved_epochs', '?')} of {d.get('epochs', '?')} validated epochs, "
@@ -126,9 +132,23 @@ def print_figure(name: str, fig: dict[str, Any]) -> None:
     for m in fig.get("misses", []):
         print(f"{name}:   missed {m['label']} {m['epoch']} {m['error_pct']:+.0f}%: "
               f"{m['term']} ({', '.join(f'{k} {v:+.2f}s' for k, v in m['parts_s'].items())})")
-    for row in b["per_config"]:
-        if row["flags"]:
-            print(f"{name}:   {row['label']}: {row['flags'][0]}")
+    if b.get("short_epochs"):
+        # Said once for the run, not per configuration.
+        print(f"{name}: {b['short_epochs']}")
+    else:
+        for row in b["per_config"]:
+            if row["flags"]:
+                print(f"{name}:   {row['label']}: {row['flags'][0]}")
+    if b.get("drift_probes_counted"):
+        print(f"{name}: {b['drift_probes_counted']}")
+    for row in fig.get("drift_by_config") or []:
+        drift = f"{row['drift']:.2f}x" if row.get("drift") else "-"
+        print(f"{name}:   drift of {row['label']}: {drift} by {row['probe']}"
+              + ("" if row.get("drift_resolved") else " (within its noise: not corrected)"))
+    measured = {r["label"] for r in fig["rows"] if r["measured_s"] and not r["profiled"]}
+    for label, source in (fig.get("power_sources") or {}).items():
+        if label in measured:
+            print(f"{name}:   power of {label}: {source}")
 
 
 def miss_terms(report: PredictReport, all_cores: int) -> list[dict[str, Any]]:

@@ -19,12 +19,18 @@ keeps what it measured; its `status` says whether it was); the images to `--data
 temporary folder by default, not OUT). The command plans against `--budget-s`: each run gets a
 share of what is left (weighted by its data set's pixels), its profiles at most half of it, and
 its whole epochs and validated configurations start only where they are expected to end within
-it; past the budget by `GRACE_S` (or on SIGTERM) the run in progress is cut and the JSON
-written.
+it (each against `PLAN_SHARE` of the budget, so the command ends within it); past the budget by
+`GRACE_S` (or on SIGTERM) the run in progress is cut and the JSON written.
 
-    # GPU (one command, ≤ 9 min on an H100 host; only the image's torch, torchvision, numpy,
+Each validated epoch's drift is measured at its own batch (its batch's compute probe or a
+profile of its batch re-measured beside it; the reference configuration only where its batch
+has no figure of its own), the compute probes read the device's power at their batch, and
+each run says per configuration where its energy prediction's power came from
+(`power_sources`) and which probe corrected which epoch (`drift_by_config`).
+
+    # GPU (one command, ≤ 7 min on an H100 host; only the image's torch, torchvision, numpy,
     # psutil and nvidia-ml-py are needed)
-    python bench/train_nets.py --unit cuda:0 --out gpu-nets --budget-s 450
+    python bench/train_nets.py --unit cuda:0 --out gpu-nets --budget-s 400
     # CPU (one core of a two-core machine; ≤ 10 min, fewer validated epochs than its 25 min
     # default budget)
     python bench/train_nets.py --unit cpu --out cpu-nets --budget-s 540
@@ -57,14 +63,18 @@ HERE = Path(__file__).resolve().parent
 DEFAULTS = {
     "gpu": {"models": "mobilenet_v3_large,efficientnet_b0,regnet_y_400mf,vit",
             "datasets": "6000x64,24000x96", "batch": "32,128", "workers": "2,8",
-            "precision": "fp32,amp", "budget_s": 450.0},
+            "precision": "fp32,amp", "budget_s": 400.0},
     "cpu": {"models": "mobilenet_v3_small,efficientnet_b0,regnet_x_400mf,vit",
             "datasets": "800x32,3200x32", "batch": "16,64", "workers": "1,2",
             "precision": "fp32", "budget_s": 1500.0},
 }
 #: How far past `--budget-s` the run in progress may go before it is cut (its passes stay in
 #: the store; the JSON says `cut`).
-GRACE_S = 45.0
+GRACE_S = 15.0
+#: The runs are planned against this share of `--budget-s`: a run's profiles, warm-ups and
+#: compute probes are bounded only by estimates made before them, and the command as a whole
+#: is to end within its budget, not at it plus a grace.
+PLAN_SHARE = 0.9
 #: Of a run's share, at most this much for its profiles (`TrainConfig.budget_s`).
 PROFILE_SHARE_OF_RUN = 0.5
 #: Below this many seconds of the budget, a run is not started.
@@ -107,9 +117,9 @@ def main() -> None:
                              "while others run, up to 20× slower per minibatch)")
     parser.add_argument("--profile-share", type=float, default=0.1)
     parser.add_argument("--budget-s", type=float, default=None,
-                        help="the whole command's time (GPU default 450, CPU 1500): each run "
-                             "gets a share of what is left; past it by 45 s the run in "
-                             "progress is cut")
+                        help="the whole command's time (GPU default 400, CPU 1500): each run "
+                             "gets a share of what is left of 90% of it; past it by 15 s the "
+                             "run in progress is cut")
     parser.add_argument("--data-dir", default=None,
                         help="where the synthetic images are written (default: a folder in "
                              "the system's temporary directory, reused between runs)")
@@ -163,7 +173,7 @@ def main() -> None:
         with Store(out / "train-nets.db") as store:
             for k, (name, images, size) in enumerate(runs):
                 key = f"{name} {images}x{size}"
-                left = budget_s - (time.time() - started)
+                left = PLAN_SHARE * budget_s - (time.time() - started)
                 if left < MIN_RUN_S:
                     print(f"skipping {key}: {left:.0f} s of the budget left", flush=True)
                     doc["skipped"].append(key)
@@ -277,7 +287,7 @@ def _table(results: dict[str, dict]) -> str:
         return f"{v:5.1f}" if v is not None else "    -"
 
     lines = [f"{'run':<34} {'time 1st/later %':>17} {'corrected %':>13} {'in cells %':>13} "
-             f"{'energy %':>13} {'valid.':>7} {'drift':>12} plan"]
+             f"{'energy %':>13} {'valid.':>7} {'drift':>12} {'probes':>8} plan"]
     for key, fig in results.items():
         s, dr = fig["scores"], fig.get("drift") or {}
         rng = dr.get("range")
@@ -293,8 +303,14 @@ def _table(results: dict[str, dict]) -> str:
             f"{pct(s.get('later_time_mape_in_cells_pct'))} "
             f"{pct(s['first_energy_mape_pct'])} / {pct(s['later_energy_mape_pct'])} "
             f"{s['configurations']:>3}/{s.get('held_out', '?'):<3} "
-            f"{drift:>12} {fig.get('profile_mode')}")
+            f"{drift:>12} {_bases(dr):>8} {fig.get('profile_mode')}")
     return "\n".join(lines)
+
+
+def _bases(drift: dict[str, Any]) -> str:
+    """The validated epochs' drift probes: c compute probe, p profile of the batch, r reference."""
+    bases = drift.get("bases") or {}
+    return " ".join(f"{k[0]}{v}" for k, v in bases.items()) or "-"
 
 
 if __name__ == "__main__":

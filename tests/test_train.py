@@ -570,17 +570,19 @@ def test_train_profile_and_predict_from_the_cli(tmp_path: Path,
         stored = {(r[0], r[1]): r[2] for r in store.connection.execute(
             "SELECT label, epoch, predicted_s FROM train_predictions WHERE run_id = 2")}
     assert again["scores"]["configurations"] == 2
-    # Before the first validated configuration and after each, the first profiled one was
-    # profiled again (kind `probe:N`, never fitted on: the re-prediction below matches the
-    # stored one): the machine's drift beside each validated epoch, measured.
+    # Before each validated configuration and after it, what it was predicted from at its own
+    # batch was measured again: the two held out are of batch 16, which no profile reached
+    # (96 items: a thin profile of each batch-8 configuration), so its compute probe (kind
+    # `drift:N`, never fitted on: the re-prediction below matches the stored one); the probe
+    # after the first is the second's before. The machine's drift beside each epoch, measured.
     with sqlite3.connect(db) as con:
         probes = con.execute("SELECT label, kind, pass FROM train_passes WHERE run_id = 2 AND "
-                             "kind LIKE 'probe%' ORDER BY rowid").fetchall()
-        first = con.execute("SELECT label FROM train_passes WHERE run_id = 2 AND "
-                            "kind = 'profile' ORDER BY rowid LIMIT 1").fetchone()[0]
-    assert [(k, p) for _, k, p in probes] == [(f"probe:{n}", p) for n in range(3)
-                                              for p in ("cold", "warm")]
-    assert {label for label, _, _ in probes} == {first} == {again["drift"]["label"]}
+                             "kind LIKE 'drift:%' ORDER BY rowid").fetchall()
+        compute = con.execute("SELECT label FROM train_passes WHERE run_id = 2 AND "
+                              "kind = 'compute'").fetchall()
+    assert [k for _, k, _ in probes] == ["drift:0", "drift:1", "drift:3"]
+    assert {label for label, _, _ in probes} == {label for (label,) in compute}
+    assert again["drift"]["label"] == "compute probe b16 fp32"
     assert again["drift"]["before_ms"] > 0 and again["drift"]["ratio"] == pytest.approx(
         again["drift"]["after_ms"] / again["drift"]["before_ms"])
     assert len(again["drift"]["probes"]) == 3

@@ -256,9 +256,9 @@ def train_predict(
                   f"{num(scores['later_energy_mape_pct'], 1)}%")
         if scores.get("first_time_mape_drift_corrected_pct") is not None and report.drift:
             d = report.drift
-            out.print(f"corrected for the machine's drift ({escape(d['label'])} re-profiled "
-                      f"beside the validation: {num(d['range'][0], 2)}–{num(d['range'][1], 2)}× "
-                      f"its profiled time per minibatch): MAPE time first "
+            out.print(f"corrected for the machine's drift (re-measured beside the validation: "
+                      f"{escape(d['label'])}; {num(d['range'][0], 2)}–{num(d['range'][1], 2)}× "
+                      f"the profile-time figure per minibatch): MAPE time first "
                       f"{num(scores['first_time_mape_drift_corrected_pct'], 1)}%, later "
                       f"{num(scores['later_time_mape_drift_corrected_pct'], 1)}%")
         # Which term of the model missed, from the validated epochs' own minibatches.

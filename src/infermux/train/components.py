@@ -20,7 +20,12 @@ from infermux.errors import UsageError
 from infermux.train.knobs import Knobs
 from infermux.train.steady import epoch_body, epoch_steps, steady, warmup_steps
 
-__all__ = ["ENERGY_MIN_S", "Components", "fit_components", "fit_kappa", "served_step"]
+__all__ = ["ENERGY_MIN_S", "PROBE_POWER_MIN_S", "Components", "fit_components", "fit_kappa",
+           "served_step"]
+
+#: A compute probe's power (`profile.measure_compute`) is used only where read over this long
+#: (two sampler intervals, between reads of its own).
+PROBE_POWER_MIN_S = 0.2
 
 
 def _ncores(knobs: dict[str, Any], all_cores: int) -> int:
@@ -121,6 +126,11 @@ class Components:
     #: caches), so the two are fitted apart where both were profiled.
     cpu_by_workers: dict[tuple[int, str, bool], tuple[float, float]] = field(
         default_factory=dict)
+    #: (cores, precision, batch) → (mean power W, compute per minibatch s) of a compute probe
+    #: at that batch (`profile.measure_compute`): the device's power at its own batch cell,
+    #: where no profile measured it (a batch-128 epoch drew 184–292 W on an H200 host where
+    #: the batch-32 profiles saw 145–173 W).
+    probe_power: dict[tuple[int, str, int], tuple[float, float]] = field(default_factory=dict)
 
     def _group(self, table: dict[Any, Any], key: tuple[Any, ...]) -> Any:
         if key in table:
@@ -211,7 +221,52 @@ class Components:
         a, b = self.energy["dynamic"].get(knobs.precision) or self.energy["dynamic_any"]
         return self.energy["static_w"] * seconds + steps * (a + b * knobs.batch)
 
-    def predict(self, knobs: Knobs, pass_name: str, items: int) -> dict[str, float]:
+    def _probe_at(self, knobs: Knobs) -> tuple[float, float] | None:
+        n = _ncores(knobs.to_dict(), self.all_cores)
+        return self.probe_power.get((n, knobs.precision, knobs.batch))
+
+    def energy_at(self, knobs: Knobs, pass_name: str, seconds: float, steps: float,
+                  fig: dict[str, float] | None = None) -> tuple[float | None, str]:
+        """Energy of an epoch of `steps` minibatches over `seconds`, and where its power came from.
+
+        Where a compute probe measured the power at this configuration's batch (and precision,
+        cores), that power sets the dynamic energy of its minibatches: with a static + dynamic
+        line, (P_probe − P0) × the probe's compute per minibatch (the probe's device is busy
+        all along, so its power over the static is the dynamic part), in place of the line's
+        value extrapolated from other batch sizes; without one, the probe's mean power over the
+        epoch. Elsewhere the line, or the mean power of the profiled passes most alike.
+        """
+        probe = self._probe_at(knobs)
+        at = f"b{knobs.batch} {knobs.precision}"
+        if self.energy is not None:
+            static = self.energy["static_w"]
+            if probe is not None and probe[0] > static:
+                return (static * seconds + steps * (probe[0] - static) * probe[1],
+                        f"compute probe at {at} ({probe[0]:.0f} W): its dynamic energy per "
+                        f"minibatch over the static {static:.0f} W")
+            batches = (self.energy.get("batches") or {}).get(knobs.precision) or []
+            source = (f"energy line ({self.energy['line']}) fitted on profiles at batch "
+                      + ",".join(str(b) for b in batches))
+            if knobs.batch not in batches:
+                source += f", extrapolated to batch {knobs.batch}"
+            if probe is not None:
+                source += (f" (the compute probe's {probe[0]:.0f} W at {at} is under the static "
+                           "power: not used)")
+            return self.energy_for(knobs, seconds, steps), source
+        n = _ncores(knobs.to_dict(), self.all_cores)
+        own = (knobs.batch, n, knobs.precision, knobs.workers > 0, pass_name) in self.power
+        if probe is not None and not own:
+            return probe[0] * seconds, f"compute probe at {at}: its mean power ({probe[0]:.1f} W)"
+        power = self.power_for(knobs, pass_name, fig)
+        if power is None:
+            return None, "none"
+        if (n, knobs.precision) in self.power_line and fig is not None:
+            return power * seconds, "power line in the busy share of the profiled passes"
+        return power * seconds, ("mean power of the profiled passes at its batch" if own else
+                                 "mean power of profiled passes at other batch sizes "
+                                 "(extrapolated)")
+
+    def predict(self, knobs: Knobs, pass_name: str, items: int) -> dict[str, Any]:
         """Epoch time (and energy, where power is known) of one configuration and pass."""
         fig = self.figures(knobs, pass_name)
         start = self.start_for(knobs, pass_name, fig)
@@ -223,10 +278,11 @@ class Components:
         power = self.power_for(knobs, pass_name, fig)
         terms = {f"term_{k}": v for k, v in fig.items() if k != "T"}
         start_s = t - epoch_body(items, knobs.batch, ramp) * fig["T"]
-        energy = self.energy_for(knobs, t, epoch_body(items, knobs.batch, 0))
+        energy, source = self.energy_at(knobs, pass_name, t, epoch_body(items, knobs.batch, 0),
+                                        fig)
         if energy is not None:
             power = energy / t if t else power
-        return {"epoch_s": t, "T": fig["T"], "power": power,  # type: ignore[dict-item]
+        return {"epoch_s": t, "T": fig["T"], "power": power, "power_source": source,
                 "start_s": start_s, **terms}
 
 
@@ -294,12 +350,19 @@ def fit_components(passes: list[dict[str, Any]], all_cores: int,
             if not str(data.get("energy_source", "")).startswith("modelled") and fig["T"] > 0:
                 busy[(n, k["precision"])].append((min(1.0, fig["compute"] / fig["T"]),
                                                   fig["power"]))
+    probe_power: dict[tuple[int, str, int], list[tuple[float, float]]] = defaultdict(list)
     for data in probes or ():
         fig = steady(data)
         if fig is None:
             continue
         k = data["knobs"]
         g = (_ncores(k, all_cores), k["precision"])
+        # A counter read over too short a window (the share allowed few minibatches) is
+        # noise; a modelled power (CPU seconds × watts) is the probe's CPU time, whatever long.
+        modelled = str(data.get("energy_source", "")).startswith("modelled")
+        if data.get("power_w") and (modelled
+                                    or (data.get("power_s") or 0.0) >= PROBE_POWER_MIN_S):
+            probe_power[(g[0], g[1], k["batch"])].append((data["power_w"], fig["compute"]))
         compute[g].append((k["batch"], max(1e-6, fig["compute"])))
         compute0[g].append(compute[g][-1])
         if fig["steady_cpu_per_step"] is not None:
@@ -338,6 +401,8 @@ def fit_components(passes: list[dict[str, Any]], all_cores: int,
               for g, v in ramp.items()} or {0: (0.0, 0.0)},
         power={g: statistics.fmean(v) for g, v in power.items()},
         all_cores=all_cores,
+        probe_power={g: (statistics.fmean(p for p, _ in v), statistics.fmean(c for _, c in v))
+                     for g, v in probe_power.items()},
     )
     # Receiving a batch from a worker: what the steady minibatch takes beyond the model's
     # bottleneck, per item (the median over passes with workers).
@@ -456,7 +521,9 @@ def _fit_energy(passes: list[dict[str, Any]]) -> dict[str, Any] | None:
     resid = [math.log(pv / r[4]) for pv, r in zip(pred, rows, strict=True) if pv > 0]
     any_line = (statistics.fmean(a for a, _ in dynamic.values()),
                 statistics.fmean(b for _, b in dynamic.values()))
+    batches = {p: sorted({r[2] for r in rows if r[3] == p}) for p in precisions}
     return {"static_w": static, "dynamic": dynamic, "dynamic_any": any_line, "rows": len(rows),
+            "batches": batches,
             "line": "per item" if per_item else "per minibatch", "loo_error": loo,
             "log_error": float(np.sqrt(np.mean(np.square(resid)))) if resid else 0.0}
 

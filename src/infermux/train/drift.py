@@ -1,8 +1,13 @@
 """The machine's drift beside validated epochs, with its own noise.
 
-The reference configuration is profiled again before the first validated configuration and
-after each (`run._validate`, kind `probe:N`); its steady per-minibatch time over its profile's
-is the machine's speed at that moment. A probe and a profile each hold a handful of steady
+Beside each validated configuration, what it was predicted from at its own batch is measured
+again (`run._validate`): the compute probe of its batch, precision and cores (kind `drift:N`,
+its compute per minibatch against the probe's at profile time), else a profiled configuration
+of its batch re-profiled (kind `probe:N`), else the run's reference configuration (the first
+profiled); the probe's steady per-minibatch time over the figure's is the machine's speed, at
+that batch, at that moment. A GPU's launch-bound small-batch step and its compute-bound large
+one move differently: the batch-32 reference's drift did not describe batch-128 epochs on an
+H200 host (correlation −0.49 with their errors). A probe and a profile each hold a handful of steady
 minibatches (3–5 a half on the 2-core CPU and on short GPU epochs), and single minibatches
 spread (a coefficient of variation of 0.1–0.25 on the quiet 2-core CPU, 0.15–0.6 with other
 processes on it), so the ratio has a noise of its own: two disjoint draws of that many
@@ -27,22 +32,27 @@ __all__ = ["DRIFT_Z", "applied_drift", "drift_of", "epoch_drift"]
 DRIFT_Z = 2.0
 
 
-def _side(passes: list[dict[str, Any]]) -> tuple[float, list[int], list[float]] | None:
+def _side(passes: list[dict[str, Any]], measure: str = "wall"
+          ) -> tuple[float, list[int], list[float]] | None:
     """Mean steady per-minibatch time (s), steady minibatches per pass, their deviations.
 
     The deviations are each minibatch's from its own pass's mean, relative. The passes' own
     means are averaged (a profile's cold and warm halves count alike, as the predictor reads
-    them).
+    them). `measure`: `wall` (the whole minibatch) or `compute` (the minibatch less its fetch:
+    a compute probe's first minibatch holds its batch's loading, the others none).
     """
     means, counts, devs = [], [], []
     for p in passes:
         f = steady(p)
         if not f:
             continue
-        body = [s.get("wall_ns") or (s["fetch_ns"] + s["h2d_ns"] + s["forward_ns"]
-                                     + s["backward_ns"] + s["optimizer_ns"])
+        body = [(s.get("wall_ns") or (s["fetch_ns"] + s["h2d_ns"] + s["forward_ns"]
+                                      + s["backward_ns"] + s["optimizer_ns"]))
+                - (s["fetch_ns"] if measure == "compute" else 0)
                 for s in p["steps"][int(f["ramp"]):]]
-        means.append(f["T"])
+        if not body or min(body) <= 0:
+            continue
+        means.append(statistics.fmean(body) / 1e9)
         counts.append(len(body))
         mean_ns = statistics.fmean(body)
         devs += [w / mean_ns - 1.0 for w in body]
@@ -51,8 +61,8 @@ def _side(passes: list[dict[str, Any]]) -> tuple[float, list[int], list[float]] 
     return statistics.fmean(means), counts, devs
 
 
-def drift_of(label: str, before: list[dict[str, Any]], after: list[dict[str, Any]]
-             ) -> dict[str, Any] | None:
+def drift_of(label: str, before: list[dict[str, Any]], after: list[dict[str, Any]],
+             measure: str = "wall") -> dict[str, Any] | None:
     """Steady per-minibatch time of a profile and of its probe, their ratio and its noise.
 
     `before`, `after`: the passes' data. The spread of single minibatches is pooled over the
@@ -62,19 +72,27 @@ def drift_of(label: str, before: list[dict[str, Any]], after: list[dict[str, Any
     (`before_rel_se`, `after_rel_se`); `se_log`, that of the ratio's logarithm, is both
     together.
     """
-    b, a = _side(before), _side(after)
+    b, a = _side(before, measure), _side(after, measure)
     if b is None or a is None or len(b[1]) != len(a[1]):
         return None
     devs = b[2] + a[2]
     dof = len(devs) - len(b[1]) - len(a[1])  # one mean fitted per pass
-    cv = math.sqrt(sum(d * d for d in devs) / dof) if dof > 0 else 0.0
+    ratio = a[0] / b[0] if b[0] else None
+    if dof <= 0:
+        # One minibatch a pass (a compute probe where the epoch allowed no more): no spread to
+        # measure the noise by, so the ratio is never taken as resolved (`epoch_drift`).
+        return {"label": label, "measure": measure, "before_ms": b[0] * 1e3,
+                "after_ms": a[0] * 1e3, "ratio": ratio, "cv": None, "se_log": None,
+                "before_rel_se": None, "after_rel_se": None, "before_steps": sum(b[1]),
+                "after_steps": sum(a[1])}
+    cv = math.sqrt(sum(d * d for d in devs) / dof)
 
     def rel_se(counts: list[int]) -> float:
         return cv * math.sqrt(sum(1 / n for n in counts if n)) / len(counts)
 
     rel_b, rel_a = rel_se(b[1]), rel_se(a[1])
-    return {"label": label, "before_ms": b[0] * 1e3, "after_ms": a[0] * 1e3,
-            "ratio": a[0] / b[0] if b[0] else None, "cv": cv,
+    return {"label": label, "measure": measure, "before_ms": b[0] * 1e3, "after_ms": a[0] * 1e3,
+            "ratio": ratio, "cv": cv,
             "se_log": math.hypot(rel_b, rel_a), "before_rel_se": rel_b, "after_rel_se": rel_a,
             "before_steps": sum(b[1]), "after_steps": sum(a[1])}
 
@@ -92,6 +110,9 @@ def epoch_drift(around: list[dict[str, Any]]) -> dict[str, Any] | None:
         return None
     k = len(good)
     log_r = statistics.fmean(math.log(g["ratio"]) for g in good)
+    if any(g.get("se_log") is None for g in good):
+        # Its noise could not be measured: reported, never corrected for.
+        return {"drift": math.exp(log_r), "drift_se": None, "drift_resolved": False}
     se = math.sqrt(good[0]["before_rel_se"] ** 2
                    + sum(g["after_rel_se"] ** 2 for g in good) / k ** 2)
     return {"drift": math.exp(log_r), "drift_se": se,

@@ -118,6 +118,9 @@ class Prediction:
     measured: dict[str, dict[str, float | None]] = field(default_factory=dict)
     #: Predicted from profiles of other model cells (`covered`), with the wider bound.
     extrapolated: bool = False
+    #: Where the energy prediction's power came from (`Components.energy_at`): a compute
+    #: probe at its batch, the energy line (at its batch or extrapolated), a profile's power.
+    power_source: str | None = None
 
     def rows(self) -> list[dict[str, Any]]:
         """One row per epoch kind, for the store and JSON."""
@@ -134,6 +137,9 @@ class Prediction:
                         # Its standard error (log) and whether it stood out of it (`drift`).
                         "drift_se": meas.get("drift_se"),
                         "drift_resolved": meas.get("drift_resolved"),
+                        # Which probe measured that drift (`run._validate`).
+                        "drift_probe": meas.get("drift_probe"),
+                        "power_source": self.power_source,
                         "knobs": self.knobs.to_dict()})
         return out
 
@@ -245,7 +251,11 @@ def predict_all(configs: list[Knobs], passes: list[dict[str, Any]], *, items: in
                           "energy_high_j": estimate.get(f"{e}_energy_high_j")}
                       for e in ("first", "later")}
             _queue_correction(epochs, own or [], comps, items)
+            source = (f"its profile's mean power ({estimate.get('energy_source')})"
+                      if estimate.get("first_energy_j") is not None else None)
             if comps.energy is not None:
+                source = (f"energy line ({comps.energy['line']}) over every profiled pass, "
+                          "its own among them")
                 # Energy from the static + dynamic line fitted over every profiled pass: a
                 # pass's own mean power over a second or less is mostly the counter's noise.
                 steps = epoch_body(items, knobs.batch, 0)
@@ -257,13 +267,16 @@ def predict_all(configs: list[Knobs], passes: list[dict[str, Any]], *, items: in
                     fig.update(predicted_energy_j=energy,
                                energy_low_j=(energy or 0.0) * max(0.0, 1 - rel),
                                energy_high_j=(energy or 0.0) * (1 + rel))
-            predictions.append(Prediction(i, knobs, True, "profile", epochs))
+            predictions.append(Prediction(i, knobs, True, "profile", epochs,
+                                          power_source=source))
             continue
         epochs = {}
         outside = knobs.label in extrapolated
+        sources = []
         for pass_name in PASSES:
             simple = comps.predict(knobs, pass_name, items)
             t, power = simple["epoch_s"], simple["power"]
+            sources.append(simple["power_source"])
             if use_learned and learned is not None:
                 lt, lp = learned.correction(features(knobs, pass_name, simple,
                                                       tmpfs.get(knobs.storage, False)))
@@ -279,7 +292,11 @@ def predict_all(configs: list[Knobs], passes: list[dict[str, Any]], *, items: in
                                            "predicted_energy_j": energy, "energy_low_j": e_low,
                                            "energy_high_j": e_high}
         predictions.append(Prediction(i, knobs, False, info["chosen"], epochs,
-                                      extrapolated=outside))
+                                      extrapolated=outside,
+                                      power_source="; ".join(dict.fromkeys(sources))
+                                      + (", × the learned correction" if use_learned else "")))
+    # Per configuration, where its energy prediction's power came from.
+    info["power_sources"] = {p.knobs.label: p.power_source for p in predictions}
     return predictions, info
 
 

@@ -54,6 +54,7 @@ from infermux.train.records import PassRecord
 
 __all__ = [
     "DEFAULT_WATTS_PER_CORE",
+    "PROBE_POWER_S",
     "PassRecord",
     "TrainConfig",
     "TrainReport",
@@ -470,13 +471,14 @@ def settle(setup: TrainSetup, knobs: Knobs) -> dict[str, Any]:
 
 def measure_configs(setup: TrainSetup, configs: list[Knobs], *, kind: str = "profile",
                     progress: ProgressFn | None = None, budget_s: float | None = None,
-                    indices: list[int] | None = None) -> tuple[list[PassRecord], list[Knobs]]:
+                    indices: list[int] | None = None, extra: dict[str, Any] | None = None
+                    ) -> tuple[list[PassRecord], list[Knobs]]:
     """Measure each configuration (two passes each) within `budget_s`; (passes, skipped).
 
     A configuration starts only if the mean time of those measured so far still fits in the
     budget; the first always runs. `indices` number the configurations (default: their position
     in `configs`; a prediction passes their position in the whole grid). Passes are stored as
-    they are measured.
+    they are measured. `extra`: added to every pass's record (what a drift probe is for).
     """
     started = time.perf_counter()
     done: list[float] = []
@@ -501,6 +503,7 @@ def measure_configs(setup: TrainSetup, configs: list[Knobs], *, kind: str = "pro
         recs = _measure_one(setup, indices[i] if indices is not None else i, knobs, kind)
         done.append(time.perf_counter() - t0)
         for rec in recs:
+            rec.extra.update(extra or {})
             window = rec.extra.pop("_window", None)
             if setup.store is not None and setup.run_id is not None:
                 records.add_pass(setup.store, setup.run_id, rec, model_name=setup.model.name,
@@ -511,7 +514,9 @@ def measure_configs(setup: TrainSetup, configs: list[Knobs], *, kind: str = "pro
 
 
 def measure_compute(setup: TrainSetup, knobs: Knobs, index: int,
-                    steps: int = COMPUTE_PROBE_STEPS) -> PassRecord:
+                    steps: int = COMPUTE_PROBE_STEPS, *, kind: str = "compute",
+                    power_s: float = 0.0, max_steps: int | None = None,
+                    extra: dict[str, Any] | None = None) -> PassRecord:
     """A compute probe: `steps` minibatches of `knobs`' batch and precision, no loader workers.
 
     What a batch size's minibatch costs the device, measured where no profile of that batch
@@ -522,6 +527,13 @@ def measure_compute(setup: TrainSetup, knobs: Knobs, index: int,
     first minibatch's fetch) and trained on `steps` times (`_Repeated`): the probe costs one
     batch's loading, not `steps`. Kind `compute`, pass `warm`;
     `index` is a configuration of the grid it stands for (its batch, precision and cores).
+
+    `power_s`: where a power counter measures the device (NVML, RAPL), the probe goes on
+    stepping the same batch until its minibatches after the first have lasted this long (at
+    most `max_steps` minibatches in all), so its mean power at this batch is a counter's read
+    over a few sampler intervals, not one (`extra["power_w"]`, the minibatches after the first:
+    the first holds the batch's loading). `kind`: `drift:N` for a validated configuration's
+    drift probe (`run._validate`), never fitted on.
     """
     if (knobs.precision, knobs.batch) not in setup.warmed:
         warm_up(setup, knobs)
@@ -538,10 +550,18 @@ def measure_compute(setup: TrainSetup, knobs: Knobs, index: int,
                           optimizer=setup.config.optimizer, lr=setup.config.lr)
         loader = _Repeated(make_loader(dataset, probe, device=setup.device, shuffle=False,
                                        indices=_subset(items, min(items, knobs.batch),
-                                                       setup.config.seed + index)), steps)
+                                                       setup.config.seed + index)), steps,
+                           min_s=power_s, max_times=max(steps, max_steps or steps),
+                           # A counter read where the power window starts: the window is
+                           # then between two reads, none interpolated from before it.
+                           on_repeat=setup.sampler.flush
+                           if power_s > 0 and setup.sampler is not None else None)
         _run_recorded(setup, rec, trainer, loader, cpu, {steps - 1})
+    rec.kind = kind
+    rec.extra.update(extra or {})
     if rec.result is not None:
         rec.extra["steady_cpu_s"] = rec.result.steady_cpu_s(0)
+        _probe_power(setup, rec)
     window = rec.extra.pop("_window", None)
     if setup.store is not None and setup.run_id is not None:
         records.add_pass(setup.store, setup.run_id, rec, model_name=setup.model.name,
@@ -550,11 +570,50 @@ def measure_compute(setup: TrainSetup, knobs: Knobs, index: int,
     return rec
 
 
-class _Repeated:
-    """A loader's first batch, then the same tensors `times` − 1 times more (no load timing)."""
+#: A compute probe's mean power is read over this long where a counter measures it and the
+#: profile share of its epoch allows (`measure_compute`'s `power_s`): the sampler reads the
+#: counter every 0.1 s, so a window of one read is mostly the counter's granularity. The
+#: window starts with a read of its own (`_Repeated`'s `on_repeat`) and ends with one (the
+#: telemetry window's flush), so nothing outside it is interpolated in.
+PROBE_POWER_S = 0.5
 
-    def __init__(self, loader: Any, times: int) -> None:
+
+def _probe_power(setup: TrainSetup, rec: PassRecord) -> None:
+    """A compute probe's mean power over its minibatches after the first (W), where measured.
+
+    The first minibatch holds the batch's loading (the device mostly waits); the others are
+    the same batch trained again, the device as busy as at that batch in an epoch's compute.
+    Only a counter's reading (NVML, RAPL) is kept apart; a modelled energy is the pass's own.
+    """
+    result = rec.result
+    if result is None or len(result.steps) < 2:
+        return
+    if setup.sampler is None or str(rec.energy_source).startswith(("modelled", "none")):
+        if rec.energy_j and result.wall_ns:
+            rec.extra["power_w"] = rec.energy_j / (result.wall_ns / 1e9)
+            rec.extra["power_s"] = result.wall_ns / 1e9
+        return
+    t0 = result.t0_ns + result.startup_ns + result.steps[0].wall_ns
+    t1 = t0 + sum(s.wall_ns for s in result.steps[1:])
+    summary = setup.sampler.window(t0, t1).summary([setup.device])
+    if summary.energy_j is not None and t1 > t0:
+        rec.extra["power_w"] = summary.energy_j / ((t1 - t0) / 1e9)
+        rec.extra["power_s"] = (t1 - t0) / 1e9
+
+
+class _Repeated:
+    """A loader's first batch, then the same tensors `times` − 1 times more (no load timing).
+
+    With `min_s`, the repeats go on (up to `max_times` in all) until those after the first
+    have lasted that long: a probe's power window.
+    """
+
+    def __init__(self, loader: Any, times: int, *, min_s: float = 0.0,
+                 max_times: int | None = None,
+                 on_repeat: Callable[[], Any] | None = None) -> None:
         self.loader, self.times = loader, times
+        self.min_s, self.max_times = min_s, max(times, max_times or times)
+        self.on_repeat = on_repeat
         self.pin_memory = getattr(loader, "pin_memory", False)
         self.batch_size = getattr(loader, "batch_size", None)
 
@@ -564,9 +623,16 @@ class _Repeated:
         batch = next(iter(self.loader))
         yield batch
         x, y, *rest = batch
-        for _ in range(self.times - 1):
+        # Timed from the first repeat asked for: the first minibatch (the loading) is over.
+        if self.on_repeat is not None:
+            self.on_repeat()
+        t0 = time.perf_counter()
+        n = 1
+        while n < self.times or (n < self.max_times
+                                 and time.perf_counter() - t0 < self.min_s):
             # The items were loaded once: the repeats carry no loading time of their own.
             yield (x, y, torch.zeros_like(rest[0])) if rest else (x, y)
+            n += 1
 
 
 def _unit_label(device: str, knobs: Knobs) -> str:

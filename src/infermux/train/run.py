@@ -8,8 +8,9 @@
 3. Every configuration's first and later epoch is predicted (`predict.predict_all`), with a
    reference network's runs for transfer when given.
 4. `validate`: held-out configurations, drawn at random one model cell at a time, are
-   trained for two full epochs (kind `epoch`), with the reference configuration re-profiled
-   between them for the machine's drift, and the predictions are scored against them (MAPE
+   trained for two full epochs (kind `epoch`), each with what it was predicted from at its own
+   batch (`drift_basis`) re-measured before and after it for the machine's drift, and the
+   predictions are scored against them (MAPE
    for time, as measured and corrected for drift, and for energy), each validated epoch's
    error cut into the model's terms (`attribution`: start-up, compute, loader, contention)
    and the term that missed named.
@@ -39,6 +40,7 @@ from infermux.train.predict import Prediction, mape, predict_all
 from infermux.train.profile import (
     COMPUTE_PROBE_STEPS,
     MINIBATCH_SHARE,
+    PROBE_POWER_S,
     PassRecord,
     ProgressFn,
     TrainConfig,
@@ -51,7 +53,7 @@ from infermux.train.profile import (
 )
 from infermux.train.steady import MIN_STEADY_STEPS, warmup_steps
 
-__all__ = ["PredictReport", "repredict", "run_train_predict"]
+__all__ = ["PredictReport", "drift_basis", "repredict", "run_train_predict"]
 
 
 @dataclass
@@ -86,6 +88,11 @@ class PredictReport:
     validation_seed: int = 0
     #: Which term of the model missed the validated epochs (`attribution.attribute`).
     attribution: dict[str, Any] = field(default_factory=dict)
+    #: The drift probes taken beside the validated epochs (`_validate`; never fitted on).
+    drift_passes: list[PassRecord] = field(default_factory=list)
+    #: Which rule could not hold and why, where epochs are too short for any profile
+    #: (`short_epoch_line`); None where every configuration could be profiled within it.
+    short_epochs: str | None = None
 
     def scores(self) -> dict[str, Any]:
         """MAPE of the held-out (not profiled) configurations that were measured, %."""
@@ -166,6 +173,20 @@ class PredictReport:
                            if math.isfinite(epoch) and epoch > 0 else None})
         probe_epochs = sum(r["share"] or 0.0 for r in probes)
         total = sum(shares) + probe_epochs
+        # Drift probes beside the validated epochs, counted as the compute probes are: each
+        # one's wall time over the shortest predicted epoch of the configuration it measures.
+        drift: list[dict[str, Any]] = []
+        for p in self.drift_passes:
+            if p.result is None or not 0 <= p.config < len(self.predictions):
+                continue
+            epoch = min((e["predicted_s"] or math.inf
+                         for e in self.predictions[p.config].epochs.values()), default=math.inf)
+            drift.append({"label": p.knobs.label, "kind": p.kind,
+                          "for": p.extra.get("drift_for"), "probe_s": p.result.wall_ns / 1e9,
+                          "minibatches": len(p.result.steps),
+                          "share": p.result.wall_ns / 1e9 / epoch
+                          if math.isfinite(epoch) and epoch > 0 else None})
+        drift_epochs = sum(r["share"] or 0.0 for r in drift)
         return {
             "rule": f"profile ≤ {share:.0%} of an epoch for ≤ 1/3 of the configurations",
             "mode": self.profile_mode,
@@ -183,6 +204,22 @@ class PredictReport:
             "compute_probe_epochs": probe_epochs,
             "ok_in_total": bool(shares) and max(shares) <= share and total <= share * allowed,
             "per_config": rows, "compute_probes": probes,
+            # The drift probes are validation's cost, taken only when validating, and feed no
+            # prediction: counted beside the rule's total, not in `ok`.
+            "drift_probes": drift, "drift_probe_epochs": drift_epochs,
+            "drift_probe_minibatches": sum(r["minibatches"] for r in drift),
+            "total_epochs_with_drift_probes": total + drift_epochs,
+            "ok_with_drift_probes": bool(shares) and max(shares) <= share
+            and total + drift_epochs <= share * allowed,
+            "drift_probes_counted": (
+                f"{len(drift)} drift probe(s) beside the validated epochs, "
+                f"{sum(r['minibatches'] for r in drift)} minibatches, {drift_epochs:.2f} epochs "
+                "(each its wall time over its configuration's shortest predicted epoch, as the "
+                "compute probes are counted): validation's cost, beside the rule's total "
+                f"({total:.2f} of {share * allowed:.2f} epochs), not in it" if drift else None),
+            # Where even the thinnest profile is over the share of a configuration's epoch,
+            # the one line saying so (`short_epoch_line`).
+            "short_epochs": self.short_epochs,
         }
 
     def to_dict(self) -> dict[str, Any]:
@@ -198,6 +235,7 @@ class PredictReport:
             "predictions": [r for p in self.predictions for r in p.rows()],
             "profile_passes": [p.to_dict() for p in self.passes],
             "validation_passes": [p.to_dict() for p in self.validation],
+            "drift_passes": [p.to_dict() for p in self.drift_passes],
             "notes": self.notes, "elapsed_s": self.elapsed_s, "profile_s": self.profile_s,
             "validate_s": self.validate_s, "drift": self.drift,
             "profile_mode": self.profile_mode, "attribution": self.attribution,
@@ -278,6 +316,35 @@ def _profile_plan(configs: list[Knobs], items: int, share: float, count: int
         + f"), {THIN_STEADY_STEPS}+ steady minibatches per half, so that {reach_thin} of the "
         f"grid's {len(cells)} model cells are profiled instead of {reach}")
     return "thin", thin, min(many, len(thin)), thin_share, notes
+
+
+def short_epoch_line(configs: list[Knobs], items: int, share: float) -> str | None:
+    """One line where even the thinnest profile is over `share` of some configurations' epochs.
+
+    The thinnest profile is the loader's ramp (a minibatch per worker) and `THIN_STEADY_STEPS`
+    steady minibatches a half, within `MINIBATCH_SHARE` of the share of the epoch's
+    minibatches (`profile_fits`). None where every configuration has room for one.
+    """
+    short = [k for k in configs if not profile_fits(k, items, share, THIN_STEADY_STEPS)]
+    if not short:
+        return None
+    need = sorted({warmup_steps(k.workers) + 2 * THIN_STEADY_STEPS for k in short})
+    per = sorted({math.ceil(items / k.batch) for k in short})
+    batches = sorted({k.batch for k in short})
+    room = sorted({math.floor(MINIBATCH_SHARE * share * math.ceil(items / k.batch))
+                   for k in short})
+
+    def span(values: list[int]) -> str:
+        return f"{values[0]}" if values[0] == values[-1] else f"{values[0]}–{values[-1]}"
+
+    return (f"the profile rule (≤ {share:.0%} of an epoch) cannot hold for {len(short)} of "
+            f"{len(configs)} configurations: {items} items make {span(per)} minibatches an "
+            f"epoch at batch {','.join(str(b) for b in batches)}, and the thinnest profile (a "
+            f"minibatch per loader worker and {THIN_STEADY_STEPS} steady minibatches a half) "
+            f"needs {span(need)} where the rule leaves {span(room)} (60% of its share; start-up "
+            "and tail take the rest); their cells are measured otherwise (thin profiles of "
+            "other configurations, compute probes, whole epochs) or extrapolated, as the notes "
+            "say")
 
 
 def estimated_share(knobs: Knobs, passes: list[dict[str, Any]], config: TrainConfig,
@@ -405,7 +472,7 @@ def _stored_passes(store: Store, run_id: int, configs: list[Knobs]) -> list[dict
     index = {k.label: i for i, k in enumerate(configs)}
     passes = []
     for data in records.load_passes(store, run_id):
-        if data["label"] in index and not data["kind"].startswith("probe"):
+        if data["label"] in index and not data["kind"].startswith(("probe", "drift")):
             data["config"] = index[data["label"]]
             passes.append(data)
         elif data["kind"] == "compute":  # its knobs have no workers: not a grid's label
@@ -418,7 +485,7 @@ def _reference(store: Store | None, run_id: int) -> list[dict[str, Any]]:
         raise UsageError("--reference needs the results database: drop --no-store")
     store.run(run_id)  # one line if the run is not there
     passes = [p for p in records.load_passes(store, run_id)
-              if not p["kind"].startswith("probe") and p["kind"] != "compute"]
+              if not p["kind"].startswith(("probe", "drift")) and p["kind"] != "compute"]
     if not passes:
         raise UsageError(f"--reference {run_id} holds no training passes: give the id of a "
                          "train-profile or train-predict run (see `infermux results list`)")
@@ -561,6 +628,14 @@ def _predict_body(setup: TrainSetup, report: PredictReport, rec: Recording, *,
             passes = _whole_epochs(setup, report, passes, whole_epoch_s, progress, until)
         if compute_probes:
             _compute_probes(setup, report, passes, progress)
+        report.short_epochs = short_epoch_line(configs, setup.dataset_items,
+                                               config.profile_share)
+        if report.short_epochs:
+            # Said once for the run, not as each short profile's advice.
+            report.notes.insert(0, report.short_epochs)
+            for p in report.passes:
+                p.flags = [f.split(":")[0] + ":" + f.split(":")[1].split(" (")[0]
+                           if f.startswith("short profile") else f for f in p.flags]
     probes = [p.as_data() for p in report.passes if p.kind == "compute" and p.status == "ok"]
     probes += [p for p in passes if p["kind"] == "compute"]  # a stored run's (`from_run`)
     passes = [p for p in passes if p["kind"] != "compute"]
@@ -606,12 +681,24 @@ def _compute_probes(setup: TrainSetup, report: PredictReport, passes: list[dict[
     `report.passes`): the compute term at that batch is measured instead of drawn from a line
     through the other batch sizes (on a GPU, a line from batch 32 predicted batch 128's
     minibatch far too long). They count in the profile budget (`PredictReport.budget`).
+    Where a counter measures power, each also reads its batch's power
+    (`profile.PROBE_POWER_S`), in minibatches out of what the rule's cost leaves after the
+    profiles (`_power_room`), so the rule held without them still holds with them.
     """
     configs = report.configs
     reached = {(tuple(p["knobs"]["cores"] or ()), p["knobs"]["precision"], p["knobs"]["batch"])
                for p in passes if p.get("status", "ok") == "ok"}
     done: set[tuple[Any, ...]] = set()
     measured, skipped = [], []
+    # A power counter measured the profiles (NVML, RAPL): the probes read it too.
+    counter = any(p.get("energy_j") and not str(p.get("energy_source", "none")).startswith(
+        ("modelled", "none")) for p in passes)
+    cells = {(tuple(k.cores or ()), k.precision, k.batch) for k in configs} - reached
+    # The power reads' minibatches come out of what the rule's cost in all leaves after the
+    # profiles (`power_room`), shared among the probes: a probe's steps run faster than an
+    # epoch's average minibatch, so a share of the epoch's minibatches is at most that share
+    # of its time.
+    room = _power_room(setup, report, passes) / max(1, len(cells)) if counter else 0.0
     for i, knobs in enumerate(configs):
         key = (tuple(knobs.cores or ()), knobs.precision, knobs.batch)
         if key in reached or key in done:
@@ -620,27 +707,62 @@ def _compute_probes(setup: TrainSetup, report: PredictReport, passes: list[dict[
         # At most the profile share of the epoch's minibatches: a batch size with a handful of
         # minibatches an epoch (a probe of three was half of a 400-image epoch on the CPU)
         # stays extrapolated, or is measured whole.
-        steps = min(COMPUTE_PROBE_STEPS, math.floor(
-            setup.config.profile_share * math.ceil(setup.dataset_items / knobs.batch)))
+        per_epoch = math.ceil(setup.dataset_items / knobs.batch)
+        most = math.floor(setup.config.profile_share * per_epoch)
+        steps = min(COMPUTE_PROBE_STEPS, most)
+        most = max(steps, min(most, math.floor(room * per_epoch)))
         if steps < 1:
             skipped.append(f"b{knobs.batch} {knobs.precision}")
             continue
         if progress is not None:
             progress(f"compute probe b{knobs.batch} {knobs.precision}", 0.5)
-        rec = measure_compute(setup, knobs, i, steps)
+        # Where a counter measures power, the probe reads it at its batch over up to
+        # `PROBE_POWER_S`, within the share of the epoch's minibatches.
+        rec = measure_compute(setup, knobs, i, steps, power_s=PROBE_POWER_S if counter else 0.0,
+                              max_steps=most)
         report.passes.append(rec)
         if rec.status == "ok" and rec.result is not None:
+            power = rec.extra.get("power_w")
             measured.append(f"b{knobs.batch} {knobs.precision} "
-                            f"({rec.result.wall_ns / 1e9:.2f} s)")
+                            f"({rec.result.wall_ns / 1e9:.2f} s"
+                            + (f", {power:.0f} W over {rec.extra['power_s']:.2f} s"
+                               if power and counter else "") + ")")
     if measured:
         report.notes.append(
-            f"compute probes (up to {COMPUTE_PROBE_STEPS} minibatches each, no loader workers) "
-            f"of the batch sizes no profile reached: {', '.join(measured)}")
+            f"compute probes ({COMPUTE_PROBE_STEPS} minibatches each"
+            + (f", and more for a power read of up to {PROBE_POWER_S:g} s within the share of "
+               "the epoch" if counter else "")
+            + f"; no loader workers) of the batch sizes no profile reached: "
+            f"{', '.join(measured)}")
     if skipped:
         report.notes.append(
             f"no compute probe of {', '.join(skipped)}: one minibatch is over "
             f"{setup.config.profile_share:.0%} of such an epoch (more data, or whole epochs, "
             "would measure it)")
+
+
+def _power_room(setup: TrainSetup, report: PredictReport, passes: list[dict[str, Any]]
+                ) -> float:
+    """Epochs the rule's cost in all leaves after the profiles (≥ 0), for the probes' power.
+
+    The rule's cost is a third of the grid at the profile share each; each profile's (and
+    whole epoch's) wall time counts over its configuration's shorter epoch as the simple model
+    predicts it from the profiles so far (as `PredictReport.budget` counts it from the final
+    predictions).
+    """
+    share = setup.config.profile_share
+    allowed = share * math.ceil(len(report.configs) / 3)
+    comps = _components([p for p in passes if p.get("kind") != "compute"])
+    if comps is None:
+        return allowed
+    spent = 0.0
+    for i in report.profiled:
+        wall = sum(p.get("wall_ns", 0) for p in passes if p.get("config") == i
+                   and p.get("kind") in ("profile", "whole")) / 1e9
+        epoch = min(comps.predict(report.configs[i], n, setup.dataset_items)["epoch_s"]
+                    for n in ("cold", "warm"))
+        spent += wall / epoch if epoch > 0 else share
+    return max(0.0, allowed - spent)
 
 
 def _whole_epochs(setup: TrainSetup, report: PredictReport, passes: list[dict[str, Any]],
@@ -742,21 +864,66 @@ def _reference_config(report: PredictReport) -> int | None:
     return None
 
 
+def drift_basis(report: PredictReport, i: int, ref: int | None) -> dict[str, Any] | None:
+    """What the drift beside validated configuration `i` is measured on (None: nothing).
+
+    Its own figure where it has one: the compute probe of its (cores, precision, batch)
+    (`kind` `compute`: re-measured as a compute probe of the same minibatches, compared on the
+    compute beside the fetch), else a profiled configuration of its (cores, precision, batch),
+    the nearest in workers (`profile`: re-profiled, compared on the steady minibatch); only
+    where it has neither, the run's reference configuration `ref` (`reference`). A GPU's
+    batch-32 step (launch and host bound) and its batch-128 one (compute bound) do not move
+    together, so the batch of the validated epochs is what is re-measured.
+    """
+    k = report.configs[i]
+    key = (k.cores, k.precision, k.batch)
+    probes = [p for p in report.passes if p.kind == "compute" and p.status == "ok"
+              and p.result is not None
+              and (p.knobs.cores, p.knobs.precision, p.knobs.batch) == key]
+    if probes:
+        # Measured as the probe was (its configuration's index seeds the same batch of files).
+        return {"kind": "compute", "config": probes[0].config, "label": f"compute probe b{k.batch} "
+                f"{k.precision}", "key": ("compute", key),
+                "before": [probes[0].as_data()],
+                "steps": len(probes[0].as_data()["steps"])}
+    same = []
+    for j in report.profiled:
+        recs = [p for p in report.passes if p.config == j and p.kind == "profile"
+                and p.status == "ok" and p.result is not None]
+        c = report.configs[j]
+        if len(recs) == 2 and (c.cores, c.precision, c.batch) == key:
+            same.append((abs(c.workers - k.workers), (c.workers > 0) != (k.workers > 0), j,
+                         recs))
+    if same:
+        *_, j, recs = min(same, key=lambda t: (t[1], t[0], t[2]))
+        return {"kind": "profile", "config": j, "label": f"profile of "
+                f"{report.configs[j].label} (its batch)", "key": ("profile", j),
+                "before": [r.as_data() for r in recs]}
+    if ref is None:
+        return None
+    return {"kind": "reference", "config": ref, "label": f"reference "
+            f"{report.configs[ref].label} (no figure at its batch)", "key": ("profile", ref),
+            "before": [p.as_data() for p in report.passes if p.config == ref
+                       and p.kind == "profile" and p.status == "ok"]}
+
+
 def _validate(setup: TrainSetup, report: PredictReport, validate: int | None,
               budget_s: float | None, *, progress: ProgressFn | None, probes: bool) -> None:
-    """Train held-out configurations for two epochs each, a drift probe between each.
+    """Train held-out configurations for two epochs each, a drift probe before and after each.
 
     The configurations come in `validation_order` (seeded, stratified over the model cells; no
     prediction looked at), `validate` of them (None: all), and with `budget_s` as many as fit
     at the mean cost so far: the next one starts only where it would end within the budget, and
-    none is skipped for a later, cheaper one. With `probes`, the reference configuration
-    (`_reference_config`) is profiled again (kind `probe:N`, never fitted on) before the first
-    and after each: the machine's speed beside each validated epoch, over its speed when it was
-    profiled, is the epoch's `drift` (the geometric mean of the probes before and after it).
-    A configuration's cost, before it starts, is its two predicted epochs scaled by what the
-    configurations validated so far cost over theirs (their predicted epochs and a probe
-    each; at first, plus a probe at the reference's profile time): with a budget, the first
-    one too must fit, with the probe before it, or nothing is measured.
+    none is skipped for a later, cheaper one. With `probes`, what each was predicted from at
+    its own batch (`drift_basis`: its batch's compute probe, else a profile of its batch, else
+    the reference configuration) is measured again before its epochs and after them (kind
+    `drift:N` or `probe:N`, never fitted on; a probe after one configuration serves the next
+    where both have the same basis): the machine's speed at that batch beside the epochs, over
+    its speed at profile time, is the epochs' `drift` (the geometric mean of the two), and
+    `drift_probe` names the probe. A configuration's cost, before it starts, is its two
+    predicted epochs scaled by what the configurations validated so far cost over theirs (at
+    first, plus its probes at their profile-time cost): with a budget, the first one too must
+    fit, with its probes, or nothing is measured.
     """
     configs = report.configs
     report.validation_seed = setup.config.seed
@@ -765,35 +932,65 @@ def _validate(setup: TrainSetup, report: PredictReport, validate: int | None,
     count = len(order) if validate is None else min(validate, len(order))
     order = order[:count]
     ref = _reference_config(report) if probes else None
-    series: list[dict[str, Any] | None] = []
-    before = ([p.as_data() for p in report.passes if p.config == ref and p.kind == "profile"
-               and p.status == "ok"] if ref is not None else [])
+    bases = {i: drift_basis(report, i, ref) if probes else None for i in order}
+    series: list[dict[str, Any]] = []
+    last: tuple[Any, int] | None = None  # (basis key, index in series) of the last probe
 
-    def probe(n: int) -> None:
-        if ref is None:
-            return
-        recs, _ = measure_configs(setup, [configs[ref]], kind=f"probe:{n}", indices=[ref])
-        after = [p.as_data() for p in recs if p.status == "ok" and p.result]
-        series.append(drift_of(configs[ref].label, before, after) if len(after) == 2 else None)
+    def probe(i: int, n: int, when: str) -> int | None:
+        """Measure validated configuration `i`'s basis again; its index in `series`."""
+        nonlocal last
+        basis = bases.get(i)
+        if basis is None:
+            last = None  # epochs without a probe come between: none is shared across them
+            return None
+        if when == "before" and last is not None and last[0] == basis["key"]:
+            series[last[1]]["for"].append(configs[i].label)
+            return last[1]
+        j = basis["config"]
+        measure = "compute" if basis["kind"] == "compute" else "wall"
+        # Stored with the probe: which validated configuration it was taken beside, and what
+        # it re-measures (`_stored_drift` reads a stored run's drift from them).
+        extra = {"drift_for": configs[i].label, "drift_of": basis["label"],
+                 "drift_basis": basis["kind"], "drift_measure": measure, "drift_round": when}
+        if basis["kind"] == "compute":
+            recs = [measure_compute(setup, configs[j], j, basis["steps"], kind=f"drift:{n}",
+                                    extra=extra)]
+        else:
+            # The profile's own minibatches again (a thin or shortened profile had fewer than
+            # the run's share gives): its cold and warm halves come out as they were.
+            steps = sum(len(b.get("steps") or []) for b in basis["before"])
+            again = replace(setup, config=replace(setup.config, profile_steps=steps,
+                                                  profile_share=1.0))
+            recs, _ = measure_configs(again, [configs[j]], kind=f"probe:{n}", indices=[j],
+                                      extra=extra)
+        report.drift_passes += recs
+        after = [r.as_data() for r in recs if r.status == "ok" and r.result]
+        got = (drift_of(basis["label"], basis["before"], after, measure)
+               if len(after) == len(basis["before"]) else None)
+        series.append({"basis": basis, "drift": got, "for": [configs[i].label], "when": when})
+        last = (basis["key"], len(series) - 1)
+        return last[1]
 
     started = time.perf_counter()
     costs: list[float] = []
     predicted: list[float] = []
     done: list[int] = []
-    # A probe costs about what the reference's profile did.
-    probe_s = sum(p.get("wall_ns", 0) for p in before) / 1e9
+    around: dict[int, list[int]] = {}
+
+    def probe_s(i: int) -> float:
+        """A probe of `i`'s basis costs about what its figure did at profile time."""
+        basis = bases.get(i)
+        return sum(p.get("wall_ns", 0) for p in basis["before"]) / 1e9 if basis else 0.0
 
     def expected_s(i: int) -> float:
-        """What validating configuration `i` is expected to cost, the probe after it included."""
+        """What validating configuration `i` is expected to cost, its probes included."""
         own = sum(e["predicted_s"] or 0.0 for e in report.predictions[i].epochs.values())
         if costs and sum(predicted) > 0:
             return own * sum(costs) / sum(predicted)
-        return own + probe_s
+        return own + 2 * probe_s(i)
 
-    if budget_s is not None and order and probe_s + expected_s(order[0]) > budget_s:
+    if budget_s is not None and order and expected_s(order[0]) > budget_s:
         order = []  # not even the first fits: no probe for it either
-    if order:
-        probe(0)
     for n, i in enumerate(order):
         spent = time.perf_counter() - started
         if budget_s is not None and spent + expected_s(i) > budget_s:
@@ -801,9 +998,11 @@ def _validate(setup: TrainSetup, report: PredictReport, validate: int | None,
         t = time.perf_counter()
         if progress is not None:
             progress(f"epoch {configs[i].label}", 0.5 + 0.5 * n / max(1, count))
+        before = probe(i, 2 * n, "before")
         recs, _ = measure_configs(setup, [configs[i]], kind="epoch", indices=[i])
         report.validation += recs
-        probe(n + 1)
+        after = probe(i, 2 * n + 1, "after")
+        around[i] = [x for x in (before, after) if x is not None]
         costs.append(time.perf_counter() - t)
         predicted.append(sum(e["predicted_s"] or 0.0
                              for e in report.predictions[i].epochs.values()))
@@ -819,28 +1018,55 @@ def _validate(setup: TrainSetup, report: PredictReport, validate: int | None,
             f"random (seed {setup.config.seed}) one model cell at a time"
             + (f", as many as fit in the {budget_s:.0f} s validation budget"
                if budget_s is not None and len(done) < count else ""))
-    if ref is None or not series:
+    if not series:
         return
-    for n, i in enumerate(done):
-        got = epoch_drift([g for g in series[n:n + 2] if g])
+    for i in done:
+        got = epoch_drift([series[x]["drift"] for x in around.get(i, []) if series[x]["drift"]])
         if got is None:
             continue
+        basis = bases[i]
         for fig in report.predictions[i].measured.values():
-            fig.update(got)
-    report.drift = _drift_summary(configs[ref].label, series,
-                                  [report.predictions[i].measured for i in done])
+            fig.update(got, drift_probe=basis["label"] if basis else None)
+    report.drift = _drift_summary(
+        _basis_label([bases[i] for i in done]), [g["drift"] for g in series],
+        [report.predictions[i].measured for i in done])
+    report.drift["by_config"] = [
+        {"label": configs[i].label, "probe": (bases[i] or {}).get("label"),
+         "basis": (bases[i] or {}).get("kind"),
+         "probes": [series[x]["drift"]["ratio"] if series[x]["drift"] else None
+                    for x in around.get(i, [])],
+         **{k: report.predictions[i].measured.get("later", {}).get(k)
+            for k in ("drift", "drift_se", "drift_resolved")}} for i in done]
+    kinds = [(bases[i] or {}).get("kind") for i in done]
+    report.drift["bases"] = {k: kinds.count(k) for k in ("compute", "profile", "reference")
+                             if k in kinds}
     resolved = report.drift["resolved_range"]
     if resolved and max(abs(r - 1) for r in resolved) > DRIFT_NOTE:
         report.notes.append(
-            f"the machine drifted: {configs[ref].label} re-profiled beside the validation ran "
-            f"{min(resolved):.2f}–{max(resolved):.2f}× as long per minibatch as when profiled, "
-            "beyond its own noise; the time scores are given as measured and corrected for it")
+            f"the machine drifted: the drift probes beside the validation ({report.drift['label']})"
+            f" ran {min(resolved):.2f}–{max(resolved):.2f}× as long per minibatch as at profile "
+            "time, beyond their own noise; the time scores are given as measured and corrected "
+            "for it")
     elif report.drift["range"] and max(abs(r - 1) for r in report.drift["range"]) > DRIFT_NOTE:
         report.notes.append(
-            f"{configs[ref].label} re-profiled beside the validation read "
-            f"{report.drift['range'][0]:.2f}–{report.drift['range'][1]:.2f}× its profiled time "
-            f"per minibatch, within the noise of its few minibatches (±"
-            f"{100 * DRIFT_Z * report.drift['noise_se_log']:.0f}%): not corrected for")
+            f"the drift probes beside the validation ({report.drift['label']}) read "
+            f"{report.drift['range'][0]:.2f}–{report.drift['range'][1]:.2f}× their profile-time "
+            "figure per minibatch, within the noise of their few minibatches"
+            + (f" (±{100 * DRIFT_Z * report.drift['noise_se_log']:.0f}%)"
+               if report.drift["noise_se_log"] is not None else " (not measurable)")
+            + ": not corrected for")
+
+
+def _basis_label(bases: list[dict[str, Any] | None]) -> str:
+    """The drift probes of a run in a few words: one basis, or how many of each kind."""
+    labels = list(dict.fromkeys(b["label"] for b in bases if b))
+    if len(labels) == 1:
+        return labels[0]
+    kinds = [b["kind"] for b in bases if b]
+    words = {"compute": "compute probe of its batch", "profile": "profile of its batch",
+             "reference": "the reference (no figure at its batch)"}
+    return "each validated configuration's own batch: " + ", ".join(
+        f"{kinds.count(k)} × {w}" for k, w in words.items() if k in kinds)
 
 
 #: A drift of more than this, resolved from its noise (`drift.epoch_drift`), is reported: the
@@ -856,6 +1082,7 @@ def _drift_summary(label: str, series: list[dict[str, Any] | None],
     from their noise, else 1); `noise_se_log`, the probes' median standard error (log).
     """
     good = [g for g in series if g and g.get("ratio")]
+    noise = [g["se_log"] for g in good if g.get("se_log") is not None]
     epochs = [m for ms in measured for m in ms.values() if m.get("drift")]
     applied = [applied_drift(m) or 1.0 for m in epochs]
     resolved = [m["drift"] for m in epochs if m.get("drift_resolved")]
@@ -870,7 +1097,7 @@ def _drift_summary(label: str, series: list[dict[str, Any] | None],
         "ratio": good[-1]["ratio"] if good else None,
         "range": ([min(g["ratio"] for g in good), max(g["ratio"] for g in good)]
                   if good else None),
-        "noise_se_log": statistics.median(g["se_log"] for g in good) if good else None,
+        "noise_se_log": statistics.median(noise) if noise else None,
         "applied_range": [min(applied), max(applied)] if applied else None,
         "resolved_range": [min(resolved), max(resolved)] if resolved else None,
         "resolved_epochs": len(resolved), "epochs": len(epochs),
@@ -960,9 +1187,12 @@ def _stored_drift(passes: list[dict[str, Any]], profile: list[dict[str, Any]],
     (`_validate`); a run stored before them has one `probe`, after the validation, whose ratio
     is every epoch's.
     """
-    probes = [p for p in passes if p["kind"].startswith("probe") and p.get("status", "ok") == "ok"]
+    probes = [p for p in passes if p["kind"].startswith(("probe", "drift"))
+              and p.get("status", "ok") == "ok"]
     if not probes:
         return None
+    if any(p.get("drift_for") for p in probes):
+        return _stored_own_drift(passes, epochs)
     label = probes[0]["label"]
     before = [p for p in profile if p["label"] == label]
     rounds: dict[str, list[dict[str, Any]]] = defaultdict(list)
@@ -981,3 +1211,62 @@ def _stored_drift(passes: list[dict[str, Any]], profile: list[dict[str, Any]],
                          [{"first": v, "later": v} for v in by_config.values()])
     out["by_config"] = by_config
     return out
+
+
+def _stored_own_drift(passes: list[dict[str, Any]], epochs: list[dict[str, Any]]
+                      ) -> dict[str, Any]:
+    """A stored run's drift where each validated configuration had its own probes.
+
+    Each probe (kind `drift:N` or `probe:N`) names the configuration it was taken beside
+    (`drift_for`), before or after its epochs, and what it re-measured (`drift_of`,
+    `drift_measure`); a probe after one configuration that served the next as its probe before
+    is the one just before that configuration's first epoch, of the same `drift_of`.
+    """
+    groups: dict[str, list[int]] = defaultdict(list)
+    for n, p in enumerate(passes):
+        if p["kind"].startswith(("probe", "drift")) and p.get("status", "ok") == "ok":
+            groups[p["kind"]].append(n)
+    first_epoch: dict[str, int] = {}
+    for n, p in enumerate(passes):
+        if p["kind"] == "epoch":
+            first_epoch.setdefault(p["label"], n)
+
+    def ratio(kind: str) -> dict[str, Any] | None:
+        got = [passes[n] for n in groups[kind]]
+        probe = got[0]
+        base_kind = "compute" if probe.get("drift_measure") == "compute" else "profile"
+        before = [p for p in passes if p["kind"] == base_kind and p["label"] == probe["label"]
+                  and p.get("status", "ok") == "ok"]
+        if len(before) != len(got):
+            return None
+        return drift_of(probe.get("drift_of") or probe["label"], before, got,
+                        probe.get("drift_measure", "wall"))
+
+    series = {kind: ratio(kind) for kind in groups}
+    by_config: dict[int, dict[str, Any]] = {}
+    rows = []
+    for label, at in first_epoch.items():
+        mine = [k for k, ns in groups.items() if passes[ns[0]].get("drift_for") == label]
+        after = [k for k in mine if passes[groups[k][0]].get("drift_round") == "after"]
+        before = [k for k in mine if passes[groups[k][0]].get("drift_round") == "before"]
+        if not before and after:
+            # Shared with the configuration before: the last probe ahead of its epochs.
+            of = passes[groups[after[0]][0]].get("drift_of")
+            ahead = [k for k, ns in groups.items()
+                     if ns[-1] < at and passes[ns[0]].get("drift_of") == of]
+            before = ahead[-1:]
+        got = epoch_drift([g for g in (series.get(k) for k in before + after) if g])
+        if got is None:
+            continue
+        config = next(p["config"] for p in epochs if p["label"] == label)
+        of = passes[groups[(after or before)[0]][0]].get("drift_of")
+        by_config[config] = got | {"drift_probe": of}
+        rows.append({"label": label, "probe": of, **got})
+    labels = list(dict.fromkeys(g["label"] for g in series.values() if g))
+    out = _drift_summary(labels[0] if len(labels) == 1 else "; ".join(labels),
+                         list(series.values()),
+                         [{"first": v, "later": v} for v in by_config.values()])
+    out["by_config"] = by_config
+    out["per_config"] = rows
+    return out
+

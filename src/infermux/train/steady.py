@@ -86,9 +86,10 @@ def steady(data: dict[str, Any]) -> dict[str, float] | None:
     if data.get("status", "ok") != "ok" or not steps:
         return None
     workers = data["knobs"]["workers"]
-    # A compute probe follows its batch size's warm-up and has no loader workers: no ramp.
+    # A compute probe (or a drift probe of its kind) follows its batch size's warm-up and has
+    # no loader workers: no ramp.
     continued = (bool(data.get("split")) and data["pass"] == "warm") or \
-        data.get("kind") == "compute"
+        data.get("kind") == "compute" or str(data.get("kind", "")).startswith("drift:")
     ramp = 0 if continued else min(len(steps) - 1, warmup_steps(workers))
     walls = _walls(steps)
     body = walls[ramp:] or walls
