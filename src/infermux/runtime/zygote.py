@@ -64,6 +64,8 @@ class _Template:
 
     def __init__(self, env: dict[str, str]) -> None:
         self.identity = _identity(env)
+        #: The process that started it: a fork of that process must not share its socket.
+        self.owner = os.getpid()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self.proc = subprocess.Popen(
@@ -75,17 +77,21 @@ class _Template:
         self.sock = ours
         self.sock.settimeout(_READY_TIMEOUT_S)
         self._lock = threading.Lock()
-        self._ask(("hello",))  # the template answers once its imports are done
+        try:
+            self._ask(("hello",))  # the template answers once its imports are done
+        except BaseException:
+            self.close()
+            raise
         self.sock.settimeout(30.0)
 
     def _ask(self, msg: tuple[Any, ...], fds: tuple[int, ...] = ()) -> Any:
         with self._lock:
             data = pickle.dumps(msg)
             header = len(data).to_bytes(4, "little")
-            if fds:
-                socket.send_fds(self.sock, [header + data], list(fds))
-            else:
-                self.sock.sendall(header + data)
+            payload = header + data
+            # The descriptors go with the first bytes; whatever one send left follows.
+            sent = socket.send_fds(self.sock, [payload], list(fds)) if fds else 0
+            self.sock.sendall(payload[sent:])
             size = int.from_bytes(_read(self.sock, 4), "little")
             return pickle.loads(_read(self.sock, size))
 
@@ -102,12 +108,14 @@ class _Template:
         return self.proc.poll() is None
 
     def close(self) -> None:
+        """Close the socket: the template exits (its children run on, reaped by the system)."""
         with contextlib.suppress(OSError):
             self.sock.close()
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(5)
         if self.proc.poll() is None:
             self.proc.kill()
+            self.proc.wait()
 
 
 class _ForkFailedError(OSError):
@@ -130,6 +138,8 @@ def _template_for(env: dict[str, str]) -> _Template | None:
     global _template, _failed
     with _lock:
         current = _template
+        if current is not None and current.owner != os.getpid():
+            current = _template = None  # this process is a fork: the template is its parent's
         if current is not None and (current.identity != _identity(env) or not current.alive()):
             current.close()
             current = _template = None
