@@ -5,8 +5,8 @@ inputs), answers `hello`, then serves requests on the socket `FD` from the proce
 started it (`runtime.zygote`): `spawn` forks a worker child (`runtime._child.child_main`) on
 the two pipe ends passed with the request, in the environment and directory given; `status`
 says whether a child has ended, and how. It reaps its children as they end and exits when that
-process closes the socket (it has ended). It runs nothing else: no thread, no operator, no
-CUDA, so each fork starts as clean as a fresh interpreter would.
+process closes the socket (it has ended). It runs nothing else: no thread of its own, no
+operator, no CUDA, so each fork starts as clean as a fresh interpreter would.
 """
 
 from __future__ import annotations

@@ -6,13 +6,15 @@ a 2-core machine, paid by every run, every tuner trial of a CPU plan and every r
 failed worker. The template (`runtime._zygote`, started once per process that hosts workers)
 imports those modules once and then only forks: a child starts with them already imported.
 
-The template does nothing but import and fork: it starts no thread pool, initialises no CUDA
-and runs no operator, so a fork of it is as clean as a fresh interpreter (PyTorch's own data
-loader workers are forks of a process that imported torch). Each child gets the environment
-and working directory of the moment it is asked for, and a new session, as the fresh
-interpreter did. Variables that libraries read once, when they are loaded (OpenMP's, the CUDA
-and allocator settings, `PYTHONPATH`), are part of the template's identity: asking with other
-values starts a new template rather than handing a child libraries set up for the old ones.
+The template does nothing but import and fork: it starts no thread of its own, no OpenMP
+region, initialises no CUDA and runs no operator, so a fork of it is as clean as a fresh
+interpreter (PyTorch's own data loader workers are forks of a process that imported torch; the
+one thread numpy's BLAS starts at import is made safe across a fork by that library itself).
+Each child gets the environment and working directory of the moment it is asked for, and a new
+session, as the fresh interpreter did. Variables that libraries read once, when they are
+loaded (OpenMP's, the CUDA and allocator settings, `PYTHONPATH`), are part of the template's
+identity: asking with other values starts a new template rather than handing a child libraries
+set up for the old ones.
 
 The template reaps its children and keeps their exit statuses; `ForkedChild` asks it for them,
 so the host reads a forked child's end (an exit code, or the signal that killed it) as it
