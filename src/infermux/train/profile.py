@@ -55,6 +55,7 @@ from infermux.train.records import PassRecord
 __all__ = [
     "DEFAULT_WATTS_PER_CORE",
     "PROBE_POWER_S",
+    "SHORT_PROFILE_ADVICE",
     "PassRecord",
     "TrainConfig",
     "TrainReport",
@@ -178,6 +179,11 @@ class TrainSetup:
                 (path.parent / f".{path.name}.staged").unlink()
         self.cleanup = []
 
+
+#: What a short profile's flag advises; dropped from the flags where the run says once that
+#: its epochs are too short for any profile (`run.short_epoch_line`).
+SHORT_PROFILE_ADVICE = (": the profile share of an epoch is too small for this batch; use more "
+                        "data or a larger --profile-share")
 
 def _disk_root(config: TrainConfig) -> Path:
     if config.disk_dir:
@@ -368,10 +374,8 @@ def _measure_one(setup: TrainSetup, index: int, knobs: Knobs, kind: str) -> list
                 steady_steps = len(rec.result.steps) - ramp
                 rec.extra["steady_cpu_s"] = rec.result.steady_cpu_s(ramp)
                 if steady_steps < MIN_STEADY_STEPS:
-                    rec.flags.append(
-                        f"short profile: {steady_steps} steady minibatches (aimed at "
-                        f"{MIN_STEADY_STEPS}): the profile share of an epoch is too small for "
-                        "this batch; use more data or a larger --profile-share")
+                    rec.flags.append(f"short profile: {steady_steps} steady minibatches "
+                                     f"(aimed at {MIN_STEADY_STEPS})" + SHORT_PROFILE_ADVICE)
     for rec in recs:
         if rec.result is None and rec.status == "ok":
             rec.status, rec.error = "skipped", "an earlier pass of this configuration failed"

@@ -41,6 +41,7 @@ from infermux.train.profile import (
     COMPUTE_PROBE_STEPS,
     MINIBATCH_SHARE,
     PROBE_POWER_S,
+    SHORT_PROFILE_ADVICE,
     PassRecord,
     ProgressFn,
     TrainConfig,
@@ -634,8 +635,7 @@ def _predict_body(setup: TrainSetup, report: PredictReport, rec: Recording, *,
             # Said once for the run, not as each short profile's advice.
             report.notes.insert(0, report.short_epochs)
             for p in report.passes:
-                p.flags = [f.split(":")[0] + ":" + f.split(":")[1].split(" (")[0]
-                           if f.startswith("short profile") else f for f in p.flags]
+                p.flags = [f.removesuffix(SHORT_PROFILE_ADVICE) for f in p.flags]
     probes = [p.as_data() for p in report.passes if p.kind == "compute" and p.status == "ok"]
     probes += [p for p in passes if p["kind"] == "compute"]  # a stored run's (`from_run`)
     passes = [p for p in passes if p["kind"] != "compute"]
