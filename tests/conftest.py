@@ -5,8 +5,10 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -46,6 +48,26 @@ def no_shape():
 def not_a_module():
     return 42
 '''
+
+
+_SUITE_CACHE: str | None = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The suite's ONNX exports and engine caches go to a folder of its own, removed at the end.
+
+    Tests build models with fresh random weights, so every run exports new files: left in the
+    user's `~/.cache/infermux`, runs of the suite would fill the disk.
+    """
+    global _SUITE_CACHE
+    if "INFERMUX_CACHE_DIR" not in os.environ:
+        _SUITE_CACHE = tempfile.mkdtemp(prefix="infermux-suite-cache-")
+        os.environ["INFERMUX_CACHE_DIR"] = _SUITE_CACHE
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _SUITE_CACHE is not None:
+        shutil.rmtree(_SUITE_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
