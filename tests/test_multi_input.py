@@ -237,7 +237,7 @@ def test_run_takes_query_lengths_and_reports_tokens_per_second(two, tmp_path):
 
     import yaml
 
-    from .conftest import run_cli
+    from .conftest import invoke_cli
 
     path = tmp_path / "plan.yaml"
     path.write_text(yaml.safe_dump({
@@ -246,7 +246,7 @@ def test_run_takes_query_lengths_and_reports_tokens_per_second(two, tmp_path):
         "dispatcher": {"cpu_workers": "thread"},
         "load": {"min_duration_s": 0.3, "min_queries": 32, "sample_pool": 64}}))
     db = tmp_path / "runs.db"
-    run = run_cli("run", str(path), "--lengths", "uniform:2-8", "--json", "--db", str(db))
+    run = invoke_cli("run", str(path), "--lengths", "uniform:2-8", "--json", "--db", str(db))
     assert run.returncode == 0, run.stderr
     result = json.loads(run.stdout)["result"]
     model = result["models"]["two"]
@@ -256,10 +256,10 @@ def test_run_takes_query_lengths_and_reports_tokens_per_second(two, tmp_path):
     with sqlite3.connect(db) as con:
         stored = json.loads(con.execute("SELECT record_json FROM run_trials").fetchone()[0])
     assert stored["tokens_per_s"] == pytest.approx(result["tokens_per_s"])
-    text = run_cli("run", str(path), "--lengths", "6", "--no-store")
+    text = invoke_cli("run", str(path), "--lengths", "6", "--no-store")
     assert text.returncode == 0, text.stderr
     assert "tok/s" in text.stdout
-    bad = run_cli("run", str(path), "--lengths", "uniform:2-64", "--no-store")
+    bad = invoke_cli("run", str(path), "--lengths", "uniform:2-64", "--no-store")
     lines = [line for line in bad.stderr.splitlines() if line.strip()]
     assert bad.returncode == 2 and len(lines) == 1, bad.stderr
     assert "uniform:2-64" in lines[0] and "seq_buckets" in lines[0]

@@ -17,7 +17,7 @@ from infermux.runtime import parse_plan
 from infermux.store import Store
 from infermux.study import STUDIES, StudyConfig, prepare_study, run_study
 
-from .conftest import TINY, invoke_cli, run_cli
+from .conftest import TINY, invoke_cli
 
 VERDICTS = {"held", "did not hold", "not measurable here"}
 
@@ -239,30 +239,29 @@ def test_a_budget_too_small_is_refused_before_anything_runs_and_says_what_fits(t
         assert store.connection.execute("SELECT COUNT(*) FROM runs").fetchone()[0] == 0
 
 
-def _hide_plotly(tmp_path) -> dict:
-    """An environment where `import plotly` fails, as where it is not installed."""
-    hidden = tmp_path / "hide"
-    (hidden / "plotly").mkdir(parents=True)
-    (hidden / "plotly" / "__init__.py").write_text(
-        "raise ImportError('No module named plotly')\n")
-    import os
+def _hide_plotly(monkeypatch) -> None:
+    """`import plotly` fails in this process, as where it is not installed."""
+    import sys
 
-    return {"PYTHONPATH": os.pathsep.join([str(hidden), os.environ.get("PYTHONPATH", "")])}
+    for name in [n for n in sys.modules if n == "plotly" or n.startswith("plotly.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "plotly", None)  # None in sys.modules: ImportError
 
 
-def test_without_plotly_the_study_says_so_first_and_still_prints_and_stores_its_table(tmp_path):
-    env = _hide_plotly(tmp_path)
+def test_without_plotly_the_study_says_so_first_and_still_prints_and_stores_its_table(
+        tmp_path, monkeypatch):
+    _hide_plotly(monkeypatch)
     db = tmp_path / "p.db"
     base = ["study", "multi-instance", "-m", f"{TINY}:tiny_cnn", "--batch", "2",
             "--instances", "1", "--duration", "0.3s", "--min-queries", "16", "--budget", "60s",
             "--cpu-workers", "thread", "--db", str(db)]
     # A report asked for by name: refused before anything is measured.
-    r = run_cli(*base, "-o", str(tmp_path / "x.html"), env=env)
+    r = invoke_cli(*base, "-o", str(tmp_path / "x.html"))
     assert r.returncode == 2 and "plotly" in r.stderr and "--no-report" in r.stderr
     with Store(db) as store:
         assert store.connection.execute("SELECT COUNT(*) FROM runs").fetchone()[0] == 0
     # The default report: skipped with a line; the table and the claims are printed and stored.
-    r = run_cli(*base, env=env)
+    r = invoke_cli(*base)
     assert r.returncode == 0, r.stderr
     assert "report skipped" in r.stdout and "plotly" in r.stdout
     assert "every point" in r.stdout and "cpu:0 + cpu:1" in r.stdout

@@ -29,7 +29,7 @@ from infermux.tune import (
 from infermux.tune.space import Config, UnitSpace, padding_efficiency, seq_bucket_sets
 from infermux.units import Unit
 
-from .conftest import run_cli
+from .conftest import invoke_cli
 
 
 def test_bucket_sets_follow_the_query_lengths_and_finer_sets_pad_less():
@@ -150,18 +150,18 @@ def test_tune_bucket_options_that_cannot_work_are_one_line(tiny_bert, two_inputs
     assert seq_sets(_request(tiny_bert, seq_buckets=[64, 16]), bert) == {"bert": [(16, 64)]}
     with pytest.raises(UsageError, match="at least 1"):
         _request(tiny_bert, seq_buckets=[0])
-    res = run_cli("tune", "-m", "mobilenet_v3_small", "--units", "cpu", "--lengths",
+    res = invoke_cli("tune", "-m", "mobilenet_v3_small", "--units", "cpu", "--lengths",
                   "uniform:8-64", "--db", str(tmp_path / "t.db"))
     assert res.returncode == 2
     assert res.stderr.strip().splitlines()[-1].startswith("error: --lengths uniform:8-64: no model")
-    res = run_cli("tune", "-m", tiny_bert, "--units", "cpu", "--seq", "8,x",
+    res = invoke_cli("tune", "-m", tiny_bert, "--units", "cpu", "--seq", "8,x",
                   "--db", str(tmp_path / "t.db"))
     assert res.returncode == 2 and "'x' is not a length" in res.stderr
 
 
 def test_partition_says_in_one_line_that_a_transformer_runs_whole(tiny_bert):
     for args in (("--show",), ("--units", "cpu:0,cpu:0")):
-        res = run_cli("partition", "--model", tiny_bert, *args)
+        res = invoke_cli("partition", "--model", tiny_bert, *args)
         assert res.returncode == 2, res.stderr
         lines = [line for line in res.stderr.splitlines() if line.startswith("error:")]
         assert len(lines) == 1 and "Traceback" not in res.stderr
