@@ -17,7 +17,6 @@ that vanishes mid-walk (another process pruning) is skipped.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import stat
 import time
@@ -219,11 +218,11 @@ def scan(root: Path) -> CacheSummary:
 
 
 def _children(folder: Path) -> list[os.DirEntry[str]]:
-    """A folder's children; none when it is missing, gone, or not a folder."""
+    """A folder's children; none when it is missing, gone, unreadable, or not a folder."""
     try:
         with os.scandir(folder) as it:
             return list(it)
-    except (FileNotFoundError, NotADirectoryError):
+    except (FileNotFoundError, NotADirectoryError, PermissionError):
         return []
 
 
@@ -252,11 +251,14 @@ def _is_temporary(item: os.DirEntry[str]) -> bool:
 
 
 def _last_used(st: os.stat_result) -> float:
-    # The later of mtime and atime. infermux's own readers set the mtime when they reuse an
-    # entry (`touch`), which works on every mount; atime is read as well because OpenVINO,
+    # A file's later of mtime and atime. infermux's own readers set the mtime when they reuse
+    # an entry (`touch`), which works on every mount; atime is read as well because OpenVINO,
     # torch.compile and ONNX Runtime read their caches without telling us, and the kernel still
     # moves atime under the default `relatime` (at least once a day). Under `noatime` only the
-    # mtime speaks, which is what infermux's touches are for.
+    # mtime speaks, which is what infermux's touches are for. A folder's atime is left out:
+    # listing it moves it, and this module's own walk lists every folder.
+    if stat.S_ISDIR(st.st_mode):
+        return st.st_mtime
     return max(st.st_mtime, st.st_atime)
 
 
@@ -395,36 +397,40 @@ def _remove(root: Path, entries: list[CacheEntry],
             removed.append(entry)
             continue
         try:
-            _delete(entry.path)
+            gone = _delete(entry.path)
         except OSError as exc:  # read-only cache, permissions: said, and the rest goes on
             failed.append((str(entry.path), exc.strerror or type(exc).__name__))
             continue
-        removed.append(entry)
+        if gone:  # else another process removed it first: not ours to count
+            removed.append(entry)
     return removed, failed
 
 
-def _delete(path: Path) -> None:
-    """Remove a file, a link (never its target) or a folder; what is already gone is fine."""
+def _delete(path: Path) -> bool:
+    """Remove a file, a link (never its target) or a folder; False if it was already gone."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
-        return
+        return False
     if not stat.S_ISDIR(st.st_mode):
-        _ignore_gone(os.unlink, path)
-        return
+        return _unless_gone(os.unlink, path)
     # Bottom-up, without following links: a link inside is unlinked, its target untouched.
     for dirpath, dirnames, filenames in os.walk(path, topdown=False, followlinks=False):
         for name in filenames:
-            _ignore_gone(os.unlink, os.path.join(dirpath, name))
+            _unless_gone(os.unlink, os.path.join(dirpath, name))
         for name in dirnames:
             child = os.path.join(dirpath, name)
-            _ignore_gone(os.unlink if os.path.islink(child) else os.rmdir, child)
-    _ignore_gone(os.rmdir, path)
+            _unless_gone(os.unlink if os.path.islink(child) else os.rmdir, child)
+    return _unless_gone(os.rmdir, path)
 
 
-def _ignore_gone(fn: Callable[[str | Path], None], path: str | Path) -> None:
-    with contextlib.suppress(FileNotFoundError):  # another process removed it first
+def _unless_gone(fn: Callable[[str | Path], None], path: str | Path) -> bool:
+    """Call `fn(path)`; False when the path was gone (another process removed it first)."""
+    try:
         fn(path)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 # --- readers and writers -------------------------------------------------------------------------
