@@ -201,6 +201,15 @@ def test_two_processes_pruning_at_once_both_finish(tmp_path: Path) -> None:
     cache.touch(tmp_path / "missing" / "x")  # a mark that cannot be made is no error
 
 
+def test_a_reuse_is_marked_at_most_hourly(tmp_path: Path) -> None:
+    recent, old = _file(tmp_path / "recent", 1, days=0.01), _file(tmp_path / "old", 1, days=0.1)
+    stamps = recent.stat().st_mtime_ns, old.stat().st_mtime_ns
+    cache.touch(recent)
+    cache.touch(old)
+    assert recent.stat().st_mtime_ns == stamps[0]  # marked 15 minutes ago: left as it is
+    assert old.stat().st_mtime_ns > stamps[1] and old.stat().st_mtime > time.time() - 60
+
+
 def _one_error_line(proc) -> str:
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr

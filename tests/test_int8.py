@@ -107,11 +107,10 @@ def test_cast_model_has_the_intended_types_with_fp32_islands(islands: Path, cach
     assert all(v.type.tensor_type.elem_type == FLOAT for v in io)
     if precision == "bf16":
         assert max(o.version for o in model.opset_import if o.domain in ("", "ai.onnx")) >= 22
-    # Cached by content: asked again, the same file, not rewritten (a write renames a new file
-    # into place, a new inode; a hit only marks the file used, its mtime).
-    inode = out.path.stat().st_ino
+    # Cached by content: asked again, the same file, not rewritten.
+    stamp = out.path.stat().st_mtime_ns
     again = convert_precision(islands, precision, root=cache)
-    assert again.path == out.path and again.path.stat().st_ino == inode
+    assert again.path == out.path and again.path.stat().st_mtime_ns == stamp
 
 
 def test_fp16_model_runs_in_onnxruntime_within_fp16_tolerance(islands: Path,
@@ -222,8 +221,8 @@ def test_qdq_models_are_cached_by_model_data_and_method(digits: tuple, cache: Pa
     model, data = digits
     exported = export_onnx(model, root=cache)
     first = quantize_qdq(exported, data.calibration[:32], root=cache)
-    inode = first.path.stat().st_ino  # a rewrite would rename a new file (inode) into place
-    assert quantize_qdq(exported, data.calibration[:32], root=cache).path.stat().st_ino == inode
+    stamp = first.path.stat().st_mtime_ns
+    assert quantize_qdq(exported, data.calibration[:32], root=cache).path.stat().st_mtime_ns == stamp
     others = {quantize_qdq(exported, data.calibration[:16], root=cache).path,
               quantize_qdq(exported, data.calibration[:32], method="percentile", root=cache).path}
     assert first.path not in others and len(others) == 2

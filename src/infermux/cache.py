@@ -77,6 +77,11 @@ _CONTAINERS: dict[str, frozenset[str]] = {"litert": frozenset({"edgetpu"})}
 #: what a killed writer left behind, and is pruned like any other entry.
 TEMP_GRACE_S = 3600.0
 
+#: Reuse is marked at most once an hour per entry: pruning works in days, and a file reused
+#: over and over by one process keeps its mtime (the digits model's weights file is a model's
+#: `--weights`, whose mtime is part of that model's cache key, `LoadedModel.key`).
+_TOUCH_AFTER_S = 3600.0
+
 #: The environment variable that bounds the cache's size after each write (unset: no bound).
 MAX_SIZE_ENV = "INFERMUX_CACHE_MAX_SIZE"
 
@@ -438,10 +443,13 @@ def _unless_gone(fn: Callable[[str | Path], None], path: str | Path) -> bool:
 def touch(path: Path) -> None:
     """Mark a reused entry as used now (its mtime), so pruning removes it last.
 
-    A read-only cache (a shared, mounted one) or an entry removed meanwhile is not an error:
-    the entry is simply not marked.
+    An entry marked within the last `_TOUCH_AFTER_S` is left as it is. A read-only cache (a
+    shared, mounted one) or an entry removed meanwhile is not an error: the entry is simply
+    not marked.
     """
     try:
+        if time.time() - os.stat(path).st_mtime < _TOUCH_AFTER_S:
+            return
         os.utime(path)
     except OSError:  # EROFS, EACCES, EPERM, ENOENT: a mark we cannot make is no failure
         return
