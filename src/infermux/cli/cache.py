@@ -153,6 +153,9 @@ def cache_clear(
     names = _kinds(kind)
     if not yes and not dry_run:
         preview = clear(_root(), names, dry_run=True)
+        if not preview.removed:  # nothing to ask about
+            _report(preview, as_json)
+            return
         raise UsageError(f"cache clear would remove {len(preview.removed)} entries "
                          f"({size_text(preview.freed_bytes)}) under {preview.root}: pass --yes "
                          "to remove them, or --dry-run to list them")

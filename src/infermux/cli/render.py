@@ -689,6 +689,8 @@ def prune_line(result: PruneResult) -> str:
     """A prune or a clear in one line: entries and bytes removed, bytes left."""
     verb = "would remove" if result.dry_run else "removed"
     count = len(result.removed)
+    if not count:
+        return f"nothing to remove under {result.root}; {size_text(result.kept_bytes)} left"
     return (f"{verb} {count} {'entry' if count == 1 else 'entries'} "
             f"({size_text(result.freed_bytes)}) under {result.root}; "
             f"{size_text(result.kept_bytes)} left")
