@@ -215,7 +215,7 @@ def scan(root: Path) -> CacheSummary:
     for item in _children(root):
         if not item.is_dir(follow_symlinks=False):
             continue
-        entries = tuple(sorted(_entries(item.name, Path(item.path), now),
+        entries = tuple(sorted(_entries(item.name, Path(item.path)),
                                key=lambda e: e.last_used_s))
         kinds.append(KindSummary(item.name, item.name in KINDS, entries))
     kinds.sort(key=lambda k: k.kind)
@@ -231,7 +231,8 @@ def _children(folder: Path) -> list[os.DirEntry[str]]:
         return []
 
 
-def _entries(kind: str, folder: Path, now: float) -> list[CacheEntry]:
+def _entries(kind: str, folder: Path) -> list[CacheEntry]:
+    """A kind's entries under `folder` (its own folder, or a container inside it)."""
     if kind in _WHOLE_KINDS:
         measured = _measure(folder)
         return [CacheEntry(kind, folder, *measured)] if measured and measured[1] else []
@@ -239,7 +240,7 @@ def _entries(kind: str, folder: Path, now: float) -> list[CacheEntry]:
     for item in _children(folder):
         path = Path(item.path)
         if item.name in _CONTAINERS.get(kind, ()) and item.is_dir(follow_symlinks=False):
-            out.extend(_entries(kind, path, now))
+            out.extend(_entries(kind, path))
             continue
         measured = _measure(path)
         if measured is None:  # gone since the listing: another process removed it
@@ -316,8 +317,8 @@ def prune(root: Path, max_bytes: int | None = None, older_than_s: float | None =
     """Remove entries least recently used first, to an age and/or a total size.
 
     Every entry unused for `older_than_s` goes, then more until the kinds acted on hold at
-    most `max_bytes`. `kinds` limits the removal (and the size counted against `max_bytes`) to those kinds;
-    by default every kind infermux writes. Entries in `keep` (a writer's new file) and
+    most `max_bytes`. `kinds` limits the removal (and the size counted against `max_bytes`)
+    to those kinds; by default every kind infermux writes. Entries in `keep` (a writer's new file) and
     writers' fresh temporaries are never removed, though they count towards the size.
     """
     if max_bytes is None and older_than_s is None:
