@@ -9,19 +9,20 @@ from infermux.errors import UsageError
 __all__ = ["parse_batches", "parse_bytes", "parse_duration_s", "parse_latency_ms",
            "parse_shape"]
 
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|min|h)?\s*$")
-_SCALE_S = {"ms": 1e-3, "s": 1.0, None: 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|min|h|d)?\s*$")
+_SCALE_S = {"ms": 1e-3, "s": 1.0, None: 1.0, "m": 60.0, "min": 60.0, "h": 3600.0,
+            "d": 86400.0}
 
 
 def parse_duration_s(text: str | float, *, name: str = "duration") -> float:
-    """`"10s"`, `"500ms"`, `"2m"`, `"1.5"` (seconds) → seconds; rejects negatives and junk."""
+    """`"10s"`, `"500ms"`, `"2m"`, `"30d"`, `"1.5"` (seconds) → seconds; rejects negatives and junk."""
     if isinstance(text, (int, float)):
         value = float(text)
     else:
         match = _DURATION.match(text)
         if match is None:
             raise UsageError(
-                f"{name} {text!r} is not a duration: write a number with ms, s, m or h, e.g. 10s"
+                f"{name} {text!r} is not a duration: write a number with ms, s, m, h or d, e.g. 10s"
             )
         value = float(match.group(1)) * _SCALE_S[match.group(2)]
     if value < 0:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from infermux.cache import bound_after_write, touch
 from infermux.errors import RunError, UsageError, first_line
 from infermux.models import LoadedModel
 
@@ -124,7 +125,8 @@ def export_onnx(model: LoadedModel, runtime: str = "onnxruntime", opset: int | N
     """The model as an ONNX file for `runtime`: the user's file, a cached export, or a new one.
 
     Exports go to a temporary file beside the cache entry and are renamed into place, so two
-    processes exporting the same model at once both end with a complete file.
+    processes exporting the same model at once both end with a complete file. A cached export
+    is marked used (`cache.touch`); a new one may prune the cache to `INFERMUX_CACHE_MAX_SIZE`.
     """
     if model.onnx_path is not None:
         path = Path(model.onnx_path)
@@ -136,10 +138,12 @@ def export_onnx(model: LoadedModel, runtime: str = "onnxruntime", opset: int | N
     if not 7 <= opset <= _EXPORTER_MAX_OPSET:
         raise UsageError(f"opset {opset} unsupported: the exporter writes opsets 7 to "
                          f"{_EXPORTER_MAX_OPSET}; pass e.g. --option opset=17")
-    folder = (root or cache_dir()) / "onnx"
+    base = root or cache_dir()
+    folder = base / "onnx"
     key = content_hash(model, opset)
     path = folder / f"{_safe(model.name)}-{key}-op{opset}.onnx"
     if path.is_file() and path.stat().st_size > 0:
+        touch(path)
         return ExportedModel(path, file_digest(path), opset, exported=False)
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -149,8 +153,10 @@ def export_onnx(model: LoadedModel, runtime: str = "onnxruntime", opset: int | N
     started = time.perf_counter()
     with atomic_file(path) as tmp:
         _torch_export(model, tmp, opset)
-    return ExportedModel(path, file_digest(path), opset, exported=True,
-                         export_s=time.perf_counter() - started)
+    exported = ExportedModel(path, file_digest(path), opset, exported=True,
+                             export_s=time.perf_counter() - started)
+    bound_after_write(base, path)
+    return exported
 
 
 @contextmanager

@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from infermux.cache import bound_after_write, touch
 from infermux.errors import RunError, UsageError, first_line
 from infermux.export import ExportedModel, cache_dir, file_digest, write_atomic
 
@@ -260,6 +261,7 @@ def convert_precision(source: ExportedModel | Path, precision: str, tool: str = 
         else:
             proto = cast_model(onnx.load(str(path)), precision)
         _save_atomic(proto, target)
+        _written(target)
     return ExportedModel(target, file_digest(target), None, exported=False)
 
 
@@ -391,6 +393,7 @@ def quantize_qdq(source: ExportedModel | Path, calibration: np.ndarray, method: 
             else:
                 written = _ort_quantize(path, calibration, method, per_channel, Path(work))
             os.replace(written, target)
+        _written(target)
     return ExportedModel(target, file_digest(target), None, exported=False)
 
 
@@ -480,6 +483,7 @@ def quantize_dynamic_int8(source: ExportedModel | Path, root: Path | None = None
                 raise RunError(f"dynamic int8 quantization of {path.name} failed: "
                                f"{first_line(exc)}") from exc
             os.replace(written, target)
+        _written(target)
     return ExportedModel(target, file_digest(target), None, exported=False)
 
 
@@ -644,7 +648,16 @@ def _source(source: ExportedModel | Path) -> tuple[Path, str]:
 
 
 def _cached(path: Path) -> bool:
-    return path.is_file() and path.stat().st_size > 0
+    """Whether the cache holds `path` whole; a hit is marked used, so pruning takes it last."""
+    if path.is_file() and path.stat().st_size > 0:
+        touch(path)
+        return True
+    return False
+
+
+def _written(target: Path) -> None:
+    """After a new file in a kind folder of a cache root: keep the root's size bound."""
+    bound_after_write(target.parents[1], target)
 
 
 def _save_atomic(proto: Any, path: Path) -> None:

@@ -161,11 +161,15 @@ def trained_weights(root: Path | None = None) -> str:
     The file is written beside its final name and renamed into place, so two processes training
     at once both end with a complete file.
     """
+    from infermux.cache import bound_after_write, touch
     from infermux.export import cache_dir
 
-    folder = (root or cache_dir()) / "characterize"
+    base = root or cache_dir()
+    folder = base / "characterize"
     path = folder / f"digits-cnn-{_cache_key()}.pt"
     if path.is_file() and path.stat().st_size > 0:
+        touch(path)
+        touch(path.with_suffix(".json"))
         return str(path)
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -183,4 +187,5 @@ def trained_weights(root: Path | None = None) -> str:
             os.unlink(tmp)
     path.with_suffix(".json").write_text(json.dumps(
         {"test_top1": accuracy, "train_s": round(seconds, 2), "recipe": _RECIPE}))
+    bound_after_write(base, path, path.with_suffix(".json"))
     return str(path)

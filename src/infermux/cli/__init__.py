@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from infermux.cli import (  # noqa: F401  (each module registers its commands)
     bench,
+    cache,
     characterize,
     monitor,
     partition,

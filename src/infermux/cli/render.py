@@ -11,12 +11,18 @@ from typing import TYPE_CHECKING, Any
 from rich.markup import escape
 from rich.table import Table
 
+from infermux.cache import KINDS
+
 if TYPE_CHECKING:
+    from infermux.cache import CacheEntry, CacheSummary, PruneResult
     from infermux.runtime.trial import LatencySummary, TrialSummary
 
 __all__ = [
     "accuracy_table",
+    "age_text",
     "bench_table",
+    "cache_entries_table",
+    "cache_table",
     "candidates_table",
     "causes_table",
     "compare_rows",
@@ -29,10 +35,13 @@ __all__ = [
     "phase_table",
     "pipelines_table",
     "predict_table",
+    "prune_line",
+    "prune_table",
     "readings_table",
     "run_headline",
     "run_models_table",
     "runs_table",
+    "size_text",
     "stages_table",
     "study_points_table",
     "timeline_text",
@@ -621,4 +630,82 @@ def study_points_table(name: str, points: list[dict[str, Any]]) -> Table:
                       str(p["params"].get("scenario") or "offline"), p["status"],
                       num(f.get("items_per_s")), num(f.get("p99_ms"), 2),
                       num(p.get("sub_run_id")), (p.get("error") or "")[:60])
+    return table
+
+
+def size_text(size_bytes: int | None) -> str:
+    """Bytes in decimal units, as sizes are typed (`--max-size 2GB`): `512 B`, `1.2 GB`."""
+    if size_bytes is None:
+        return "–"
+    value = float(size_bytes)
+    for unit in ("B", "kB", "MB", "GB"):
+        if value < 1000:
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1000
+    return f"{value:.1f} TB"
+
+
+def age_text(then_s: float | None, now_s: float) -> str:
+    """How long ago an epoch time was, in its largest unit: `40 s`, `3 h`, `12 d`."""
+    if then_s is None:
+        return "–"
+    ago = max(0.0, now_s - then_s)
+    for unit, span in (("d", 86400.0), ("h", 3600.0), ("min", 60.0)):
+        if ago >= span:
+            return f"{ago / span:.0f} {unit} ago"
+    return f"{ago:.0f} s ago"
+
+
+def cache_table(summary: CacheSummary) -> Table:
+    """The cache per kind: entries, files, size, least and most recent use, what it holds."""
+    table = Table(title=f"cache {escape(str(summary.root))}: {size_text(summary.size_bytes)} "
+                        f"in {len(summary.entries)} entries")
+    for col in ("kind", "entries", "files", "size", "oldest use", "newest use", "holds"):
+        table.add_column(col, justify="right" if col in ("entries", "files", "size") else "left")
+    for k in summary.kinds:
+        table.add_row(escape(k.kind), str(len(k.entries)), str(k.files), size_text(k.size_bytes),
+                      age_text(k.oldest_used_s, summary.scanned_at_s),
+                      age_text(k.newest_used_s, summary.scanned_at_s),
+                      KINDS.get(k.kind, "[dim]not written by infermux: left alone[/]"))
+    return table
+
+
+def cache_entries_table(summary: CacheSummary, entries: Iterable[CacheEntry]) -> Table:
+    """Cache entries, least recently used first: kind, name, size, files, last use."""
+    table = Table(title="cache entries, least recently used first")
+    for col in ("kind", "entry", "size", "files", "last use"):
+        table.add_column(col, justify="right" if col in ("size", "files") else "left")
+    for e in entries:
+        folder = summary.root / e.kind
+        name = str(e.path.relative_to(folder)) if e.path.is_relative_to(folder) else str(e.path)
+        name = "(the whole folder)" if name == "." else name
+        table.add_row(escape(e.kind), escape(name) + (" [dim](temporary)[/]" if e.temporary else ""),
+                      size_text(e.size_bytes), str(e.files),
+                      age_text(e.last_used_s, summary.scanned_at_s))
+    return table
+
+
+def prune_line(result: PruneResult) -> str:
+    """A prune or a clear in one line: entries and bytes removed, bytes left."""
+    verb = "would remove" if result.dry_run else "removed"
+    count = len(result.removed)
+    if not count:
+        return f"nothing to remove under {result.root}; {size_text(result.kept_bytes)} left"
+    return (f"{verb} {count} {'entry' if count == 1 else 'entries'} "
+            f"({size_text(result.freed_bytes)}) under {result.root}; "
+            f"{size_text(result.kept_bytes)} left")
+
+
+def prune_table(result: PruneResult) -> Table:
+    """What a prune or a clear removed (or would remove), per kind."""
+    table = Table()
+    for col in ("kind", "entries", "size"):
+        table.add_column(col, justify="left" if col == "kind" else "right")
+    per_kind: dict[str, list[int]] = {}
+    for e in result.removed:
+        row = per_kind.setdefault(e.kind, [0, 0])
+        row[0] += 1
+        row[1] += e.size_bytes
+    for kind, (count, size) in sorted(per_kind.items()):
+        table.add_row(escape(kind), str(count), size_text(size))
     return table

@@ -41,6 +41,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from infermux.cache import bound_after_write, touch
 from infermux.engines.base import BatchTiming, Engine, Runner, parse_options, register_engine
 from infermux.errors import RunError, UsageError, first_line
 from infermux.export import cache_dir, file_digest, write_atomic
@@ -171,7 +172,8 @@ def convert_tflite(model: LoadedModel, precision: str = "fp32", calibration_data
                          "model_file=PATH of a .tflite file")
     from infermux.quantize import calibration_identity
 
-    folder = (root or cache_dir()) / "litert"
+    cache_root = root or cache_dir()
+    folder = cache_root / "litert"
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -182,6 +184,7 @@ def convert_tflite(model: LoadedModel, precision: str = "fp32", calibration_data
     key = _litert_key(model, precision, calibration)
     path = folder / f"{_safe(model.name)}-{key}-{precision}.tflite"
     if path.is_file() and path.stat().st_size > 0:
+        touch(path)
         return TfliteFile(path, file_digest(path), precision, converted=False)
     started = time.perf_counter()
     if precision == "fp32":
@@ -193,8 +196,10 @@ def convert_tflite(model: LoadedModel, precision: str = "fp32", calibration_data
             warnings.simplefilter("ignore")
             data = _quantize(base.path, precision, model, calibration_data, calibration_items)
     write_atomic(path, data)
-    return TfliteFile(path, file_digest(path), precision, converted=True,
-                      convert_s=time.perf_counter() - started)
+    converted = TfliteFile(path, file_digest(path), precision, converted=True,
+                           convert_s=time.perf_counter() - started)
+    bound_after_write(cache_root, path)
+    return converted
 
 
 def _convert_fp32(model: LoadedModel) -> bytes:
@@ -379,12 +384,15 @@ def compile_for_edgetpu(source: TfliteFile, compiler: str | None = None,
     if not exe or not Path(exe).exists():
         raise UsageError(f"the Edge TPU needs the model compiled by edgetpu_compiler, which is not "
                          f"{'at ' + repr(compiler) if compiler else 'on PATH'}: {_COMPILER_HINT}")
-    folder = (root or cache_dir()) / "litert" / "edgetpu"
+    cache_root = root or cache_dir()
+    folder = cache_root / "litert" / "edgetpu"
     folder.mkdir(parents=True, exist_ok=True)
     stem = f"{source.path.stem}-{source.digest}"
     out = folder / f"{stem}_edgetpu.tflite"
     report = folder / f"{stem}_edgetpu.txt"
     if out.is_file() and report.is_file():
+        touch(out)
+        touch(report)
         return out, parse_edgetpu_compiler(report.read_text())
     with tempfile.TemporaryDirectory(dir=folder) as tmp:
         model = Path(tmp) / f"{stem}.tflite"
@@ -398,6 +406,7 @@ def compile_for_edgetpu(source: TfliteFile, compiler: str | None = None,
             raise RunError(f"edgetpu_compiler could not compile {source.path.name}: {last[:300]}")
         os.replace(made, out)
     report.write_text(text)
+    bound_after_write(cache_root, out, report)
     return out, parse_edgetpu_compiler(text)
 
 

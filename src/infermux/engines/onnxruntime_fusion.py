@@ -27,6 +27,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from infermux.cache import bound_after_write, touch
 from infermux.errors import RunError, UsageError, first_line
 from infermux.export import ExportedModel, atomic_file, cache_dir, file_digest
 
@@ -68,8 +69,11 @@ def fuse_transformer(source: ExportedModel, attention: tuple[int, int] | None,
     if memo_key in _MEMO and _MEMO[memo_key][0].path.is_file():
         return _MEMO[memo_key]
     key = hashlib.sha256(key_text.encode()).hexdigest()[:20]
-    target = (root or cache_dir()) / "onnx-fused" / f"{source.path.stem[:40]}-fused-{key}.onnx"
-    if not (target.is_file() and target.stat().st_size > 0):
+    base = root or cache_dir()
+    target = base / "onnx-fused" / f"{source.path.stem[:40]}-fused-{key}.onnx"
+    if target.is_file() and target.stat().st_size > 0:
+        touch(target)
+    else:
         # The optimizer logs a line per pattern it misses; the record counts what it fused.
         logger = logging.getLogger("onnxruntime.transformers")
         level = logger.level
@@ -87,6 +91,7 @@ def fuse_transformer(source: ExportedModel, attention: tuple[int, int] | None,
             logger.setLevel(level)
         with atomic_file(target) as tmp:
             optimized.save_model_to_file(str(tmp))
+        bound_after_write(base, target)
     result = ExportedModel(target, file_digest(target), source.opset, exported=False)
     _MEMO[memo_key] = (result, fused_operators(target))
     return _MEMO[memo_key]

@@ -45,6 +45,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from infermux.cache import bound_after_write, touch
 from infermux.engines.base import (
     BatchTiming,
     Engine,
@@ -521,6 +522,9 @@ class TrtEngine(Engine):
                 serialized = self._build_engine(trt, api, onnx_file, model, plan, batch, folder,
                                                 device_name)
                 write_atomic(engine_path, serialized)
+                bound_after_write(cache_dir(), engine_path)
+            else:
+                touch(engine_path)
             runtime = trt.Runtime(self._logger)
             if plan.device == "dla":
                 runtime.DLA_core = plan.device_index

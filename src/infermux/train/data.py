@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from infermux.cache import touch
 from infermux.errors import RunError, UsageError
 
 __all__ = [
@@ -153,6 +154,7 @@ def write_synthetic(spec: DataSpec, root: Path) -> Path:
     folder = root / spec.key
     manifest = folder / "manifest.json"
     if manifest.is_file():
+        touch(folder)  # marked used: the cache prunes the least recently used sets first
         return folder
     if folder.exists():
         shutil.rmtree(folder)

@@ -208,6 +208,11 @@ def prepare(config: TrainConfig, *, progress: ProgressFn | None = None,
         if progress is not None:
             progress(f"writing {config.data.count} synthetic {config.data.fmt} images", 0.0)
         source = write_synthetic(config.data, disk)
+        if not config.disk_dir:  # in the cache: keep its size bound, if one is set
+            from infermux.cache import bound_after_write
+            from infermux.export import cache_dir
+
+            bound_after_write(cache_dir(), source)
     else:
         source = Path(config.data.source)
     datasets: dict[str, tuple[Path, Any]] = {}
