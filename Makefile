@@ -41,8 +41,12 @@ browser:
 		|| (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium) \
 		|| echo "chromium could not be installed: the report's browser tests will skip"
 
+# Two test processes, one module each at a time (a module's fixtures, e.g. a local Ray cluster,
+# start once): most tests hold less than a core for much of their time, so two at once use
+# the second core. TEST_WORKERS=0 runs the suite in one process.
+TEST_WORKERS ?= 2
 unit-tests: install browser
-	$(VENV)/bin/pytest -q --durations=25
+	$(VENV)/bin/pytest -q --durations=25 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 test: lint typecheck unit-tests
 

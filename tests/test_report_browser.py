@@ -29,12 +29,13 @@ def _copy_run(store: Store, run_id: int) -> int:
     con = store.connection
 
     def copy(table: str, where: str, arg: int, **fixed: int | None) -> list[tuple[int, int]]:
-        cols = [r[1] for r in con.execute(f"PRAGMA table_info({table})") if r[1] != "id"]
-        has_id = any(r[1] == "id" for r in con.execute(f"PRAGMA table_info({table})"))
+        """Rows of `table` matching `where = arg`, inserted again with `fixed` values: (old
+        id, new id) pairs (ids are 0 for a table without an id)."""
+        cols = [r[1] for r in con.execute(f"PRAGMA table_info({table})")]
         pairs = []
-        for row in con.execute(f"SELECT {'id, ' if has_id else ''}{', '.join(cols)} FROM {table} "
-                               f"WHERE {where} = ?", (arg,)).fetchall():
-            old, values = (row[0], dict(zip(cols, row[1:]))) if has_id else (0, dict(zip(cols, row)))
+        for row in con.execute(f"SELECT * FROM {table} WHERE {where} = ?", (arg,)).fetchall():
+            values = dict(zip(cols, row, strict=True))
+            old = values.pop("id", 0)
             values.update(fixed)
             cur = con.execute(f"INSERT INTO {table} ({', '.join(values)}) VALUES "
                               f"({', '.join('?' * len(values))})", tuple(values.values()))
