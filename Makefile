@@ -41,12 +41,20 @@ browser:
 		|| (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium) \
 		|| echo "chromium could not be installed: the report's browser tests will skip"
 
-# Two test processes, one module each at a time (a module's fixtures, e.g. a local Ray cluster,
+# Two test processes, one module each at a time (a module's fixtures, e.g. a served process,
 # start once): most tests hold less than a core for much of their time, so two at once use
-# the second core. TEST_WORKERS=0 runs the suite in one process.
+# the second core. Tests that assert on timing or on processes coming and going (marked
+# `exclusive`) then run alone, in a serial pass. TEST_WORKERS=0 runs everything in one process.
 TEST_WORKERS ?= 2
+PYTEST := $(VENV)/bin/pytest -q
 unit-tests: install browser
-	$(VENV)/bin/pytest -q --durations=25 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+ifeq ($(TEST_WORKERS),0)
+	$(PYTEST) --durations=25
+else
+	$(PYTEST) --durations=20 -n $(TEST_WORKERS) --dist loadfile -m "not exclusive"; parallel=$$?; \
+	$(PYTEST) --durations=10 -m exclusive; serial=$$?; \
+	test $$parallel -eq 0 && test $$serial -eq 0
+endif
 
 test: lint typecheck unit-tests
 

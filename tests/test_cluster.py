@@ -22,6 +22,9 @@ pytest.importorskip("ray", reason="the cluster needs Ray: pip install 'infermux[
 from infermux.cluster import open_cluster, parse_cluster_plan, run_cluster
 from infermux.store import Store
 
+#: Asserts on timing or on processes coming and going: `make test` runs it in its serial pass.
+pytestmark = pytest.mark.exclusive
+
 MODEL = f"{ROOT / 'tests' / 'tiny_models.py'}:tiny_cnn"
 CORES = sorted(os.sched_getaffinity(0))
 

@@ -203,6 +203,7 @@ def test_serve_cluster_answers_as_the_network_does(net_file: Path) -> None:
     assert sum(n["completed_items"] for n in nodes) == sum(sent) + 3 + 2 + 1 + 16 * 4, nodes
 
 
+@pytest.mark.exclusive
 def test_a_node_lost_mid_serve_leaves_no_request_unanswered(net_file: Path) -> None:
     from infermux.cluster import open_cluster, parse_cluster_plan
     from infermux.cluster.serve import start_cluster_runtime

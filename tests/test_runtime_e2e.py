@@ -86,6 +86,7 @@ def test_dynamic_batching_forms_batches():
     assert unbatched.mean_batch < 1.5
 
 
+@pytest.mark.exclusive
 @needs_two_cores
 def test_work_stealing_gives_the_faster_unit_more_work():
     def run(policy):
@@ -106,6 +107,7 @@ def test_work_stealing_gives_the_faster_unit_more_work():
     assert pull_rate > rr_rate
 
 
+@pytest.mark.exclusive
 @needs_two_cores
 def test_slo_aware_dispatch_keeps_p99_under_the_bound_where_round_robin_breaks_it():
     bound_ms = 35.0
@@ -209,6 +211,7 @@ def test_find_peak_reports_a_fraction_of_offline():
     assert report.final.scenario == "server" and report.final.valid
 
 
+@pytest.mark.exclusive
 @needs_two_cores
 def test_dynamic_placement_follows_a_load_shift():
     shape = [3, 96, 96]
@@ -250,6 +253,7 @@ def test_cli_run_json_and_stored_run(tmp_path):
     assert bad.returncode == 2 and "load.rate_qps" in bad.stderr
 
 
+@pytest.mark.exclusive
 @needs_two_cores
 def test_ctrl_c_ends_the_run_cleanly_with_what_was_measured(tmp_path):
     import psutil

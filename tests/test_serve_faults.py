@@ -35,6 +35,9 @@ from tritonclient.utils import InferenceServerException
 from tests.conftest import worker_children
 from tests.test_serve import Server
 
+#: Asserts on timing or on processes coming and going: `make test` runs it in its serial pass.
+pytestmark = pytest.mark.exclusive
+
 FAULTY = Path(__file__).parent / "engine_models" / "faulty.py"
 
 

@@ -313,6 +313,7 @@ def test_system_shared_memory_registered_once_serves_every_front(fronts2: Server
             tshm.destroy_shared_memory_region(h)
 
 
+@pytest.mark.exclusive
 def test_a_killed_front_is_restarted_while_the_other_answers(fronts2: Server,
                                                              reference: Any) -> None:
     before = _front_pids(fronts2.proc.pid)

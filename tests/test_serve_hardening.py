@@ -442,6 +442,7 @@ def test_an_input_the_engine_rejects_fails_alone_and_the_worker_serves_on(
         assert code == 0, out
 
 
+@pytest.mark.exclusive
 def test_a_broken_device_restarts_its_worker_within_a_budget_per_window(tmp_path: Path) -> None:
     # `breakable` is broken for good by a marked input (as a device whose context was lost):
     # the worker's own check fails too, so it is restarted. One restart per 12 s window: the

@@ -5,6 +5,7 @@ import json
 import sqlite3
 import time
 
+import pytest
 import yaml
 
 from infermux.models import ModelSpec
@@ -60,6 +61,7 @@ def test_tune_writes_a_runnable_plan_and_reuses_its_trials(tmp_path):
     assert report.final.valid and report.final.failed == 0
 
 
+@pytest.mark.exclusive
 def test_tune_server_scenario_holds_the_bound_and_finds_a_peak(tmp_path):
     # The bound is far above tiny_cnn's latency (a few ms), so only the plumbing is judged:
     # over a trial's few dozen queries the p99 is about the slowest one, and on a shared

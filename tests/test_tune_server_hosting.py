@@ -139,6 +139,7 @@ def test_hostings_are_alternated_and_the_median_written():
     assert order == ["process", "thread"] and report.plan is plan
 
 
+@pytest.mark.exclusive
 def test_server_tune_measures_both_hostings_and_writes_the_higher_peak(tmp_path, monkeypatch):
     # The bound is far above tiny_cnn's latency: only the plumbing is judged here (which
     # hosting wins on a shared 2-core host is bench/server_batching.py's question). The small
