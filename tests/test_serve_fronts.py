@@ -211,6 +211,40 @@ def test_frames_split_wherever_the_stream_breaks() -> None:
     assert [r[0] for r in REQUEST.iter_unpack(got[0][1])] == list(range(50))
 
 
+def test_frames_sent_with_init_reach_the_front_s_link() -> None:
+    """A front restarted as the server stops reads INIT with DRAIN behind it in one read: the
+    frames after INIT, and a partial one, go on to its link instead of being dropped (the
+    front then never drained, and the server waited out its drain timeout)."""
+    import asyncio
+    import pickle
+    import socket
+
+    from infermux.serve.fronts import _read_init
+    from infermux.serve.proxy import Link
+
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    late = frame(Kind.STATE, b'{"closing": true}')
+    ours.sendall(frame(Kind.INIT, pickle.dumps({"slot": 1})) + frame(Kind.DRAIN, b"")
+                 + late[:3])
+    init, reader, early = _read_init(theirs)
+    assert init == {"slot": 1} and early == [(Kind.DRAIN, b"")]
+
+    async def rest() -> list[tuple[int, bytes]]:
+        got: list[tuple[int, bytes]] = []
+        theirs.setblocking(False)
+        await asyncio.get_running_loop().create_unix_connection(
+            lambda: Link(lambda k, p: got.append((k, p)), lambda: None, reader), sock=theirs)
+        ours.sendall(late[3:])
+        for _ in range(200):
+            if got:
+                break
+            await asyncio.sleep(0.01)
+        return got
+
+    assert asyncio.run(rest()) == [(Kind.STATE, b'{"closing": true}')]
+    ours.close()
+
+
 def test_front_counts_are_checked_and_defaulted_from_the_cores() -> None:
     from infermux.errors import UsageError
     from infermux.serve import ServeSettings

@@ -432,7 +432,13 @@ class FrontHub:
 
 # -- the front process --------------------------------------------------------------------------
 
-def _read_init(sock: socket.socket) -> dict[str, Any]:
+def _read_init(sock: socket.socket) -> tuple[dict[str, Any], FrameReader, list[tuple[int, bytes]]]:
+    """The INIT frame; the reader and the frames read with it, for the link to go on from.
+
+    The runtime process may send more before this process has read its INIT (a front
+    restarted just as the server stops gets DRAIN at once): those frames and any partial one
+    are the link's first, not dropped.
+    """
     reader = FrameReader()
     while True:
         data = sock.recv(1 << 20)
@@ -444,10 +450,11 @@ def _read_init(sock: socket.socket) -> dict[str, Any]:
             if kind != Kind.INIT:
                 raise SystemExit(f"expected INIT from the runtime process, got frame {kind}")
             init: dict[str, Any] = pickle.loads(payload)  # the parent process's own frame
-            return init
+            return init, reader, frames[1:]
 
 
-async def _front(sock: socket.socket, init: dict[str, Any]) -> int:
+async def _front(sock: socket.socket, init: dict[str, Any], reader: FrameReader | None = None,
+                 early: list[tuple[int, bytes]] | None = None) -> int:
     from infermux.serve.server import InferenceServer, drain_fronts
 
     settings = init["settings"]
@@ -467,8 +474,14 @@ async def _front(sock: socket.socket, init: dict[str, Any]) -> int:
         drain.set()
 
     sock.setblocking(False)
-    _, link = await loop.create_unix_connection(lambda: Link(on_frame, on_lost), sock=sock)
+    _, link = await loop.create_unix_connection(lambda: Link(on_frame, on_lost, reader),
+                                                sock=sock)
     proxy.link = link
+    for kind, payload in early or ():
+        on_frame(kind, payload)
+    if drain.is_set():  # told to stop before listening: nothing was admitted, nothing to drain
+        proxy.close()
+        return 0
     loop.add_signal_handler(signal.SIGTERM, drain.set)
     server = InferenceServer(None, settings, backend=_no_backend)
     http_sock = reuse_port_socket(settings.host, settings.http_port, listen=True)
@@ -491,8 +504,8 @@ def main(argv: list[str]) -> int:
     # Ctrl-C reaches the whole process group; the runtime process decides when fronts stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     sock = socket.socket(fileno=int(argv[0]))
-    init = _read_init(sock)
-    return asyncio.run(_front(sock, init))
+    init, reader, early = _read_init(sock)
+    return asyncio.run(_front(sock, init, reader, early))
 
 
 if __name__ == "__main__":

@@ -108,10 +108,11 @@ class Link(asyncio.Protocol):
     """One end of the front ⇄ runtime socket: frames in to `on_frame`, batched frames out."""
 
     def __init__(self, on_frame: Callable[[int, bytes], None],
-                 on_lost: Callable[[], None]) -> None:
+                 on_lost: Callable[[], None], reader: FrameReader | None = None) -> None:
         self._on_frame = on_frame
         self._on_lost = on_lost
-        self._reader = FrameReader()
+        # `reader`: one that already read from this socket (a partial frame may be in it).
+        self._reader = reader or FrameReader()
         self.transport: asyncio.Transport | None = None
         self._out: list[bytes] = []
         self._scheduled = False
