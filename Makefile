@@ -47,16 +47,31 @@ browser:
 # `exclusive`) then run alone, in a serial pass. TEST_WORKERS=0 runs everything in one process.
 TEST_WORKERS ?= 2
 PYTEST := $(VENV)/bin/pytest -q
+PARALLEL_PASS := $(PYTEST) --durations=20 -n $(TEST_WORKERS) --dist loadfile -m "not exclusive"
+SERIAL_PASS := $(PYTEST) --durations=10 -m exclusive
 unit-tests: install browser
 ifeq ($(TEST_WORKERS),0)
 	$(PYTEST) --durations=25
 else
-	$(PYTEST) --durations=20 -n $(TEST_WORKERS) --dist loadfile -m "not exclusive"; parallel=$$?; \
-	$(PYTEST) --durations=10 -m exclusive; serial=$$?; \
+	$(PARALLEL_PASS); parallel=$$?; \
+	$(SERIAL_PASS); serial=$$?; \
 	test $$parallel -eq 0 && test $$serial -eq 0
 endif
 
-test: lint typecheck unit-tests
+# The type check runs beside the parallel pass (one core for a minute and a half on a clean
+# clone; those tests do not mind sharing), its output printed when it ends; the serial pass
+# runs alone after both.
+test: lint browser
+ifeq ($(TEST_WORKERS),0)
+	$(VENV)/bin/mypy
+	$(PYTEST) --durations=25
+else
+	$(VENV)/bin/mypy > $(VENV)/mypy.out 2>&1 & typecheck=$$!; \
+	$(PARALLEL_PASS); parallel=$$?; \
+	wait $$typecheck; typed=$$?; echo "--- mypy"; cat $(VENV)/mypy.out; \
+	$(SERIAL_PASS); serial=$$?; \
+	test $$typed -eq 0 && test $$parallel -eq 0 && test $$serial -eq 0
+endif
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache demo.db demo-plan.yaml demo-report.html
