@@ -58,20 +58,7 @@ else
 	test $$parallel -eq 0 && test $$serial -eq 0
 endif
 
-# The type check runs beside the parallel pass (one core for a minute and a half on a clean
-# clone; those tests do not mind sharing), its output printed when it ends; the serial pass
-# runs alone after both.
-test: lint browser
-ifeq ($(TEST_WORKERS),0)
-	$(VENV)/bin/mypy
-	$(PYTEST) --durations=25
-else
-	$(VENV)/bin/mypy > $(VENV)/mypy.out 2>&1 & typecheck=$$!; \
-	$(PARALLEL_PASS); parallel=$$?; \
-	wait $$typecheck; typed=$$?; echo "--- mypy"; cat $(VENV)/mypy.out; \
-	$(SERIAL_PASS); serial=$$?; \
-	test $$typed -eq 0 && test $$parallel -eq 0 && test $$serial -eq 0
-endif
+test: lint typecheck unit-tests
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache demo.db demo-plan.yaml demo-report.html
