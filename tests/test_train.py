@@ -416,6 +416,34 @@ def test_noisy_energy_reads_keep_the_line_that_predicts_the_profiles_left_out() 
                                                                                     batch)
 
 
+def test_an_energy_line_that_falls_with_the_batch_is_not_kept() -> None:
+    """Sub-second reads can make batch 128's minibatches look cheaper than batch 32's (an
+    H200 run: the per-minibatch line went negative at 128 and an epoch was predicted under
+    the static power). A line whose dynamic energy falls with the batch is not physical: the
+    per-item line is kept, and no epoch's energy comes out under its static power × time."""
+    from infermux.train.components import _energy_lstsq
+
+    dyn = {32: 1.0, 128: 0.9}  # J per minibatch, as the noisy reads had it
+    rows = [(t, 12, b, "fp32", 130.0 * t + 12 * dyn[b])
+            for b, times in ((32, (0.4, 0.6, 0.9)), (128, (0.5, 0.7, 1.1))) for t in times]
+    assert _energy_lstsq(rows, ["fp32"], ["fp32"], per_item=False) is None
+    per_item = _energy_lstsq(rows, ["fp32"], [], per_item=True)
+    assert per_item is not None and per_item[1]["fp32"][1] > 0
+    profiled = [Knobs(batch=32, workers=2), Knobs(batch=128, workers=2)]
+    passes = []
+    for i, k in enumerate(profiled):
+        for name in ("cold", "warm"):
+            data = _synthetic_pass(i, k, name, 4096, 12)
+            data["energy_j"] = 130.0 * data["wall_ns"] / 1e9 + 12 * dyn[k.batch]
+            passes.append(data)
+    comps = fit_components(passes, all_cores=2)
+    assert comps.energy is not None
+    a, b = comps.energy["dynamic"]["fp32"]
+    assert b >= 0 and a + b * 128 >= 0
+    epoch = comps.energy_for(Knobs(batch=128, workers=2), 2.0, 32)
+    assert epoch is not None and epoch >= comps.energy["static_w"] * 2.0
+
+
 def test_a_rare_stall_in_a_short_profile_does_not_move_the_compute_line() -> None:
     """One steady minibatch of twenty stalls for 20× its compute (a host hiccup): the line
     fitted from the profiles stays on the relation; the plain mean would about double it."""

@@ -219,7 +219,7 @@ class Components:
         if self.energy is None:
             return None
         a, b = self.energy["dynamic"].get(knobs.precision) or self.energy["dynamic_any"]
-        return self.energy["static_w"] * seconds + steps * (a + b * knobs.batch)
+        return self.energy["static_w"] * seconds + steps * max(0.0, a + b * knobs.batch)
 
     def _probe_at(self, knobs: Knobs) -> tuple[float, float] | None:
         n = _ncores(knobs.to_dict(), self.all_cores)
@@ -584,7 +584,11 @@ def _energy_lstsq(rows: list[tuple[float, int, int, str, float]], precisions: li
             continue
         slope = float(coef[1 + len(precisions) + two_b.index(p)]) if p in two_b else 0.0
         dynamic[p] = (float(coef[1 + i]), slope)
-    if static < 0 or any(a + b * 8 < 0 or (per_item and b <= 0) for a, b in dynamic.values()):
+    # A minibatch of more items never costs less dynamic energy: a falling line is noise (an
+    # H200 run's two batch sizes gave a per-minibatch line that went negative at batch 128,
+    # an epoch predicted at 107 W against a 137 W static power), as is a negative one.
+    if static < 0 or any(a + b * 8 < 0 or b < 0 or (per_item and b <= 0)
+                         for a, b in dynamic.values()):
         return None
     return static, dynamic
 
