@@ -50,6 +50,7 @@ import yaml
 
 from infermux.load import find_peak
 from infermux.runtime import parse_plan
+from infermux.runtime.host_probe import describe_probes, host_note, plan_cuda_device, probe_host
 from infermux.runtime.peak import run_trial
 from infermux.runtime.plan import Plan
 from infermux.runtime.session import start_runtime
@@ -160,6 +161,8 @@ def _one(rt: Any, rule: str, settings: dict[str, Any], shares: dict[str, float],
          bound: float, rates: list[float]) -> dict[str, Any]:
     rt.set_batching(rule)
     records: list[dict[str, Any]] = []
+    device = plan_cuda_device(rt.plan)
+    host_before = probe_host(device=device)
     offline = run_trial(rt, {**settings, "scenario": "offline"}, shares).record
     records.append(_brief(offline))
     _say(records[-1])
@@ -180,13 +183,16 @@ def _one(rt: Any, rule: str, settings: dict[str, Any], shares: dict[str, float],
             server(rate)
         return {"rule": rule, "offline_items_per_s": upper, "peak_qps": None, "ratio": None,
                 "edge_confirmed": None, "p99_spread_ms": None, "notes": [], "reason": None,
-                "at_peak": None, "trials": records}
+                "at_peak": None, "host": {"before": host_before.to_dict()}, "trials": records}
     peak = find_peak(server, upper_qps=upper, bound_ms=bound, confirm=True).record()
+    host_after = probe_host(device=device)
     at_peak = [r for r in records[1:] if r["rate_qps"] == peak["peak_qps"] and r["valid"]]
+    notes = peak["notes"] + [n for n in (host_note(host_after, bound),) if n]
     return {"rule": rule, "offline_items_per_s": upper, "peak_qps": peak["peak_qps"],
             "ratio": peak["peak_fraction_of_offline"], "edge_confirmed": peak["edge_confirmed"],
-            "p99_spread_ms": peak["p99_spread_ms"], "notes": peak["notes"],
+            "p99_spread_ms": peak["p99_spread_ms"], "notes": notes,
             "reason": peak["reason"], "at_peak": at_peak[-1] if at_peak else None,
+            "host": {"before": host_before.to_dict(), "after": host_after.to_dict()},
             "trials": records}
 
 
@@ -300,6 +306,9 @@ def main() -> int:
                       f"ratio {ratio}  edge confirmed {row['edge_confirmed']}  load "
                       f"{row['loadavg_1m'][0]:.1f}/{row['loadavg_1m'][1]:.1f}  phases p99 at "
                       f"{'peak' if row['at_peak'] else 'lowest rate'} {p99s}", flush=True)
+                print(f"round {i} host (before/after): {describe_probes(row['host'])}", flush=True)
+                for note in row["notes"]:
+                    print(f"  note: {note}", flush=True)
                 Path(args.json_path).write_text(json.dumps(out, indent=1))
     finally:
         for rt in runtimes.values():

@@ -118,6 +118,7 @@ def test_infermux_run_prints_why_there_is_no_peak(tmp_path):
     run = invoke_cli("run", str(path), "--no-store", "--find-peak", "--p99", "50")
     assert run.returncode == 0, run.stderr
     assert "no peak: the offline trial completed no samples" in " ".join(run.stdout.split())
+    assert "host hand-overs (before / after the search): thread wake-up p99" in run.stdout
 
 
 # -- pipelined GPU-style workers -------------------------------------------------------------

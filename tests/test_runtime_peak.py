@@ -41,6 +41,10 @@ def test_a_peak_search_hands_every_trial_to_keep_in_order_on_one_build() -> None
             assert sum(b.size for b in k.batches) == k.record.completed_items > 0
     best = best_at_peak([k.record for k in kept], peak)
     assert best is not None and best.rate_qps == peak["peak_qps"] and best.valid
+    # The host's hand-overs were probed before the search and after it.
+    for when in ("before", "after"):
+        wake = peak["host"][when]["wake"]
+        assert wake["n"] > 0 and 0 < wake["p50_us"] <= wake["p99_us"]
 
 
 def test_one_trial_without_a_search_returns_no_peak() -> None:

@@ -151,6 +151,11 @@ def _print_peak(peak: dict[str, Any]) -> None:
         spread = peak.get("p99_spread_ms")
         out.print(f"  edge {'confirmed' if peak['edge_confirmed'] else 'not confirmed'} by "
                   "repeats" + (f"; p99 spread {spread:.2f} ms" if spread is not None else ""))
+    host = peak.get("host") or {}
+    if host:
+        from infermux.runtime.host_probe import describe_probes
+
+        out.print(f"  host hand-overs (before / after the search): {describe_probes(host)}")
     for note in peak.get("notes") or []:
         out.print(f"[yellow]note[/]: {escape(note)}", highlight=False)
     if peak.get("reason"):

@@ -20,6 +20,7 @@ from infermux.errors import UsageError
 from infermux.load.base import CompletionFn, Query
 from infermux.load.scenarios import LoadGenerator, ScenarioResult, find_peak
 from infermux.progress import ProgressFn
+from infermux.runtime.host_probe import host_note, plan_cuda_device, probe_host
 from infermux.runtime.metrics import BatchRecord, summarise
 from infermux.runtime.trial import TrialSummary
 
@@ -124,6 +125,10 @@ def run_load(rt: TrialRuntime, settings: dict[str, Any], *, keep: KeepFn,
     bound = settings.get("p99_bound_ms")
     if bound is None:
         raise UsageError("--find-peak needs a latency bound: set load.p99_bound_ms or pass --p99")
+    # The host's hand-overs, probed before the search and after it: a peak that breaks at a
+    # fraction of offline on a host slow to wake threads is named as the host's (`host_probe`).
+    device = plan_cuda_device(rt.plan)
+    before = probe_host(device=device)
     offline = one({**settings, "scenario": "offline", "find_peak": False})
     if offline.result.interrupted:
         return None
@@ -150,7 +155,14 @@ def run_load(rt: TrialRuntime, settings: dict[str, Any], *, keep: KeepFn,
                            "to search: fix what failed and run again")
         else:
             peak.reason = _no_peak_reason(rt, bound, peak.reason)
-    return peak.record()
+    after = probe_host(device=device)
+    out = peak.record()
+    out["host"] = {"before": before.to_dict(), "after": after.to_dict()}
+    said = [n for n in (host_note(before, bound), host_note(after, bound)) if n is not None]
+    if said:
+        out["notes"] = [*out.get("notes", []), said[-1]]
+    return out
+
 
 
 def best_at_peak(trials: Sequence[TrialSummary], peak: dict[str, Any] | None
