@@ -135,7 +135,7 @@ def _cpu_times() -> list[int] | None:
         return None
 
 
-def probe_host(seconds: float = 0.3, device: str | None = None) -> HostProbe:
+def probe_host(seconds: float = 0.2, device: str | None = None) -> HostProbe:
     """Measure the host's thread wake-ups, sleeps and (on a CUDA device) device waits.
 
     `seconds` per figure. The device is probed only where torch has initialised CUDA already
