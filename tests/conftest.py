@@ -6,6 +6,7 @@ import contextlib
 import io
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -63,6 +64,12 @@ def pytest_configure(config: pytest.Config) -> None:
     if "INFERMUX_CACHE_DIR" not in os.environ:
         _SUITE_CACHE = tempfile.mkdtemp(prefix="infermux-suite-cache-")
         os.environ["INFERMUX_CACHE_DIR"] = _SUITE_CACHE
+    # Started in the background by a shell without job control (`make test &` in a script),
+    # the suite inherits SIGINT ignored, and so would every `python -m infermux` it starts:
+    # Python leaves an ignored SIGINT ignored, so the Ctrl-C tests' processes would never see
+    # theirs (the bench ran to its end, the served run outlived its 90 s wait).
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -9,7 +9,7 @@ from .conftest import ROOT
 
 def test_runtime_gpu_bench_smoke(tmp_path):
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "runtime_gpu.py"), "--smoke",
-                          "--duration", "0.3", "--out", str(tmp_path)],
+                          "--duration", "0.15", "--out", str(tmp_path)],
                          capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-3000:]
     data = json.loads((tmp_path / "runtime_gpu.json").read_text())

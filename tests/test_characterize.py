@@ -148,6 +148,9 @@ def test_a_nondeterministic_engine_is_detected_and_a_deterministic_one_is_not(
 def test_cli_characterize_digits_end_to_end(digits_cnn, module_cache_dir, db: Path) -> None:
     proc = invoke_cli("characterize", "-m", "digits-cnn", "--units", "cpu", "--engine",
                       "torch,onnxruntime", "--builds", "2", "--json", "--db", str(db),
+                      # Nine builds (two of each variant, one per knob study chasing torch's
+                      # batch-size variance), each timing its batches briefly: 23.7 s to 19 s.
+                      "--latency-time", "0.05s", "--latency-runs", "5",
                       env={"INFERMUX_CACHE_DIR": str(module_cache_dir)})
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(proc.stdout)

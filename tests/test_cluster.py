@@ -116,7 +116,7 @@ def test_a_plan_naming_a_unit_the_node_lacks_is_one_clear_error(cluster) -> None
 def test_find_peak_searches_the_cluster_s_highest_rate_within_the_bound(cluster,
                                                                       tmp_path) -> None:
     plan = parse_cluster_plan({**two_nodes(1.0), "load": {
-        "scenario": "server", "find_peak": True, "p99_bound_ms": 250, "min_duration_s": 1.0,
+        "scenario": "server", "find_peak": True, "p99_bound_ms": 250, "min_duration_s": 0.5,
         "min_queries": 32}})
     store = Store(tmp_path / "peak.db")
     report = run_cluster(plan, cluster, store=store, command="test")
@@ -146,9 +146,9 @@ def test_a_node_that_joins_mid_run_is_used_once_it_has_measured_itself(cluster) 
         "name": "grow", "nodes": [{**node("w", 0, f"cpu:{CORES[0]}"), "count": "all",
                                    "node": {}}],
         "route": {"join_check_s": 0.5},
-        # A node's start takes 5-8 s here (its worker, imports, build and measurement), longer
-        # while the three nodes load both cores: the run outlasts it.
-        "load": {"scenario": "offline", "min_duration_s": 24.0, "min_queries": 64}})
+        # A node's start takes 5-8 s here (its worker, imports, build and measurement; it
+        # joined 7.2 s into the run on the quiet 2-core machine): the run lasts twice that.
+        "load": {"scenario": "offline", "min_duration_s": 15.0, "min_queries": 64}})
     got: dict[str, object] = {}
     running = threading.Event()
 

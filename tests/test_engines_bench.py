@@ -19,11 +19,6 @@ from infermux.units import discover
 TINY = str(Path(__file__).parent / "engine_models" / "tinycnn.py")
 
 
-@pytest.fixture(autouse=True)
-def _cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setenv("INFERMUX_CACHE_DIR", str(tmp_path / "cache"))
-
-
 def _usable_on_cpu() -> list[str]:
     return [n for n, (ok, _) in engine_status().items() if ok and n != "tensorrt"]
 

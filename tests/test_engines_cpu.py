@@ -23,11 +23,6 @@ TINY = str(Path(__file__).parent / "engine_models" / "tinycnn.py")
 ONNX_ENGINES = ("onnxruntime", "openvino")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _cache(module_cache_dir: Path) -> None:
-    """Exports and engine caches of this module live in a fresh folder."""
-
-
 @pytest.fixture(scope="module")
 def tiny() -> LoadedModel:
     return load_model(f"{TINY}:build")

@@ -116,7 +116,7 @@ def _make_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
                 {"unit": "cpu:0", "engine": "torch", "batch": 4}]}],
             "dispatcher": {"cpu_workers": "thread"},
             "load": {"scenario": "server", "find_peak": True, "p99_bound_ms": 50,
-                     "min_duration_s": 0.3, "min_queries": 32}})
+                     "min_duration_s": 0.15, "min_queries": 32}})
         run = run_plan(plan, store=store, command="infermux run (test)")
         assert run.run_id is not None
         ids["run"] = run.run_id

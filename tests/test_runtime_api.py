@@ -53,7 +53,9 @@ def test_every_subscriber_gets_outputs_and_completions_until_it_cancels() -> Non
         assert sum(batches) == 6
         a.cancel()
         a.cancel()  # a second cancel changes nothing
-        done.clear()
+        with lock:  # the second query's six rows, counted from none
+            second.clear()
+            done.clear()
         rt.submit([Query(2, "tiny", tuple(range(6)), rows)])
         assert done.wait(60)
         assert all(q == 1 for q, _ in first)  # the cancelled subscriber heard nothing more

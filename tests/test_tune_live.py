@@ -5,7 +5,6 @@ import json
 import sqlite3
 import time
 
-import pytest
 import yaml
 
 from infermux.models import ModelSpec
@@ -61,11 +60,11 @@ def test_tune_writes_a_runnable_plan_and_reuses_its_trials(tmp_path):
     assert report.final.valid and report.final.failed == 0
 
 
-@pytest.mark.exclusive
 def test_tune_server_scenario_holds_the_bound_and_finds_a_peak(tmp_path):
     # The bound is far above tiny_cnn's latency (a few ms), so only the plumbing is judged:
     # over a trial's few dozen queries the p99 is about the slowest one, and on a shared
-    # 2-core host one scheduler stall of a few hundred ms must not decide it.
+    # 2-core host one scheduler stall of a few hundred ms must not decide it. Nothing here
+    # asserts on timing, so it runs beside the other tests, not in the serial pass.
     req = request(scenario="server", constraints=Constraints(p99_bound_ms=1000.0),
                   engines="torch", budget_s=60.0, batches=[1, 4],
                   trial=TrialSettings(min_duration_s=0.3, min_queries=48, warmup_s=0.1),
@@ -94,7 +93,11 @@ def test_tune_server_scenario_holds_the_bound_and_finds_a_peak(tmp_path):
 
 
 def test_tune_budget_is_a_wall_time_bound(tmp_path):
-    req = request(budget_s=6.0, batches=[1, 2, 4, 8, 16, 32, 64], engines="torch,onnxruntime")
+    # Trials of 0.5 s: the space outlasts the budget even where a busy host's figures end the
+    # batch ladders early (with 0.2 s trials, a tune beside another test's load finished its
+    # whole search in under 5 s).
+    req = request(budget_s=6.0, batches=[1, 2, 4, 8, 16, 32, 64], engines="torch,onnxruntime",
+                  trial=TrialSettings(min_duration_s=0.5, min_queries=16, warmup_s=0.1))
     started = time.monotonic()
     report = run_tune(req)
     elapsed = time.monotonic() - started

@@ -15,7 +15,7 @@ def request(**kw):
     base = {"models": [ModelSpec(f"{TINY}:wide_cnn")], "units": "cpu:0,cpu:1",
             "engines": "torch,onnxruntime", "budget_s": 40.0, "batches": [4, 8],
             "max_instances": 1, "fine_tune": False,
-            "trial": TrialSettings(min_duration_s=0.3, min_queries=16, warmup_s=0.1)}
+            "trial": TrialSettings(min_duration_s=0.15, min_queries=16, warmup_s=0.1)}
     base.update(kw)
     return TuneRequest(**base)
 
