@@ -8,7 +8,7 @@ on some GPU hosts every plan of a ResNet50 server tune, plain eager among them, 
 15 ms bound above 1-5k queries/s, where on others the tuned plan held 0.94 of its offline rate.
 
 `probe_host` measures, in well under a second:
-- `wake`: a thread woken by another through an `threading.Event` after it slept (the other
+- `wake`: a thread woken by another through a `threading.Event` after it slept (the other
   thread waits 0.5 ms between rounds, so the woken one has gone idle), round trip;
 - `sleep_overshoot`: how late a 0.5 ms sleep returns;
 - `device_wait` (a CUDA device only, when torch has already initialised CUDA): a tiny matmul

@@ -126,7 +126,8 @@ def run_load(rt: TrialRuntime, settings: dict[str, Any], *, keep: KeepFn,
     if bound is None:
         raise UsageError("--find-peak needs a latency bound: set load.p99_bound_ms or pass --p99")
     # The host's hand-overs, probed before the search and after it: a peak that breaks at a
-    # fraction of offline on a host slow to wake threads is named as the host's (`host_probe`).
+    # fraction of offline on a host slow to wake threads or to answer small device work is
+    # named as the host's (`host_probe`).
     device = plan_cuda_device(rt.plan)
     before = probe_host(device=device)
     offline = one({**settings, "scenario": "offline", "find_peak": False})
@@ -162,7 +163,6 @@ def run_load(rt: TrialRuntime, settings: dict[str, Any], *, keep: KeepFn,
     if said:
         out["notes"] = [*out.get("notes", []), said[-1]]
     return out
-
 
 
 def best_at_peak(trials: Sequence[TrialSummary], peak: dict[str, Any] | None
