@@ -1,4 +1,4 @@
-"""How quickly the host hands work between threads: measured beside a peak search.
+"""How quickly the host hands work over, between threads and to the device: beside a peak search.
 
 A server trial's latency holds every hand-over between the runtime's threads (the load
 generator, the dispatcher, the workers, completion) and every wait on the device. Where the
@@ -29,6 +29,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
+
+from infermux.load.scenarios import LAG_SHARE
 
 __all__ = ["HostProbe", "describe_probes", "host_note", "plan_cuda_device", "probe_host"]
 
@@ -167,7 +169,7 @@ def probe_host(seconds: float = 0.2, device: str | None = None) -> HostProbe:
 
 
 #: A figure whose p99 is over this share of the bound is named (as the load generator's lag).
-NOTE_SHARE = 0.1
+NOTE_SHARE = LAG_SHARE
 
 
 def host_note(probe: HostProbe | dict[str, Any], bound_ms: float | None) -> str | None:
