@@ -104,6 +104,14 @@ LEARNED_MARGIN = 0.8
 #: ... and (with `auto`) only from this many profiled configurations: a correction of a dozen
 #: features learned from fewer won its leave-one-out comparison by chance on the stored runs.
 LEARNED_MIN_CONFIGS = 10
+#: ... and a reference network's correction (transfer) only where the new network has this many
+#: profiled configurations: over two or three, its leave-one-out comparison with the simple
+#: model rests on two or three held-out rows. On three fresh runs of four unseen networks (an
+#: H200, an H100, the 2-core CPU) the transfer was kept four times, each with two or three
+#: profiled configurations; replayed, the two it moves (a ViT on each GPU) came out better with
+#: the simple model (time MAPE 6.5 / 5.5% → 1.9 / 5.3%, 18.7 / 26.0% → 9.4 / 16.0%;
+#: docs/architecture-train.md).
+TRANSFER_MIN_CONFIGS = 4
 
 
 @dataclass
@@ -213,7 +221,13 @@ def predict_all(configs: list[Knobs], passes: list[dict[str, Any]], *, items: in
             if math.isfinite(in_sample) else None
         learned.loo_time = transfer_err
     use_learned = learned is not None and (
-        method == "learned" or learned.loo_time < LEARNED_MARGIN * simple_loo)
+        method == "learned" or (learned.loo_time < LEARNED_MARGIN * simple_loo and (
+            not reference or len(np.unique(groups)) >= TRANSFER_MIN_CONFIGS)))
+    profiled_configs = len(np.unique(groups))
+    if reference and learned is not None and not use_learned and method != "learned" \
+            and profiled_configs < TRANSFER_MIN_CONFIGS:
+        info["transfer"]["not_used"] = (f"{profiled_configs} profiled configuration(s), fewer "
+                                        f"than the {TRANSFER_MIN_CONFIGS} a comparison needs")
     if learned is not None:
         info["learned"] = {"kind": learned.kind, "rows": learned.rows,
                            "loo_mape_pct": 100 * (math.exp(learned.loo_time) - 1)
