@@ -187,7 +187,9 @@ def _one(rt: Any, rule: str, settings: dict[str, Any], shares: dict[str, float],
     peak = find_peak(server, upper_qps=upper, bound_ms=bound, confirm=True).record()
     host_after = probe_host(device=device)
     at_peak = [r for r in records[1:] if r["rate_qps"] == peak["peak_qps"] and r["valid"]]
-    notes = peak["notes"] + [n for n in (host_note(host_after, bound),) if n]
+    # As `runtime.peak.run_load` does: the last probe that found the host slow is named.
+    said = [n for n in (host_note(host_before, bound), host_note(host_after, bound)) if n]
+    notes = peak["notes"] + said[-1:]
     return {"rule": rule, "offline_items_per_s": upper, "peak_qps": peak["peak_qps"],
             "ratio": peak["peak_fraction_of_offline"], "edge_confirmed": peak["edge_confirmed"],
             "p99_spread_ms": peak["p99_spread_ms"], "notes": notes,
