@@ -525,6 +525,7 @@ def test_a_transfer_is_compared_with_the_simple_model_only_from_four_profiled_co
     two = info_for(2)
     assert two["transfer"]["error_pct"] < 0.8 * two["simple_loo_mape_pct"]  # it "won"
     assert two["chosen"] == "simple"
-    assert "2 profiled configuration(s), fewer than the 4" in two["transfer"]["not_used"]
+    assert "2 profiled configuration(s) to compare on, fewer than the 4" in (
+        two["transfer"]["not_used"])
     six = info_for(6)
     assert six["chosen"] == "transfer" and "not_used" not in six["transfer"]

@@ -226,8 +226,9 @@ def predict_all(configs: list[Knobs], passes: list[dict[str, Any]], *, items: in
     profiled_configs = len(np.unique(groups))
     if reference and learned is not None and not use_learned and method != "learned" \
             and profiled_configs < TRANSFER_MIN_CONFIGS:
-        info["transfer"]["not_used"] = (f"{profiled_configs} profiled configuration(s), fewer "
-                                        f"than the {TRANSFER_MIN_CONFIGS} a comparison needs")
+        info["transfer"]["not_used"] = (f"{profiled_configs} profiled configuration(s) to "
+                                        f"compare on, fewer than the {TRANSFER_MIN_CONFIGS} a "
+                                        "comparison needs")
     if learned is not None:
         info["learned"] = {"kind": learned.kind, "rows": learned.rows,
                            "loo_mape_pct": 100 * (math.exp(learned.loo_time) - 1)
