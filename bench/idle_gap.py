@@ -29,6 +29,7 @@ import numpy as np
 
 from infermux.engines import create_engine
 from infermux.models import load_model
+from infermux.stats import latency_summary_ms
 from infermux.units import discover, select_units
 
 
@@ -47,17 +48,9 @@ def _clock_reader(unit_id: str) -> Any:
         return lambda: None
 
 
-def _pct(values: list[float]) -> dict[str, float] | None:
-    if not values:
-        return None
-    a = np.asarray(values, dtype=float)
-    return {"min": float(a.min()), "p50": float(np.percentile(a, 50)),
-            "p99": float(np.percentile(a, 99)), "max": float(a.max())}
-
-
 def run_gap(runner: Any, batch: np.ndarray, gap_s: float, runs: int, clock: Any
             ) -> dict[str, Any]:
-    """`runs` batches, each after `gap_s` of idle: wall and device times (ms), SM clocks."""
+    """`runs` batches, each after `gap_s` of idle: wall and device times, SM clocks (MHz)."""
     wall, device, clocks = [], [], []
     for _ in range(runs):
         if gap_s > 0:
@@ -66,12 +59,14 @@ def run_gap(runner: Any, batch: np.ndarray, gap_s: float, runs: int, clock: Any
         t0 = time.perf_counter_ns()
         runner.set_input(batch)
         timing = runner.run()
-        wall.append((time.perf_counter_ns() - t0) / 1e6)
-        device.append((timing.h2d_ns + timing.compute_ns + timing.d2h_ns) / 1e6)
+        wall.append(time.perf_counter_ns() - t0)
+        device.append(timing.h2d_ns + timing.compute_ns + timing.d2h_ns)
         if mhz is not None:
             clocks.append(mhz)
-    return {"gap_ms": gap_s * 1e3, "runs": runs, "wall_ms": _pct(wall),
-            "device_ms": _pct(device), "sm_clock_mhz": _pct(clocks)}
+    return {"gap_ms": gap_s * 1e3, "runs": runs, "wall": latency_summary_ms(wall),
+            "device": latency_summary_ms(device),
+            "sm_clock_mhz": {"min": min(clocks), "median": float(np.median(clocks))}
+            if clocks else None}
 
 
 def main() -> None:
@@ -104,13 +99,12 @@ def main() -> None:
             for gap in (gaps if r % 2 == 0 else list(reversed(gaps))):
                 row = {"batch": b, "round": r, **run_gap(runner, batch, gap, a.runs, clock)}
                 out["rows"].append(row)
-                wall, dev, mhz = row["wall_ms"], row["device_ms"], row["sm_clock_mhz"]
+                wall, dev, mhz = row["wall"], row["device"], row["sm_clock_mhz"]
                 print(f"b{b} round {r} gap {gap * 1e3:5.1f} ms: wall p50/p99 "
-                      f"{wall['p50']:.2f}/{wall['p99']:.2f} ms, device {dev['p50']:.2f}/"
-                      f"{dev['p99']:.2f} ms"
-                      + (f", SM clock p50 {mhz['p50']:.0f} MHz (min {mhz['min']:.0f})"
-                         if mhz else ""),
-                      flush=True)
+                      f"{wall['p50_ms']:.2f}/{wall['p99_ms']:.2f} ms, device "
+                      f"{dev['p50_ms']:.2f}/{dev['p99_ms']:.2f} ms"
+                      + (f", SM clock median {mhz['median']:.0f} MHz (min {mhz['min']:.0f})"
+                         if mhz else ""), flush=True)
                 Path(a.json_path).write_text(json.dumps(out, indent=1))
 
 

@@ -44,7 +44,7 @@ def test_a_peak_search_hands_every_trial_to_keep_in_order_on_one_build() -> None
     # The host's hand-overs were probed before the search and after it.
     for when in ("before", "after"):
         wake = peak["host"][when]["wake"]
-        assert wake["n"] > 0 and 0 < wake["p50_us"] <= wake["p99_us"]
+        assert wake["n"] > 0 and 0 < wake["p50_ms"] <= wake["p99_ms"]
 
 
 def test_one_trial_without_a_search_returns_no_peak() -> None:

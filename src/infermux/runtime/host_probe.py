@@ -28,9 +28,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import numpy as np
-
 from infermux.load.scenarios import LAG_SHARE
+from infermux.stats import latency_summary_ms
 
 __all__ = ["HostProbe", "describe_probes", "host_note", "plan_cuda_device", "probe_host"]
 
@@ -38,17 +37,21 @@ __all__ = ["HostProbe", "describe_probes", "host_note", "plan_cuda_device", "pro
 GAP_S = 0.0005
 
 
-def _percentiles(ns: list[int]) -> dict[str, float] | None:
-    if not ns:
-        return None
-    us = np.asarray(ns, dtype=float) / 1e3
-    return {"n": len(ns), "p50_us": float(np.percentile(us, 50)),
-            "p99_us": float(np.percentile(us, 99)), "max_us": float(us.max())}
+#: Each figure's key, its name in a line of figures and in a note.
+FIGURES = (("wake", "thread wake-up", "a sleeping thread's wake-up"),
+           ("sleep_overshoot", "sleep overshoot", "a 0.5 ms sleep's overshoot"),
+           ("device_wait", "device wait", "a tiny kernel's launch and wait"),
+           ("device_wait_after_idle", "after 20 ms idle", "the same after 20 ms idle"))
+
+
+def _summary(ns: list[int]) -> dict[str, float] | None:
+    """`stats.latency_summary_ms` of the samples, with their count; None without any."""
+    return {"n": len(ns), **latency_summary_ms(ns)} if ns else None
 
 
 @dataclass
 class HostProbe:
-    """Percentiles (µs) of the host's hand-overs, and the hypervisor's steal share."""
+    """Latency summaries (ms) of the host's hand-overs, and the hypervisor's steal share."""
 
     seconds: float
     wake: dict[str, float] | None = None
@@ -146,16 +149,16 @@ def probe_host(seconds: float = 0.2, device: str | None = None) -> HostProbe:
     before = _cpu_times()
     t0 = time.perf_counter()
     probe = HostProbe(seconds=0.0)
-    probe.wake = _percentiles(_wake_round_trips(seconds))
-    probe.sleep_overshoot = _percentiles(_sleep_overshoots(seconds))
+    probe.wake = _summary(_wake_round_trips(seconds))
+    probe.sleep_overshoot = _summary(_sleep_overshoots(seconds))
     if device is not None and device.startswith("cuda"):
         import sys
 
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_initialized():
             probe.device = device
-            probe.device_wait = _percentiles(_device_waits(device, seconds))
-            probe.device_wait_after_idle = _percentiles(
+            probe.device_wait = _summary(_device_waits(device, seconds))
+            probe.device_wait_after_idle = _summary(
                 _device_waits(device, seconds, gap_s=IDLE_GAP_S, rounds=IDLE_ROUNDS))
     probe.seconds = time.perf_counter() - t0
     after = _cpu_times()
@@ -178,13 +181,10 @@ def host_note(probe: HostProbe | dict[str, Any], bound_ms: float | None) -> str 
     if bound_ms is None or bound_ms <= 0:
         return None
     said = []
-    for key, what in (("wake", "a sleeping thread's wake-up"),
-                      ("sleep_overshoot", "a 0.5 ms sleep's overshoot"),
-                      ("device_wait", "a tiny kernel's launch and wait"),
-                      ("device_wait_after_idle", "the same after 20 ms idle")):
+    for key, _, what in FIGURES:
         figure = data.get(key)
-        if figure and figure["p99_us"] / 1e3 > NOTE_SHARE * bound_ms:
-            said.append(f"{what} p99 {figure['p99_us'] / 1e3:.2f} ms")
+        if figure and figure["p99_ms"] > NOTE_SHARE * bound_ms:
+            said.append(f"{what} p99 {figure['p99_ms']:.2f} ms")
     steal = data.get("steal_pct")
     if steal is not None and steal >= 5.0:
         said.append(f"{steal:.0f}% of the CPU time stolen by the hypervisor")
@@ -208,10 +208,8 @@ def plan_cuda_device(plan: Any) -> str | None:
 def describe_probes(probes: dict[str, Any]) -> str:
     """One line of named probes' p99s (`{"before": probe, "after": probe}` as recorded)."""
     parts = []
-    for key, what in (("wake", "thread wake-up"), ("sleep_overshoot", "sleep overshoot"),
-                      ("device_wait", "device wait"),
-                      ("device_wait_after_idle", "after 20 ms idle")):
-        got = [f"{p[key]['p99_us']:.0f}" for p in probes.values() if p and p.get(key)]
+    for key, what, _ in FIGURES:
+        got = [f"{p[key]['p99_ms'] * 1e3:.0f}" for p in probes.values() if p and p.get(key)]
         if got:
             parts.append(f"{what} p99 {' / '.join(got)} µs")
     steal = [f"{p['steal_pct']:.1f}" for p in probes.values()

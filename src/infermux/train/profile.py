@@ -584,9 +584,10 @@ def measure_compute(setup: TrainSetup, knobs: Knobs, index: int,
 #: counter every 0.1 s, so a window of one read is mostly the counter's granularity. The
 #: window starts with a read of its own (`_Repeated`'s `on_repeat`) and ends with one (the
 #: telemetry window's flush), so nothing outside it is interpolated in. One second: on an
-#: H200 run the counter's and the sampled power's means over the same pass differed by
-#: 0.57-1.48x in windows under a second and by at most 8% from one second up, and batch-128
-#: probes of 0.2-0.7 s read 141-421 W where the epochs at that batch drew 156-543 W.
+#: H200 run the counter's and the sampled power's means over the same pass were 0.57-1.48x
+#: apart in windows under a second and 0.92-1.04x from one second up, and every batch-128
+#: probe read under its run's epochs at that batch (400 W against 537-543 W for a ViT in fp32;
+#: `bench/power_windows.py`).
 PROBE_POWER_S = 1.0
 
 
