@@ -1,0 +1,136 @@
+r"""Who uses the host's cores while `infermux serve --fronts N` is driven to its ceiling.
+
+A served ceiling that neither more front processes nor a faster runtime process raises is set
+somewhere else: this bench serves a plan (bench/serve_gpu.py's `digits` or `resnet50`, batch
+and instances as given), drives it with perf_analyzer over gRPC (`--shared-memory system`,
+single items, one concurrency; or over HTTP), and reads, over a window in the middle of the run, the host's
+busy share (/proc/stat) and the cores used by each side: the runtime process, the front
+processes (its children), and perf_analyzer. Each row also keeps perf_analyzer's requests/s,
+p99 and the server's own split of a request (queue, compute, the rest). Optionally the
+runtime process's interpreter-lock share is sampled with py-spy (`--py-spy PATH`: the share
+of samples in which some thread holds the lock; 1.0 means the process is bound by it).
+
+    python bench/serve_cores.py --perf-analyzer PA --json cores.json \
+        --cases digits:8:256:64:2,digits:8:256:64:2:async,resnet50:8:256:64:2
+    python bench/serve_cores.py --device cpu --perf-analyzer PA --json cpu.json \
+        --cases digits:2:32:32:1 --py-spy .venv/bin/py-spy
+
+A case is `model:fronts:concurrency:batch:instances[:async][:http]` (`async`: perf_analyzer's
+`--async` mode instead of one thread per concurrent request; `http`: HTTP/REST instead of gRPC).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serve_gpu import cpu_s, perf_analyzer_env, plans, start_server, stop_server
+
+#: Seconds after perf_analyzer starts before the window opens (its warm-up), and the window.
+_SETTLE_S = 6.0
+_WINDOW_S = 6.0
+
+
+def _host_ticks() -> tuple[int, int]:
+    """(all, idle + iowait) jiffies of the host, from /proc/stat."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    return sum(fields), fields[3] + fields[4]
+
+
+def _children(pid: int) -> list[int]:
+    done = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True, check=False)
+    return [int(p) for p in done.stdout.split()]
+
+
+def _lock_share(py_spy: str, pid: int, out: Path) -> float | None:
+    """Share of py-spy's samples (500 Hz, 4 s) in which a thread of `pid` holds the lock."""
+    raw = out / f"gil-{pid}.txt"
+    subprocess.run([py_spy, "record", "--pid", str(pid), "--duration", "4", "--rate", "500",
+                    "--format", "raw", "--output", str(raw), "--nonblocking", "--gil"],
+                   capture_output=True, check=False)
+    if not raw.exists():
+        return None
+    samples = sum(int(line.rpartition(" ")[2]) for line in raw.read_text().splitlines() if line)
+    return samples / (500 * 4)
+
+
+def _case(args: argparse.Namespace, spec: str, out: Path) -> dict[str, Any]:
+    model, fronts, concurrency, batch, instances, *flags = spec.split(":")
+    mode = "async" if "async" in flags else "sync"
+    protocol = "http" if "http" in flags else "grpc"
+    plan = plans(args.device)[model]
+    plan.pop("load", None)
+    replica = plan["models"][0]["replicas"][0]
+    replica.update(batch=int(batch), instances=int(instances))
+    path = out / f"{model}-b{batch}x{instances}.json"
+    path.write_text(json.dumps(plan))
+    server, ready = start_server(path, out, int(fronts),
+                                 tag=f"-c{concurrency}-{mode}-{protocol}")
+    name = plan["models"][0]["name"]
+    cmd = [args.perf_analyzer, "-m", name, "-u", f"127.0.0.1:{ready[protocol + '_port']}",
+           "-i", protocol,
+           "-b", "1", "--concurrency-range", f"{concurrency}:{concurrency}",
+           "--measurement-interval", "4000", "--stability-percentage", "50", "--max-trials", "4",
+           "--shared-memory", "system", *(["--async"] if mode == "async" else [])]
+    row: dict[str, Any] = {"case": spec, "plan": plan, "command": " ".join(cmd)}
+    client = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        time.sleep(_SETTLE_S)
+        sides = {"runtime": [server.pid], "fronts": _children(server.pid),
+                 "perf_analyzer": [client.pid]}
+        before = {k: cpu_s(v) for k, v in sides.items()}
+        host0, t0 = _host_ticks(), time.monotonic()
+        time.sleep(_WINDOW_S)
+        after = {k: cpu_s(v) for k, v in sides.items()}
+        host1, seconds = _host_ticks(), time.monotonic() - t0
+        row["cores_used"] = {k: (after[k] - before[k]) / seconds for k in sides}
+        row["host_busy"] = 1 - (host1[1] - host0[1]) / max(1, host1[0] - host0[0])
+        row["host_cores"] = os.cpu_count()
+        if args.py_spy:
+            row["runtime_lock_share"] = _lock_share(args.py_spy, server.pid, out)
+        shown = client.communicate(timeout=240)[0]
+    finally:
+        if client.poll() is None:
+            client.kill()
+        row["server"] = stop_server(server)["status"]
+    row["perf_analyzer"] = [ln.strip() for ln in shown.splitlines() if any(
+        k in ln for k in ("Throughput", "p99 latency", "Avg request latency"))]
+    return row
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", required=True, help="where the report goes")
+    p.add_argument("--perf-analyzer", required=True, help="path of perf_analyzer")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--cases", default="digits:8:256:64:2,resnet50:8:256:64:2",
+                   help="model:fronts:concurrency:batch:instances[:async][:http], comma-separated")
+    p.add_argument("--py-spy", help="py-spy executable: the runtime process's lock share")
+    args = p.parse_args()
+    perf_analyzer_env(args.perf_analyzer)
+    out = Path(args.json).resolve().parent / (Path(args.json).stem + "-logs")
+    out.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {"rows": []}
+    for spec in args.cases.split(","):
+        row = _case(args, spec, out)
+        report["rows"].append(row)
+        Path(args.json).write_text(json.dumps(report, indent=1))
+        cores = ", ".join(f"{k} {v:.2f}" for k, v in row["cores_used"].items())
+        share = row.get("runtime_lock_share")
+        print(f"{spec}: host busy {row['host_busy']:.0%} of {row['host_cores']} cores; cores "
+              f"used: {cores}" + (f"; runtime lock share {share:.2f}" if share is not None
+                                  else ""), flush=True)
+        for line in row["perf_analyzer"]:
+            print(f"  {line}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
