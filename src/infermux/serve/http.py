@@ -30,7 +30,7 @@ import json
 import threading
 import weakref
 import zlib
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -44,8 +44,8 @@ from infermux.serve.core import (
 )
 from infermux.serve.shm import OutputTarget, SharedMemoryRegions, output_target
 
-__all__ = ["BodyBudget", "HttpFront", "Reply", "body_budget", "body_limit", "handle", "inflate",
-           "request_limit"]
+__all__ = ["BodyBudget", "CoalescingTransport", "HttpFront", "Reply", "body_budget", "body_limit",
+           "handle", "inflate", "request_limit"]
 
 #: (status, headers, body)
 Reply = tuple[int, list[tuple[bytes, bytes]], bytes]
@@ -462,6 +462,8 @@ class HttpFront:
         self.max_body = body_limit(core)
         self.budget = BodyBudget(budget_bytes if budget_bytes is not None
                                  else body_budget(core))
+        #: (model, binary) → `request_limit`, computed once per model.
+        self._limits: dict[tuple[str, bool], int] = {}
 
     def limit(self, path: str, headers: dict[str, str]) -> tuple[int, ProtocolError | None]:
         """(the largest body `path` takes, or the 413 its headers already earn)."""
@@ -471,12 +473,14 @@ class HttpFront:
         if info is None or parts[-1] != "infer":
             return _HEADER_ALLOWANCE, None  # routes that read no tensors (or a 400 to come)
         header = headers.get("inference-header-content-length")
-        if header is None:
-            return request_limit(info, binary=False), None
-        if header.isdigit() and int(header) > _HEADER_ALLOWANCE:
+        if header is not None and header.isdigit() and int(header) > _HEADER_ALLOWANCE:
             return 0, ProtocolError(413, f"the JSON header of {header} bytes is larger than the "
                                          f"{_HEADER_ALLOWANCE} allowed beside binary tensors")
-        return request_limit(info, binary=True), None
+        binary = header is not None
+        limit = self._limits.get((info.name, binary))
+        if limit is None:  # a model's limits do not change while it is served
+            limit = self._limits[info.name, binary] = request_limit(info, binary=binary)
+        return limit, None
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         """The ASGI entry point (lifespan events are acknowledged, nothing else is served)."""
@@ -585,15 +589,51 @@ def _body_of(scope: Any) -> _Body | None:
     return body
 
 
+class CoalescingTransport:
+    """A transport whose writes of one event-loop turn leave in one send.
+
+    uvicorn writes a response's status line and headers at `http.response.start` and its body
+    at `http.response.body`: two sends, two TCP segments and two wake-ups of the client for
+    every response. Held until the turn ends (`call_soon`), they leave as one. `close()` sends
+    what is held first; every other attribute is the wrapped transport's.
+    """
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._held: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        """Hold `data` until the turn ends (the first write of a turn schedules the send)."""
+        if not self._held:
+            self._loop.call_soon(self.flush)
+        self._held.append(data)
+
+    def flush(self) -> None:
+        """Send what the turn wrote (nothing once the connection is closing)."""
+        held, self._held = self._held, []
+        if held and not self._transport.is_closing():
+            self._transport.write(held[0] if len(held) == 1 else b"".join(held))
+
+    def close(self) -> None:
+        """Send what is held, then close."""
+        self.flush()
+        self._transport.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
 def body_protocol(front: HttpFront) -> Any:
-    """The httptools protocol of uvicorn, collecting bodies within `front`'s limits whole.
+    """The httptools protocol of uvicorn, collecting bodies whole and coalescing writes.
 
     A request with a Content-Length within its model's limit (`HttpFront.limit`) that fits in
     the front's budget gets a buffer of that size (scope extension `infermux.body`); each
     piece read is copied into it, the socket is not paused per 64 KiB, and the app's
     `receive()` returns once the body is complete. Anything else (chunked bodies, larger ones,
     ones that do not fit now; the app answers the last two with 413 and 503) goes uvicorn's
-    own way. None when uvicorn's httptools protocol is not there (uvicorn then picks its own).
+    own way. A response leaves in one send (`CoalescingTransport`). None when uvicorn's
+    httptools protocol is not there (uvicorn then picks its own).
     """
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -601,6 +641,11 @@ def body_protocol(front: HttpFront) -> Any:
         return None
 
     class WholeBodyProtocol(HttpToolsProtocol):
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            # A stand-in with the transport's interface (its other attributes pass through).
+            self.transport = cast("asyncio.Transport", CoalescingTransport(transport, self.loop))
+
         def on_headers_complete(self) -> None:
             super().on_headers_complete()
             cycle = getattr(self, "cycle", None)
