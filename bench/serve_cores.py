@@ -3,12 +3,13 @@ r"""Who uses the host's cores while `infermux serve --fronts N` is driven to its
 A served ceiling that neither more front processes nor a faster runtime process raises is set
 somewhere else: this bench serves a plan (bench/serve_gpu.py's `digits` or `resnet50`, batch
 and instances as given), drives it with perf_analyzer over gRPC (`--shared-memory system`,
-single items, one concurrency; or over HTTP), and reads, over a window in the middle of the run, the host's
-busy share (/proc/stat) and the cores used by each side: the runtime process, the front
-processes (its children), and perf_analyzer. Each row also keeps perf_analyzer's requests/s,
-p99 and the server's own split of a request (queue, compute, the rest). Optionally the
-runtime process's interpreter-lock share is sampled with py-spy (`--py-spy PATH`: the share
-of samples in which some thread holds the lock; 1.0 means the process is bound by it).
+single items, one concurrency; or over HTTP), and reads, over a window in the middle of the
+run, the host's busy share (/proc/stat) and the cores used by each side: the runtime process,
+the front processes, perf_analyzer, and the runtime's other child processes (CPU workers,
+templates). Each row also keeps perf_analyzer's requests/s, p99 and the server's own split of
+a request (queue, compute, the rest). Optionally the runtime process's interpreter-lock share
+is sampled with py-spy (`--py-spy PATH`: the share of samples in which some thread holds the
+lock; 1.0 means the process is bound by it).
 
     python bench/serve_cores.py --perf-analyzer PA --json cores.json \
         --cases digits:8:256:64:2,digits:8:256:64:2:async,resnet50:8:256:64:2
@@ -44,9 +45,18 @@ def _host_ticks() -> tuple[int, int]:
     return sum(fields), fields[3] + fields[4]
 
 
-def _children(pid: int) -> list[int]:
+def _children(pid: int) -> tuple[list[int], list[int]]:
+    """The process's children: (its front processes, the others: CPU workers, templates)."""
     done = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True, check=False)
-    return [int(p) for p in done.stdout.split()]
+    fronts: list[int] = []
+    others: list[int] = []
+    for child in (int(p) for p in done.stdout.split()):
+        try:
+            command = Path(f"/proc/{child}/cmdline").read_bytes()
+        except OSError:
+            continue
+        (fronts if b"infermux.serve.fronts" in command else others).append(child)
+    return fronts, others
 
 
 def _lock_share(py_spy: str, pid: int, out: Path) -> float | None:
@@ -83,8 +93,9 @@ def _case(args: argparse.Namespace, spec: str, out: Path) -> dict[str, Any]:
     client = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         time.sleep(_SETTLE_S)
-        sides = {"runtime": [server.pid], "fronts": _children(server.pid),
-                 "perf_analyzer": [client.pid]}
+        front_pids, other_pids = _children(server.pid)
+        sides = {"runtime": [server.pid], "fronts": front_pids, "perf_analyzer": [client.pid],
+                 "workers": other_pids}
         before = {k: cpu_s(v) for k, v in sides.items()}
         host0, t0 = _host_ticks(), time.monotonic()
         time.sleep(_WINDOW_S)
