@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serve_cores import fronts_and_others
 from serve_gpu import cpu_s, perf_analyzer_env, plans, start_server, stop_server
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -105,20 +106,6 @@ def _free_port() -> int:
         return port
 
 
-def _children(pid: int) -> tuple[list[int], list[int]]:
-    """The process's children: (its front processes, the others: CPU workers, templates)."""
-    done = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True, check=False)
-    fronts: list[int] = []
-    others: list[int] = []
-    for child in (int(p) for p in done.stdout.split()):
-        try:
-            command = Path(f"/proc/{child}/cmdline").read_bytes()
-        except OSError:
-            continue
-        (fronts if b"infermux.serve.fronts" in command else others).append(child)
-    return fronts, others
-
-
 def _drive(perf_analyzer: str, port: int, concurrency: int, sides: dict[str, list[int]]
            ) -> dict[str, Any]:
     """perf_analyzer at `concurrency`; requests/s and each side's CPU µs per request."""
@@ -180,7 +167,7 @@ def main() -> None:
         server, ready = start_server(plan_path, out, args.fronts, tag=f"-r{rnd}")
         try:
             row = _drive(args.perf_analyzer, ready["grpc_port"], args.concurrency,
-                         dict(zip(("fronts", "workers"), _children(server.pid),
+                         dict(zip(("fronts", "workers"), fronts_and_others(server.pid),
                                   strict=True), runtime=[server.pid]))
         finally:
             stop_server(server)

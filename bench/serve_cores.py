@@ -45,7 +45,7 @@ def _host_ticks() -> tuple[int, int]:
     return sum(fields), fields[3] + fields[4]
 
 
-def _children(pid: int) -> tuple[list[int], list[int]]:
+def fronts_and_others(pid: int) -> tuple[list[int], list[int]]:
     """The process's children: (its front processes, the others: CPU workers, templates)."""
     done = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True, check=False)
     fronts: list[int] = []
@@ -93,7 +93,7 @@ def _case(args: argparse.Namespace, spec: str, out: Path) -> dict[str, Any]:
     client = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         time.sleep(_SETTLE_S)
-        front_pids, other_pids = _children(server.pid)
+        front_pids, other_pids = fronts_and_others(server.pid)
         sides = {"runtime": [server.pid], "fronts": front_pids, "perf_analyzer": [client.pid],
                  "workers": other_pids}
         before = {k: cpu_s(v) for k, v in sides.items()}
