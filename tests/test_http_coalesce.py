@@ -72,3 +72,20 @@ def test_close_sends_what_is_held_first() -> None:
         return bytes(sink.data)
 
     assert asyncio.run(main()) == b"HTTP/1.1 500 Internal Server Error\r\n\r\n"
+
+
+def test_large_writes_are_sent_as_they_came() -> None:
+    async def main() -> tuple[list[bytes], int]:
+        coalescing, sends, sink = await _pair()
+        body = bytes(200_000)  # joining it to its headers would copy it to save one send
+        coalescing.write(b"HTTP/1.1 200 OK\r\ncontent-length: 200000\r\n\r\n")
+        coalescing.write(body)
+        await asyncio.sleep(0.05)
+        coalescing.close()
+        await asyncio.wait_for(sink.closed, 5)
+        return sends, len(sink.data)
+
+    headers = b"HTTP/1.1 200 OK\r\ncontent-length: 200000\r\n\r\n"
+    sends, received = asyncio.run(main())
+    assert [len(s) for s in sends] == [len(headers), 200_000]
+    assert received == len(headers) + 200_000

@@ -589,31 +589,45 @@ def _body_of(scope: Any) -> _Body | None:
     return body
 
 
+#: Above this many bytes a turn's writes are sent as they came: joining them would copy a
+#: large body to save one send, which only small responses notice.
+_COALESCE_MAX_BYTES = 64 << 10
+
+
 class CoalescingTransport:
     """A transport whose writes of one event-loop turn leave in one send.
 
     uvicorn writes a response's status line and headers at `http.response.start` and its body
     at `http.response.body`: two sends, two TCP segments and two wake-ups of the client for
-    every response. Held until the turn ends (`call_soon`), they leave as one. `close()` sends
-    what is held first; every other attribute is the wrapped transport's.
+    every response. Held until the turn ends (`call_soon`), they leave as one (as they came
+    when they add up to more than `_COALESCE_MAX_BYTES`). `close()` sends what is held first;
+    every other attribute is the wrapped transport's.
     """
 
     def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
         self._transport = transport
         self._loop = loop
         self._held: list[bytes] = []
+        self._held_bytes = 0
 
     def write(self, data: bytes) -> None:
         """Hold `data` until the turn ends (the first write of a turn schedules the send)."""
         if not self._held:
             self._loop.call_soon(self.flush)
         self._held.append(data)
+        self._held_bytes += len(data)
 
     def flush(self) -> None:
         """Send what the turn wrote (nothing once the connection is closing)."""
         held, self._held = self._held, []
-        if held and not self._transport.is_closing():
-            self._transport.write(held[0] if len(held) == 1 else b"".join(held))
+        size, self._held_bytes = self._held_bytes, 0
+        if not held or self._transport.is_closing():
+            return
+        if len(held) == 1 or size > _COALESCE_MAX_BYTES:
+            for data in held:
+                self._transport.write(data)
+        else:
+            self._transport.write(b"".join(held))
 
     def close(self) -> None:
         """Send what is held, then close."""
