@@ -748,7 +748,12 @@ def test_models_on_fp16_units_declare_fp16_inputs() -> None:
 def test_infer_request_parser_leaves_raw_contents_in_place() -> None:
     from tritonclient.grpc import service_pb2
 
-    from infermux.serve.grpc_front import InferRequest, Undecodable, parse_infer_request
+    from infermux.serve.grpc_front import (
+        ZERO_COPY_MIN_BYTES,
+        InferRequest,
+        Undecodable,
+        parse_infer_request,
+    )
 
     request = service_pb2.ModelInferRequest(model_name="net", model_version="1", id="r")
     request.parameters["priority"].int64_param = 3
@@ -756,6 +761,14 @@ def test_infer_request_parser_leaves_raw_contents_in_place() -> None:
     request.outputs.add(name="output")
     x = np.arange(6, dtype=np.float16)
     request.raw_input_contents.extend([x.tobytes(), b""])
+    # A small message is protobuf's to parse whole (the walk would cost more than the copy).
+    small = parse_infer_request(request.SerializeToString())
+    assert isinstance(small, service_pb2.ModelInferRequest) and small == request
+    small_bad = parse_infer_request(request.SerializeToString()[:-3])
+    assert isinstance(small_bad, Undecodable) and "Error parsing" in small_bad.error
+    big = np.arange(ZERO_COPY_MIN_BYTES, dtype=np.float16)  # a large tensor stays in place
+    request.inputs[0].shape[:] = [1, big.size]
+    request.raw_input_contents[0] = big.tobytes()
     wire = request.SerializeToString()
     parsed = parse_infer_request(wire)
     assert isinstance(parsed, InferRequest)

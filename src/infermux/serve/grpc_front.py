@@ -138,6 +138,8 @@ def _add_service(server: Any, servicer: Any) -> None:
 
 #: ModelInferRequest's field number of `raw_input_contents` (the v2 proto).
 _RAW_INPUT_CONTENTS = 7
+#: Messages from this size have their raw contents left in place (`parse_infer_request`).
+ZERO_COPY_MIN_BYTES = 64 << 10
 
 
 class InferRequest:
@@ -179,10 +181,17 @@ def parse_infer_request(data: bytes) -> Any:
     memoryview of `data`; every other field's bytes go to protobuf's parser. Bytes that are
     not a well-formed message are handed to protobuf whole; what protobuf cannot parse either
     becomes an `Undecodable` (grpc would answer a parser's exception UNKNOWN, a 500's kin).
+    A message under `ZERO_COPY_MIN_BYTES` goes to protobuf whole at once: the walk is Python
+    (8 µs for a 4 KB digits request against protobuf's 1.2 µs), the copy it saves is not.
     """
     from google.protobuf.message import DecodeError
     from tritonclient.grpc import service_pb2
 
+    if len(data) < ZERO_COPY_MIN_BYTES:
+        try:
+            return service_pb2.ModelInferRequest.FromString(data)
+        except DecodeError as exc:
+            return Undecodable(str(exc))
     view = memoryview(data)
     raw: list[memoryview] = []
     rest: list[memoryview] = []
