@@ -9,7 +9,8 @@ the front processes, perf_analyzer, and the runtime's other child processes (CPU
 templates). Each row also keeps perf_analyzer's requests/s, p99 and the server's own split of
 a request (queue, compute, the rest). Optionally the runtime process's interpreter-lock share
 is sampled with py-spy (`--py-spy PATH`: the share of samples in which some thread holds the
-lock; 1.0 means the process is bound by it).
+lock; 1.0 means the process is bound by it), and so is one front (where its samples are: the
+innermost frames' shares, and the share with an infermux frame on the stack).
 
     python bench/serve_cores.py --perf-analyzer PA --json cores.json \
         --cases digits:8:256:64:2,digits:8:256:64:2:async,resnet50:8:256:64:2
@@ -71,6 +72,33 @@ def _lock_share(py_spy: str, pid: int, out: Path) -> float | None:
     return samples / (500 * 4)
 
 
+def _front_profile(py_spy: str, pid: int, out: Path) -> dict[str, Any] | None:
+    """One front's stacks (py-spy, 500 Hz, 4 s): the innermost frames' shares, and infermux's.
+
+    `infermux_share` is the share of samples with an infermux frame anywhere on the stack
+    (the handler, the slab, the link); what is left is the protocol stack's and the loop's.
+    """
+    raw = out / f"front-{pid}.txt"
+    subprocess.run([py_spy, "record", "--pid", str(pid), "--duration", "4", "--rate", "500",
+                    "--format", "raw", "--output", str(raw), "--nonblocking"],
+                   capture_output=True, check=False)
+    if not raw.exists():
+        return None
+    innermost: dict[str, int] = {}
+    ours = total = 0
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        n, frames = int(count), stack.split(";")
+        total += n
+        innermost[frames[-1]] = innermost.get(frames[-1], 0) + n
+        ours += n if any("infermux/" in f and "fronts.py" not in f for f in frames) else 0
+    if not total:
+        return None
+    top = sorted(innermost.items(), key=lambda kv: -kv[1])[:8]
+    return {"samples": total, "infermux_share": ours / total,
+            "innermost": [(frame, n / total) for frame, n in top]}
+
+
 def _case(args: argparse.Namespace, spec: str, out: Path) -> dict[str, Any]:
     model, fronts, concurrency, batch, instances, *flags = spec.split(":")
     mode = "async" if "async" in flags else "sync"
@@ -87,7 +115,9 @@ def _case(args: argparse.Namespace, spec: str, out: Path) -> dict[str, Any]:
     cmd = [args.perf_analyzer, "-m", name, "-u", f"127.0.0.1:{ready[protocol + '_port']}",
            "-i", protocol,
            "-b", "1", "--concurrency-range", f"{concurrency}:{concurrency}",
-           "--measurement-interval", "4000", "--stability-percentage", "50", "--max-trials", "4",
+           # With profiles to take after the window, windows long enough that the load is on.
+           "--measurement-interval", "8000" if args.py_spy else "4000",
+           "--stability-percentage", "50", "--max-trials", "4",
            "--shared-memory", "system", *(["--async"] if mode == "async" else [])]
     row: dict[str, Any] = {"case": spec, "plan": plan, "command": " ".join(cmd)}
     client = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -106,6 +136,8 @@ def _case(args: argparse.Namespace, spec: str, out: Path) -> dict[str, Any]:
         row["host_cores"] = os.cpu_count()
         if args.py_spy:
             row["runtime_lock_share"] = _lock_share(args.py_spy, server.pid, out)
+            if front_pids:
+                row["front_profile"] = _front_profile(args.py_spy, front_pids[0], out)
         shown = client.communicate(timeout=240)[0]
     finally:
         if client.poll() is None:
@@ -141,6 +173,11 @@ def main() -> None:
                                   else ""), flush=True)
         for line in row["perf_analyzer"]:
             print(f"  {line}", flush=True)
+        profile = row.get("front_profile")
+        if profile:
+            print(f"  one front's samples: {profile['infermux_share']:.0%} with an infermux "
+                  "frame; innermost: " + "; ".join(f"{share:.0%} {frame}" for frame, share
+                                                    in profile["innermost"][:5]), flush=True)
 
 
 if __name__ == "__main__":

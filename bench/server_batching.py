@@ -50,7 +50,7 @@ import yaml
 
 from infermux.load import find_peak
 from infermux.runtime import parse_plan
-from infermux.runtime.host_probe import describe_probes, host_note, plan_cuda_device, probe_host
+from infermux.runtime.host_probe import describe_probes, plan_cuda_device, probe_host, search_note
 from infermux.runtime.peak import run_trial
 from infermux.runtime.plan import Plan
 from infermux.runtime.session import start_runtime
@@ -187,9 +187,8 @@ def _one(rt: Any, rule: str, settings: dict[str, Any], shares: dict[str, float],
     peak = find_peak(server, upper_qps=upper, bound_ms=bound, confirm=True).record()
     host_after = probe_host(device=device)
     at_peak = [r for r in records[1:] if r["rate_qps"] == peak["peak_qps"] and r["valid"]]
-    # As `runtime.peak.run_load` does: the last probe that found the host slow is named.
-    said = [n for n in (host_note(host_before, bound), host_note(host_after, bound)) if n]
-    notes = peak["notes"] + said[-1:]
+    said = search_note(host_before, host_after, bound)  # as `runtime.peak.run_load` names it
+    notes = peak["notes"] + ([said] if said else [])
     return {"rule": rule, "offline_items_per_s": upper, "peak_qps": peak["peak_qps"],
             "ratio": peak["peak_fraction_of_offline"], "edge_confirmed": peak["edge_confirmed"],
             "p99_spread_ms": peak["p99_spread_ms"], "notes": notes,

@@ -12,6 +12,7 @@ from infermux.runtime.host_probe import (
     host_note,
     plan_cuda_device,
     probe_host,
+    search_note,
 )
 
 
@@ -49,6 +50,10 @@ def test_a_figure_over_a_tenth_of_the_bound_is_named_and_none_under_it() -> None
     stolen = HostProbe(seconds=0.6, wake=_figure(50), steal_pct=12.0)
     said = host_note(stolen.to_dict(), 15.0)  # as recorded in a peak's JSON
     assert said is not None and "12% of the CPU time stolen" in said
+    # A search names the later probe that found the host slow, and nothing when neither did.
+    assert search_note(slow, stolen, 15.0) == host_note(stolen, 15.0)
+    assert search_note(slow, quick, 15.0) == note
+    assert search_note(quick, quick, 15.0) is None
 
 
 def test_the_probes_line_gives_each_figure_before_and_after() -> None:

@@ -31,7 +31,8 @@ from typing import Any
 from infermux.load.scenarios import LAG_SHARE
 from infermux.stats import latency_summary_ms
 
-__all__ = ["HostProbe", "describe_probes", "host_note", "plan_cuda_device", "probe_host"]
+__all__ = ["HostProbe", "describe_probes", "host_note", "plan_cuda_device", "probe_host",
+           "search_note"]
 
 #: The gap between rounds: long enough that the woken thread has gone to sleep.
 GAP_S = 0.0005
@@ -117,18 +118,19 @@ def _device_waits(device: str, seconds: float, gap_s: float = GAP_S,
                   rounds: int | None = None) -> list[int]:
     import torch
 
-    x = torch.ones((64, 64), device=device)
-    event = torch.cuda.Event()
-    torch.cuda.synchronize(device)
     out: list[int] = []
-    end = time.perf_counter() + seconds
-    while (time.perf_counter() < end) if rounds is None else (len(out) < rounds):
-        time.sleep(gap_s)
-        t0 = time.perf_counter_ns()
-        torch.mm(x, x)  # the launch is what is timed
-        event.record()
-        event.synchronize()
-        out.append(time.perf_counter_ns() - t0)
+    with torch.cuda.device(device):  # the event on this device's stream, not device 0's
+        x = torch.ones((64, 64), device=device)
+        event = torch.cuda.Event()
+        torch.cuda.synchronize(device)
+        end = time.perf_counter() + seconds
+        while (time.perf_counter() < end) if rounds is None else (len(out) < rounds):
+            time.sleep(gap_s)
+            t0 = time.perf_counter_ns()
+            torch.mm(x, x)  # the launch is what is timed
+            event.record()
+            event.synchronize()
+            out.append(time.perf_counter_ns() - t0)
     return out
 
 
@@ -193,6 +195,12 @@ def host_note(probe: HostProbe | dict[str, Any], bound_ms: float | None) -> str 
     return ("the host is slow to hand work over (" + "; ".join(said) + f", against a "
             f"{bound_ms:g} ms bound): each query pays such hand-overs several times, so "
             "this host's peak says as much about the host as about the plan")
+
+
+def search_note(before: HostProbe, after: HostProbe, bound_ms: float | None) -> str | None:
+    """The note of a peak search's probes: the later one that found the host slow, if any."""
+    said = [n for n in (host_note(before, bound_ms), host_note(after, bound_ms)) if n]
+    return said[-1] if said else None
 
 
 def plan_cuda_device(plan: Any) -> str | None:

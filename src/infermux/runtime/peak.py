@@ -20,7 +20,7 @@ from infermux.errors import UsageError
 from infermux.load.base import CompletionFn, Query
 from infermux.load.scenarios import LoadGenerator, ScenarioResult, find_peak
 from infermux.progress import ProgressFn
-from infermux.runtime.host_probe import host_note, plan_cuda_device, probe_host
+from infermux.runtime.host_probe import plan_cuda_device, probe_host, search_note
 from infermux.runtime.metrics import BatchRecord, summarise
 from infermux.runtime.trial import TrialSummary
 
@@ -159,9 +159,9 @@ def run_load(rt: TrialRuntime, settings: dict[str, Any], *, keep: KeepFn,
     after = probe_host(device=device)
     out = peak.record()
     out["host"] = {"before": before.to_dict(), "after": after.to_dict()}
-    said = [n for n in (host_note(before, bound), host_note(after, bound)) if n is not None]
-    if said:
-        out["notes"] = [*out.get("notes", []), said[-1]]
+    note = search_note(before, after, bound)
+    if note is not None:
+        out["notes"] = [*out.get("notes", []), note]
     return out
 
 

@@ -193,6 +193,7 @@ def predict_all(configs: list[Knobs], passes: list[dict[str, Any]], *, items: in
         info["energy_model"] = {k: v for k, v in comps.energy.items() if k != "dynamic_any"}
     # Leave-one-configuration-out error of the simple model (log scale).
     xs, yt, yp, groups = training_rows(passes, all_cores, tmpfs)
+    profiled_configs = len(np.unique(groups))
     simple_loo = float(np.mean(np.abs(yt))) if len(yt) else math.inf
     info["simple_loo_mape_pct"] = 100 * (math.exp(simple_loo) - 1) if len(yt) else None
     learned: LearnedModel | None = None
@@ -207,8 +208,8 @@ def predict_all(configs: list[Knobs], passes: list[dict[str, Any]], *, items: in
             learned = recalibrate(learned, xs, yt, yp, groups, without)
             info["transfer"] = {"reference_rows": len(ryt), "kind": learned.kind,
                                 **learned.recalibration}
-    elif method != "simple" and len(np.unique(groups)) >= (3 if method == "learned"
-                                                           else LEARNED_MIN_CONFIGS):
+    elif method != "simple" and profiled_configs >= (3 if method == "learned"
+                                                     else LEARNED_MIN_CONFIGS):
         learned = fit_learned(xs, yt, yp, groups, without)
     if reference and learned is not None:
         # The transferred correction is kept only where it beats the simple model on the new
@@ -220,12 +221,11 @@ def predict_all(configs: list[Knobs], passes: list[dict[str, Any]], *, items: in
         info["transfer"]["in_sample_error_pct"] = 100 * (math.exp(in_sample) - 1) \
             if math.isfinite(in_sample) else None
         learned.loo_time = transfer_err
+    too_few_to_compare = bool(reference) and profiled_configs < TRANSFER_MIN_CONFIGS
     use_learned = learned is not None and (
-        method == "learned" or (learned.loo_time < LEARNED_MARGIN * simple_loo and (
-            not reference or len(np.unique(groups)) >= TRANSFER_MIN_CONFIGS)))
-    profiled_configs = len(np.unique(groups))
-    if reference and learned is not None and not use_learned and method != "learned" \
-            and profiled_configs < TRANSFER_MIN_CONFIGS:
+        method == "learned"
+        or (learned.loo_time < LEARNED_MARGIN * simple_loo and not too_few_to_compare))
+    if learned is not None and too_few_to_compare and method != "learned":
         info["transfer"]["not_used"] = (f"{profiled_configs} profiled configuration(s) to "
                                         f"compare on, fewer than the {TRANSFER_MIN_CONFIGS} a "
                                         "comparison needs")
