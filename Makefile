@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
 endif
 EXTRAS ?= dev,onnx,openvino,tune,characterize,serve,report,train,cluster,litert,hf
 
-.PHONY: demo test lint typecheck unit-tests install clean perf-analyzer browser
+.PHONY: demo test lint typecheck unit-tests install clean perf-analyzer browser triton
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -41,6 +41,14 @@ browser:
 		|| (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium) \
 		|| echo "chromium could not be installed: the report's browser tests will skip"
 
+# Triton's server and Python backend for `serve --front triton`: the nvidia-pytriton wheel
+# without its dependencies (infermux never imports pytriton; its numpy<2 pin would downgrade
+# numpy under torch). It needs Linux x86-64 with glibc 2.35+; elsewhere those tests skip.
+triton: install
+	@$(PY) -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('pytriton') is None)" \
+		|| $(PY) -m pip install -q --no-deps nvidia-pytriton==0.7.0 \
+		|| echo "nvidia-pytriton could not be installed: the --front triton tests will skip"
+
 # Two test processes, one module each at a time (a module's fixtures, e.g. a served process,
 # start once): most tests hold less than a core for much of their time, so two at once use
 # the second core. Tests that assert on timing or on processes coming and going (marked
@@ -49,7 +57,7 @@ TEST_WORKERS ?= 2
 PYTEST := $(VENV)/bin/pytest -q
 PARALLEL_PASS := $(PYTEST) --durations=20 -n $(TEST_WORKERS) --dist loadfile -m "not exclusive"
 SERIAL_PASS := $(PYTEST) --durations=10 -m exclusive
-unit-tests: install browser
+unit-tests: install browser triton
 ifeq ($(TEST_WORKERS),0)
 	$(PYTEST) --durations=25
 else

@@ -17,8 +17,10 @@ innermost frames' shares, and the share with an infermux frame on the stack).
     python bench/serve_cores.py --device cpu --perf-analyzer PA --json cpu.json \
         --cases digits:2:32:32:1 --py-spy .venv/bin/py-spy
 
-A case is `model:fronts:concurrency:batch:instances[:async][:http]` (`async`: perf_analyzer's
-`--async` mode instead of one thread per concurrent request; `http`: HTTP/REST instead of gRPC).
+A case is `model:fronts:concurrency:batch:instances[:async][:http][:triton]` (`async`:
+perf_analyzer's `--async` mode instead of one thread per concurrent request; `http`: HTTP/REST
+instead of gRPC; `triton`: `--front triton`, Triton's server as the front with `fronts`
+instances per model, whose cores are counted as the fronts').
 """
 
 from __future__ import annotations
@@ -46,15 +48,25 @@ def _host_ticks() -> tuple[int, int]:
     return sum(fields), fields[3] + fields[4]
 
 
-def fronts_and_others(pid: int) -> tuple[list[int], list[int]]:
-    """The process's children: (its front processes, the others: CPU workers, templates)."""
+def _children(pid: int) -> list[int]:
     done = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True, check=False)
+    return [int(p) for p in done.stdout.split()]
+
+
+def fronts_and_others(pid: int) -> tuple[list[int], list[int]]:
+    """The process's children: (its front processes, the others: CPU workers, templates).
+
+    With `--front triton` the fronts are `tritonserver` and its Python-backend stubs.
+    """
     fronts: list[int] = []
     others: list[int] = []
-    for child in (int(p) for p in done.stdout.split()):
+    for child in _children(pid):
         try:
             command = Path(f"/proc/{child}/cmdline").read_bytes()
         except OSError:
+            continue
+        if b"tritonserver" in command:
+            fronts += [child, *_children(child)]
             continue
         (fronts if b"infermux.serve.fronts" in command else others).append(child)
     return fronts, others
@@ -109,8 +121,9 @@ def _case(args: argparse.Namespace, spec: str, out: Path) -> dict[str, Any]:
     replica.update(batch=int(batch), instances=int(instances))
     path = out / f"{model}-b{batch}x{instances}.json"
     path.write_text(json.dumps(plan))
-    server, ready = start_server(path, out, int(fronts),
-                                 tag=f"-c{concurrency}-{mode}-{protocol}")
+    front = "triton" if "triton" in flags else "own"
+    server, ready = start_server(path, out, int(fronts), extra=["--front", front],
+                                 tag=f"-c{concurrency}-{mode}-{protocol}-{front}")
     name = plan["models"][0]["name"]
     cmd = [args.perf_analyzer, "-m", name, "-u", f"127.0.0.1:{ready[protocol + '_port']}",
            "-i", protocol,
@@ -136,15 +149,20 @@ def _case(args: argparse.Namespace, spec: str, out: Path) -> dict[str, Any]:
         row["host_cores"] = os.cpu_count()
         if args.py_spy:
             row["runtime_lock_share"] = _lock_share(args.py_spy, server.pid, out)
-            if front_pids:
+            if front_pids and front == "own":  # Triton's fronts are C++: nothing to sample
                 row["front_profile"] = _front_profile(args.py_spy, front_pids[0], out)
-        shown = client.communicate(timeout=240)[0]
+        try:
+            shown = client.communicate(timeout=240)[0]
+        except subprocess.TimeoutExpired:
+            client.kill()
+            shown = client.communicate()[0] + "\nperf_analyzer did not finish within 240 s"
+            row["error"] = "perf_analyzer did not finish within 240 s"
     finally:
         if client.poll() is None:
             client.kill()
         row["server"] = stop_server(server)["status"]
     row["perf_analyzer"] = [ln.strip() for ln in shown.splitlines() if any(
-        k in ln for k in ("Throughput", "p99 latency", "Avg request latency"))]
+        k in ln for k in ("Throughput", "p99 latency", "Avg request latency", "within 240"))]
     return row
 
 
@@ -155,7 +173,7 @@ def main() -> None:
     p.add_argument("--perf-analyzer", required=True, help="path of perf_analyzer")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--cases", default="digits:8:256:64:2,resnet50:8:256:64:2",
-                   help="model:fronts:concurrency:batch:instances[:async][:http], comma-separated")
+                   help="model:fronts:concurrency:batch:instances[:async][:http][:triton], comma-separated")
     p.add_argument("--py-spy", help="py-spy executable: the runtime process's lock share")
     args = p.parse_args()
     perf_analyzer_env(args.perf_analyzer)

@@ -222,6 +222,8 @@ def main() -> None:
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--models", default="resnet50,digits")
     p.add_argument("--fronts", default="1,8", help="front counts to serve with (1: in-process)")
+    p.add_argument("--front", default="own",
+                   help="serve --front: own, triton, or both (own,triton), each per front count")
     p.add_argument("--concurrency", default="1,64,256")
     p.add_argument("--shared-memory",
                    help="perf_analyzer --shared-memory modes (none, system, cuda); default: "
@@ -282,15 +284,17 @@ def main() -> None:
             entry["single_stream"] = offline(plan_file, "single-stream")
             print(f"  single-stream: {entry['single_stream']}", flush=True)
         ceiling = entry["offline"].get("items_per_s")
-        for fronts in front_counts:
+        for fronts, front in [(f, k) for f in front_counts for k in args.front.split(",")]:
             if time.monotonic() - began > args.budget:
-                report["skipped"].append(f"{name} --fronts {fronts}")
+                report["skipped"].append(f"{name} --fronts {fronts} --front {front}")
                 continue
             try:
-                proc, ready = start_server(plan_file, work, fronts)
+                proc, ready = start_server(plan_file, work, fronts, extra=["--front", front],
+                                           tag=f"-{front}")
             except RuntimeError as exc:
-                entry.setdefault("servers", []).append({"fronts": fronts, "error": str(exc)})
-                print(f"  {name} --fronts {fronts}: {exc}", flush=True)
+                entry.setdefault("servers", []).append({"fronts": fronts, "front": front,
+                                                        "error": str(exc)})
+                print(f"  {name} --fronts {fronts} --front {front}: {exc}", flush=True)
                 continue
             shape = "x".join(str(d) for d in ready["models"][0]["inputs"][0]["shape"][1:])
             try:
@@ -298,7 +302,9 @@ def main() -> None:
                     port = ready["http_port" if protocol == "http" else "grpc_port"]
                     for mode in modes:
                         for c in levels:
-                            what = f"{name} fronts={fronts} {protocol} shm={mode} c{c}"
+                            what = (f"{name} fronts={fronts}"
+                                    f"{' triton' if front == 'triton' else ''} {protocol} "
+                                    f"shm={mode} c{c}")
                             if time.monotonic() - began > args.budget:
                                 report["skipped"].append(what)
                                 continue
@@ -308,11 +314,12 @@ def main() -> None:
                                       answered(ready, model))
                             row = perf_analyzer(
                                 exe, url, protocol, model, c, mode,
-                                work / f"{name}-f{fronts}-{protocol}-{mode}-c{c}.csv",
+                                work / f"{name}-f{fronts}-{front}-{protocol}-{mode}-c{c}.csv",
                                 args.interval_ms, args.items_per_request,
                                 args.stability) if exe else \
                                 load_client(url, protocol, model, shape, c)
-                            row.update(fronts=fronts, protocol=protocol, shared_memory=mode)
+                            row.update(fronts=fronts, front=front, protocol=protocol,
+                                       shared_memory=mode)
                             # CPU per answered request (warm-up and every trial included):
                             # the runtime process's, and the front processes' together.
                             served = answered(ready, model) - before[2]
@@ -331,13 +338,15 @@ def main() -> None:
             finally:
                 stopped = stop_server(proc)
                 stopped.pop("summary")
-                entry.setdefault("servers", []).append({"fronts": fronts, **stopped})
+                entry.setdefault("servers", []).append({"fronts": fronts, "front": front,
+                                                        **stopped})
         held = [r for r in entry["served"] if r.get("p99_ms", 1e9) <= args.p99]
         entry["best_within_bound"] = {
-            f"{protocol} fronts={f} shm={m}": max(
-                (r for r in held if (r["protocol"], r["fronts"], r["shared_memory"])
-                 == (protocol, f, m)), key=lambda r: r["requests_per_s"], default=None)
-            for protocol in args.protocols.split(",") for f in front_counts for m in modes}
+            f"{protocol} fronts={f} front={k} shm={m}": max(
+                (r for r in held if (r["protocol"], r["fronts"], r["front"], r["shared_memory"])
+                 == (protocol, f, k, m)), key=lambda r: r["requests_per_s"], default=None)
+            for protocol in args.protocols.split(",") for f in front_counts
+            for k in args.front.split(",") for m in modes}
         save()
     save()
     print(f"report: {report_path} ({report['wall_s']} s)")

@@ -74,6 +74,7 @@ class Kind:
     REFUSED = 10  # front → runtime: REFUSALS (model index, requests) the front answered 503
     SHAPED = 11   # runtime → front: JSON [[id, [shape of each output's item]], ...] answered
     #               (models of several inputs: the shapes follow the request's length)
+    HELLO = 12    # Triton model instance → runtime: JSON {model, pid}, its first frame
 
 
 def frame(kind: int, payload: bytes | bytearray) -> bytes:

@@ -137,6 +137,11 @@ class ServeSettings:
     #: Front processes serving HTTP and gRPC on shared ports (serve/fronts.py); 0 or 1: the
     #: fronts run in the server process; None: `fronts.default_fronts` of the usable cores.
     fronts: int | None = None
+    #: Who parses HTTP and gRPC: "own" (infermux's fronts, `fronts` processes) or "triton"
+    #: (Triton's C++ server, `fronts` instances of each model: serve/triton_front.py).
+    front: str = "own"
+    #: A Triton build for `front="triton"` (None: serve.triton_front.find_triton's search).
+    triton_home: str | None = None
     #: Trace every Nth request's stages (serve/trace.py; 1: all, 0: off) into `trace_path`
     #: (the runtime's lines) and `trace_path.<pid>` (each front process's).
     trace_requests: int = 0
@@ -156,6 +161,16 @@ class ServeSettings:
         if self.fronts is not None and not 0 <= self.fronts <= 64:
             raise UsageError(f"--fronts {self.fronts} must be 0 to 64 (0 or 1: in the server "
                              "process)")
+        if self.front not in ("own", "triton"):
+            raise UsageError(f"--front {self.front!r} is not a front: use own (infermux's "
+                             "fronts) or triton (Triton's server)")
+        if self.front == "triton":
+            for flag, given in (("--api-key", self.api_key is not None),
+                                ("--trace-requests", self.trace_requests > 0)):
+                if given:
+                    raise UsageError(f"--front triton does not take {flag}: use --front own")
+            if self.fronts == 0:
+                raise UsageError("--front triton --fronts 0: give at least 1 instance per model")
         if self.api_key is not None and not self.api_key.strip():
             raise UsageError("--api-key is empty: give a key, or leave the option out")
         if self.trace_requests < 0:
@@ -232,6 +247,13 @@ class InferenceServer:
 
         self.fronts = self.settings.fronts if self.settings.fronts is not None \
             else default_fronts(len(os.sched_getaffinity(0)))
+        #: A Triton build when `front` is "triton" (found before any model is built).
+        self.triton: Any = None
+        if self.settings.front == "triton":
+            from infermux.serve.triton_front import find_triton
+
+            self.triton = find_triton(self.settings.triton_home)
+            self.fronts = max(1, self.fronts)
 
     def stop(self) -> None:
         """Begin a graceful shutdown (thread-safe); a second call stops at once."""
@@ -259,7 +281,8 @@ class InferenceServer:
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable",
                                 category=UserWarning)
         s = self.settings
-        http_sock = _bind(s.host, s.http_port, "--http-port", shared=self.fronts > 1)
+        http_sock = _bind(s.host, s.http_port, "--http-port",
+                          shared=self.fronts > 1 or self.triton is not None)
         config = {"plan": self.plan.to_dict() if self.plan is not None else None,
                   "model": self.plan.name if self.plan is not None else None,
                   "serve": s.public(), **self.config}
@@ -308,7 +331,14 @@ class InferenceServer:
             # only once each port accepts a connection: a client that saw the HTTP front ready
             # finds the others listening.
             httpd, metrics_port = _start_metrics(metrics, s.host, s.metrics_port, s.api_key)
-            if self.fronts > 1:  # front processes serve both protocols (serve/fronts.py)
+            if self.triton is not None:  # Triton's server is the front (serve/triton_front.py)
+                from infermux.serve.triton_front import TritonHub
+
+                hub: Any = TritonHub(core, s, self.fronts, http_sock, self.triton)
+                http = grpc_server = self.front_hub = hub
+                await hub.start()
+                http_task, grpc_port = hub.http_task, hub.grpc_port
+            elif self.fronts > 1:  # front processes serve both protocols (serve/fronts.py)
                 from infermux.serve.fronts import FrontHub
 
                 http = grpc_server = self.front_hub = FrontHub(core, s, self.fronts, http_sock)
@@ -321,7 +351,9 @@ class InferenceServer:
                 core.shared_memory = SharedMemoryRegions()  # type: ignore[attr-defined]
                 grpc_server, grpc_port = await self._start_grpc(core)
                 http, http_task = await self._start_http(core, http_sock)
-            self.ports = {"http": http_sock.getsockname()[1], "grpc": grpc_port,
+            http_port = self.front_hub.http_port if self.triton is not None \
+                else http_sock.getsockname()[1]
+            self.ports = {"http": http_port, "grpc": grpc_port,
                           "metrics": metrics_port}
             await _accepting(s.host, self.ports)
             core.fronts_up = True
@@ -333,6 +365,8 @@ class InferenceServer:
             finally:
                 expiry.cancel()
             # Stop accepting; what was admitted is answered (new requests meanwhile: 503).
+            if self.triton is not None:  # Triton's queue is answered before the core closes
+                await self.front_hub.stop(s.drain_timeout_s)
             left = await drain_fronts(core, http, http_task, grpc_server, s.drain_timeout_s)
             if left:
                 core.fail_pending("the server stopped before the request was served")

@@ -1,0 +1,507 @@
+"""`infermux serve --front triton`: Triton's own C++ server as the fronts, infermux's runtime behind.
+
+Python fronts cost 300-600 µs of CPU per request (docs/architecture-serve.md), most of it
+grpc's and uvicorn's own per-call work. Triton's server parses HTTP and gRPC in C++, batches
+in its dynamic batcher and hands each batch to a Python-backend model. Here that model is a
+thin client of the runtime process: each model instance (a `triton_python_backend_stub`
+process Triton starts) connects to the runtime process over a Unix socket, is given a slab of
+shared memory like a front process (`serve/fronts.py`), writes each Triton batch's rows into
+it and sends one descriptor; the runtime submits the rows where they lie and writes the
+outputs into the same slots. So the protocol work per request is Triton's C++, the Python
+work is per batch, and the plan's dispatcher still decides the batches the workers run
+(Triton's batcher only groups what has queued while an instance was busy: no queue delay).
+
+`TritonHub` is the runtime process's side: it writes the model repository (one model per
+plan model: its tensors, `max_batch_size` its largest batch, `--fronts` instances, a queue
+of its admission limit), starts `tritonserver` on the HTTP and gRPC ports, accepts the
+instances' links and restarts the server if it dies. Triton answers the v2 protocol itself:
+health, metadata, config, statistics (Triton's own, per client request), shared memory
+(system and CUDA), and 503-like UNAVAILABLE past the queue. infermux's `/metrics` keeps its
+port and counts the runtime's view: each Triton batch is one request there.
+
+The server comes from a Triton install (`--triton-home`, `$INFERMUX_TRITON_HOME`,
+/opt/tritonserver) or the `nvidia-pytriton` wheel's bundled build (installed with
+`--no-deps`: infermux never imports pytriton, whose pins would downgrade numpy).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import importlib.util
+import json
+import os
+import pickle
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from infermux.errors import UsageError
+from infermux.serve.core import DATATYPES
+from infermux.serve.fronts import FrontHub, _Generation
+from infermux.serve.proxy import DTYPE_CODES, REQUEST, FrameReader, Kind, Link, frame
+from infermux.serve.shm import Segment
+
+__all__ = ["TritonHub", "TritonInstall", "TritonPythonModel", "find_triton", "model_config"]
+
+#: Where a Triton install is looked for when `--triton-home` is not given.
+TRITON_HOME_ENV = "INFERMUX_TRITON_HOME"
+_DEFAULT_HOMES = ("/opt/tritonserver",)
+#: How the `nvidia-pytriton` wheel (its server and backends only) is installed without its pins.
+_HOW = "pip install --no-deps nvidia-pytriton==0.7.0 (Linux x86-64, glibc 2.35 or newer)"
+#: How long `tritonserver` may take to load every model before `serve` gives up.
+_START_TIMEOUT_S = 180.0
+_TYPES = {"FP32": "TYPE_FP32", "FP16": "TYPE_FP16", "FP64": "TYPE_FP64", "INT64": "TYPE_INT64",
+          "INT32": "TYPE_INT32", "BOOL": "TYPE_BOOL"}
+
+
+@dataclass(frozen=True)
+class TritonInstall:
+    """A Triton server build: its binary, its Python backend and the stub for this Python."""
+
+    home: Path
+    binary: Path
+    python_backend: Path
+    stub: Path
+    version: str = ""
+
+
+def _stub_for(home: Path, backend: Path) -> Path | None:
+    """The `triton_python_backend_stub` built for this interpreter's Python, if any."""
+    ver = f"{sys.version_info.major}.{sys.version_info.minor}"
+    for path in (home / "python_backend_stubs" / ver / "triton_python_backend_stub",
+                 backend / "triton_python_backend_stub"):
+        if path.is_file():
+            return path
+    return None
+
+
+def find_triton(home: str | None = None) -> TritonInstall:
+    """The Triton build at `home`, else `$INFERMUX_TRITON_HOME`, /opt/tritonserver, pytriton's.
+
+    One clear line when none is found or the one given lacks a part (its binary, its Python
+    backend, a stub for this Python).
+    """
+    candidates: list[tuple[str, Path]] = []
+    if home:
+        candidates.append(("--triton-home", Path(home)))
+    elif os.environ.get(TRITON_HOME_ENV):
+        candidates.append((f"${TRITON_HOME_ENV}", Path(os.environ[TRITON_HOME_ENV])))
+    else:
+        candidates += [("default", Path(h)) for h in _DEFAULT_HOMES]
+        spec = importlib.util.find_spec("pytriton")  # located, not imported
+        if spec is not None and spec.submodule_search_locations:
+            candidates.append(("nvidia-pytriton",
+                               Path(next(iter(spec.submodule_search_locations))) / "tritonserver"))
+    tried = []
+    for source, path in candidates:
+        binary = path / "bin" / "tritonserver"
+        backend = path / "backends" / "python"
+        if not binary.is_file():
+            tried.append(f"{path} ({source}: no bin/tritonserver)")
+            if source == "--triton-home" or source.startswith("$"):
+                break
+            continue
+        if not (backend / "libtriton_python.so").is_file():
+            raise UsageError(f"--front triton: {path} has no Python backend "
+                             f"(backends/python/libtriton_python.so): use a Triton build with "
+                             f"it, or {_HOW}")
+        stub = _stub_for(path, backend)
+        if stub is None:
+            raise UsageError(f"--front triton: {path} has no triton_python_backend_stub for "
+                             f"Python {sys.version_info.major}.{sys.version_info.minor}: run "
+                             "infermux under a Python the build has a stub for")
+        return TritonInstall(path, binary, backend, stub)
+    raise UsageError("--front triton: no Triton server found (tried "
+                     f"{', '.join(tried) or 'nothing'}): {_HOW}, or pass --triton-home DIR "
+                     "(a directory with bin/tritonserver and backends/python)")
+
+
+def model_config(info: Any, instances: int, link_path: str,
+                 answer_timeout_s: float = 120.0) -> str:
+    """A plan model's `config.pbtxt`: its tensors, its largest batch, `instances` instances.
+
+    Triton's batcher takes what has queued while every instance was busy (no queue delay:
+    the runtime's dispatcher applies the plan's), up to the model's largest batch; past its
+    admission limit a request is refused at once (UNAVAILABLE).
+    """
+    def tensor(spec: Any, datatype: str | None = None) -> str:
+        dims = ", ".join(str(d) for d in spec.shape) or "1"
+        extra = "" if spec.shape else " reshape: { shape: [ ] }"
+        return (f'{{ name: "{spec.name}" data_type: {_TYPES[datatype or spec.datatype]} '
+                f"dims: [ {dims} ]{extra} }}")
+
+    for spec in [*info.inputs, *info.outputs]:
+        if spec.datatype not in _TYPES:
+            raise UsageError(f"--front triton: tensor {spec.name!r} of model {info.name!r} is "
+                             f"{spec.datatype}, which the Triton front does not pass: serve it "
+                             "with --front own")
+    inputs = ",\n  ".join(tensor(s) for s in info.inputs)
+    outputs = ",\n  ".join(tensor(s) for s in info.outputs)
+    return f"""name: "{info.name}"
+backend: "python"
+max_batch_size: {info.max_batch_size}
+input [
+  {inputs}
+]
+output [
+  {outputs}
+]
+dynamic_batching {{
+  max_queue_delay_microseconds: 0
+  default_queue_policy {{ max_queue_size: {info.max_queue_items} }}
+}}
+instance_group [ {{ count: {instances} kind: KIND_CPU }} ]
+parameters: {{ key: "infermux_link" value: {{ string_value: "{link_path}" }} }}
+parameters: {{ key: "infermux_answer_timeout_s" value: {{ string_value: "{answer_timeout_s:g}" }} }}
+"""
+
+
+_MODEL_PY = '''"""A plan model served through Triton: each batch goes to the infermux runtime."""
+import sys
+
+# The runtime process's import path: Triton's stub embeds Python and may not see PYTHONPATH.
+sys.path[:0] = [p for p in {path!r} if p not in sys.path]
+from infermux.serve.triton_front import TritonPythonModel  # noqa: E402,F401
+'''
+
+
+class TritonHub(FrontHub):
+    """The runtime process's side of `--front triton`; see the module docstring.
+
+    A `FrontHub` whose fronts are Triton's model instances: they connect (HELLO, naming their
+    model) instead of being started, each gets its slabs and its requests are submitted and
+    answered exactly as a front process's.
+    """
+
+    def __init__(self, core: Any, settings: Any, count: int, http_sock: socket.socket,
+                 install: TritonInstall) -> None:
+        super().__init__(core, settings, count, http_sock)
+        self.install = install
+        self.process: asyncio.subprocess.Process | None = None
+        self._dir = Path(tempfile.mkdtemp(prefix="infermux-triton-"))
+        self.link_path = str(self._dir / "link")
+        self._listener: asyncio.AbstractServer | None = None
+        self._watcher: asyncio.Task[None] | None = None
+        self._log = self._dir / "tritonserver.log"
+        # Triton binds the ports itself: the reservations go just before it starts.
+        self._ports_held = [http_sock, self._grpc_reservation]
+        self.server_restarts = 0
+
+    def _slab_slots(self) -> list[int]:
+        """One Triton batch in flight per instance: its largest batch is all a slab holds."""
+        return [m.max_batch_size for m in self.models]
+
+    # -- starting ---------------------------------------------------------------------------------
+
+    def _repository(self) -> Path:
+        repo = self._dir / "models"
+        for info in self.models:
+            version = repo / info.name / "1"
+            version.mkdir(parents=True, exist_ok=True)
+            (repo / info.name / "config.pbtxt").write_text(
+                model_config(info, self.count, self.link_path,
+                             answer_timeout_s=self.settings.drain_timeout_s + 90))
+            (version / "model.py").write_text(
+                _MODEL_PY.format(path=[p for p in sys.path if p and os.path.isdir(p)]))
+        # The backend directory Triton is given: the install's Python backend, with the stub
+        # built for this interpreter's Python beside it (where the backend looks for it).
+        backend = self._dir / "backends" / "python"
+        backend.mkdir(parents=True, exist_ok=True)
+        for item in self.install.python_backend.iterdir():
+            if item.name != "triton_python_backend_stub":
+                (backend / item.name).symlink_to(item)
+        (backend / "triton_python_backend_stub").symlink_to(self.install.stub)
+        return repo
+
+    async def start(self) -> None:
+        """Write the repository, listen for the instances, start Triton, wait until all load."""
+        repo = self._repository()
+        loop = asyncio.get_running_loop()
+        self._listener = await loop.create_unix_server(self._attach_protocol, self.link_path)
+        for sock in self._ports_held:
+            sock.close()
+        await self._launch(repo)
+        wanted = self.count * len(self.models)
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        while sum(g.ready.is_set() for g in self.fronts) < wanted:
+            if self.process is not None and self.process.returncode is not None:
+                raise UsageError(f"--front triton: tritonserver exited ({self.process.returncode})"
+                                 f" while loading the models: {self._log_tail()}")
+            if time.monotonic() > deadline:
+                raise UsageError(f"--front triton: {wanted} model instances did not start within "
+                                 f"{_START_TIMEOUT_S:.0f} s: {self._log_tail()}")
+            await asyncio.sleep(0.05)
+        self._watcher = asyncio.create_task(self._watch_server(repo))
+        self.http_task = asyncio.create_task(self._stopped.wait())
+
+    async def _launch(self, repo: Path) -> None:
+        s = self.settings
+        env = dict(os.environ)
+        # The stub embeds Python: it finds this environment (a venv's site-packages) from the
+        # first `python3` on PATH, and infermux from PYTHONPATH.
+        env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
+        src = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")]))
+        args = [str(self.install.binary), f"--model-repository={repo}",
+                f"--backend-directory={self._dir / 'backends'}",
+                f"--http-address={s.host}", f"--http-port={self.http_port}",
+                f"--grpc-address={s.host}", f"--grpc-port={self.grpc_port}",
+                "--allow-metrics=false", "--strict-readiness=true",
+                f"--exit-timeout-secs={max(1, int(s.drain_timeout_s))}", "--log-verbose=0"]
+        log = open(self._log, "ab")  # noqa: SIM115 - the server's output, for its errors
+        try:
+            self.process = await asyncio.create_subprocess_exec(
+                *args, env=env, stdout=log, stderr=log, start_new_session=True)
+        finally:
+            log.close()
+
+    def _log_tail(self, lines: int = 6) -> str:
+        with contextlib.suppress(OSError):
+            text = self._log.read_text(errors="replace").splitlines()
+            errors = [ln for ln in text if ln[:1] == "E" or "error" in ln.lower()]
+            return " | ".join((errors or text)[-lines:]) or "(no output)"
+        return "(no output)"
+
+    async def _watch_server(self, repo: Path) -> None:
+        """Restart `tritonserver` when it ends, unless the server is stopping."""
+        while True:
+            assert self.process is not None
+            await self.process.wait()
+            if self._closing:
+                return
+            self.restarts += 1
+            self.server_restarts += 1
+            await asyncio.sleep(min(5.0, 0.5 * self.server_restarts))
+            if self._closing:
+                return
+            await self._launch(repo)
+
+    def _attach_protocol(self) -> Link:
+        """A Link for a connecting instance: its first frame (HELLO) says which model it is."""
+        holder: dict[str, Any] = {}
+
+        def on_frame(kind: int, payload: bytes) -> None:
+            gen = holder.get("gen")
+            if gen is None:
+                if kind != Kind.HELLO:
+                    link.transport.close()  # type: ignore[union-attr]
+                    return
+                holder["gen"] = self._attach(link, json.loads(payload))
+            else:
+                self._on_frame(gen, kind, payload)
+
+        def on_lost() -> None:
+            gen = holder.get("gen")
+            if gen is not None:
+                gen.link = None
+                if gen in self.fronts:
+                    self.fronts.remove(gen)
+                    self._retire(gen)
+
+        link = Link(on_frame, on_lost)
+        return link
+
+    def _attach(self, link: Link, hello: dict[str, Any]) -> _Generation:
+        slot = len(self.fronts) + len(self.retired)
+        segments = [Segment.new(f"infermux-triton{slot}-{m.name}", n * lay.slot_bytes)
+                    for m, n, lay in zip(self.models, self.slots, self.layouts, strict=True)]
+        gen = _Generation(slot, segments)
+        gen.pid = int(hello.get("pid", 0))
+        gen.link = link
+        gen.sink = self.core.batch_sink(functools.partial(self._answered, gen))
+        init = {"models": self.models,
+                "slabs": [(s.name, n) for s, n in zip(segments, self.slots, strict=True)],
+                "layouts": self.layouts, "slot": slot}
+        link.send(Kind.INIT, pickle.dumps(init), now=True)
+        self.fronts.append(gen)
+        return gen
+
+    async def _push_state(self) -> None:
+        """Triton answers readiness and statistics itself: nothing to push."""
+
+    # -- stopping ---------------------------------------------------------------------------------
+
+    @property
+    def should_exit(self) -> bool:
+        """Whether Triton was told to stop (SIGTERM: it finishes what it admitted, then exits)."""
+        return self._closing
+
+    @should_exit.setter
+    def should_exit(self, value: bool) -> None:
+        if value and not self._closing:
+            self._closing = True
+            if self.process is not None and self.process.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    self.process.send_signal(signal.SIGTERM)
+
+    async def stop(self, grace_s: float | None) -> None:
+        """Let Triton answer what it admitted (at most `grace_s`), then end it; free the slabs."""
+        self.should_exit = True
+        if self.process is not None:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.process.wait(), (grace_s or 0) + 5)
+            if self.process.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.process.pid, signal.SIGKILL)
+                await self.process.wait()
+        if self._watcher is not None:
+            self._watcher.cancel()
+        if self._listener is not None:
+            self._listener.close()
+        self._stopped.set()
+        if grace_s == 0:
+            self.close()
+
+    def close(self) -> None:
+        """Unlink and unmap every slab; remove the repository."""
+        super().close()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def summary(self) -> dict[str, Any]:
+        """For the ready line and the stored run."""
+        return {"fronts": self.count, "front": "triton", "front_restarts": self.restarts,
+                "front_pids": [self.process.pid] if self.process is not None else [],
+                "front_slab_items": {m.name: n for m, n in zip(self.models, self.slots,
+                                                                strict=True)}}
+
+
+# -- the model instance's side (in Triton's Python backend stub) ----------------------------------
+
+class TritonPythonModel:
+    """A plan model as a Triton Python-backend model: each batch forwarded to the runtime."""
+
+    def initialize(self, args: dict[str, Any]) -> None:  # noqa: D102 - Triton's interface
+        import triton_python_backend_utils as pb
+
+        self._pb = pb
+        config = json.loads(args["model_config"])
+        self._name = config["name"]
+        self._path = config["parameters"]["infermux_link"]["string_value"]
+        self._answer_timeout_s = float(
+            config["parameters"].get("infermux_answer_timeout_s", {}).get("string_value", 120))
+        self._sock: socket.socket | None = None
+        self._segment: Segment | None = None
+        self._ids = 0
+        self._connect()
+
+    def _connect(self) -> None:
+        """Link to the runtime process: HELLO, its INIT (this model's slab), READY."""
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.connect(self._path)
+        self._sock.settimeout(self._answer_timeout_s)
+        self._sock.sendall(frame(Kind.HELLO, json.dumps({"model": self._name,
+                                                         "pid": os.getpid()}).encode()))
+        self._reader = FrameReader()
+        self._frames: list[tuple[int, bytes]] = []
+        kind, payload = self._next()
+        if kind != Kind.INIT:
+            raise RuntimeError(f"expected INIT from the infermux runtime, got frame {kind}")
+        init = pickle.loads(payload)  # the runtime process's own frame
+        names = [m.name for m in init["models"]]
+        self._index = names.index(self._name)
+        self.info = init["models"][self._index]
+        self._layout = init["layouts"][self._index]
+        slab_name, self._slots = init["slabs"][self._index]
+        self._segment = Segment(slab_name, 0, create=False)
+        self._code = 1 if self.info.inputs[0].datatype == "FP16" else 0
+        self._out_types = [DATATYPES.get(o.datatype, np.dtype("<f4")) for o in self.info.outputs]
+        self._sock.sendall(frame(Kind.READY, json.dumps({"pid": os.getpid()}).encode()))
+
+    def _drop_link(self) -> None:
+        """Give up this link (its slab may still be written by a late answer): a new one next."""
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.close()
+        if self._segment is not None:
+            self._segment.close()
+        self._sock = self._segment = None
+
+    def _next(self) -> tuple[int, bytes]:
+        assert self._sock is not None
+        while not self._frames:
+            data = self._sock.recv(1 << 20)
+            if not data:
+                raise ConnectionError("the infermux runtime process closed the link")
+            self._frames = self._reader.feed(data)
+        return self._frames.pop(0)
+
+    def execute(self, requests: list[Any]) -> list[Any]:  # noqa: D102 - Triton's interface
+        pb = self._pb
+        try:
+            if self._sock is None:
+                self._connect()
+            return self._execute(requests)
+        except (OSError, ConnectionError) as exc:  # timed out, or the runtime went away
+            self._drop_link()
+            error = pb.TritonError(f"the infermux runtime did not answer: {exc}")
+            return [pb.InferenceResponse(error=error) for _ in requests]
+
+    def _execute(self, requests: list[Any]) -> list[Any]:
+        pb = self._pb
+        info, layout = self.info, self._layout
+        # DLPack both ways, not the backend's numpy conversions: its stubs are built against
+        # numpy 1, whose array descriptor numpy 2 laid out anew (an output read through it had
+        # no bytes), while DLPack's structures are the same for both.
+        arrays = [[np.from_dlpack(pb.get_input_tensor_by_name(r, t.name)) for t in info.inputs]
+                  for r in requests]
+        sizes = [len(a[0]) for a in arrays]
+        n = sum(sizes)
+        if n > self._slots:  # Triton keeps a batch within max_batch_size: not expected
+            return [pb.InferenceResponse(error=pb.TritonError(
+                f"a batch of {n} items exceeds the model's largest batch {self._slots}"))
+                for _ in requests]
+        length = info.length_of(arrays[0]) if layout.several else None
+        assert self._sock is not None and self._segment is not None
+        buf = self._segment.map
+        if layout.several:
+            views = layout.several_inputs(buf, 0, n, length)
+        else:
+            views = [layout.inputs(buf, 0, n, DTYPE_CODES[self._code])]
+        at = 0
+        for request_arrays, k in zip(arrays, sizes, strict=True):
+            for view, a in zip(views, request_arrays, strict=True):
+                view[at:at + k] = a
+            at += k
+        self._ids += 1
+        rid = self._ids
+        self._sock.sendall(frame(Kind.INFER, REQUEST.pack(rid, self._index, self._code, 0, n,
+                                                          length or 0)))
+        shapes = None
+        while True:
+            kind, payload = self._next()
+            if kind == Kind.DONE and rid in {int.from_bytes(payload[i:i + 8], "little")
+                                             for i in range(0, len(payload), 8)}:
+                break
+            if kind == Kind.SHAPED:
+                answered = {r: s for r, s in json.loads(payload)}
+                if rid in answered:
+                    shapes = [tuple(s) for s in answered[rid]]
+                    break
+            if kind == Kind.ERROR:
+                for r, status, message, _ in json.loads(payload):
+                    if r == rid:
+                        error = pb.TritonError(f"{message} (status {status})")
+                        return [pb.InferenceResponse(error=error) for _ in requests]
+        outputs = layout.outputs(buf, 0, n, shapes)
+        responses = []
+        at = 0
+        for k in sizes:
+            tensors = [pb.Tensor.from_dlpack(spec.name, np.array(y[at:at + k], dtype=dtype))
+                       for spec, y, dtype in zip(info.outputs, outputs, self._out_types,
+                                                 strict=True)]
+            responses.append(pb.InferenceResponse(output_tensors=tensors))
+            at += k
+        return responses
+
+    def finalize(self) -> None:  # noqa: D102 - Triton's interface
+        self._drop_link()

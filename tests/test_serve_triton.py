@@ -1,0 +1,218 @@
+"""`infermux serve --front triton`: Triton's C++ server as the front, infermux's runtime behind.
+
+With a Triton build present (the `nvidia-pytriton` wheel, installed without its pins, or
+$INFERMUX_TRITON_HOME), a real server is driven by Triton's own clients: outputs equal the
+network's over HTTP and gRPC, with the tensors in the requests and in system shared memory;
+SIGTERM answers every request Triton admitted before the runtime stops. Without one, those
+tests skip and say why; the configuration written for Triton and the bad-input lines are
+checked either way.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+
+from infermux.errors import UsageError
+from infermux.serve.core import TensorSpec
+from infermux.serve.triton_front import find_triton, model_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _triton_missing() -> str | None:
+    try:
+        find_triton()
+    except UsageError as exc:
+        return str(exc)
+    return None
+
+
+_MISSING = _triton_missing()
+needs_triton = pytest.mark.skipif(_MISSING is not None, reason=f"no Triton build: {_MISSING}")
+
+
+def test_the_model_configuration_names_every_tensor_its_batch_and_its_queue() -> None:
+    info = SimpleNamespace(
+        name="bert", max_batch_size=16, max_queue_items=96,
+        inputs=[TensorSpec("input_ids", "INT64", (-1,)), TensorSpec("attention_mask", "INT64",
+                                                                    (-1,))],
+        outputs=[TensorSpec("logits", "FP32", (2,)), TensorSpec("hidden", "FP16", (-1, 8))])
+    text = model_config(info, 3, "/tmp/x/link", answer_timeout_s=45)
+    assert 'name: "bert"' in text and 'backend: "python"' in text
+    assert "max_batch_size: 16" in text and "max_queue_size: 96" in text
+    assert "max_queue_delay_microseconds: 0" in text  # the runtime's dispatcher batches
+    assert '{ name: "input_ids" data_type: TYPE_INT64 dims: [ -1 ] }' in text
+    assert '{ name: "hidden" data_type: TYPE_FP16 dims: [ -1, 8 ] }' in text
+    assert "count: 3 kind: KIND_CPU" in text
+    assert 'string_value: "/tmp/x/link"' in text and 'string_value: "45"' in text
+    info.outputs = [TensorSpec("text", "BYTES", (1,))]
+    with pytest.raises(UsageError, match="'text' of model 'bert' is BYTES.*--front own"):
+        model_config(info, 1, "/tmp/x/link")
+
+
+def test_a_folder_without_triton_is_one_line_saying_how_to_get_it(tmp_path: Path) -> None:
+    with pytest.raises(UsageError) as err:
+        find_triton(str(tmp_path))
+    message = str(err.value)
+    assert "\n" not in message and str(tmp_path) in message
+    assert "--triton-home" in message and "nvidia-pytriton" in message
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "tritonserver").write_text("")
+    with pytest.raises(UsageError, match="no Python backend"):
+        find_triton(str(tmp_path))
+
+
+def test_a_bad_front_or_options_it_cannot_take_exit_with_one_line(tmp_path: Path) -> None:
+    plan = tmp_path / "p.json"
+    plan.write_text(json.dumps({"name": "p", "models": [{"name": "net", "model": "digits-cnn",
+                                "replicas": [{"unit": "cpu:0", "engine": "torch",
+                                              "batch": 4}]}]}))
+    for extra, expected in ((["--front", "grpcio"], "--front 'grpcio' is not a front"),
+                            (["--front", "triton", "--api-key", "k"],
+                             "--front triton does not take --api-key")):
+        done = subprocess.run([sys.executable, "-m", "infermux", "serve", str(plan), "--no-store",
+                               *extra], capture_output=True, text=True, timeout=120,
+                              env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"})
+        assert done.returncode != 0
+        assert expected in done.stderr and "Traceback" not in done.stderr
+
+
+# -- a real server (skips without a Triton build) ------------------------------------------------
+
+tgrpc = pytest.importorskip("tritonclient.grpc")
+import tritonclient.http as thttp  # noqa: E402
+import tritonclient.utils.shared_memory as tshm  # noqa: E402
+
+from tests import test_serve  # noqa: E402
+from tests.test_serve import NET, Server, _plan, _x  # noqa: E402
+from tests.test_serve_fronts import _infer  # noqa: E402
+
+#: The network's own outputs (a fixture of the module beside, on this module's `net_file`).
+reference = test_serve.reference
+
+_SLOWER = """
+
+def slower():
+    torch.manual_seed(0)
+    return Net(0.2)
+"""
+
+
+@pytest.fixture(scope="module")
+def net_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("triton_net") / "net.py"
+    path.write_text(NET + _SLOWER)
+    return path
+
+
+@pytest.fixture(scope="module")
+def triton(net_file: Path) -> Any:
+    srv = Server(net_file.parent, _plan("triton", f"{net_file}:build"), "--front", "triton",
+                 "--fronts", "2")
+    yield srv
+    code, out = srv.stop()
+    assert code == 0, out
+    stopped = json.loads(out[out.index("{"):])
+    assert stopped["status"] == "complete" and stopped["models"]["net"]["requests_failed"] == 0
+
+
+@needs_triton
+def test_triton_describes_the_plan_s_model(triton: Any) -> None:
+    assert triton.ready["front"] == "triton" and triton.ready["fronts"] == 2
+    client = thttp.InferenceServerClient(triton.http)
+    assert client.is_server_ready() and client.is_model_ready("net")
+    config = client.get_model_config("net")
+    assert config["max_batch_size"] == 4 and config["input"][0]["dims"] == [3, 16, 16]
+    assert "system_shared_memory" in client.get_server_metadata()["extensions"]
+
+
+@needs_triton
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_outputs_equal_the_network_through_triton(triton: Any, reference: Any,
+                                                  protocol: str) -> None:
+    results: dict[int, np.ndarray] = {}
+    errors: list[BaseException] = []
+
+    def one(k: int) -> None:
+        try:
+            results[k] = _infer(protocol, triton, _x(1 + k % 3, seed=k))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(k,)) for k in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert len(results) == 12
+    for k, y in results.items():
+        np.testing.assert_allclose(y, reference(_x(1 + k % 3, seed=k)), rtol=1e-5, atol=1e-5)
+
+
+@needs_triton
+def test_system_shared_memory_inputs_and_outputs_through_triton(triton: Any,
+                                                                reference: Any) -> None:
+    tag = uuid.uuid4().hex[:8]
+    x = _x(2, seed=11)
+    y_ref = reference(x)
+    handles = [tshm.create_shared_memory_region(f"in{tag}", f"/in{tag}", x.nbytes),
+               tshm.create_shared_memory_region(f"out{tag}", f"/out{tag}", y_ref.nbytes)]
+    client = tgrpc.InferenceServerClient(triton.grpc)
+    try:
+        tshm.set_shared_memory_region(handles[0], [x])
+        client.register_system_shared_memory(f"in{tag}", f"/in{tag}", x.nbytes)
+        client.register_system_shared_memory(f"out{tag}", f"/out{tag}", y_ref.nbytes)
+        inp = tgrpc.InferInput("input", list(x.shape), "FP32")
+        inp.set_shared_memory(f"in{tag}", x.nbytes)
+        out = tgrpc.InferRequestedOutput("output")
+        out.set_shared_memory(f"out{tag}", y_ref.nbytes)
+        client.infer("net", [inp], outputs=[out])
+        y = tshm.get_contents_as_numpy(handles[1], np.float32, list(y_ref.shape))
+        np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
+        client.unregister_system_shared_memory()
+    finally:
+        client.close()
+        for h in handles:
+            tshm.destroy_shared_memory_region(h)
+
+
+@needs_triton
+@pytest.mark.exclusive
+def test_sigterm_answers_every_request_triton_admitted(net_file: Path, reference: Any) -> None:
+    srv = Server(net_file.parent, _plan("triton-drain", f"{net_file}:slower"), "--front",
+                 "triton", "--fronts", "1")
+    results: dict[int, np.ndarray] = {}
+    errors: list[BaseException] = []
+
+    def one(k: int) -> None:
+        try:
+            results[k] = _infer("grpc", srv, _x(1, seed=100 + k))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)  # admitted: a 0.2 s model with batches of 4 has several still to run
+    code, out = srv.stop()
+    for t in threads:
+        t.join(60)
+    assert code == 0, out
+    assert not errors, errors
+    assert len(results) == 8
+    for k, y in results.items():
+        np.testing.assert_allclose(y, reference(_x(1, seed=100 + k)), rtol=1e-5, atol=1e-5)
+    stopped = json.loads(out[out.index("{"):])
+    assert stopped["status"] == "complete"
