@@ -44,10 +44,14 @@ browser:
 # Triton's server and Python backend for `serve --front triton`: the nvidia-pytriton wheel
 # without its dependencies (infermux never imports pytriton; its numpy<2 pin would downgrade
 # numpy under torch). It needs Linux x86-64 with glibc 2.35+; elsewhere those tests skip.
+# A numpy<2 folder of its own is what `serve --triton-python-path` gives the model instances.
 triton: install
 	@$(PY) -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('pytriton') is None)" \
 		|| $(PY) -m pip install -q --no-deps nvidia-pytriton==0.7.0 \
 		|| echo "nvidia-pytriton could not be installed: the --front triton tests will skip"
+	@test -d $(VENV)/opt/triton-numpy1/numpy \
+		|| $(PY) -m pip install -q --no-deps --target $(VENV)/opt/triton-numpy1 'numpy<2' \
+		|| echo "numpy<2 could not be installed: the --triton-python-path tests will skip"
 
 # Two test processes, one module each at a time (a module's fixtures, e.g. a served process,
 # start once): most tests hold less than a core for much of their time, so two at once use

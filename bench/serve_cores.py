@@ -17,10 +17,11 @@ innermost frames' shares, and the share with an infermux frame on the stack).
     python bench/serve_cores.py --device cpu --perf-analyzer PA --json cpu.json \
         --cases digits:2:32:32:1 --py-spy .venv/bin/py-spy
 
-A case is `model:fronts:concurrency:batch:instances[:async][:http][:triton]` (`async`:
+A case is `model:fronts:concurrency:batch:instances[:async][:http][:triton[:np1]]` (`async`:
 perf_analyzer's `--async` mode instead of one thread per concurrent request; `http`: HTTP/REST
 instead of gRPC; `triton`: `--front triton`, Triton's server as the front with `fronts`
-instances per model, whose cores are counted as the fronts').
+instances per model, whose cores are counted as the fronts'; `np1`: its model instances on
+the numpy 1 of `--triton-python-path`).
 """
 
 from __future__ import annotations
@@ -122,8 +123,14 @@ def _case(args: argparse.Namespace, spec: str, out: Path) -> dict[str, Any]:
     path = out / f"{model}-b{batch}x{instances}.json"
     path.write_text(json.dumps(plan))
     front = "triton" if "triton" in flags else "own"
-    server, ready = start_server(path, out, int(fronts), extra=["--front", front],
-                                 tag=f"-c{concurrency}-{mode}-{protocol}-{front}")
+    extra = ["--front", front]
+    if "np1" in flags:
+        if not args.triton_python_path:
+            raise SystemExit(f"case {spec}: np1 needs --triton-python-path")
+        extra += ["--triton-python-path", args.triton_python_path]
+    server, ready = start_server(path, out, int(fronts), extra=extra,
+                                 tag=f"-c{concurrency}-{mode}-{protocol}-{front}"
+                                     f"{'-np1' if 'np1' in flags else ''}")
     name = plan["models"][0]["name"]
     cmd = [args.perf_analyzer, "-m", name, "-u", f"127.0.0.1:{ready[protocol + '_port']}",
            "-i", protocol,
@@ -173,7 +180,9 @@ def main() -> None:
     p.add_argument("--perf-analyzer", required=True, help="path of perf_analyzer")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--cases", default="digits:8:256:64:2,resnet50:8:256:64:2",
-                   help="model:fronts:concurrency:batch:instances[:async][:http][:triton], comma-separated")
+                   help="model:fronts:concurrency:batch:instances[:async][:http][:triton[:np1]], "
+                        "comma-separated")
+    p.add_argument("--triton-python-path", help="a numpy<2 install, for the cases marked np1")
     p.add_argument("--py-spy", help="py-spy executable: the runtime process's lock share")
     args = p.parse_args()
     perf_analyzer_env(args.perf_analyzer)

@@ -224,6 +224,8 @@ def main() -> None:
     p.add_argument("--fronts", default="1,8", help="front counts to serve with (1: in-process)")
     p.add_argument("--front", default="own",
                    help="serve --front: own, triton, or both (own,triton), each per front count")
+    p.add_argument("--triton-python-path",
+                   help="--front triton: a numpy<2 install for its model instances")
     p.add_argument("--concurrency", default="1,64,256")
     p.add_argument("--shared-memory",
                    help="perf_analyzer --shared-memory modes (none, system, cuda); default: "
@@ -289,8 +291,10 @@ def main() -> None:
                 report["skipped"].append(f"{name} --fronts {fronts} --front {front}")
                 continue
             try:
-                proc, ready = start_server(plan_file, work, fronts, extra=["--front", front],
-                                           tag=f"-{front}")
+                extra = ["--front", front]
+                if front == "triton" and args.triton_python_path:
+                    extra += ["--triton-python-path", args.triton_python_path]
+                proc, ready = start_server(plan_file, work, fronts, extra=extra, tag=f"-{front}")
             except RuntimeError as exc:
                 entry.setdefault("servers", []).append({"fronts": fronts, "front": front,
                                                         "error": str(exc)})

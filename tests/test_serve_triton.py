@@ -11,6 +11,7 @@ checked either way.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -116,10 +117,20 @@ def net_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def triton(net_file: Path) -> Any:
+#: A numpy 1 install for the stubs (`make triton` puts one here), for `--triton-python-path`.
+NUMPY1 = Path(os.environ.get("INFERMUX_TEST_NUMPY1", ROOT / ".venv" / "opt" / "triton-numpy1"))
+
+
+@pytest.fixture(scope="module", params=["numpy2", "numpy1"])
+def triton(net_file: Path, request: pytest.FixtureRequest) -> Any:
+    """A served plan; its model instances on this environment's numpy 2, or on a numpy 1."""
+    extra = []
+    if request.param == "numpy1":
+        if not (NUMPY1 / "numpy").is_dir():
+            pytest.skip(f"no numpy 1 install at {NUMPY1} (make triton makes one)")
+        extra = ["--triton-python-path", str(NUMPY1)]
     srv = Server(net_file.parent, _plan("triton", f"{net_file}:build"), "--front", "triton",
-                 "--fronts", "2")
+                 "--fronts", "2", *extra)
     yield srv
     code, out = srv.stop()
     assert code == 0, out

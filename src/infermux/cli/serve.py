@@ -46,6 +46,7 @@ def serve_command(
     fronts: Annotated[int | None, typer.Option("--fronts", help="Front processes serving HTTP and gRPC on the same ports, tensors passed to the runtime process through shared memory (default: half the usable cores, at most 8; 0 or 1: in the server process).")] = None,
     front: Annotated[str, typer.Option("--front", help="Who parses HTTP and gRPC: own (infermux's fronts, --fronts processes) or triton (Triton's C++ server, --fronts instances of each model forwarding its batches to the runtime; needs a Triton build: --triton-home, or pip install --no-deps nvidia-pytriton).")] = "own",
     triton_home: Annotated[str | None, typer.Option("--triton-home", help="With --front triton: a Triton build (a directory with bin/tritonserver and backends/python); default: $INFERMUX_TRITON_HOME, /opt/tritonserver, or the nvidia-pytriton wheel's.")] = None,
+    triton_python_path: Annotated[str | None, typer.Option("--triton-python-path", help="With --front triton: folders (':'-separated) first on the model instances' import path, e.g. one with numpy<2 (pip install --target DIR 'numpy<2'): Triton's stubs are built for numpy 1, and under numpy 2 each tensor crosses by DLPack, which costs more.")] = None,
     trace_requests: Annotated[int, typer.Option("--trace-requests", help="Trace every Nth request's stages (front, queue, gather, launch, answer) with one host clock, 1: every request, 0: off; the p50/p99 of each gap go in the summary (--json).")] = 0,
     trace_file: Annotated[str, typer.Option("--trace-file", help="Where --trace-requests writes its JSON lines (each front process adds FILE.<pid>).")] = "serve-trace.jsonl",
     cluster: Annotated[str | None, typer.Option("--cluster", help="Serve from a Ray cluster: ray://HOST:PORT, HOST:PORT, auto, or local:N. PLAN is a cluster plan, or a local plan run on every node; requests are routed to the nodes.")] = None,
@@ -87,7 +88,8 @@ def serve_command(
         api_key=api_key or os.environ.get("INFERMUX_API_KEY") or None,
         drain_timeout_s=parse_duration_s(drain_timeout, name="--drain-timeout"),
         telemetry_interval_s=interval, fronts=fronts, trace_requests=trace_requests,
-        trace_path=trace_file, front=front, triton_home=triton_home)
+        trace_path=trace_file, front=front, triton_home=triton_home,
+        triton_python_path=triton_python_path)
     if cluster is None:
         settings.check_plan(plan)  # before anything is built
     store = None if no_store else open_store(db)

@@ -142,6 +142,9 @@ class ServeSettings:
     front: str = "own"
     #: A Triton build for `front="triton"` (None: serve.triton_front.find_triton's search).
     triton_home: str | None = None
+    #: Folders (os.pathsep-separated) put first on the Triton model instances' import path,
+    #: e.g. a numpy 1 install: the stubs are built against numpy 1 (serve/triton_front.py).
+    triton_python_path: str | None = None
     #: Trace every Nth request's stages (serve/trace.py; 1: all, 0: off) into `trace_path`
     #: (the runtime's lines) and `trace_path.<pid>` (each front process's).
     trace_requests: int = 0
@@ -171,6 +174,10 @@ class ServeSettings:
                     raise UsageError(f"--front triton does not take {flag}: use --front own")
             if self.fronts == 0:
                 raise UsageError("--front triton --fronts 0: give at least 1 instance per model")
+            for folder in (self.triton_python_path or "").split(os.pathsep):
+                if folder and not os.path.isdir(folder):
+                    raise UsageError(f"--triton-python-path: {folder!r} is not a folder: give "
+                                     "folders to import from (e.g. a numpy<2 install)")
         if self.api_key is not None and not self.api_key.strip():
             raise UsageError("--api-key is empty: give a key, or leave the option out")
         if self.trace_requests < 0:

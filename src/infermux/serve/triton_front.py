@@ -60,6 +60,8 @@ _DEFAULT_HOMES = ("/opt/tritonserver",)
 _HOW = "pip install --no-deps nvidia-pytriton==0.7.0 (Linux x86-64, glibc 2.35 or newer)"
 #: How long `tritonserver` may take to load every model before `serve` gives up.
 _START_TIMEOUT_S = 180.0
+#: Whether this process runs numpy 1 (the ABI Triton's Python-backend stubs are built for).
+_NUMPY1 = int(np.__version__.split(".")[0]) < 2
 _TYPES = {"FP32": "TYPE_FP32", "FP16": "TYPE_FP16", "FP64": "TYPE_FP64", "INT64": "TYPE_INT64",
           "INT32": "TYPE_INT32", "BOOL": "TYPE_BOOL"}
 
@@ -169,7 +171,8 @@ parameters: {{ key: "infermux_answer_timeout_s" value: {{ string_value: "{answer
 _MODEL_PY = '''"""A plan model served through Triton: each batch goes to the infermux runtime."""
 import sys
 
-# The runtime process's import path: Triton's stub embeds Python and may not see PYTHONPATH.
+# The runtime process's import path (after --triton-python-path's folders): Triton's stub
+# embeds Python and may not see PYTHONPATH.
 sys.path[:0] = [p for p in {path!r} if p not in sys.path]
 from infermux.serve.triton_front import TritonPythonModel  # noqa: E402,F401
 '''
@@ -187,6 +190,9 @@ class TritonHub(FrontHub):
                  install: TritonInstall) -> None:
         super().__init__(core, settings, count, http_sock)
         self.install = install
+        #: Folders first on the model instances' import path (`--triton-python-path`).
+        self.python_path = [os.path.abspath(p) for p in
+                            (settings.triton_python_path or "").split(os.pathsep) if p]
         self.process: asyncio.subprocess.Process | None = None
         self._dir = Path(tempfile.mkdtemp(prefix="infermux-triton-"))
         self.link_path = str(self._dir / "link")
@@ -212,7 +218,8 @@ class TritonHub(FrontHub):
                 model_config(info, self.count, self.link_path,
                              answer_timeout_s=self.settings.drain_timeout_s + 90))
             (version / "model.py").write_text(
-                _MODEL_PY.format(path=[p for p in sys.path if p and os.path.isdir(p)]))
+                _MODEL_PY.format(path=[*self.python_path,
+                                       *(p for p in sys.path if p and os.path.isdir(p))]))
         # The backend directory Triton is given: the install's Python backend, with the stub
         # built for this interpreter's Python beside it (where the backend looks for it).
         backend = self._dir / "backends" / "python"
@@ -449,11 +456,17 @@ class TritonPythonModel:
     def _execute(self, requests: list[Any]) -> list[Any]:
         pb = self._pb
         info, layout = self.info, self._layout
-        # DLPack both ways, not the backend's numpy conversions: its stubs are built against
-        # numpy 1, whose array descriptor numpy 2 laid out anew (an output read through it had
-        # no bytes), while DLPack's structures are the same for both.
-        arrays = [[np.from_dlpack(pb.get_input_tensor_by_name(r, t.name)) for t in info.inputs]
-                  for r in requests]
+        # Under numpy 2, DLPack both ways, not the backend's numpy conversions: its stubs are
+        # built against numpy 1, whose array descriptor numpy 2 laid out anew (an input read
+        # through it was wrong, an output had no bytes); DLPack's structures are the same for
+        # both, but cost more per tensor (`--triton-python-path` gives the stubs a numpy 1).
+        if _NUMPY1:
+            arrays = [[pb.get_input_tensor_by_name(r, t.name).as_numpy() for t in info.inputs]
+                      for r in requests]
+        else:
+            arrays = [[np.from_dlpack(pb.get_input_tensor_by_name(r, t.name))
+                       for t in info.inputs] for r in requests]
+        tensor = pb.Tensor if _NUMPY1 else pb.Tensor.from_dlpack
         sizes = [len(a[0]) for a in arrays]
         n = sum(sizes)
         if n > self._slots:  # Triton keeps a batch within max_batch_size: not expected
@@ -496,7 +509,7 @@ class TritonPythonModel:
         responses = []
         at = 0
         for k in sizes:
-            tensors = [pb.Tensor.from_dlpack(spec.name, np.array(y[at:at + k], dtype=dtype))
+            tensors = [tensor(spec.name, np.array(y[at:at + k], dtype=dtype))
                        for spec, y, dtype in zip(info.outputs, outputs, self._out_types,
                                                  strict=True)]
             responses.append(pb.InferenceResponse(output_tensors=tensors))
