@@ -36,16 +36,38 @@ pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs POS
 _BERT_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 
 
-@pytest.fixture(scope="module")
-def server(tiny_bert: str, two_inputs: tuple[str, str],
-           tmp_path_factory: pytest.TempPathFactory) -> Any:
-    plan = {"name": "several", "models": [
+def _several_plan(tiny_bert: str, two_inputs: tuple[str, str]) -> dict[str, Any]:
+    return {"name": "several", "models": [
         {"name": "bert", "model": tiny_bert, "seq_buckets": [8, 16],
          "replicas": [{"unit": "cpu:0", "batch": 4}]},
         {"name": "two", "model": two_inputs[0], "seq_buckets": [8],
          "replicas": [{"unit": "cpu:1", "engine": "torch", "batch": 4}]}],
         "dispatcher": {"max_queue_delay_ms": 1, "cpu_workers": "thread"}}
-    srv = Server(tmp_path_factory.mktemp("serve_several"), plan, "--fronts", "2")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_bert: str, two_inputs: tuple[str, str],
+           tmp_path_factory: pytest.TempPathFactory) -> Any:
+    srv = Server(tmp_path_factory.mktemp("serve_several"), _several_plan(tiny_bert, two_inputs),
+                 "--fronts", "2")
+    yield srv
+    code, out = srv.stop()
+    assert code == 0, out
+
+
+@pytest.fixture(scope="module")
+def triton_server(tiny_bert: str, two_inputs: tuple[str, str],
+                  tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The same plan behind Triton's server (`--front triton`), where a Triton build exists."""
+    from infermux.errors import UsageError
+    from infermux.serve.triton_front import find_triton
+
+    try:
+        find_triton()
+    except UsageError as exc:
+        pytest.skip(f"no Triton build: {exc}")
+    srv = Server(tmp_path_factory.mktemp("serve_several_triton"),
+                 _several_plan(tiny_bert, two_inputs), "--front", "triton", "--fronts", "2")
     yield srv
     code, out = srv.stop()
     assert code == 0, out
@@ -177,6 +199,14 @@ def test_several_inputs_through_either_front_equal_the_network(
         with torch.inference_mode():
             want = two_module(torch.from_numpy(features), torch.from_numpy(ids)).numpy()
         np.testing.assert_allclose(results[100 + k]["scores"], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_several_inputs_through_triton_equal_the_network(
+        triton_server: Server, bert_module: Any, two_module: Any, protocol: str) -> None:
+    """The same requests through Triton's server: each Triton batch (one length) to the runtime."""
+    test_several_inputs_through_either_front_equal_the_network(
+        triton_server, bert_module, two_module, protocol)
 
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])

@@ -57,6 +57,9 @@ def test_the_model_configuration_names_every_tensor_its_batch_and_its_queue() ->
     assert '{ name: "hidden" data_type: TYPE_FP16 dims: [ -1, 8 ] }' in text
     assert "count: 3 kind: KIND_CPU" in text
     assert 'string_value: "/tmp/x/link"' in text and 'string_value: "45"' in text
+    # An output named without a shape takes its probed rank, every dim free.
+    info.outputs, info.output_room = [TensorSpec("scores", "FP32", ())], ((4,),)
+    assert '{ name: "scores" data_type: TYPE_FP32 dims: [ -1 ] }' in model_config(info, 1, "/l")
     info.outputs = [TensorSpec("text", "BYTES", (1,))]
     with pytest.raises(UsageError, match="'text' of model 'bert' is BYTES.*--front own"):
         model_config(info, 1, "/tmp/x/link")

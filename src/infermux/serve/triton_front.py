@@ -39,7 +39,7 @@ import socket
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -148,7 +148,12 @@ def model_config(info: Any, instances: int, link_path: str,
                              f"{spec.datatype}, which the Triton front does not pass: serve it "
                              "with --front own")
     inputs = ",\n  ".join(tensor(s) for s in info.inputs)
-    outputs = ",\n  ".join(tensor(s) for s in info.outputs)
+    # An output whose spec names no shape (a factory's `outputs = ["scores"]`) takes the rank
+    # its probe gave, every dim free: Triton checks the instances' tensors against it.
+    room = list(getattr(info, "output_room", ()) or ())
+    outputs = ",\n  ".join(
+        tensor(replace(s, shape=(-1,) * len(room[i])) if i < len(room)
+               and len(room[i]) != len(s.shape) else s) for i, s in enumerate(info.outputs))
     return f"""name: "{info.name}"
 backend: "python"
 max_batch_size: {info.max_batch_size}
