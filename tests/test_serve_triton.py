@@ -2,8 +2,10 @@
 
 With a Triton build present (the `nvidia-pytriton` wheel, installed without its pins, or
 $INFERMUX_TRITON_HOME), a real server is driven by Triton's own clients: outputs equal the
-network's over HTTP and gRPC, with the tensors in the requests and in system shared memory;
-SIGTERM answers every request Triton admitted before the runtime stops. Without one, those
+network's over HTTP and gRPC, with the tensors in the requests and in system shared memory,
+with the instances on this environment's numpy 2 and on a numpy 1; a killed Triton server is
+restarted and answers again; SIGTERM answers every request Triton admitted before the runtime
+stops. Without one, those
 tests skip and say why; the configuration written for Triton and the bad-input lines are
 checked either way.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -230,3 +233,29 @@ def test_sigterm_answers_every_request_triton_admitted(net_file: Path, reference
         np.testing.assert_allclose(y, reference(_x(1, seed=100 + k)), rtol=1e-5, atol=1e-5)
     stopped = json.loads(out[out.index("{"):])
     assert stopped["status"] == "complete"
+
+
+@needs_triton
+@pytest.mark.exclusive
+def test_a_killed_triton_server_is_restarted_and_answers_again(net_file: Path,
+                                                               reference: Any) -> None:
+    srv = Server(net_file.parent, _plan("triton-restart", f"{net_file}:build"), "--front",
+                 "triton", "--fronts", "1")
+    try:
+        x = _x(2, seed=5)
+        np.testing.assert_allclose(_infer("grpc", srv, x), reference(x), rtol=1e-5, atol=1e-5)
+        os.kill(srv.ready["front_pids"][0], signal.SIGKILL)
+        deadline = time.monotonic() + 90
+        while True:  # refused while Triton restarts, then answered by the new one
+            try:
+                y = _infer("http", srv, x)
+                break
+            except Exception:  # noqa: BLE001 - connection refused / not ready yet
+                assert time.monotonic() < deadline, "Triton was not restarted within 90 s"
+                time.sleep(0.5)
+        np.testing.assert_allclose(y, reference(x), rtol=1e-5, atol=1e-5)
+    finally:
+        code, out = srv.stop()
+    assert code == 0, out
+    stopped = json.loads(out[out.index("{"):])
+    assert stopped["front_restarts"] == 1
