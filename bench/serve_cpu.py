@@ -28,6 +28,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -60,10 +61,11 @@ def offline(plan: Path) -> dict[str, Any]:
             "p99_ms": result["latency"]["p99_ms"]}
 
 
-def start_server(plan: Path, out: Path) -> tuple[subprocess.Popen[str], dict[str, Any]]:
+def start_server(plan: Path, out: Path, extra: Sequence[str] = (),
+                 ) -> tuple[subprocess.Popen[str], dict[str, Any]]:
     proc = subprocess.Popen([*INFERMUX, "serve", str(plan), "--http-port", "0",
                              "--grpc-port", "0", "--metrics-port", "0", "--json",
-                             "--db", str(out / "serve.db")],
+                             "--db", str(out / "serve.db"), *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=ENV)
     assert proc.stdout is not None
     ready = json.loads(proc.stdout.readline())

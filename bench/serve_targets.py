@@ -54,6 +54,9 @@ def main() -> None:
     p.add_argument("--duration", type=float, default=8.0, help="offline run's minimum seconds")
     p.add_argument("--concurrency", default="1,2,4,8,16")
     p.add_argument("--seconds", type=float, default=5.0, help="measured seconds per level")
+    p.add_argument("--front", default="own",
+                   help="infermux's front: own, triton, or own,triton (each served, in turns)")
+    p.add_argument("--triton-python-path", help="--front triton: a numpy<2 install")
     args = p.parse_args()
     started = time.monotonic()
     out = Path(tempfile.mkdtemp(prefix="serve-targets-"))
@@ -67,14 +70,20 @@ def main() -> None:
     print(f"  {report['offline']['items_per_s']:.1f} items/s", flush=True)
     servers: dict[str, tuple[Any, dict[str, int]]] = {}
     try:
-        proc, ready = start_server(plan, out)
-        servers["infermux"] = (proc, {pr: ready[f"{pr}_port"] for pr in ("http", "grpc")})
+        for front in args.front.split(","):
+            extra = ["--front", front]
+            if front == "triton" and args.triton_python_path:
+                extra += ["--triton-python-path", args.triton_python_path]
+            proc, ready = start_server(plan, out, extra)
+            name = "infermux" if front == "own" else f"infermux-{front}"
+            servers[name] = (proc, {pr: ready[f"{pr}_port"] for pr in ("http", "grpc")})
         if args.peer_python:
             peer, ports = start_peer(args.peer_python, args, out, 1, "unit")
             servers["kserve"] = (peer, {"http": ports[0], "grpc": ports[1]})
         rows: dict[str, list[dict[str, Any]]] = {name: [] for name in servers}
         for k, c in enumerate(levels):
-            turns = [(name, "grpc") for name in servers] + [("infermux", "http")]
+            turns = [(name, "grpc") for name in servers] + [
+                (name, "http") for name in servers if name.startswith("infermux")]
             turns = turns[k % len(turns):] + turns[:k % len(turns)]
             for name, protocol in turns:
                 row = load_client(f"127.0.0.1:{servers[name][1][protocol]}", protocol, c,
@@ -88,24 +97,31 @@ def main() -> None:
     report["served"] = rows
     offline_rate = report["offline"]["items_per_s"]
     ratios: dict[str, Any] = {}
-    for protocol in ("grpc", "http"):
-        best = max((r for r in rows["infermux"] if r["protocol"] == protocol),
-                   key=lambda r: r["throughput"])
-        ratios[f"served_over_offline_{protocol}"] = best["throughput"] / offline_rate
-        print(f"served/offline {protocol}: {best['throughput']:.1f} / {offline_rate:.1f} = "
-              f"{best['throughput'] / offline_rate:.2f} (c{best['concurrency']}, p99 "
-              f"{best['p99_ms']:.1f} ms; target >= 0.9)", flush=True)
+    ours = [name for name in servers if name.startswith("infermux")]
+    for name in ours:
+        tag = "" if name == "infermux" else f"_{name.split('-', 1)[1]}"
+        for protocol in ("grpc", "http"):
+            best = max((r for r in rows[name] if r["protocol"] == protocol),
+                       key=lambda r: r["throughput"])
+            ratios[f"served_over_offline_{protocol}{tag}"] = best["throughput"] / offline_rate
+            print(f"{name} served/offline {protocol}: {best['throughput']:.1f} / "
+                  f"{offline_rate:.1f} = {best['throughput'] / offline_rate:.2f} "
+                  f"(c{best['concurrency']}, p99 {best['p99_ms']:.1f} ms; target >= 0.9)",
+                  flush=True)
     if "kserve" in rows:
         peak = max(rows["kserve"], key=lambda r: r["throughput"])
-        held = at_bound([r for r in rows["infermux"] if r["protocol"] == "grpc"],
-                        peak["p99_ms"])
-        ratio = held["throughput"] / peak["throughput"] if held else None
-        ratios["versus_kserve_grpc"] = ratio
-        report["kserve_best"], report["infermux_at_kserve_p99"] = peak, held
-        print(f"KServe gRPC best {peak['throughput']:.1f}/s at p99 {peak['p99_ms']:.1f} ms "
-              f"(c{peak['concurrency']}); infermux within that p99: "
-              f"{held['throughput'] if held else 0:.1f}/s = "
-              f"{ratio if ratio is not None else 0:.2f}x (target >= 1.5)", flush=True)
+        report["kserve_best"] = peak
+        for name in ours:
+            tag = "" if name == "infermux" else f"_{name.split('-', 1)[1]}"
+            held = at_bound([r for r in rows[name] if r["protocol"] == "grpc"],
+                            peak["p99_ms"])
+            ratio = held["throughput"] / peak["throughput"] if held else None
+            ratios[f"versus_kserve_grpc{tag}"] = ratio
+            report[f"infermux_at_kserve_p99{tag}"] = held
+            print(f"KServe gRPC best {peak['throughput']:.1f}/s at p99 {peak['p99_ms']:.1f} ms "
+                  f"(c{peak['concurrency']}); {name} within that p99: "
+                  f"{held['throughput'] if held else 0:.1f}/s = "
+                  f"{ratio if ratio is not None else 0:.2f}x (target >= 1.5)", flush=True)
     else:
         print("KServe not measured: pass --peer-python (a venv with kserve)", flush=True)
     report["ratios"] = ratios
