@@ -209,6 +209,25 @@ def test_several_inputs_through_triton_equal_the_network(
         triton_server, bert_module, two_module, protocol)
 
 
+def test_triton_answers_only_the_outputs_asked_for(triton_server: Server,
+                                                  bert_module: Any) -> None:
+    request = _bert_request(2, 12, seed=3)
+    client = tgrpc.InferenceServerClient(triton_server.grpc)
+    try:
+        inputs = []
+        for name, array in request.items():
+            tensor = tgrpc.InferInput(name, list(array.shape), "INT64")
+            tensor.set_data_from_numpy(array)
+            inputs.append(tensor)
+        result = client.infer("bert", inputs,
+                              outputs=[tgrpc.InferRequestedOutput("pooler_output")])
+    finally:
+        client.close()
+    assert result.get_output("last_hidden_state") is None
+    want = _bert_reference(bert_module, request)["pooler_output"]
+    np.testing.assert_allclose(result.as_numpy("pooler_output"), want, atol=1e-4)
+
+
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
 def test_several_inputs_from_system_shared_memory(server: Server, bert_module: Any,
                                                   protocol: str) -> None:

@@ -513,10 +513,14 @@ class TritonPythonModel:
         outputs = layout.outputs(buf, 0, n, shapes)
         responses = []
         at = 0
-        for k in sizes:
+        for request, k in zip(requests, sizes, strict=True):
+            # Only the outputs the client asked for (none named: all of them), so a client of
+            # BERT's pooled output is not sent, nor made, its hidden states.
+            wanted = set(request.requested_output_names() or ())
             tensors = [tensor(spec.name, np.array(y[at:at + k], dtype=dtype))
                        for spec, y, dtype in zip(info.outputs, outputs, self._out_types,
-                                                 strict=True)]
+                                                 strict=True)
+                       if not wanted or spec.name in wanted]
             responses.append(pb.InferenceResponse(output_tensors=tensors))
             at += k
         return responses
