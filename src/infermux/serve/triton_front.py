@@ -8,8 +8,11 @@ process Triton starts) connects to the runtime process over a Unix socket, is gi
 shared memory like a front process (`serve/fronts.py`), writes each Triton batch's rows into
 it and sends one descriptor; the runtime submits the rows where they lie and writes the
 outputs into the same slots. So the protocol work per request is Triton's C++, the Python
-work is per batch, and the plan's dispatcher still decides the batches the workers run
-(Triton's batcher only groups what has queued while an instance was busy: no queue delay).
+work is per batch plus one tensor object per input and output of each request, and the plan's
+dispatcher still decides the batches the workers run (Triton's batcher only groups what has
+queued while an instance was busy: no queue delay). The stubs are built for numpy 1: under
+numpy 2 tensors cross by DLPack (their numpy conversions read numpy 1's array layout), at
+twice the cost; `--triton-python-path` can give them a numpy 1 (docs/architecture-serve.md).
 
 `TritonHub` is the runtime process's side: it writes the model repository (one model per
 plan model: its tensors, `max_batch_size` its largest batch, `--fronts` instances, a queue
