@@ -101,7 +101,7 @@ tgrpc = pytest.importorskip("tritonclient.grpc")
 import tritonclient.http as thttp  # noqa: E402
 import tritonclient.utils.shared_memory as tshm  # noqa: E402
 
-from tests import test_serve  # noqa: E402
+from tests import test_serve, test_serve_fronts  # noqa: E402
 from tests.test_serve import NET, Server, _plan, _x  # noqa: E402
 from tests.test_serve_fronts import _infer  # noqa: E402
 
@@ -158,24 +158,9 @@ def test_triton_describes_the_plan_s_model(triton: Any) -> None:
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
 def test_outputs_equal_the_network_through_triton(triton: Any, reference: Any,
                                                   protocol: str) -> None:
-    results: dict[int, np.ndarray] = {}
-    errors: list[BaseException] = []
-
-    def one(k: int) -> None:
-        try:
-            results[k] = _infer(protocol, triton, _x(1 + k % 3, seed=k))
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=one, args=(k,)) for k in range(12)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors, errors
-    assert len(results) == 12
-    for k, y in results.items():
-        np.testing.assert_allclose(y, reference(_x(1 + k % 3, seed=k)), rtol=1e-5, atol=1e-5)
+    """The front processes' test, through Triton: concurrent requests, then the statistics."""
+    test_serve_fronts.test_outputs_equal_the_network_through_either_front(triton, reference,
+                                                                          protocol)
 
 
 @needs_triton

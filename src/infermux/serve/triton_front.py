@@ -77,7 +77,6 @@ class TritonInstall:
     binary: Path
     python_backend: Path
     stub: Path
-    version: str = ""
 
 
 def _stub_for(home: Path, backend: Path) -> Path | None:
@@ -209,7 +208,6 @@ class TritonHub(FrontHub):
         self._log = self._dir / "tritonserver.log"
         # Triton binds the ports itself: the reservations go just before it starts.
         self._ports_held = [http_sock, self._grpc_reservation]
-        self.server_restarts = 0
 
     def _slab_slots(self) -> list[int]:
         """One Triton batch in flight per instance: its largest batch is all a slab holds."""
@@ -295,8 +293,7 @@ class TritonHub(FrontHub):
             if self._closing:
                 return
             self.restarts += 1
-            self.server_restarts += 1
-            await asyncio.sleep(min(5.0, 0.5 * self.server_restarts))
+            await asyncio.sleep(min(5.0, 0.5 * self.restarts))
             if self._closing:
                 return
             await self._launch(repo)
