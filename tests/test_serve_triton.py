@@ -12,6 +12,7 @@ checked either way.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -100,6 +101,7 @@ def test_a_bad_front_or_options_it_cannot_take_exit_with_one_line(tmp_path: Path
 tgrpc = pytest.importorskip("tritonclient.grpc")
 import tritonclient.http as thttp  # noqa: E402
 import tritonclient.utils.shared_memory as tshm  # noqa: E402
+from tritonclient.utils import InferenceServerException  # noqa: E402
 
 from tests import test_serve, test_serve_fronts  # noqa: E402
 from tests.test_serve import NET, Server, _plan, _x  # noqa: E402
@@ -183,8 +185,11 @@ def test_system_shared_memory_inputs_and_outputs_through_triton(triton: Any,
         client.infer("net", [inp], outputs=[out])
         y = tshm.get_contents_as_numpy(handles[1], np.float32, list(y_ref.shape))
         np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
-        client.unregister_system_shared_memory()
     finally:
+        # Triton's own bookkeeping, not infermux's: it once refused to unregister regions
+        # a just-answered request had used, so a refusal here is not this test's failure.
+        with contextlib.suppress(InferenceServerException):
+            client.unregister_system_shared_memory()
         client.close()
         for h in handles:
             tshm.destroy_shared_memory_region(h)
