@@ -41,6 +41,10 @@ _GATHER_THREADS = 4
 #: 2-core machine, 32 rows of 602 KB took 3.4-9 ms row by row, 7.6-8.3 ms taken from one slab
 #: and 13-17 ms taken per slab and placed; 128 rows of 4 KB 0.34 ms, 0.12 ms and 0.14 ms.
 _SLAB_ROW_BYTES = 64 << 10
+#: `INFERMUX_SERVED_ROWS=staged` copies served rows through the pinned staging buffer even
+#: where they could go to the device straight from their slabs (`_direct_rows`): the path
+#: to compare against, and a way around a host that refuses to lock shared memory.
+_DIRECT_ROWS = os.environ.get("INFERMUX_SERVED_ROWS", "dma") != "staged"
 _DTYPES = {"fp32": "float32", "tf32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 #: Compile modes that capture CUDA graphs themselves (torch's CUDA graph trees), and the mode
 #: each is compiled as instead: the same kernels, replayed in the runner's own CUDA graph. A
@@ -192,6 +196,11 @@ class TorchRunner(Runner):
         self._y_dev: list[Any] = []
         self._y_host: list[Any] = []
         self._gather_pool: Any = None  # threads for large gathers, made on first need
+        #: Served rows to copy to the device straight from their slabs at the next launch:
+        #: (device rows, slab rows as tensors, a device staging buffer to convert, or None).
+        self._direct: tuple[list[Any], list[Any], Any] | None = None
+        self._dev_rows: dict[Any, list[Any]] = {}  # device buffer → its rows (made once)
+        self._stages: dict[Any, Any] = {}  # row dtype → a device buffer of this runner's batch
         self._warm_up(options.warmup_iters)
         self.build_s = time.perf_counter() - started
 
@@ -269,7 +278,13 @@ class TorchRunner(Runner):
         torch.cuda.set_stream(stream)
         try:
             ev[0].record(stream)
-            if self._x_host is not self._x_dev:
+            direct, self._direct = self._direct, None
+            if direct is not None:  # served rows, by DMA from their slabs
+                dsts, srcs, stage = direct
+                torch._foreach_copy_(dsts, srcs, non_blocking=True)
+                if stage is not None:
+                    self._x_dev.narrow(0, 0, len(dsts)).copy_(stage.narrow(0, 0, len(dsts)))
+            elif self._x_host is not self._x_dev:
                 for x_dev, x_host in zip(self._xs_dev, self._xs_host, strict=True):
                     x_dev.copy_(x_host, non_blocking=True)
             ev[1].record(stream)
@@ -399,10 +414,15 @@ class TorchRunner(Runner):
         """
         import torch
 
+        self._direct = None
+        slab_rows = getattr(rows[0], "slab_region", None) is not None
+        if (slab_rows and _DIRECT_ROWS and self._x_host is not self._x_dev
+                and self._direct_rows(rows)):
+            return
         if self._in_flight and self._x_host is not self._x_dev:
             self._events[1].synchronize()
         dst = self._x_host.narrow(0, 0, len(rows))
-        if getattr(rows[0], "slab_region", None) is not None and self._gather_slab_rows(rows, dst):
+        if slab_rows and self._gather_slab_rows(rows, dst):
             return
 
         def copy(a: int, b: int) -> None:
@@ -422,6 +442,53 @@ class TorchRunner(Runner):
         jobs = [self._gather_pool.submit(copy, a, b) for a, b in itertools.pairwise(bounds)]
         for job in jobs:
             job.result()
+
+    def _direct_rows(self, rows: list[Any]) -> bool:
+        """Prepare served rows to go to the device straight from their slabs (by DMA at launch).
+
+        Each row's slab is page-locked in place where the row lies (`transfer.HostPins`), so the
+        launch copies it to the device by DMA: no CPU copy of the row into the pinned staging
+        buffer (which cost a ResNet50 batch of 64 FP16 rows 7.6–10.6 ms of gather on H100 and
+        H200 hosts, docs/benchmarks.md), and nothing waits for the previous batch's copy. Rows of
+        the compute dtype land in the input buffer itself (a contiguous one); others in a device
+        buffer of theirs, converted on the device. False (the staging path then) for rows of
+        several dtypes or of a slab that cannot be locked.
+        """
+        import torch
+
+        from infermux.runtime.transfer import host_pins
+
+        dtype = rows[0].dtype
+        groups: dict[int, tuple[Any, list[int]]] = {}
+        for row in rows:
+            if row.dtype != dtype:
+                return False
+            group = groups.get(id(row.slab_region))
+            if group is None:
+                group = groups[id(row.slab_region)] = (row.slab_region, [])
+            group[1].append(row.slab_slot)
+        pins = host_pins()
+        if not all(pins.ensure(region, slots) for region, slots in groups.values()):
+            return False
+        sources = []
+        for row in rows:  # a tensor per slot, made once and kept on the slot's row
+            tensor = row.__dict__.get("tensor")
+            if tensor is None:
+                tensor = row.__dict__["tensor"] = torch.from_numpy(row)
+            sources.append(tensor)
+        target = self._x_dev
+        stage = None
+        if not (target.is_contiguous() and target.dtype == sources[0].dtype):
+            stage = self._stages.get(dtype)
+            if stage is None:
+                stage = self._stages[dtype] = torch.empty(target.shape, dtype=sources[0].dtype,
+                                                          device=target.device)
+            target = stage
+        dev_rows = self._dev_rows.get(id(target))
+        if dev_rows is None:
+            dev_rows = self._dev_rows[id(target)] = list(target.unbind(0))
+        self._direct = (dev_rows[:len(rows)], sources, stage)
+        return True
 
     def _gather_slab_rows(self, rows: list[Any], dst: Any) -> bool:
         """Gather rows that lie in front processes' slabs by slot: one indexed copy per slab.
@@ -565,6 +632,9 @@ class TorchRunner(Runner):
         self._graph = None
         self._y_dev = []
         self._y_host = []
+        self._direct = None
+        self._dev_rows = {}
+        self._stages = {}
 
 
 @register_engine
