@@ -365,6 +365,7 @@ class TorchRunner(Runner):
         """
         import torch
 
+        self._direct = None  # whatever this gathers is what the next launch copies
         if isinstance(pool, _ServedRows):
             self._copy_rows(pool.rows)
             return
@@ -414,7 +415,6 @@ class TorchRunner(Runner):
         """
         import torch
 
-        self._direct = None
         slab_rows = getattr(rows[0], "slab_region", None) is not None
         if (slab_rows and _DIRECT_ROWS and self._x_host is not self._x_dev
                 and self._direct_rows(rows)):
@@ -446,7 +446,7 @@ class TorchRunner(Runner):
     def _direct_rows(self, rows: list[Any]) -> bool:
         """Prepare served rows to go to the device straight from their slabs (by DMA at launch).
 
-        Each row's slab is page-locked in place where the row lies (`transfer.HostPins`), so the
+        Each row's slab is page-locked in place where the row lies (`engines.host_pins.HostPins`), so the
         launch copies it to the device by DMA: no CPU copy of the row into the pinned staging
         buffer (which cost a ResNet50 batch of 64 FP16 rows 7.6–10.6 ms of gather on H100 and
         H200 hosts, docs/benchmarks.md), and nothing waits for the previous batch's copy. Rows of
@@ -456,7 +456,7 @@ class TorchRunner(Runner):
         """
         import torch
 
-        from infermux.runtime.transfer import host_pins
+        from infermux.engines.host_pins import host_pins
 
         dtype = rows[0].dtype
         groups: dict[int, tuple[Any, list[int]]] = {}
@@ -604,6 +604,7 @@ class TorchRunner(Runner):
         expected = (self.batch, *self.input_shape)
         if tuple(batch.shape) != expected:
             raise UsageError(f"batch of shape {tuple(batch.shape)} given, runner takes {expected}")
+        self._direct = None
         self._x_host.copy_(torch.from_numpy(np.ascontiguousarray(batch)))
 
     def set_inputs(self, arrays: Sequence[np.ndarray]) -> None:
@@ -614,6 +615,7 @@ class TorchRunner(Runner):
             super().set_inputs(arrays)
             return
         self.check_inputs(arrays)
+        self._direct = None
         if self._on_gpu and self._in_flight and self._x_host is not self._x_dev:
             self._events[1].synchronize()  # the previous batch's copy still reads them
         for x_host, array in zip(self._xs_host, arrays, strict=True):
