@@ -61,11 +61,13 @@ def _infer(client: Any, model: str, x: np.ndarray) -> np.ndarray:
     return client.infer(model, [tensor]).as_numpy("output")
 
 
-def _until(check: Callable[[], bool], timeout_s: float, what: str) -> None:
+def _until(check: Callable[[], bool], timeout_s: float, what: str,
+           detail: Callable[[], Any] | None = None) -> None:
     deadline = time.monotonic() + timeout_s
     while not check():
         if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout_s:g}s: {what}")
+            why = f" ({detail()})" if detail is not None else ""
+            raise AssertionError(f"not within {timeout_s:g}s: {what}{why}")
         time.sleep(0.05)
 
 
@@ -118,7 +120,8 @@ def test_a_killed_worker_process_is_restarted_and_its_request_answered(tmp_path:
         assert client.is_model_ready("net")
         np.testing.assert_allclose(_infer(client, "net", _x(2)), _reference(_x(2)),
                                    rtol=1e-5, atol=1e-5)
-        _until(lambda: client.is_model_ready("slow"), 60, "slow ready again after its restart")
+        _until(lambda: client.is_model_ready("slow"), 60, "slow ready again after its restart",
+               lambda: (_ready_reason(srv, "slow"), _restarts(srv, "slow")))
         np.testing.assert_allclose(_infer(client, "slow", x), _reference(x), rtol=1e-5, atol=1e-5)
         assert _restarts(srv, "slow") == 1
 
@@ -261,7 +264,8 @@ def test_requests_waiting_for_a_restart_get_503_after_the_drain_timeout(tmp_path
         assert waited_s < 15, waited_s
         # The worker comes back and serves.
         client = thttp.InferenceServerClient(srv.http, network_timeout=60)
-        _until(lambda: client.is_model_ready("slow"), 60, "slow ready again after its restart")
+        _until(lambda: client.is_model_ready("slow"), 60, "slow ready again after its restart",
+               lambda: (_ready_reason(srv, "slow"), _restarts(srv, "slow")))
         np.testing.assert_allclose(_infer(client, "slow", x), _reference(x), rtol=1e-5, atol=1e-5)
         code, out = srv.stop()
         assert code == 0, out
