@@ -156,6 +156,9 @@ def server(net_file: Path) -> Any:
     stopped = json.loads(out[out.index("{"):])
     assert stopped["event"] == "stopped" and stopped["status"] == "complete"
     assert stopped["models"]["net"]["requests_failed"] == 0
+    # The runtime process's collector pauses are in the summary.
+    gc = stopped["gc"]
+    assert gc["full_max_ms"] <= gc["full_total_ms"] <= gc["total_ms"] and gc["collections"] >= 0
 
 
 @pytest.fixture(scope="module")

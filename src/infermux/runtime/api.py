@@ -344,6 +344,7 @@ class LocalRuntime:
         """Empty the queues, counters and batch records for a new trial; the items dropped."""
         dropped = self._d.begin_trial()
         self._rt.recorder.reset()
+        self._rt.gc_pauses.reset()
         for pipe in self._rt.pipelines:
             pipe.begin_window()
         return dropped
@@ -371,8 +372,13 @@ class LocalRuntime:
         """The trial's counts (its workers keep running for the next one)."""
         return self.trial_counts()
 
+    def gc_summary(self) -> dict[str, Any]:
+        """The collector's pauses in this process since start or the trial's beginning."""
+        return self._rt.gc_pauses.summary()
+
     def trial_details(self, result: ScenarioResult, record: TrialSummary) -> TrialSummary:
-        """Each pipeline's stage figures; a pipeline worker's utilisation is its busiest stage."""
+        """The collector's pauses, each pipeline's stages; a pipeline's busiest is its use."""
+        record = replace(record, gc=self.gc_summary())
         pipelines = self._rt.pipelines
         if not pipelines:
             return record

@@ -20,6 +20,7 @@ from infermux.load.base import QuerySampleLibrary
 from infermux.models import LoadedModel, ModelSpec, load_model
 from infermux.progress import ProgressFn
 from infermux.runtime.dispatcher import Batch, Dispatcher, WorkerState, failure_kind
+from infermux.runtime.gcpause import GcPauses
 from infermux.runtime.inputs import build_bucket_runners, item_length, length_group
 from infermux.runtime.layout import WorkerPlan, bucket_options, layout_workers
 from infermux.runtime.metrics import Recorder
@@ -55,6 +56,7 @@ class _Runtime:
     def __init__(self, plan: Plan, progress: ProgressFn | None) -> None:
         self.plan = plan
         self.progress = progress
+        self.gc_pauses = GcPauses()
         d = plan.dispatcher
         self.dispatcher = Dispatcher(
             [m.name for m in plan.models],
@@ -355,6 +357,7 @@ class _Runtime:
                         state.estimate.update(bucket, runner.run().latency_ns, model)
 
     def start(self) -> None:
+        self.gc_pauses.install()  # the collector's pauses, for each trial (runtime.gcpause)
         for worker in self.workers:
             worker.start()
         for pipe in self.pipelines:
@@ -385,6 +388,7 @@ class _Runtime:
                 d.move(move.worker, move.dst, reason="queue growing while this worker idled")
 
     def shutdown(self, *, now: bool) -> None:
+        self.gc_pauses.remove()
         self._placer_stop.set()
         if now:
             self.dispatcher.stop()

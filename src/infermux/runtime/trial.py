@@ -369,6 +369,8 @@ class TrialSummary:
     dropped_from_earlier_trial: int | None = None
     #: The trial's number in its run.
     trial: int | None = None
+    #: The runtime process's garbage-collector pauses in the trial (`runtime.gcpause`).
+    gc: dict[str, Any] | None = None
 
     @property
     def rate_qps(self) -> float | None:
@@ -426,7 +428,7 @@ class TrialSummary:
         for key, value in (("retried_items", self.retried_items),
                            ("failed_items", self.failed_items),
                            ("dropped_from_earlier_trial", self.dropped_from_earlier_trial),
-                           ("trial", self.trial)):
+                           ("trial", self.trial), ("gc", self.gc)):
             if value is not None:
                 out[key] = value
         return out
@@ -452,4 +454,4 @@ class TrialSummary:
             data.get("tokens_per_s"), data.get("settings"), data.get("pipelines"),
             ClusterTrial.from_dict(data) if "nodes" in data else None,
             data.get("retried_items"), data.get("failed_items"),
-            data.get("dropped_from_earlier_trial"), data.get("trial"))
+            data.get("dropped_from_earlier_trial"), data.get("trial"), data.get("gc"))

@@ -74,6 +74,9 @@ class ServeSummary:
     trace: dict[str, Any] | None = None
     #: Served by a cluster: each node's status and counts (`ClusterRuntime.nodes()`).
     nodes: list[ServedNodeSummary] | None = None
+    #: The runtime process's garbage-collector pauses over the server's life
+    #: (`runtime.gcpause`).
+    gc: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The stored and printed form."""
@@ -88,6 +91,8 @@ class ServeSummary:
             data["trace"] = self.trace
         if self.nodes is not None:
             data["nodes"] = [n.to_dict() for n in self.nodes]
+        if self.gc is not None:
+            data["gc"] = self.gc
         return data
 
     @classmethod
@@ -106,7 +111,7 @@ class ServeSummary:
                    dict(data.get("ports") or {}), float(data.get("served_s") or 0.0),
                    data.get("error"), data.get("run_id"), str(data.get("status") or ""),
                    int(data.get("requests_dropped") or 0), dict(data.get("restarts") or {}),
-                   fronts or None, data.get("trace"), nodes)
+                   fronts or None, data.get("trace"), nodes, data.get("gc"))
 
 
 @dataclass(frozen=True)
@@ -418,7 +423,9 @@ class InferenceServer:
                 time.perf_counter() - started, error, self.run_id, status, self.dropped,
                 supervisor.summary() if supervisor is not None else {},
                 self.front_hub.summary() if self.front_hub is not None else None, trace,
-                runtime.nodes() if runtime is not None and hasattr(runtime, "nodes") else None)
+                runtime.nodes() if runtime is not None and hasattr(runtime, "nodes") else None,
+                runtime.gc_summary() if runtime is not None and hasattr(runtime, "gc_summary")
+                else None)
             rec.status, rec.summary = status, summary.to_dict()
         return summary
 
