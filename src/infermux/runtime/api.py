@@ -377,7 +377,7 @@ class LocalRuntime:
         return self._rt.gc_pauses.summary()
 
     def trial_details(self, result: ScenarioResult, record: TrialSummary) -> TrialSummary:
-        """The collector's pauses, each pipeline's stages; a pipeline's busiest is its use."""
+        """The collector's pauses and each pipeline's stages (its busiest stage: its utilisation)."""
         record = replace(record, gc=self.gc_summary())
         pipelines = self._rt.pipelines
         if not pipelines:
