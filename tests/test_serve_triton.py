@@ -104,25 +104,14 @@ import tritonclient.utils.shared_memory as tshm  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
 from tests import test_serve, test_serve_fronts  # noqa: E402
-from tests.test_serve import NET, Server, _plan, _x  # noqa: E402
+from tests.test_serve import Server, _plan, _x  # noqa: E402
 from tests.test_serve_fronts import _infer  # noqa: E402
 
 #: The network's own outputs (a fixture of the module beside, on this module's `net_file`).
 reference = test_serve.reference
 
-_SLOWER = """
-
-def slower():
-    torch.manual_seed(0)
-    return Net(0.2)
-"""
-
-
-@pytest.fixture(scope="module")
-def net_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("triton_net") / "net.py"
-    path.write_text(NET + _SLOWER)
-    return path
+#: The network file and its `slower` model (0.3 s a batch), shared with the own fronts' tests.
+net_file = test_serve_fronts.net_file
 
 
 #: A numpy 1 install for the stubs (`make triton` puts one here), for `--triton-python-path`.
@@ -212,7 +201,7 @@ def test_sigterm_answers_every_request_triton_admitted(net_file: Path, reference
     threads = [threading.Thread(target=one, args=(k,)) for k in range(8)]
     for t in threads:
         t.start()
-    time.sleep(0.5)  # admitted: a 0.2 s model with batches of 4 has several still to run
+    time.sleep(0.5)  # admitted: a 0.3 s model with batches of 4 has several still to run
     code, out = srv.stop()
     for t in threads:
         t.join(60)

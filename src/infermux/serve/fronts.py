@@ -388,11 +388,15 @@ class FrontHub:
     def should_exit(self, value: bool) -> None:
         if value and not self._closing:
             self._closing = True
-            state = self._state()
-            for gen in self.fronts:
-                self._send_state(gen, state)
-                if gen.link is not None:
-                    gen.link.send(Kind.DRAIN, b"")
+            self._drain()
+
+    def _drain(self) -> None:
+        """Tell every front to stop accepting and answer what it admitted."""
+        state = self._state()
+        for gen in self.fronts:
+            self._send_state(gen, state)
+            if gen.link is not None:
+                gen.link.send(Kind.DRAIN, b"")
 
     async def stop(self, grace_s: float | None) -> None:
         """Drain every front (at most `grace_s`), then end those left and free the slabs."""

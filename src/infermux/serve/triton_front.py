@@ -343,18 +343,11 @@ class TritonHub(FrontHub):
 
     # -- stopping ---------------------------------------------------------------------------------
 
-    @property
-    def should_exit(self) -> bool:
-        """Whether Triton was told to stop (SIGTERM: it finishes what it admitted, then exits)."""
-        return self._closing
-
-    @should_exit.setter
-    def should_exit(self, value: bool) -> None:
-        if value and not self._closing:
-            self._closing = True
-            if self.process is not None and self.process.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    self.process.send_signal(signal.SIGTERM)
+    def _drain(self) -> None:
+        """SIGTERM to Triton: it finishes what it admitted, then exits."""
+        if self.process is not None and self.process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.process.send_signal(signal.SIGTERM)
 
     async def stop(self, grace_s: float | None) -> None:
         """Let Triton answer what it admitted (at most `grace_s`), then end it; free the slabs."""
