@@ -4,12 +4,16 @@ BERT-base (random weights from `BertConfig`'s defaults, nothing downloaded), seq
 side by side in one process at each batch: plain eager; `torch.compile` `reduce-overhead`
 (its CUDA graphs, the compiled kernels); and the same compiled model with every `nn.Linear`
 whose rows allow it computed in FP8 (e4m3) through `torch._scaled_mm`: the weights quantized
-once per tensor, the activations per call (amax scale, which the compiler fuses), fp16 out.
+once per tensor, the activations either per call (`dynamic`: an amax reduction before every
+product) or with scales calibrated once on another batch (`static`, the torch engine's
+`precision: fp8`, infermux.engines.fp8: the saturating cast fuses into the kernel before),
+with the tensor cores' fast accumulation (`static-fast`, the engine's) or without (`static`);
+fp16 out.
 Each figure is items/s over `--seconds` after warm-up, device-synchronized, inputs already on
 the device (what is compared is the network's compute, not the copies). The FP8 model's pooled
 output is compared with the fp16 model's (largest absolute difference, smallest cosine).
 
-    python bench/bert_fp8.py --batches 128,256 --json bert_fp8.json
+    python bench/bert_fp8.py --batches 128,256 --scales dynamic,static,static-fast --json bert_fp8.json
 
 Needs a GPU with FP8 tensor cores (compute capability 8.9 or later) and `transformers`.
 """
@@ -23,12 +27,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-#: e4m3's largest finite value: amax maps to it.
-_E4M3_MAX = 448.0
+from infermux.engines.fp8 import E4M3_MAX as _E4M3_MAX
+from infermux.engines.fp8 import calibrate, to_fp8
 
 
 def fp8_linear(linear: Any) -> Any:
-    """An `nn.Linear` computing in FP8 e4m3 with per-tensor scales (fp16 where rows % 16)."""
+    """An `nn.Linear` in FP8 e4m3, the activations' scale computed per call (fp16 where rows % 16)."""
     import torch
     import torch.nn.functional as fn
 
@@ -54,7 +58,7 @@ def fp8_linear(linear: Any) -> Any:
     return FP8Linear()
 
 
-def to_fp8(module: Any) -> Any:
+def to_fp8_dynamic(module: Any) -> Any:
     """`module` with every `nn.Linear` replaced by `fp8_linear` (in place)."""
     import torch
 
@@ -62,7 +66,7 @@ def to_fp8(module: Any) -> Any:
         if isinstance(child, torch.nn.Linear):
             setattr(module, name, fp8_linear(child))
         else:
-            to_fp8(child)
+            to_fp8_dynamic(child)
     return module
 
 
@@ -86,6 +90,11 @@ def main() -> None:
     p.add_argument("--batches", default="128,256")
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--seconds", type=float, default=3.0)
+    p.add_argument("--scales", default="dynamic,static,static-fast",
+                   help="FP8 variants: dynamic (per call), static, static-fast (calibrated scales, "
+                        "without and with fast accumulation)")
+    p.add_argument("--mode", default="reduce-overhead",
+                   help="torch.compile mode of the compiled builds (max-autotune: minutes)")
     p.add_argument("--json", required=True)
     a = p.parse_args()
     import torch
@@ -96,7 +105,8 @@ def main() -> None:
         raise SystemExit("needs a CUDA GPU with FP8 tensor cores (compute capability >= 8.9)")
     torch.manual_seed(0)
     base = BertModel(BertConfig()).eval()
-    report: dict[str, Any] = {"device": torch.cuda.get_device_name(), "seq": a.seq, "rows": []}
+    report: dict[str, Any] = {"device": torch.cuda.get_device_name(), "seq": a.seq,
+                              "mode": a.mode, "rows": []}
     with torch.inference_mode():
         for batch in [int(b) for b in a.batches.split(",")]:
             ids = torch.randint(0, 30522, (batch, a.seq), device="cuda")
@@ -105,13 +115,25 @@ def main() -> None:
             ref = fp16(input_ids=ids, attention_mask=mask).pooler_output.float()
             row: dict[str, Any] = {"batch": batch, "items_per_s": {}}
             row["items_per_s"]["eager fp16"] = _rate(fp16, ids, mask, a.seconds)
-            compiled = torch.compile(fp16, mode="reduce-overhead")
+            compiled = torch.compile(fp16, mode=a.mode)
             row["items_per_s"]["compiled fp16"] = _rate(compiled, ids, mask, a.seconds)
-            fp8 = torch.compile(to_fp8(copy.deepcopy(base).half().cuda()), mode="reduce-overhead")
-            row["items_per_s"]["compiled fp8 linears"] = _rate(fp8, ids, mask, a.seconds)
-            out = fp8(input_ids=ids, attention_mask=mask).pooler_output.float()
-            row["fp8_vs_fp16"] = {"max_abs": float((out - ref).abs().max()),
-                                  "min_cosine": float(fn.cosine_similarity(out, ref).min())}
+            calib_ids = torch.randint(0, 30522, (batch, a.seq), device="cuda")
+            amax = calibrate(fp16, [calib_ids, torch.ones_like(calib_ids)])
+            row["fp8_vs_fp16"] = {}
+            for kind in a.scales.split(","):
+                model = copy.deepcopy(base).half().cuda()
+                if kind == "dynamic":
+                    to_fp8_dynamic(model)
+                else:
+                    to_fp8(model, amax, fast_accum=kind == "static-fast")
+                fp8 = torch.compile(model, mode=a.mode)
+                name = f"compiled fp8 linears ({kind})"
+                row["items_per_s"][name] = _rate(fp8, ids, mask, a.seconds)
+                out = fp8(input_ids=ids, attention_mask=mask).pooler_output.float()
+                row["fp8_vs_fp16"][kind] = {
+                    "max_abs": float((out - ref).abs().max()),
+                    "min_cosine": float(fn.cosine_similarity(out, ref).min())}
+                torch._dynamo.reset()
             torch._dynamo.reset()
             eager = row["items_per_s"]["eager fp16"]
             row["vs_eager"] = {k: v / eager for k, v in row["items_per_s"].items()}
@@ -119,8 +141,9 @@ def main() -> None:
             Path(a.json).write_text(json.dumps(report, indent=1))
             print(f"b{batch}: " + ", ".join(f"{k} {v:,.0f} ({row['vs_eager'][k]:.2f}x)"
                                             for k, v in row["items_per_s"].items())
-                  + f"; fp8 pooled output vs fp16: max abs {row['fp8_vs_fp16']['max_abs']:.3f},"
-                  f" min cosine {row['fp8_vs_fp16']['min_cosine']:.4f}", flush=True)
+                  + "; pooled output vs fp16: " + ", ".join(
+                      f"{k} max abs {v['max_abs']:.3f} min cosine {v['min_cosine']:.4f}"
+                      for k, v in row["fp8_vs_fp16"].items()), flush=True)
 
 
 if __name__ == "__main__":

@@ -12,8 +12,9 @@ downloaded (the network is BertConfig's defaults with random weights).
     python bench/transformers_gpu.py out.json --model hf:distilbert --batches 1,32 --seq 128
 
 `--runtime` measures through plans (`run_plan`) instead, side by side in one process:
-- a small space of plans at sequence 128 offline (plain eager fp16 against CUDA-graphed
-  runners, batches 32 and 128, one or two instances): the best plan / the best eager plan;
+- a small space of plans at sequence 128 offline (plain eager fp16 at batches 32, 128 and 256
+  against CUDA-graphed runners, batches 32 and 128, one or two instances): the best plan / the
+  best eager plan;
 - `--tune BUDGET` (seconds): first `infermux tune` (the library's `run_tune`) on the unit at
   sequence 128 — its space holds CUDA graphs, torch.compile per (batch, length) bucket and
   instances — and its written plan measured beside the eager plans (`tuned_vs_eager`; the
@@ -60,6 +61,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "eager": {"cuda_graph": False},
     "cuda_graph": {"cuda_graph": True},
     "compile_default": {"compile": "default"},
+    "compile_fp8": {"compile": "default", "precision": "fp8"},
 }
 
 
@@ -194,12 +196,47 @@ def _tuned(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
 MIXED_SETS = {"pow2": [32, 64, 128, 256], "fine": [32, 64, 96, 128, 160, 192, 224, 256]}
 
 
+def _mixed(args: argparse.Namespace, batch: int, options: dict[str, Any],
+           instances: int) -> dict[str, Any]:
+    """The plan's replica at mixed lengths with each bucket set, against the fixed mean length."""
+    low, high = 16, 256
+    mean = (low + high) // 2
+    mixed_runs: dict[str, Any] = {}
+    for set_name in args.mixed_sets.split(","):
+        mixed_runs[set_name] = _offline(_plan(
+            args.model, args.unit, batch, options, instances=instances,
+            seq_buckets=MIXED_SETS[set_name], lengths=f"uniform:{low}-{high}",
+            duration_s=args.min_duration, buckets=args.mixed_buckets))
+    fixed = _offline(_plan(args.model, args.unit, batch, options, instances=instances,
+                           seq_buckets=[mean], lengths=mean, duration_s=args.min_duration,
+                           buckets=args.mixed_buckets))
+    for name, p in (*((f"mixed {k}", v) for k, v in mixed_runs.items()), (f"fixed {mean}", fixed)):
+        print(f"{name:19s} {p.get('items_per_s') or 0:10.1f} items/s "
+              f"{p.get('tokens_per_s') or 0:12.0f} tok/s mean length {p.get('mean_length')} "
+              f"{p.get('error', '')}", flush=True)
+
+    def ratio(run: dict[str, Any]) -> float | None:
+        return (run["tokens_per_s"] / fixed["tokens_per_s"]
+                if run.get("tokens_per_s") and fixed.get("tokens_per_s") else None)
+
+    first = next(iter(mixed_runs))
+    return {"lengths": f"uniform:{low}-{high}", "batch": batch, "options": options,
+            "instances": instances, "batch_buckets": args.mixed_buckets,
+            "seq_buckets": MIXED_SETS[first], "mixed": mixed_runs[first],
+            "fixed": fixed, "fixed_length": mean,
+            "mixed_vs_fixed_tokens": ratio(mixed_runs[first]),
+            "by_set": {k: {"seq_buckets": MIXED_SETS[k], "run": v,
+                           "mixed_vs_fixed_tokens": ratio(v)}
+                       for k, v in mixed_runs.items()}}
+
+
 def runtime_main(args: argparse.Namespace) -> dict[str, Any]:
     """Plans through the runtime: the best of a small space vs eager, mixed lengths, served."""
     seq = args.seq
     space = {
         "eager b32": (32, {"cuda_graph": False}, 1),
         "eager b128": (128, {"cuda_graph": False}, 1),
+        "eager b256": (256, {"cuda_graph": False}, 1),
         "graph b32": (32, {"cuda_graph": True}, 1),
         "graph b128": (128, {"cuda_graph": True}, 1),
         "graph b64 x2": (64, {"cuda_graph": True}, 2),
@@ -243,41 +280,13 @@ def runtime_main(args: argparse.Namespace) -> dict[str, Any]:
         best_name = "tuned"
     best = plans[best_name]
     batch, options, instances = space[best_name]
-    low, high = 16, 256
-    mean = (low + high) // 2
-    mixed_runs: dict[str, Any] = {}
-    for set_name in args.mixed_sets.split(","):
-        mixed_runs[set_name] = _offline(_plan(
-            args.model, args.unit, batch, options, instances=instances,
-            seq_buckets=MIXED_SETS[set_name], lengths=f"uniform:{low}-{high}",
-            duration_s=args.min_duration, buckets=args.mixed_buckets))
-    fixed = _offline(_plan(args.model, args.unit, batch, options, instances=instances,
-                           seq_buckets=[mean], lengths=mean, duration_s=args.min_duration,
-                           buckets=args.mixed_buckets))
-    for name, p in (*((f"mixed {k}", v) for k, v in mixed_runs.items()), (f"fixed {mean}", fixed)):
-        print(f"{name:19s} {p.get('items_per_s') or 0:10.1f} items/s "
-              f"{p.get('tokens_per_s') or 0:12.0f} tok/s mean length {p.get('mean_length')} "
-              f"{p.get('error', '')}", flush=True)
-
-    def ratio(run: dict[str, Any]) -> float | None:
-        return (run["tokens_per_s"] / fixed["tokens_per_s"]
-                if run.get("tokens_per_s") and fixed.get("tokens_per_s") else None)
-
-    first = next(iter(mixed_runs))
     out: dict[str, Any] = {
         "plans": plans, "best_plan": best_name, "tune": tune_summary,
         "best_vs_eager": (best.get("items_per_s") or 0) / eager if eager else None,
         "tuned_vs_eager": ((plans["tuned"].get("items_per_s") or 0) / eager
-                           if "tuned" in plans and eager else None),
-        "mixed_lengths": {"lengths": f"uniform:{low}-{high}", "batch": batch,
-                          "options": options, "instances": instances,
-                          "batch_buckets": args.mixed_buckets,
-                          "seq_buckets": MIXED_SETS[first], "mixed": mixed_runs[first],
-                          "fixed": fixed, "fixed_length": mean,
-                          "mixed_vs_fixed_tokens": ratio(mixed_runs[first]),
-                          "by_set": {k: {"seq_buckets": MIXED_SETS[k], "run": v,
-                                         "mixed_vs_fixed_tokens": ratio(v)}
-                                     for k, v in mixed_runs.items()}}}
+                           if "tuned" in plans and eager else None)}
+    if args.mixed_sets:
+        out["mixed_lengths"] = _mixed(args, batch, options, instances)
     if args.perf_analyzer:
         served_model, offline_items_per_s = args.model, best.get("items_per_s")
         if args.served_outputs:
@@ -330,7 +339,8 @@ def main() -> None:
                         help="with --runtime: tune for this many seconds first and measure "
                         "the tuned plan beside eager (0: no tune)")
     parser.add_argument("--mixed-sets", default="pow2,fine",
-                        help=f"bucket sets the mixed-length runs compare: {', '.join(MIXED_SETS)}")
+                        help=f"bucket sets the mixed-length runs compare: {', '.join(MIXED_SETS)}"
+                        " ('': no mixed-length runs)")
     parser.add_argument("--mixed-buckets", default="pow2",
                         help="batch buckets of the mixed and fixed runs: pow2 or none")
     parser.add_argument("--p99-ms", type=float, default=50.0)

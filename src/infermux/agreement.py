@@ -46,6 +46,7 @@ TOLERANCES: dict[str, float] = {
     "fp16": 2e-2,
     "bf16": 5e-2,  # 7-bit mantissa
     "int8": 1.5e-1,
+    "fp8": 1.5e-1,  # e4m3 products (3-bit mantissa), per-tensor static scales
 }
 _DEFAULT_TOLERANCE = 5e-2
 

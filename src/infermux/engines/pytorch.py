@@ -78,6 +78,10 @@ class TorchOptions(BaseModel):
     compile_cache_dir: str | None = None
     threads: int | None = None
     warmup_iters: int = 3
+    #: `fp8`: every `nn.Linear` (dimensions a multiple of 16) computes in FP8 e4m3 with
+    #: per-tensor scales calibrated once on seeded sample inputs, the rest in the unit's
+    #: fp16/bf16 (infermux.engines.fp8). None: the unit's mode throughout.
+    precision: Literal["fp8"] | None = None
 
     def resolve(self, unit: Unit, ndim: int) -> TorchOptions:
         """Fill the defaults for `unit`: the measured best choices, overridable by the user."""
@@ -99,6 +103,12 @@ class TorchOptions(BaseModel):
                 "or drop cuda_graph"
             )
         threads = self.threads or (len(unit.cores) if unit.kind == "cpu" else None)
+        if self.precision == "fp8":
+            from infermux.engines.fp8 import unit_reason
+
+            why = unit_reason(unit)
+            if why:
+                raise UsageError(f"option precision=fp8 on {unit.id!r}: {why}; drop the option")
         update: dict[str, Any] = {"channels_last": channels_last, "cuda_graph": cuda_graph,
                                   "threads": threads}
         if self.compile and self.compile_cache_dir is None:
@@ -668,7 +678,8 @@ class TorchEngine(Engine):
         """Only torch modules: an ONNX file is for the ONNX engines."""
         return model.module is not None
 
-    def _prepare(self, model: LoadedModel, unit: Unit, opts: TorchOptions) -> Any:
+    def _prepare(self, model: LoadedModel, unit: Unit, opts: TorchOptions,
+                 length: int | None = None) -> Any:
         import copy
 
         import torch
@@ -687,6 +698,8 @@ class TorchEngine(Engine):
         module = module.to(device=device, dtype=dtype)
         if opts.channels_last:
             module = module.to(memory_format=torch.channels_last)
+        if opts.precision == "fp8":
+            module = _to_fp8(module, model, unit, length)
         if opts.compile:
             if opts.compile_cache_dir:
                 os.environ["TORCHINDUCTOR_CACHE_DIR"] = opts.compile_cache_dir
@@ -723,7 +736,7 @@ class TorchEngine(Engine):
         dims = {} if io.simple else io.dims_for(length)
         specs = () if io.simple else io.resolved(dims)
         try:
-            module = self._prepare(model, unit, opts)
+            module = self._prepare(model, unit, opts, length)
             runner = TorchRunner(module, unit, batch, model.input_shape, opts, data,
                                  input_specs=specs, length=next(iter(dims.values()), None))
         except Exception as exc:
@@ -754,6 +767,39 @@ class TorchEngine(Engine):
         super().release()
         self._modules.clear()
         _free_device_memory()
+
+
+#: Items of the seeded batch FP8 scales are calibrated on.
+_FP8_CALIBRATION_ITEMS = 32
+
+
+def _to_fp8(module: Any, model: LoadedModel, unit: Unit, length: int | None) -> Any:
+    """`module` (on its unit, in its dtype) with its Linears in FP8, calibrated on seeded inputs.
+
+    The calibration batch is seeded noise (or the model's sample token ids) at the first
+    sequence length built, like the agreement check's inputs: what it sets is a speed
+    measurement's scales; a deployment's own data would set them from real activations.
+    """
+    import torch
+
+    from infermux.engines import fp8
+
+    props = torch.cuda.get_device_properties(torch.device(unit.device))
+    why = fp8.unsupported_reason(unit.mode, (props.major, props.minor), module)
+    if why:
+        raise UsageError(f"option precision=fp8 for {model.name} on {unit.id}: {why}")
+    io = model.spec_io
+    dtype = getattr(torch, _DTYPES[unit.mode])
+    if io.simple:
+        arrays = [np.random.default_rng(1).standard_normal(
+            (_FP8_CALIBRATION_ITEMS, *model.input_shape)).astype(np.float32)]
+    else:
+        arrays = io.generate(_FP8_CALIBRATION_ITEMS, io.dims_for(length), seed=1)
+    inputs = [torch.from_numpy(a).to(unit.device) for a in arrays]
+    inputs = [x.to(dtype) if x.is_floating_point() else x for x in inputs]
+    amax = fp8.calibrate(module, inputs)
+    fp8.to_fp8(module, amax)
+    return module
 
 
 def _free_device_memory() -> None:

@@ -210,7 +210,8 @@ def seq_sets(request: TuneRequest, loaded: dict[str, LoadedModel]
 
 def build_space(request: TuneRequest, units: list[Unit], engines: dict[str, list[str]],
                 host_cores: tuple[int, ...] = (),
-                seq: dict[str, list[tuple[int, ...]]] | None = None) -> Space:
+                seq: dict[str, list[tuple[int, ...]]] | None = None,
+                fp8: bool = False) -> Space:
     """The space for `units` with the engines usable on each (`engines[unit_id]`).
 
     `host_cores` are the cores `cpu` and OpenVINO's CPU device run on: units sharing them are
@@ -232,7 +233,8 @@ def build_space(request: TuneRequest, units: list[Unit], engines: dict[str, list
         else:
             instances = [n for n in (1, 2, 4) if n <= request.max_instances]
         spaces.append(UnitSpace(unit, names, batches, instances or [1], {
-            e: option_variants(e, unit, compile_modes=request.compile_modes) for e in names},
+            e: option_variants(e, unit, compile_modes=request.compile_modes, fp8=fp8)
+            for e in names},
             dict(seq or {})))
     if not spaces:
         raise UsageError(f"no engine installed here runs the units {request.units!r}: "
@@ -276,7 +278,15 @@ def prepare(request: TuneRequest) -> tuple[list[Unit], dict[str, LoadedModel], S
             names.update(n for _, n in engines_for(request.engines, [unit], model))
         engines[unit.id] = sorted(names)
     return units, loaded, build_space(request, units, engines, host_cores,
-                                      seq_sets(request, loaded))
+                                      seq_sets(request, loaded), fp8=_fp8_worth(loaded))
+
+
+def _fp8_worth(loaded: dict[str, LoadedModel]) -> bool:
+    """Whether FP8 products are worth a trial: a torch network whose Linears hold most weights."""
+    from infermux.engines.fp8 import WORTH_SHARE, linear_share
+
+    return any(m.module is not None and linear_share(m.module) >= WORTH_SHARE
+               for m in loaded.values())
 
 
 def run_tune(

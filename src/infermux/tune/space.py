@@ -22,6 +22,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from infermux.engines.fp8 import unit_reason
 from infermux.load.samples import Lengths
 from infermux.units import Unit
 
@@ -178,13 +179,16 @@ class Candidate:
 
 
 def option_variants(engine: str, unit: Unit, *,
-                    compile_modes: Sequence[str] = DEFAULT_COMPILE_MODES) -> list[dict[str, Any]]:
+                    compile_modes: Sequence[str] = DEFAULT_COMPILE_MODES,
+                    fp8: bool = False) -> list[dict[str, Any]]:
     """Engine options worth trying on `unit`; the first is the engine's own default.
 
     PyTorch on a GPU: CUDA graphs on (default) or off, then each of `compile_modes`
     (torch.compile's `default` unless told otherwise; `max-autotune` takes
     minutes per batch size, so only on request). Not on CPUs: a compile there takes minutes on
-    few cores for no measured gain. OpenVINO: its throughput hint (default) or latency hint.
+    few cores for no measured gain. With `fp8` (a network whose Linears hold most of its
+    weights, `engines.fp8.WORTH_SHARE`) on an fp16/bf16 unit with FP8 tensor cores, each compile
+    mode again with `precision: fp8`. OpenVINO: its throughput hint (default) or latency hint.
     ONNX Runtime: spinning intra-op threads (default) or not. LiteRT on an fp32 CPU unit: fp32
     (default) or int8 (calibrated on seeded noise: a speed measurement). Engines without knobs worth
     searching get only their default.
@@ -192,6 +196,10 @@ def option_variants(engine: str, unit: Unit, *,
     if engine == "torch" and unit.kind == "cuda":
         variants: list[dict[str, Any]] = [{}, {"cuda_graph": False}]
         variants += [{"compile": mode} for mode in compile_modes]
+        if fp8 and not unit_reason(unit):
+            # FP8 products pay off compiled, where their casts fuse into the kernels before.
+            variants += [{"compile": mode, "precision": "fp8"} for mode in compile_modes] or [
+                {"precision": "fp8"}]
         return variants
     if engine == "openvino":
         return [{}, {"hint": "latency"}]
