@@ -7,7 +7,8 @@ and restarting nothing; a node whose device is lost (every batch raises there) h
 answered by the other node. In process, the worker node of a two-node cluster is stopped (its
 raylet and processes killed) while clients send requests, and every request must be answered:
 with the right outputs (retried on the other node), or with an error once no node is left
-(the head node's runtime actor is killed then: the head itself keeps the cluster up).
+(the head node's runtime actor is killed then: the head itself keeps the cluster up). With a
+Triton build present, the same cluster serves behind Triton's front (`--front triton`).
 """
 
 from __future__ import annotations
@@ -201,6 +202,61 @@ def test_serve_cluster_answers_as_the_network_does(net_file: Path) -> None:
     assert by_name["node-1"]["failed_items"] == 0, nodes
     assert by_name["node-0"]["rerouted_items"] == 0, nodes  # failed by its device, not lost
     assert sum(n["completed_items"] for n in nodes) == sum(sent) + 3 + 2 + 1 + 16 * 4, nodes
+
+
+def test_serve_cluster_behind_triton_s_front_answers_as_the_network_does(net_file: Path) -> None:
+    """`serve --cluster local:2 --front triton`: Triton's server parses the requests, the
+    cluster's nodes run the batches; outputs over HTTP and gRPC equal the network's and both
+    nodes' counts add up to what was sent."""
+    from infermux.errors import UsageError
+    from infermux.serve.triton_front import find_triton
+
+    try:
+        find_triton()
+    except UsageError as exc:
+        pytest.skip(f"no Triton build: {exc}")
+    plan = {"name": "tiny-triton", "models": [{"name": "net", "model": f"{net_file}:build",
+                                               "replicas": [{"unit": f"cpu:{CORES[0]}",
+                                                             "batch": 4}]}],
+            "dispatcher": {"cpu_workers": "thread", "max_queue_delay_ms": 1}}
+    srv = Server(net_file.parent, plan, "--cluster", "local:2", "--front", "triton",
+                 "--fronts", "1")
+    reference = _reference(net_file)
+    sent: list[int] = []
+    bad: list[str] = []
+    try:
+        assert srv.ready["front"] == "triton"
+        assert [n["node"] for n in srv.ready["nodes"]] == ["node-0", "node-1"]
+
+        def one(k: int) -> None:
+            for j in range(6):
+                x = _x(1 + (k + j) % 4, seed=300 + 10 * k + j)
+                if k % 2:
+                    inp = tgrpc.InferInput("input", list(x.shape), "FP32")
+                    inp.set_data_from_numpy(x)
+                    got = tgrpc.InferenceServerClient(srv.grpc).infer(
+                        "net", [inp]).as_numpy("output")
+                else:
+                    got = _infer(thttp.InferenceServerClient(srv.http), x)
+                sent.append(len(x))
+                if got.shape != (len(x), 10) or not np.allclose(got, reference(x), atol=1e-5):
+                    bad.append(f"client {k} request {j}")
+
+        threads = [threading.Thread(target=one, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(90)
+        assert not bad and len(sent) == 24
+    finally:
+        code, out = srv.stop()
+    assert code == 0, out
+    stopped = json.loads(out[out.index("{\n"):])
+    assert stopped["status"] == "complete" and stopped["models"]["net"]["requests_failed"] == 0
+    nodes = stopped["nodes"]
+    assert all(n["status"] == "ok" for n in nodes)
+    # Every item sent was run by one node, and the one item of the server's output probe.
+    assert sum(n["completed_items"] for n in nodes) == sum(sent) + 1, nodes
 
 
 @pytest.mark.exclusive

@@ -238,3 +238,48 @@ def test_a_killed_triton_server_is_restarted_and_answers_again(net_file: Path,
     assert code == 0, out
     stopped = json.loads(out[out.index("{"):])
     assert stopped["front_restarts"] == 1
+
+
+@needs_triton
+@pytest.mark.exclusive
+def test_past_triton_s_queue_a_request_is_refused_unavailable_never_reset(
+        net_file: Path, reference: Any) -> None:
+    """A burst past the model's admission limit (`--max-queue 6`) on a 0.3 s/batch model: every
+    request is answered or refused with 503 / UNAVAILABLE, none reset or lost, and what is
+    answered is the network's output; the limit is Triton's queue, written from the plan."""
+    srv = Server(net_file.parent, _plan("triton-queue", f"{net_file}:slower"), "--front",
+                 "triton", "--fronts", "1", "--max-queue", "6")
+    outcomes: dict[int, str] = {}
+    errors: list[BaseException] = []
+
+    def one(k: int) -> None:
+        x = _x(1, seed=200 + k)
+        try:
+            y = _infer("grpc" if k % 2 else "http", srv, x)
+            np.testing.assert_allclose(y, reference(x), rtol=1e-5, atol=1e-5)
+            outcomes[k] = "ok"
+        except InferenceServerException as exc:
+            outcomes[k] = f"{exc.status()} {exc.message()}"
+        except BaseException as exc:  # noqa: BLE001 - a reset or a wrong output is the finding
+            errors.append(exc)
+
+    try:
+        config = thttp.InferenceServerClient(srv.http).get_model_config("net")
+        assert config["dynamic_batching"]["default_queue_policy"]["max_queue_size"] in (6, "6")
+        threads = [threading.Thread(target=one, args=(k,)) for k in range(32)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors, errors
+        assert len(outcomes) == 32
+        refused = [o for o in outcomes.values() if o != "ok"]
+        assert refused and len(refused) < 32, outcomes
+        assert all(o.split()[0] in ("503", "StatusCode.UNAVAILABLE") for o in refused), refused
+        assert all("queue" in o for o in refused), refused
+    finally:
+        code, out = srv.stop()
+    assert code == 0, out
+    stopped = json.loads(out[out.index("{"):])
+    assert stopped["status"] == "complete"
+    assert stopped["models"]["net"]["requests_failed"] == 0
