@@ -4,6 +4,8 @@ measures and reports a combination, and a tune releases what each trial built.""
 
 import gc
 
+import pytest
+
 from infermux.engines import Engine, Runner
 from infermux.models import ModelSpec
 from infermux.runtime import parse_plan, run_plan
@@ -129,3 +131,22 @@ def test_each_trial_releases_its_runners_and_engines():
                 assert _alive() == before, (cfg.label(), method)
     finally:
         evaluator.close()
+
+
+def test_a_trial_below_the_unit_s_precision_is_checked_against_the_network():
+    """Trials skip the agreement check, except those whose options compute below the unit's
+    precision (LiteRT's int8 here; torch's fp8 on a GPU): a fast wrong plan must not win."""
+    pytest.importorskip("ai_edge_litert", reason="LiteRT is not installed")
+    units = select_units("cpu", discover())
+    evaluator = LiveEvaluator({"m": ModelSpec(MODEL)}, units, SHORT, telemetry=False)
+    try:
+        plain = evaluator.evaluate(Candidate.of(Config.make("m", "cpu", "litert", 4)), "engine")
+        int8 = evaluator.evaluate(Candidate.of(Config.make(
+            "m", "cpu", "litert", 4, options={"precision": "int8"})), "engine")
+    finally:
+        evaluator.close()
+    assert plain.ok and plain.record.get("agreement") is None
+    assert int8.record["agreement"]["precision"] == "int8"
+    assert int8.record["agreement"]["status"] in ("pass", "fail")
+    # A failed check makes the trial invalid, never a plan's figure.
+    assert int8.ok == (int8.record["agreement"]["status"] == "pass")

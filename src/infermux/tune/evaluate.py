@@ -274,6 +274,8 @@ class LiveEvaluator:
         self.progress = progress
         self._models: dict[str, LoadedModel] = dict(loaded or {})
         self._engines: dict[str, Any] = {}
+        #: Agreement references per model, by sequence length (computed on first need).
+        self._references: dict[str, dict[int | None, Any]] = {}
         self._sampler: Any = None
         self.power_devices: list[str] = []
         if telemetry:
@@ -389,16 +391,21 @@ class LiveEvaluator:
         unit = self.units[config.unit]
         model = self.model(config.model)
         engine = self._engines.setdefault(config.engine, create_engine(config.engine))
+        options = config.replica()["options"]
         bench = BenchConfig(
             model=self.specs[config.model], units=unit.id, batches=[config.batch],
             engine=config.engine, instances=config.instances, data=self.settings.data,
             min_duration_s=self.settings.min_duration_s, min_queries=self.settings.min_queries,
             warmup_s=self.settings.warmup_s,
             max_duration_s=max(10.0, 4 * self.settings.min_duration_s),
-            options=config.replica()["options"], telemetry_interval_s=None,
-            check_agreement=False)
+            options=options, telemetry_interval_s=None,
+            # Trials skip the agreement check (the engines' own precisions are checked by
+            # bench), except where an option computes below the unit's precision (torch's
+            # `precision: fp8`, LiteRT's int8): a fast wrong plan must not win.
+            check_agreement=options.get("precision", unit.mode) != unit.mode)
         torch_device = _reset_peak_memory(unit)
-        reference: list[agreement.Reference] = []
+        reference: dict[int | None, agreement.Reference] = self._references.setdefault(
+            config.model, {})
         # A model of one query length runs at it (its one bucket); others have no length.
         lengths = config.seq_buckets or self.seq_buckets.get(config.model)
         point = measure_point(bench, config.engine, engine, model, unit, config.batch,
