@@ -139,14 +139,23 @@ def test_a_trial_below_the_unit_s_precision_is_checked_against_the_network():
     pytest.importorskip("ai_edge_litert", reason="LiteRT is not installed")
     units = select_units("cpu", discover())
     evaluator = LiveEvaluator({"m": ModelSpec(MODEL)}, units, SHORT, telemetry=False)
+    int8_config = Config.make("m", "cpu", "litert", 4, options={"precision": "int8"})
     try:
         plain = evaluator.evaluate(Candidate.of(Config.make("m", "cpu", "litert", 4)), "engine")
-        int8 = evaluator.evaluate(Candidate.of(Config.make(
-            "m", "cpu", "litert", 4, options={"precision": "int8"})), "engine")
+        int8 = evaluator.evaluate(Candidate.of(int8_config), "engine")
+        # Through the runtime (no agreement check of its own) the config is checked first.
+        through_runtime = evaluator.evaluate(Candidate.of(int8_config), "runtime")
     finally:
         evaluator.close()
     assert plain.ok and plain.record.get("agreement") is None
     assert int8.record["agreement"]["precision"] == "int8"
     assert int8.record["agreement"]["status"] in ("pass", "fail")
     # A failed check makes the trial invalid, never a plan's figure.
-    assert int8.ok == (int8.record["agreement"]["status"] == "pass")
+    passed = int8.record["agreement"]["status"] == "pass"
+    assert int8.ok == passed
+    assert int8_config.key() in evaluator._verdicts
+    assert (evaluator._verdicts[int8_config.key()] is None) == passed
+    assert through_runtime.ok == passed, through_runtime.error
+    if not passed:
+        assert through_runtime.status == "invalid"
+        assert "WRONG RESULTS" in (through_runtime.error or "")

@@ -43,7 +43,7 @@ from infermux.units import Unit, discover, select_units
 
 __all__ = [
     "BatchLatency", "BenchConfig", "BenchPoint", "BenchReport", "Measurement", "PointEnergy",
-    "engine_options", "engines_for", "measure",
+    "check_runner", "engine_options", "engines_for", "measure",
     "measure_point", "run_bench",
 ]
 
@@ -549,8 +549,8 @@ def run_bench(
 References = dict[int | None, agreement.Reference] | list[agreement.Reference]
 
 
-def _check_agreement(runner: Runner, model: LoadedModel,
-                     reference: References) -> dict[str, Any]:
+def check_runner(runner: Runner, model: LoadedModel,
+                 reference: References) -> dict[str, Any]:
     """The point's agreement entry, against a reference computed on first use.
 
     One per sequence length in a dict; a list holds the one reference of a single length.
@@ -606,7 +606,7 @@ def measure_point(
         point.options = runners[0].options
         window: list[int] = []
         if config.check_agreement:
-            point.agreement = _check_agreement(runners[0], model, reference)
+            point.agreement = check_runner(runners[0], model, reference)
         point.samples, point.window_s = measure(
             runners, min_duration_s=config.min_duration_s, min_queries=config.min_queries,
             warmup_s=config.warmup_s, deadline_s=config.deadline_s, progress=progress,

@@ -276,6 +276,8 @@ class LiveEvaluator:
         self._engines: dict[str, Any] = {}
         #: Agreement references per model, by sequence length (computed on first need).
         self._references: dict[str, dict[int | None, Any]] = {}
+        #: Per config computing below its unit's precision: why its outputs are wrong, or None.
+        self._verdicts: dict[str, str | None] = {}
         self._sampler: Any = None
         self.power_devices: list[str] = []
         if telemetry:
@@ -392,6 +394,7 @@ class LiveEvaluator:
         model = self.model(config.model)
         engine = self._engines.setdefault(config.engine, create_engine(config.engine))
         options = config.replica()["options"]
+        length = self._length(config)
         bench = BenchConfig(
             model=self.specs[config.model], units=unit.id, batches=[config.batch],
             engine=config.engine, instances=config.instances, data=self.settings.data,
@@ -402,15 +405,13 @@ class LiveEvaluator:
             # Trials skip the agreement check (the engines' own precisions are checked by
             # bench), except where an option computes below the unit's precision (torch's
             # `precision: fp8`, LiteRT's int8): a fast wrong plan must not win.
-            check_agreement=options.get("precision", unit.mode) != unit.mode)
+            check_agreement=self._below_precision(config, unit))
         torch_device = _reset_peak_memory(unit)
         reference: dict[int | None, agreement.Reference] = self._references.setdefault(
             config.model, {})
         # A model of one query length runs at it (its one bucket); others have no length.
-        lengths = config.seq_buckets or self.seq_buckets.get(config.model)
         point = measure_point(bench, config.engine, engine, model, unit, config.batch,
-                              self._point_progress, reference, self._sampler,
-                              length=max(lengths) if lengths else None)
+                              self._point_progress, reference, self._sampler, length=length)
         summary = point.point()
         status = summary.status
         if status == "ok" and not summary.valid:
@@ -460,10 +461,60 @@ class LiveEvaluator:
             entry["seq_buckets"] = seq
         return entry
 
+    @staticmethod
+    def _below_precision(config: Config, unit: Unit) -> bool:
+        """Whether `config`'s options compute below its unit's precision (fp8, int8 options)."""
+        return config.options_dict.get("precision", unit.mode) != unit.mode
+
+    def _length(self, config: Config) -> int | None:
+        """The one query length a trial of `config` runs at (its longest bucket), if any."""
+        lengths = config.seq_buckets or self.seq_buckets.get(config.model)
+        return max(lengths) if lengths else None
+
+    def _agreement_refusal(self, candidate: Candidate) -> str | None:
+        """Why a config of `candidate` computing below its unit's precision is wrong, if it is.
+
+        A runtime trial runs no agreement check, so each such config is built once here and
+        checked against the fp32 reference (the verdict kept per config) before its plan runs.
+        """
+        from infermux.bench import check_runner, engine_options
+        from infermux.engines import create_engine
+
+        for config in candidate.configs:
+            unit = self.units[config.unit]
+            if not self._below_precision(config, unit):
+                continue
+            key = config.key()
+            if key not in self._verdicts:
+                engine = self._engines.setdefault(config.engine, create_engine(config.engine))
+                model = self.model(config.model)
+                length = self._length(config)
+                try:
+                    runner = engine.build(model, unit, config.batch,
+                                          engine_options(config.engine, config.options_dict),
+                                          data=self.settings.data,
+                                          **({"length": length} if length is not None else {}))
+                    found = check_runner(runner, model,
+                                         self._references.setdefault(config.model, {}))
+                except InfermuxError as exc:
+                    if isinstance(exc, UsageError):
+                        raise
+                    found = {"status": "fail", "message": str(exc)}
+                finally:
+                    engine.release()
+                self._verdicts[key] = (None if found.get("status") != "fail" else
+                                       f"{config.label()}: {found.get('message')}")
+            if self._verdicts[key] is not None:
+                return self._verdicts[key]
+        return None
+
     def _runtime(self, candidate: Candidate) -> Trial:
         from infermux.runtime import run_plan
         from infermux.runtime.plan import parse_plan
 
+        refusal = self._agreement_refusal(candidate)
+        if refusal is not None:
+            return Trial(candidate, "runtime", "invalid", error=f"WRONG RESULTS: {refusal}")
         s = self.settings
         plan = parse_plan(self.plan_dict(candidate, load={
             "scenario": "offline", "min_duration_s": s.min_duration_s,
