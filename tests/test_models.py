@@ -31,7 +31,8 @@ def test_a_randomly_initialised_network_computes_within_fp16_range():
     assert float(ref.abs().max()) > 1e-3
     found = _compare([half.numpy()], [ref.numpy()], 4, TOLERANCES["fp16"], "fp16")
     assert not isinstance(found, str) and not found.problems, found
-    assert found.top1 == 1.0
+    # Every item's class agrees, or (random weights: logits a few 1e-4 apart) is a near tie.
+    assert round(found.top1 * 4) + found.near_ties == 4, found
     # A network whose outputs were not that small keeps its initial statistics (a ResNet so
     # settled grows its residual stream past the fp16 tolerance).
     resnet = load_model("resnet18").module
