@@ -91,6 +91,34 @@ def _infer(client: thttp.InferenceServerClient, x: np.ndarray) -> np.ndarray:
     return client.infer("net", [inp]).as_numpy("output")
 
 
+def _four_clients(srv: Any, reference: Any, seed: int, grpc_too: bool = False) -> list[int]:
+    """Four clients at once, six requests of 1-4 items each, every output checked against the
+    network's (odd clients over gRPC with `grpc_too`, else all over HTTP); the items sent."""
+    sent: list[int] = []
+    bad: list[str] = []
+
+    def one(k: int) -> None:
+        for j in range(6):
+            x = _x(1 + (k + j) % 4, seed=seed + 10 * k + j)
+            if grpc_too and k % 2:
+                inp = tgrpc.InferInput("input", list(x.shape), "FP32")
+                inp.set_data_from_numpy(x)
+                got = tgrpc.InferenceServerClient(srv.grpc).infer("net", [inp]).as_numpy("output")
+            else:
+                got = _infer(thttp.InferenceServerClient(srv.http), x)
+            sent.append(len(x))
+            if got.shape != (len(x), 10) or not np.allclose(got, reference(x), atol=1e-5):
+                bad.append(f"client {k} request {j}")
+
+    threads = [threading.Thread(target=one, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    assert not bad and len(sent) == 24, bad
+    return sent
+
+
 def test_a_bad_cluster_address_is_one_line(net_file: Path) -> None:
     plan = net_file.parent / "bad-address.yaml"
     plan.write_text(json.dumps({"name": "x", "models": [{"name": "net", "model": f"{net_file}:build",
@@ -112,23 +140,7 @@ def test_serve_cluster_answers_as_the_network_does(net_file: Path) -> None:
         assert len(srv.ready["models"][0]["workers"]) == 2
         client = thttp.InferenceServerClient(srv.http, concurrency=4)
         assert client.is_server_ready() and client.is_model_ready("net")
-        sent: list[int] = []
-        bad: list[str] = []
-
-        def one(k: int) -> None:
-            for j in range(6):
-                x = _x(1 + (k + j) % 4, seed=10 * k + j)
-                got = _infer(thttp.InferenceServerClient(srv.http), x)
-                sent.append(len(x))
-                if got.shape != (len(x), 10) or not np.allclose(got, reference(x), atol=1e-5):
-                    bad.append(f"client {k} request {j}")
-
-        threads = [threading.Thread(target=one, args=(k,)) for k in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        assert not bad and len(sent) == 24
+        sent = _four_clients(srv, reference, seed=0)
         grpc = tgrpc.InferenceServerClient(srv.grpc)
         x = _x(3, seed=99)
         inp = tgrpc.InferInput("input", list(x.shape), "FP32")
@@ -223,31 +235,10 @@ def test_serve_cluster_behind_triton_s_front_answers_as_the_network_does(net_fil
                  "--fronts", "1")
     reference = _reference(net_file)
     sent: list[int] = []
-    bad: list[str] = []
     try:
         assert srv.ready["front"] == "triton"
         assert [n["node"] for n in srv.ready["nodes"]] == ["node-0", "node-1"]
-
-        def one(k: int) -> None:
-            for j in range(6):
-                x = _x(1 + (k + j) % 4, seed=300 + 10 * k + j)
-                if k % 2:
-                    inp = tgrpc.InferInput("input", list(x.shape), "FP32")
-                    inp.set_data_from_numpy(x)
-                    got = tgrpc.InferenceServerClient(srv.grpc).infer(
-                        "net", [inp]).as_numpy("output")
-                else:
-                    got = _infer(thttp.InferenceServerClient(srv.http), x)
-                sent.append(len(x))
-                if got.shape != (len(x), 10) or not np.allclose(got, reference(x), atol=1e-5):
-                    bad.append(f"client {k} request {j}")
-
-        threads = [threading.Thread(target=one, args=(k,)) for k in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(90)
-        assert not bad and len(sent) == 24
+        sent = _four_clients(srv, reference, seed=300, grpc_too=True)
     finally:
         code, out = srv.stop()
     assert code == 0, out

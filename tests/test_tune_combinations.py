@@ -143,7 +143,9 @@ def test_a_trial_below_the_unit_s_precision_is_checked_against_the_network():
     try:
         plain = evaluator.evaluate(Candidate.of(Config.make("m", "cpu", "litert", 4)), "engine")
         int8 = evaluator.evaluate(Candidate.of(int8_config), "engine")
-        # Through the runtime (no agreement check of its own) the config is checked first.
+        # The in-process trial's verdict is kept for the runtime trials of the same config
+        # (which run no agreement check of their own), so they do not build it again.
+        checked = dict(evaluator._verdicts)
         through_runtime = evaluator.evaluate(Candidate.of(int8_config), "runtime")
     finally:
         evaluator.close()
@@ -153,9 +155,17 @@ def test_a_trial_below_the_unit_s_precision_is_checked_against_the_network():
     # A failed check makes the trial invalid, never a plan's figure.
     passed = int8.record["agreement"]["status"] == "pass"
     assert int8.ok == passed
-    assert int8_config.key() in evaluator._verdicts
-    assert (evaluator._verdicts[int8_config.key()] is None) == passed
+    assert int8_config.key() in checked
+    assert (checked[int8_config.key()] is None) == passed
     assert through_runtime.ok == passed, through_runtime.error
     if not passed:
         assert through_runtime.status == "invalid"
         assert "WRONG RESULTS" in (through_runtime.error or "")
+    # A runtime trial of a config no in-process trial checked builds and checks it first.
+    fresh = LiveEvaluator({"m": ModelSpec(MODEL)}, units, SHORT, telemetry=False)
+    try:
+        alone = fresh.evaluate(Candidate.of(int8_config), "runtime")
+    finally:
+        fresh.close()
+    assert (fresh._verdicts[int8_config.key()] is None) == passed
+    assert alone.ok == passed, alone.error

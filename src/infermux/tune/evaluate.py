@@ -413,6 +413,10 @@ class LiveEvaluator:
         point = measure_point(bench, config.engine, engine, model, unit, config.batch,
                               self._point_progress, reference, self._sampler, length=length)
         summary = point.point()
+        if bench.check_agreement and summary.agreement:  # the runtime trials reuse the verdict
+            self._verdicts[config.key()] = (
+                None if summary.agreement.get("status") != "fail"
+                else f"{config.label()}: {summary.agreement.get('message')}")
         status = summary.status
         if status == "ok" and not summary.valid:
             status = "invalid"
@@ -474,8 +478,9 @@ class LiveEvaluator:
     def _agreement_refusal(self, candidate: Candidate) -> str | None:
         """Why a config of `candidate` computing below its unit's precision is wrong, if it is.
 
-        A runtime trial runs no agreement check, so each such config is built once here and
-        checked against the fp32 reference (the verdict kept per config) before its plan runs.
+        A runtime trial runs no agreement check, so each such config not yet checked by an
+        in-process trial is built once here and checked against the fp32 reference (the
+        verdict kept per config) before its plan runs.
         """
         from infermux.bench import check_runner, engine_options
         from infermux.engines import create_engine
