@@ -62,12 +62,32 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "cuda_graph": {"cuda_graph": True},
     "compile_default": {"compile": "default"},
     "compile_fp8": {"compile": "default", "precision": "fp8"},
+    # The same with the attention mask applied to every batch (no mask-free graph).
+    "compile_fp8_masked": {"compile": "default", "precision": "fp8", "dense_attention": False},
+    "compile_default_masked": {"compile": "default", "dense_attention": False},
+    # FP8 products accumulated in full fp32 (not the tensor cores' fast mode).
+    "compile_fp8_full": {"compile": "default", "precision": "fp8", "fp8_fast_accum": False},
 }
+
+
+def _serve_plan(text: str) -> tuple[int, int, dict[str, Any]]:
+    """Batch, instances and torch options from `--serve-plan` ("b128x2:compile=default")."""
+    shape, _, opts = text.partition(":")
+    batch, _, instances = shape.removeprefix("b").partition("x")
+    options: dict[str, Any] = {}
+    for item in filter(None, opts.split(",")):
+        key, _, value = item.partition("=")
+        options[key] = {"true": True, "false": False}.get(value, value)
+    try:
+        return int(batch), int(instances or 1), options
+    except ValueError:
+        raise SystemExit(f"--serve-plan {text!r}: expected bBATCH[xINSTANCES][:key=value,...], "
+                         "e.g. b128x2:compile=default") from None
 
 
 def _plan(model: str, unit: str, batch: int, options: dict[str, Any], *, instances: int = 1,
           seq_buckets: list[int], lengths: str | int, duration_s: float,
-          buckets: str = "none") -> dict[str, Any]:
+          buckets: str | list[int] = "none") -> dict[str, Any]:
     return {"name": "bert", "models": [{"name": "bert", "model": model, "seq_buckets": seq_buckets,
             "replicas": [{"unit": unit, "engine": "torch", "instances": instances,
                           "batch": batch, "batch_buckets": buckets, "options": options}]}],
@@ -95,8 +115,11 @@ def _offline(plan: dict[str, Any]) -> dict[str, Any]:
 
 
 def _served(args: argparse.Namespace, plan: dict[str, Any], offline_items_per_s: float | None,
-            fronts: int) -> dict[str, Any]:
-    """The plan behind `infermux serve --fronts N`, perf_analyzer over gRPC at sequence 128."""
+            fronts: int, front: str = "own") -> dict[str, Any]:
+    """The plan behind `infermux serve --fronts N --front F`, driven by perf_analyzer.
+
+    gRPC at the sequence length, each `--shared-memory` mode at each concurrency.
+    """
     import csv
 
     exe = args.perf_analyzer
@@ -108,9 +131,13 @@ def _served(args: argparse.Namespace, plan: dict[str, Any], offline_items_per_s:
     plan_file = tmp / "bert.json"
     plan_file.write_text(json.dumps(plan))
     log = (tmp / "serve.log").open("w")
+    extra = ["--front", front]
+    if front == "triton" and args.triton_python_path:
+        extra += ["--triton-python-path", args.triton_python_path]
     proc = subprocess.Popen([sys.executable, "-m", "infermux", "serve", str(plan_file),
                              "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0",
-                             "--json", "--fronts", str(fronts), "--no-store", "--telemetry", "off"],
+                             "--json", "--fronts", str(fronts), "--no-store", "--telemetry", "off",
+                             *extra],
                             stdout=subprocess.PIPE, stderr=log, text=True)
     assert proc.stdout is not None
     line = proc.stdout.readline()
@@ -119,16 +146,20 @@ def _served(args: argparse.Namespace, plan: dict[str, Any], offline_items_per_s:
     ready = json.loads(line)
     rows = []
     try:
-        for concurrency in [int(c) for c in args.concurrency.split(",")]:
-            csv_file = tmp / f"pa-{concurrency}.csv"
+        levels = [(m, int(c)) for m in args.shared_memory.split(",")
+                  for c in args.concurrency.split(",")]
+        for shm, concurrency in levels:
+            csv_file = tmp / f"pa-{shm}-{concurrency}.csv"
             cmd = [exe, "-m", "bert", "-u", f"127.0.0.1:{ready['grpc_port']}", "-i", "grpc",
                    "--concurrency-range", f"{concurrency}:{concurrency}",
                    "--measurement-interval", "4000", "--stability-percentage", "20",
-                   "--max-trials", "5", "--input-data", "zero", "-f", str(csv_file)]
-            for name in ("input_ids", "attention_mask", "token_type_ids"):
-                cmd += ["--shape", f"{name}:{args.seq}"]
+                   "--max-trials", "5", "--input-data", "zero", "--shared-memory", shm,
+                   "-f", str(csv_file)]
+            for spec in ready["models"][0]["inputs"]:
+                cmd += ["--shape", f"{spec['name']}:{args.seq}"]
             done = subprocess.run(cmd, capture_output=True, text=True, env=env)
-            row: dict[str, Any] = {"concurrency": concurrency, "command": " ".join(cmd)}
+            row: dict[str, Any] = {"concurrency": concurrency, "shared_memory": shm,
+                                   "command": " ".join(cmd)}
             if done.returncode != 0 or not csv_file.exists():
                 row["error"] = (done.stdout + done.stderr)[-400:]
             else:
@@ -137,7 +168,8 @@ def _served(args: argparse.Namespace, plan: dict[str, Any], offline_items_per_s:
                 row.update(requests_per_s=float(data["Inferences/Second"]),
                            p50_ms=float(data["p50 latency"]) / 1e3,
                            p99_ms=float(data["p99 latency"]) / 1e3)
-            print(f"served fronts {fronts} c{concurrency:<4d} {row.get('requests_per_s') or 0:10.1f} req/s "
+            print(f"served {front} fronts {fronts} shm {shm} c{concurrency:<4d} "
+                  f"{row.get('requests_per_s') or 0:10.1f} req/s "
                   f"p99 {row.get('p99_ms') or 0:7.2f} ms {row.get('error', '')}", flush=True)
             rows.append(row)
     finally:
@@ -147,7 +179,7 @@ def _served(args: argparse.Namespace, plan: dict[str, Any], offline_items_per_s:
         proc.communicate(timeout=120)
     held = [r for r in rows if r.get("p99_ms") is not None and r["p99_ms"] <= args.p99_ms]
     best = max(held, key=lambda r: r["requests_per_s"], default=None)
-    return {"fronts": fronts, "rows": rows, "p99_bound_ms": args.p99_ms,
+    return {"fronts": fronts, "front": front, "rows": rows, "p99_bound_ms": args.p99_ms,
             "best_within_bound": best,
             "served_vs_offline": (best["requests_per_s"] / offline_items_per_s
                                   if best and offline_items_per_s else None)}
@@ -242,12 +274,20 @@ def runtime_main(args: argparse.Namespace) -> dict[str, Any]:
         "graph b64 x2": (64, {"cuda_graph": True}, 2),
     }
     plans: dict[str, Any] = {}
+    if args.serve_plan:
+        # Only the given plan, served: its offline figure (with the served outputs) is the
+        # ratio's denominator, measured below.
+        batch, instances, options = _serve_plan(args.serve_plan)
+        space = {"given": (batch, options, instances)}
+        plans["given"] = {"skipped": "--serve-plan: the offline figure is the served outputs' own"}
     if args.tune:
         # The tuned plan takes the place of the hand-made graph plans; eager is the baseline.
         space = {k: v for k, v in space.items() if k.startswith("eager")}
     if args.only_mixed:
         space = {"given": (int(args.batches.split(",")[0]), {}, 1)}
     for name, (batch, options, instances) in space.items():
+        if args.serve_plan:
+            break
         if args.only_mixed:
             plans[name] = {"skipped": "--only-mixed"}
             continue
@@ -275,7 +315,8 @@ def runtime_main(args: argparse.Namespace) -> dict[str, Any]:
               f"{p.get('tokens_per_s') or 0:12.0f} tok/s {p.get('error', '')}", flush=True)
     eager = max((p.get("items_per_s") or 0 for n, p in plans.items() if n.startswith("eager")),
                 default=0)
-    best_name = max(plans, key=lambda n: plans[n].get("items_per_s") or 0)
+    best_name = ("given" if args.serve_plan
+                 else max(plans, key=lambda n: plans[n].get("items_per_s") or 0))
     if "tuned" in plans:
         best_name = "tuned"
     best = plans[best_name]
@@ -301,11 +342,23 @@ def runtime_main(args: argparse.Namespace) -> dict[str, Any]:
             offline_items_per_s = again.get("items_per_s")
             print(f"plan {'outputs ' + args.served_outputs:14s} "
                   f"{offline_items_per_s or 0:10.1f} items/s {again.get('error', '')}", flush=True)
+        if offline_items_per_s is None and args.serve_plan:
+            again = _offline(_plan(served_model, args.unit, batch, options,
+                                   instances=instances, seq_buckets=[seq], lengths=seq,
+                                   duration_s=args.min_duration))
+            plans["given"] = again
+            offline_items_per_s = again.get("items_per_s")
+            print(f"plan {'given':14s} {offline_items_per_s or 0:10.1f} items/s "
+                  f"{again.get('error', '')}", flush=True)
+        buckets: str | list[int] = args.serve_buckets
+        if args.serve_buckets not in ("pow2", "fine", "none"):
+            buckets = [int(b) for b in args.serve_buckets.split(",")]
         served_plan = _plan(served_model, args.unit, batch, options, instances=instances,
                             seq_buckets=[seq], lengths=seq, duration_s=args.min_duration,
-                            buckets="pow2")
-        by_fronts = {n: _served(args, served_plan, offline_items_per_s, n)
-                     for n in (int(f) for f in args.fronts.split(","))}
+                            buckets=buckets)
+        by_fronts = {f"{k} {n}": _served(args, served_plan, offline_items_per_s, n, k)
+                     for n in (int(f) for f in args.fronts.split(","))
+                     for k in args.front.split(",")}
         out["served_by_fronts"] = by_fronts
         out["served"] = max(by_fronts.values(),
                             key=lambda s: s.get("served_vs_offline") or 0.0)
@@ -335,6 +388,20 @@ def main() -> None:
     parser.add_argument("--fronts", default="1,8",
                         help="front processes to serve with, each measured in turn (1: the "
                              "server process alone)")
+    parser.add_argument("--front", default="own",
+                        help="serve --front for the served runs: own, triton, or own,triton")
+    parser.add_argument("--triton-python-path",
+                        help="--front triton: a numpy<2 install for its model instances")
+    parser.add_argument("--shared-memory", default="none",
+                        help="perf_analyzer --shared-memory modes, each at every concurrency "
+                             "(none, system)")
+    parser.add_argument("--serve-plan",
+                        help="with --perf-analyzer: serve this plan (bBATCH[xINSTANCES]"
+                             "[:key=value,...]) instead of the best of the space, which is "
+                             "then not measured")
+    parser.add_argument("--serve-buckets", default="pow2",
+                        help="batch buckets of the served plan: pow2, fine, none or a list "
+                             "(32,64,128)")
     parser.add_argument("--tune", type=float, default=0.0,
                         help="with --runtime: tune for this many seconds first and measure "
                         "the tuned plan beside eager (0: no tune)")

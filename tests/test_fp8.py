@@ -117,6 +117,26 @@ def small_bert(tmp_path_factory):
     return f"hf:{folder}"
 
 
+def test_a_pooler_on_one_row_per_item_stays_in_the_unit_s_precision(small_bert):
+    """Calibrated at 16 items of 32 tokens, every Linear of the encoder runs on 512 rows and
+    the pooler on 16: the pooler is left out, and in the converted network it is the plain
+    Linear it was, the encoder's products FP8."""
+    import copy
+
+    from infermux.models import load_model
+
+    model = load_model(small_bert)
+    io = model.spec_io
+    inputs = [torch.from_numpy(a) for a in io.generate(16, io.dims_for(32), seed=0)]
+    amax = fp8.calibrate(model.module, inputs)
+    linears = {n for n, m in model.module.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert linears - set(amax) == {"model.pooler.dense"}
+    net = copy.deepcopy(model.module)
+    assert fp8.to_fp8(net, amax) == len(linears) - 1
+    assert type(net.model.pooler.dense) is torch.nn.Linear
+    assert type(net.model.encoder.layer[0].attention.self.query).__name__ == "_FP8Linear"
+
+
 def test_the_tuner_weighs_fp8_by_the_loaded_networks(small_bert):
     from infermux.models import load_model
     from infermux.tune.run import _fp8_worth

@@ -367,3 +367,72 @@ def test_serve_refuses_a_mistyped_or_misshapen_input_naming_it(bert_server, chan
         with pytest.raises(InferenceServerException) as caught:
             client_mod.InferenceServerClient(url).infer("bert", inputs)
         assert message in str(caught.value), str(caught.value)
+
+
+def test_a_batch_without_padding_runs_without_the_mask_and_a_padded_one_with_it(bert):
+    """`dense_attention`: the runner keeps a second forward that leaves the attention mask
+    out (transformers then skips it) and runs it for batches whose masks are all ones; a
+    batch with padding runs the masked forward. Both give the network's own outputs."""
+    from infermux.engines import create_engine
+    from infermux.units import discover, select_units
+
+    model = load_model(bert)
+    unit = select_units("cpu", discover())[0]
+    engine = create_engine("torch")
+    runner = engine.build(model, unit, 4, {"dense_attention": True}, length=16)
+    assert runner._mask_at == [t.name for t in model.spec_io.inputs].index("attention_mask")
+    # Off by default on a CPU: transformers' own check of the mask costs nothing there.
+    assert engine.build(model, unit, 4, length=16)._mask_at is None
+    rng = np.random.default_rng(3)
+    ids = rng.integers(1, 100, size=(4, 16))
+    full = [ids, np.ones((4, 16), np.int64), np.zeros((4, 16), np.int64)]
+    padded = [ids, full[1].copy(), full[2]]
+    padded[1][1, 9:] = 0  # one item of 9 tokens
+    calls: list[bool] = []
+    forward = runner._forward
+
+    def spy(dense=False):
+        calls.append(dense)
+        return forward(dense)
+
+    runner._forward = spy
+    for arrays, dense in ((full, True), (padded, False), (full, True)):
+        runner.set_inputs(arrays)
+        runner.run()
+        assert calls[-1] is dense
+        with torch.inference_mode():
+            ref = model.module(*[torch.from_numpy(a) for a in arrays])
+        for got, want in zip(runner.outputs(), ref, strict=True):
+            np.testing.assert_allclose(got, want.numpy(), atol=1e-5)
+    # The padded item's outputs are not what the mask-free forward would give it (by far more
+    # than the tolerance the outputs were held to above).
+    with torch.inference_mode():
+        unmasked = model.module(torch.from_numpy(ids), None,
+                                torch.from_numpy(full[2]))
+        masked = model.module(*[torch.from_numpy(a) for a in padded])
+    assert np.abs(unmasked[1][1].numpy() - masked[1][1].numpy()).max() > 1e-4
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine")
+def test_on_a_gpu_batches_with_and_without_padding_replay_their_own_graph(bert):
+    """On a CUDA unit `dense_attention` is on by default: a graph with the mask and one
+    without are captured; each batch replays its own and gives the network's outputs."""
+    from infermux.engines import create_engine
+    from infermux.units import discover, select_units
+
+    model = load_model(bert)
+    unit = select_units("cuda:0/fp32", discover())[0]
+    runner = create_engine("torch").build(model, unit, 4, length=16)
+    assert runner._graph is not None and runner._graph_dense is not None
+    rng = np.random.default_rng(4)
+    ids = rng.integers(1, 100, size=(4, 16))
+    full = [ids, np.ones((4, 16), np.int64), np.zeros((4, 16), np.int64)]
+    padded = [ids, full[1].copy(), full[2]]
+    padded[1][2, 5:] = 0
+    for arrays in (full, padded, full):
+        runner.set_inputs(arrays)
+        runner.run()
+        with torch.inference_mode():
+            ref = model.module(*[torch.from_numpy(a) for a in arrays])
+        for got, want in zip(runner.outputs(), ref, strict=True):
+            np.testing.assert_allclose(got, want.numpy(), atol=1e-4)

@@ -15,6 +15,7 @@ from infermux.engines import create_engine
 from infermux.engines.onnxruntime import OrtOptions
 from infermux.errors import UsageError
 from infermux.export import export_onnx
+from infermux.hf import OWN_SDPA
 from infermux.models import load_model
 from infermux.units import Unit, discover, select_units
 
@@ -56,7 +57,8 @@ def test_the_export_writes_attention_out_and_leaves_torch_as_it_was(bert):
     ops = {n.op_type for n in onnx.load(str(exported.path)).graph.node}
     # matmul-softmax-matmul, not scaled_dot_product_attention's NaN-guarded form.
     assert "Softmax" in ops and "IsNaN" not in ops
-    assert bert.module.model.config._attn_implementation == "sdpa"  # torch keeps its default
+    # torch keeps its own: transformers' SDPA under infermux's name (a None mask: no mask).
+    assert bert.module.model.config._attn_implementation == OWN_SDPA
     assert bert.module.attention_shape() == (2, 32)
 
 

@@ -92,9 +92,51 @@ def build(name: str) -> HFModule:
                 f"one of {', '.join(names())}, or a local folder with config.json")
         raise UsageError(f"model 'hf:{name}' unknown: use {hint}")
     model.eval()
+    _use_own_sdpa(model)
     wrapper = _wrap(model, config)
     wrapper.weights_from = weights_from
     return wrapper
+
+
+#: transformers' SDPA attention under a name of infermux's, whose mask builder leaves a
+#: bidirectional mask out whenever the padding mask is None (see `_use_own_sdpa`).
+OWN_SDPA = "infermux_sdpa"
+
+
+def _register_own_sdpa() -> bool:
+    """Register `OWN_SDPA` with transformers (once per process); False where it cannot."""
+    try:
+        from transformers import AttentionInterface
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    except ImportError:
+        return False
+
+    def mask(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("attention_mask") is None and kwargs.get("allow_is_bidirectional_skip"):
+            return None
+        return sdpa_mask(*args, **kwargs)
+
+    AttentionInterface.register(OWN_SDPA, sdpa_attention_forward)
+    AttentionMaskInterface.register(OWN_SDPA, mask)
+    return True
+
+
+def _use_own_sdpa(model: Any) -> None:
+    """Run `model`'s SDPA attention with no mask at all when its attention mask is None.
+
+    transformers leaves an all-ones mask out itself only outside tracing, after reading it
+    (a device sync); traced (torch.compile, CUDA graph capture) it keeps every mask, and with
+    torch 2.11 under torch.compile it even built one when given None: an expanded mask that
+    sent attention to PyTorch's unfused math kernels (BERT-base b256 on H100s: half the masked
+    build's speed or less). Under this name a None mask means no mask on every torch, which the torch
+    engine uses for batches without padding (`TorchOptions.dense_attention`); given masks are
+    built exactly as SDPA's.
+    """
+    config = getattr(model, "config", None)
+    if getattr(config, "_attn_implementation", None) != "sdpa" or not _register_own_sdpa():
+        return
+    model.set_attn_implementation(OWN_SDPA)
 
 
 def _input_specs(model: Any, config: Any) -> tuple[list[TensorSpec], dict[str, int]]:
@@ -135,6 +177,9 @@ class HFModule(torch.nn.Module):
         self.default_dims: dict[str, int] = {}
         self.weights_from: str | None = None
         self.hf_config: dict[str, Any] = {}
+        #: The attention mask input, which transformers also takes as None (no padding): the
+        #: torch engine runs batches without padding so (`TorchOptions.dense_attention`).
+        self.mask_input = "attention_mask" if "attention_mask" in input_names else None
 
     @contextmanager
     def export_form(self) -> Iterator[None]:
@@ -154,6 +199,14 @@ class HFModule(torch.nn.Module):
             yield
         finally:
             setter(before)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # A copy in another process (pickled to a worker) needs the attention it names.
+        inner = state.get("_modules", {}).get("model")
+        config = getattr(inner, "config", None)
+        if getattr(config, "_attn_implementation", None) == OWN_SDPA:
+            _register_own_sdpa()
+        super().__setstate__(state)
 
     def attention_shape(self) -> tuple[int, int] | None:
         """(heads, hidden size) of the attention, from the config; None when it has neither."""

@@ -82,6 +82,16 @@ class TorchOptions(BaseModel):
     #: per-tensor scales calibrated once on seeded sample inputs, the rest in the unit's
     #: fp16/bf16 (infermux.engines.fp8). None: the unit's mode throughout.
     precision: Literal["fp8"] | None = None
+    #: FP8 products accumulated in the tensor cores' fast mode (fewer bits kept between
+    #: partial sums; +2% on BERT-base) rather than in full fp32.
+    fp8_fast_accum: bool = True
+    #: For networks with an attention mask input (`mask_input`: transformers encoders): a
+    #: second graph without the mask runs the batches whose masks are all ones (no padding),
+    #: as eager transformers does by itself after a device sync. Traced or captured (torch.compile,
+    #: CUDA graphs), the mask is otherwise applied to every batch, and attention with a mask
+    #: ran at half its speed without one (BERT-base, H100, docs/benchmarks.md). Costs a
+    #: second build of each (batch, length) runner. None: on for CUDA units.
+    dense_attention: bool | None = None
 
     def resolve(self, unit: Unit, ndim: int) -> TorchOptions:
         """Fill the defaults for `unit`: the measured best choices, overridable by the user."""
@@ -109,8 +119,11 @@ class TorchOptions(BaseModel):
             why = unit_reason(unit)
             if why:
                 raise UsageError(f"option precision=fp8 on {unit.id!r}: {why}; drop the option")
+        dense_attention = self.dense_attention
+        if dense_attention is None:
+            dense_attention = on_gpu
         update: dict[str, Any] = {"channels_last": channels_last, "cuda_graph": cuda_graph,
-                                  "threads": threads}
+                                  "threads": threads, "dense_attention": dense_attention}
         if self.compile and self.compile_cache_dir is None:
             # torch.compile's artefacts (FX graphs, kernels, autotuning) are kept with the other
             # caches, so a second run or tune of the same model rebuilds from them in seconds.
@@ -149,7 +162,14 @@ class TorchRunner(Runner):
         data: str,
         input_specs: tuple[TensorSpec, ...] = (),
         length: int | None = None,
+        mask_input: int | None = None,
     ) -> None:
+        """A runner at (`batch`, `length`) of `module`.
+
+        `mask_input`: the position of an attention mask the module also takes as None (no
+        padding); a second forward without it (`TorchOptions.dense_attention`) then runs the
+        batches whose masks are all ones.
+        """
         import torch
 
         started = time.perf_counter()
@@ -169,6 +189,12 @@ class TorchRunner(Runner):
         self._on_gpu = unit.kind == "cuda"
         self._device = torch.device(unit.device if self._on_gpu else "cpu")
         self._graph: Any = None
+        self._mask_at = mask_input if input_specs else None
+        self._graph_dense: Any = None
+        self._y_masked: list[Any] = []  # each graph's own output tensors
+        self._y_dense: list[Any] = []
+        #: The gathered batch's masks are all ones: the next launch runs the dense forward.
+        self._dense_next = False
         self._in_flight = False
         #: Set by close(): the graph and output buffers are gone, so it must not run again.
         self.closed = False
@@ -216,12 +242,15 @@ class TorchRunner(Runner):
 
     # -- building ---------------------------------------------------------------------------
 
-    def _forward(self) -> list[Any]:
+    def _forward(self, dense: bool = False) -> list[Any]:
         import torch
         from torch.utils._pytree import tree_flatten
 
+        xs: list[Any] = list(self._xs_dev)
+        if dense and self._mask_at is not None:
+            xs[self._mask_at] = None
         with torch.inference_mode():
-            out = self._module(*self._xs_dev)
+            out = self._module(*xs)
         leaves, _ = tree_flatten(out)
         return [t for t in leaves if isinstance(t, torch.Tensor)]
 
@@ -229,27 +258,37 @@ class TorchRunner(Runner):
         import torch
 
         self._precision.apply()
+        variants = [False, True] if self._mask_at is not None else [False]
         if not self._on_gpu:
             torch.set_num_threads(self._opts.threads or 1)
-            for _ in range(max(1, iters)):
-                outs = self._forward()
+            for dense in variants:
+                for _ in range(max(1, iters)):
+                    outs = self._forward(dense)
             self._y_dev = outs
             self._y_host = outs
             return
         with torch.cuda.device(self._device), torch.cuda.stream(self._stream):
-            for _ in range(max(1, iters)):
-                outs = self._forward()
-            self._stream.synchronize()
-            if self._opts.cuda_graph:
-                graph = torch.cuda.CUDAGraph()
-                # A graph reads the tensors it was captured with: the module, the input and the
-                # outputs stay referenced by this runner as long as the graph does.
-                with torch.cuda.graph(graph, stream=self._stream):
-                    outs = self._forward()
-                self._graph = graph
-                graph.replay()
-            self._stream.synchronize()
-        self._y_dev = outs
+            for dense in variants:
+                for _ in range(max(1, iters)):
+                    outs = self._forward(dense)
+                self._stream.synchronize()
+                if self._opts.cuda_graph:
+                    graph = torch.cuda.CUDAGraph()
+                    # A graph reads the tensors it was captured with: the module, the input
+                    # and the outputs stay referenced by this runner as long as the graph does.
+                    with torch.cuda.graph(graph, stream=self._stream):
+                        outs = self._forward(dense)
+                    if dense:
+                        self._graph_dense = graph
+                    else:
+                        self._graph = graph
+                    graph.replay()
+                self._stream.synchronize()
+                if dense:
+                    self._y_dense = outs
+                else:
+                    self._y_masked = outs
+        self._y_dev = self._y_masked
         self._y_host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in outs]
 
     # -- running ----------------------------------------------------------------------------
@@ -298,11 +337,14 @@ class TorchRunner(Runner):
                 for x_dev, x_host in zip(self._xs_dev, self._xs_host, strict=True):
                     x_dev.copy_(x_host, non_blocking=True)
             ev[1].record(stream)
-            if self._graph is not None:
-                self._graph.replay()
+            dense = self._dense_next
+            graph = self._graph_dense if dense else self._graph
+            if graph is not None:
+                graph.replay()
+                self._y_dev = self._y_dense if dense else self._y_masked
             else:
                 self._precision.apply()
-                self._y_dev = self._forward()
+                self._y_dev = self._forward(dense)
             ev[2].record(stream)
             for dst, src in zip(self._y_host, self._y_dev, strict=True):
                 dst.copy_(src, non_blocking=True)
@@ -339,7 +381,7 @@ class TorchRunner(Runner):
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
         start = time.perf_counter_ns()
-        self._y_host = self._forward()
+        self._y_host = self._forward(self._dense_next)
         latency = time.perf_counter_ns() - start
         return BatchTiming(latency_ns=latency, compute_ns=latency)
 
@@ -599,6 +641,7 @@ class TorchRunner(Runner):
             self._x_dev.copy_(x, non_blocking=True)
             if self._graph is not None:
                 self._graph.replay()
+                self._y_dev = self._y_masked
             else:
                 self._precision.apply()
                 self._y_dev = self._forward()
@@ -615,6 +658,7 @@ class TorchRunner(Runner):
         if tuple(batch.shape) != expected:
             raise UsageError(f"batch of shape {tuple(batch.shape)} given, runner takes {expected}")
         self._direct = None
+        self._dense_next = False
         self._x_host.copy_(torch.from_numpy(np.ascontiguousarray(batch)))
 
     def set_inputs(self, arrays: Sequence[np.ndarray]) -> None:
@@ -630,6 +674,8 @@ class TorchRunner(Runner):
             self._events[1].synchronize()  # the previous batch's copy still reads them
         for x_host, array in zip(self._xs_host, arrays, strict=True):
             x_host.copy_(torch.from_numpy(np.ascontiguousarray(array)))
+        # Checked on the host, where the rows are: no device sync.
+        self._dense_next = self._mask_at is not None and bool(np.all(arrays[self._mask_at]))
 
     def outputs(self) -> list[np.ndarray]:
         """The last batch's outputs as float32 numpy arrays."""
@@ -641,8 +687,10 @@ class TorchRunner(Runner):
         if self._gather_pool is not None:
             self._gather_pool.shutdown(wait=False)
             self._gather_pool = None
-        self._graph = None
+        self._graph = self._graph_dense = None
         self._y_dev = []
+        self._y_masked = []
+        self._y_dense = []
         self._y_host = []
         self._direct = None
         self._dev_rows = {}
@@ -699,7 +747,7 @@ class TorchEngine(Engine):
         if opts.channels_last:
             module = module.to(memory_format=torch.channels_last)
         if opts.precision == "fp8":
-            module = _to_fp8(module, model, unit, length)
+            module = _to_fp8(module, model, unit, length, opts.fp8_fast_accum)
         if opts.compile:
             if opts.compile_cache_dir:
                 os.environ["TORCHINDUCTOR_CACHE_DIR"] = opts.compile_cache_dir
@@ -735,10 +783,14 @@ class TorchEngine(Engine):
         io = model.spec_io
         dims = {} if io.simple else io.dims_for(length)
         specs = () if io.simple else io.resolved(dims)
+        mask = getattr(model.module, "mask_input", None)
+        names = [t.name for t in specs]
+        mask_at = names.index(mask) if opts.dense_attention and mask in names else None
         try:
             module = self._prepare(model, unit, opts, length)
             runner = TorchRunner(module, unit, batch, model.input_shape, opts, data,
-                                 input_specs=specs, length=next(iter(dims.values()), None))
+                                 input_specs=specs, length=next(iter(dims.values()), None),
+                                 mask_input=mask_at)
         except Exception as exc:
             # torch's CPU allocator raises a plain RuntimeError that names itself (still in
             # torch 2.14: no type of its own), so its text is the one signal there is.
@@ -773,7 +825,8 @@ class TorchEngine(Engine):
 _FP8_CALIBRATION_ITEMS = 32
 
 
-def _to_fp8(module: Any, model: LoadedModel, unit: Unit, length: int | None) -> Any:
+def _to_fp8(module: Any, model: LoadedModel, unit: Unit, length: int | None,
+            fast_accum: bool = True) -> Any:
     """`module` (on its unit, in its dtype) with its Linears in FP8, calibrated on seeded inputs.
 
     The calibration batch is seeded noise (or the model's sample token ids) at the first
@@ -798,7 +851,7 @@ def _to_fp8(module: Any, model: LoadedModel, unit: Unit, length: int | None) -> 
     inputs = [torch.from_numpy(a).to(unit.device) for a in arrays]
     inputs = [x.to(dtype) if x.is_floating_point() else x for x in inputs]
     amax = fp8.calibrate(module, inputs)
-    fp8.to_fp8(module, amax)
+    fp8.to_fp8(module, amax, fast_accum=fast_accum)
     return module
 
 
