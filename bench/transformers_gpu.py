@@ -3,7 +3,10 @@
 Side by side in one process, at each batch size: the torch engine with no CUDA graph and no
 compile (plain eager fp16, the baseline), with one captured CUDA graph per (batch, length)
 (the engine's GPU default), and with `torch.compile` (`default` mode, its kernels replayed in the
-runner's CUDA graph). Every point is a `run_bench` point: warm-up excluded, device-synchronized,
+runner's CUDA graph); `--variants` adds `compile_fp8` (`precision: fp8`), `compile_fp8_full`
+(its products accumulated in full fp32) and `*_masked` (the attention mask applied to every
+batch, `dense_attention: false`, against the engine's default of running batches without
+padding without it). Every point is a `run_bench` point: warm-up excluded, device-synchronized,
 host→device copies of the int64 ids and masks counted, minimum duration and query count, outputs
 checked against the fp32 CPU reference. Needs the `hf` extra (transformers); nothing is
 downloaded (the network is BertConfig's defaults with random weights).
@@ -29,10 +32,12 @@ downloaded (the network is BertConfig's defaults with random weights).
 - `--only-mixed`: the mixed-lengths runs alone, at `--batches`' first batch (the engine's
   defaults: CUDA graphs on a GPU; the same command measures it on the CPU with `--unit cpu`).
 - with `--perf-analyzer PATH`, the best plan served (`infermux serve --fronts N` for each N of
-  `--fronts`, 1 and 8 by default) over gRPC,
+  `--fronts`, 1 and 8 by default, behind each `--front`: own, triton) over gRPC,
   perf_analyzer sending every input (INT64 ids, masks of zeros: `--input-data zero`) at
-  sequence 128 and rising concurrency: the highest requests/s whose p99 holds 50 ms, against
-  the plan's offline items/s.
+  sequence 128 and rising concurrency, with each `--shared-memory` mode: the highest
+  requests/s whose p99 holds 50 ms, against the plan's offline items/s; `--serve-plan
+  b256x2:compile=default,precision=fp8` serves that plan instead (its offline figure measured
+  first, the space skipped).
 
     python bench/transformers_gpu.py out.json --runtime --perf-analyzer /tmp/opt/perf_analyzer
     python bench/transformers_gpu.py out.json --runtime --tune 90 --mixed-sets fine \
