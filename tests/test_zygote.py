@@ -101,3 +101,19 @@ def test_without_forking_a_worker_is_a_fresh_interpreter(monkeypatch):
     finally:
         host.close()
     assert host.exited() == 0
+
+
+def test_an_ended_child_not_yet_collected_reads_as_ended():
+    """A zombie (ended, its status not collected, as under a first process that never reaps
+    what is reparented to it) is not running; a live process is."""
+    import subprocess as sp
+    import sys
+
+    child = sp.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 30
+    while zygote._pid_running(child.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not zygote._pid_running(child.pid)  # ended, yet still ours to collect
+    assert os.kill(child.pid, 0) is None  # signal 0 still finds it
+    assert child.poll() == 0
+    assert zygote._pid_running(os.getpid())

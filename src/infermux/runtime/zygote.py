@@ -198,13 +198,21 @@ class ForkedChild:
 
 
 def _pid_running(pid: int) -> bool:
+    """Whether `pid` runs: a zombie (ended, its status not yet collected) does not."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    # A child whose template went away is reparented to the container's first process, which
+    # may never collect it: signal 0 still finds it, /proc says it has ended.
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state not in (b"Z", b"X")
 
 
 def spawn_child(read_fd: int, write_fd: int, env: dict[str, str]
