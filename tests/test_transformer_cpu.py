@@ -131,3 +131,28 @@ def test_quantize_command_writes_the_dynamic_int8_file(tiny_bert, module_cache_d
     static = invoke_cli("quantize", "-m", tiny_bert, "--no-store", env=env)
     assert static.returncode != 0 and "use --method dynamic" in static.stderr
     assert "Traceback" not in static.stderr
+
+
+def test_infermux_s_sdpa_name_leaves_out_only_a_mask_that_would_mask_nothing():
+    """No padding mask on a bidirectional attention: no mask. A padding mask, a sliding
+    window shorter than the keys, or a caller that does not allow leaving it out (causal
+    masks): the mask transformers' SDPA builds."""
+    from transformers.masking_utils import bidirectional_mask_function, sdpa_mask
+
+    from infermux.hf import own_sdpa_mask
+
+    common = dict(batch_size=2, q_length=6, kv_length=6, mask_function=bidirectional_mask_function,
+                  allow_is_causal_skip=False, allow_is_bidirectional_skip=True)
+    assert own_sdpa_mask(attention_mask=None, **common) is None
+    padded = torch.ones(2, 6, dtype=torch.bool)
+    padded[1, 4:] = False
+    got = own_sdpa_mask(attention_mask=padded, **common)
+    assert got is not None and torch.equal(got, sdpa_mask(attention_mask=padded, **common))
+    assert not bool(got[1, 0, 0, 5])  # the padding is masked
+    window = own_sdpa_mask(attention_mask=None, local_size=3, **common)
+    assert window is not None and torch.equal(window, sdpa_mask(attention_mask=None, local_size=3,
+                                                            **common))
+    assert own_sdpa_mask(attention_mask=None, local_size=8, **common) is None
+    kept = {**common, "allow_is_bidirectional_skip": False}
+    assert torch.equal(own_sdpa_mask(attention_mask=padded, **kept),
+                   sdpa_mask(attention_mask=padded, **kept))

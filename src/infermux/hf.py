@@ -103,22 +103,38 @@ def build(name: str) -> HFModule:
 OWN_SDPA = "infermux_sdpa"
 
 
+_registered = False
+
+
+def own_sdpa_mask(*args: Any, **kwargs: Any) -> Any:
+    """`OWN_SDPA`'s mask builder (transformers passes its arguments by keyword).
+
+    None for a bidirectional attention given no padding mask and no window shorter than the
+    keys; else what transformers' `sdpa_mask` builds.
+    """
+    from transformers.masking_utils import sdpa_mask
+
+    local = kwargs.get("local_size")
+    if (kwargs.get("attention_mask") is None and kwargs.get("allow_is_bidirectional_skip")
+            and (local is None or kwargs.get("kv_length", local) < local)):
+        return None
+    return sdpa_mask(*args, **kwargs)
+
+
 def _register_own_sdpa() -> bool:
     """Register `OWN_SDPA` with transformers (once per process); False where it cannot."""
+    global _registered
+    if _registered:
+        return True
     try:
         from transformers import AttentionInterface
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
-        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+        from transformers.masking_utils import AttentionMaskInterface
     except ImportError:
         return False
-
-    def mask(*args: Any, **kwargs: Any) -> Any:
-        if kwargs.get("attention_mask") is None and kwargs.get("allow_is_bidirectional_skip"):
-            return None
-        return sdpa_mask(*args, **kwargs)
-
     AttentionInterface.register(OWN_SDPA, sdpa_attention_forward)
-    AttentionMaskInterface.register(OWN_SDPA, mask)
+    AttentionMaskInterface.register(OWN_SDPA, own_sdpa_mask)
+    _registered = True
     return True
 
 
@@ -129,9 +145,9 @@ def _use_own_sdpa(model: Any) -> None:
     (a device sync); traced (torch.compile, CUDA graph capture) it keeps every mask, and with
     torch 2.11 under torch.compile it even built one when given None: an expanded mask that
     sent attention to PyTorch's unfused math kernels (BERT-base b256 on H100s: half the masked
-    build's speed or less). Under this name a None mask means no mask on every torch, which the torch
-    engine uses for batches without padding (`TorchOptions.dense_attention`); given masks are
-    built exactly as SDPA's.
+    build's speed or less). Under this name a None mask means no mask on every torch, which
+    the torch engine uses for batches without padding (`TorchOptions.dense_attention`); given
+    masks, causal ones and sliding windows are built exactly as SDPA's.
     """
     config = getattr(model, "config", None)
     if getattr(config, "_attn_implementation", None) != "sdpa" or not _register_own_sdpa():

@@ -90,7 +90,8 @@ class TorchOptions(BaseModel):
     #: as eager transformers does by itself after a device sync. Traced or captured (torch.compile,
     #: CUDA graphs), the mask is otherwise applied to every batch, and attention with a mask
     #: ran at half its speed without one (BERT-base, H100, docs/benchmarks.md). Costs a
-    #: second build of each (batch, length) runner. None: on for CUDA units.
+    #: second build of each (batch, length) runner, and a second CUDA graph's memory pool
+    #: (the two graphs do not share one). None: on for CUDA units.
     dense_attention: bool | None = None
 
     def resolve(self, unit: Unit, ndim: int) -> TorchOptions:
