@@ -43,10 +43,11 @@ BUILDS = ("eager", "compiled", "fp8", "fp8-nomask", "fp8-frozen", "fp8-nomask-fu
 def kind(name: str) -> str:
     """A kernel's kind from its name."""
     low = name.lower()
+    # Attention first: cuDNN's and CUTLASS's attention kernels carry GEMM-like names too.
+    if any(k in low for k in ("fmha", "flash", "attention", "attn", "softmax", "sdpa")):
+        return "attention"
     if any(k in low for k in ("gemm", "xmma", "cutlass", "nvjet", "cublas", "sm90_", "sm89_")):
         return "matmul"
-    if any(k in low for k in ("fmha", "flash", "attention", "attn", "softmax")):
-        return "attention"
     if low.startswith("triton") or "triton_" in low:
         return "inductor fused"
     if any(k in low for k in ("layer_norm", "layernorm")):
