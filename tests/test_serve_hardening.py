@@ -143,8 +143,10 @@ def test_a_second_sigterm_is_stored_as_interrupted_with_the_requests_dropped(
         threads = [threading.Thread(target=call, args=(k,)) for k in range(6)]
         for t in threads:
             t.start()
-        _until(lambda: srv.scrape().get('infermux_items_in_flight{model="net"}', 0) >= 6, 30,
-               "six requests admitted")
+        # Admitted: in flight, or already answered (on a loaded machine the first 0.4 s batch
+        # may end before the sixth request arrives).
+        _until(lambda: srv.scrape().get('infermux_items_in_flight{model="net"}', 0)
+               + codes.count(200) >= 6, 30, "six requests admitted")
         srv.proc.send_signal(signal.SIGTERM)
         time.sleep(0.3)
         srv.proc.send_signal(signal.SIGTERM)  # stop now: what is left is dropped
