@@ -36,8 +36,8 @@ downloaded (the network is BertConfig's defaults with random weights).
   perf_analyzer sending every input (INT64 ids, masks of zeros: `--input-data zero`) at
   sequence 128 and rising concurrency, with each `--shared-memory` mode: the highest
   requests/s whose p99 holds 50 ms, against the plan's offline items/s; `--serve-plan
-  b256x2:compile=default,precision=fp8` serves that plan instead (its offline figure measured
-  first, the space skipped).
+  b256x2:compile=default,precision=fp8` measures and serves that plan alone, in place of the
+  space.
 
     python bench/transformers_gpu.py out.json --runtime --perf-analyzer /tmp/opt/perf_analyzer
     python bench/transformers_gpu.py out.json --runtime --tune 90 --mixed-sets fine \
@@ -279,20 +279,15 @@ def runtime_main(args: argparse.Namespace) -> dict[str, Any]:
         "graph b64 x2": (64, {"cuda_graph": True}, 2),
     }
     plans: dict[str, Any] = {}
-    if args.serve_plan:
-        # Only the given plan, served: its offline figure (with the served outputs) is the
-        # ratio's denominator, measured below.
+    if args.serve_plan:  # only the given plan: measured offline below, then served
         batch, instances, options = _serve_plan(args.serve_plan)
         space = {"given": (batch, options, instances)}
-        plans["given"] = {"skipped": "--serve-plan: the offline figure is the served outputs' own"}
     if args.tune:
         # The tuned plan takes the place of the hand-made graph plans; eager is the baseline.
         space = {k: v for k, v in space.items() if k.startswith("eager")}
     if args.only_mixed:
         space = {"given": (int(args.batches.split(",")[0]), {}, 1)}
     for name, (batch, options, instances) in space.items():
-        if args.serve_plan:
-            break
         if args.only_mixed:
             plans[name] = {"skipped": "--only-mixed"}
             continue
@@ -320,8 +315,7 @@ def runtime_main(args: argparse.Namespace) -> dict[str, Any]:
               f"{p.get('tokens_per_s') or 0:12.0f} tok/s {p.get('error', '')}", flush=True)
     eager = max((p.get("items_per_s") or 0 for n, p in plans.items() if n.startswith("eager")),
                 default=0)
-    best_name = ("given" if args.serve_plan
-                 else max(plans, key=lambda n: plans[n].get("items_per_s") or 0))
+    best_name = max(plans, key=lambda n: plans[n].get("items_per_s") or 0)
     if "tuned" in plans:
         best_name = "tuned"
     best = plans[best_name]
@@ -347,14 +341,6 @@ def runtime_main(args: argparse.Namespace) -> dict[str, Any]:
             offline_items_per_s = again.get("items_per_s")
             print(f"plan {'outputs ' + args.served_outputs:14s} "
                   f"{offline_items_per_s or 0:10.1f} items/s {again.get('error', '')}", flush=True)
-        if offline_items_per_s is None and args.serve_plan:
-            again = _offline(_plan(served_model, args.unit, batch, options,
-                                   instances=instances, seq_buckets=[seq], lengths=seq,
-                                   duration_s=args.min_duration))
-            plans["given"] = again
-            offline_items_per_s = again.get("items_per_s")
-            print(f"plan {'given':14s} {offline_items_per_s or 0:10.1f} items/s "
-                  f"{again.get('error', '')}", flush=True)
         buckets: str | list[int] = args.serve_buckets
         if args.serve_buckets not in ("pow2", "fine", "none"):
             buckets = [int(b) for b in args.serve_buckets.split(",")]
@@ -401,9 +387,8 @@ def main() -> None:
                         help="perf_analyzer --shared-memory modes, each at every concurrency "
                              "(none, system)")
     parser.add_argument("--serve-plan",
-                        help="with --perf-analyzer: serve this plan (bBATCH[xINSTANCES]"
-                             "[:key=value,...]) instead of the best of the space, which is "
-                             "then not measured")
+                        help="with --runtime --perf-analyzer: measure and serve this plan "
+                             "(bBATCH[xINSTANCES][:key=value,...]) in place of the space")
     parser.add_argument("--serve-buckets", default="pow2",
                         help="batch buckets of the served plan: pow2, fine, none or a list "
                              "(32,64,128)")
@@ -417,6 +402,10 @@ def main() -> None:
                         help="batch buckets of the mixed and fixed runs: pow2 or none")
     parser.add_argument("--p99-ms", type=float, default=50.0)
     args = parser.parse_args()
+    if args.serve_plan and (args.tune or args.only_mixed or not args.runtime
+                            or not args.perf_analyzer):
+        parser.error("--serve-plan serves one given plan: it needs --runtime and "
+                     "--perf-analyzer, and takes neither --tune nor --only-mixed")
     batches = [int(b) for b in args.batches.split(",")]
     started = time.perf_counter()
     if args.runtime:

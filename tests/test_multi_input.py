@@ -369,6 +369,15 @@ def test_serve_refuses_a_mistyped_or_misshapen_input_naming_it(bert_server, chan
         assert message in str(caught.value), str(caught.value)
 
 
+def _full_and_padded(seed):
+    """A batch of 4 items of 16 tokens, and the same with item 1 cut to 9 tokens by its mask."""
+    ids = np.random.default_rng(seed).integers(1, 100, size=(4, 16))
+    full = [ids, np.ones((4, 16), np.int64), np.zeros((4, 16), np.int64)]
+    padded = [ids, full[1].copy(), full[2]]
+    padded[1][1, 9:] = 0
+    return full, padded
+
+
 def test_a_batch_without_padding_runs_without_the_mask_and_a_padded_one_with_it(bert):
     """`dense_attention`: the runner keeps a second forward that leaves the attention mask
     out (transformers then skips it) and runs it for batches whose masks are all ones; a
@@ -383,11 +392,8 @@ def test_a_batch_without_padding_runs_without_the_mask_and_a_padded_one_with_it(
     assert runner._mask_at == [t.name for t in model.spec_io.inputs].index("attention_mask")
     # Off by default on a CPU: transformers' own check of the mask costs nothing there.
     assert engine.build(model, unit, 4, length=16)._mask_at is None
-    rng = np.random.default_rng(3)
-    ids = rng.integers(1, 100, size=(4, 16))
-    full = [ids, np.ones((4, 16), np.int64), np.zeros((4, 16), np.int64)]
-    padded = [ids, full[1].copy(), full[2]]
-    padded[1][1, 9:] = 0  # one item of 9 tokens
+    full, padded = _full_and_padded(seed=3)
+    ids = full[0]
     calls: list[bool] = []
     forward = runner._forward
 
@@ -424,11 +430,7 @@ def test_on_a_gpu_batches_with_and_without_padding_replay_their_own_graph(bert):
     unit = select_units("cuda:0/fp32", discover())[0]
     runner = create_engine("torch").build(model, unit, 4, length=16)
     assert runner._graph is not None and runner._graph_dense is not None
-    rng = np.random.default_rng(4)
-    ids = rng.integers(1, 100, size=(4, 16))
-    full = [ids, np.ones((4, 16), np.int64), np.zeros((4, 16), np.int64)]
-    padded = [ids, full[1].copy(), full[2]]
-    padded[1][2, 5:] = 0
+    full, padded = _full_and_padded(seed=4)
     for arrays in (full, padded, full):
         runner.set_inputs(arrays)
         runner.run()
