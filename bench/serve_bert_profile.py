@@ -57,22 +57,34 @@ def main() -> None:
     p.add_argument("--instances", type=int, default=1)
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--concurrency", default="128:128")
+    p.add_argument("--options", default="compile=default",
+                   help="torch options as in transformers_gpu's --serve-plan: "
+                   "compile=default,precision=fp8")
+    p.add_argument("--buckets", default="pow2", help="batch buckets: pow2 or 64,128,256")
+    p.add_argument("--input-data", default="tokens", choices=("tokens", "zero"))
+    p.add_argument("--fronts", type=int, default=8)
+    p.add_argument("--model", default="hf:bert-base")
+    p.add_argument("--unit", default="cuda:0/fp16")
     args = p.parse_args()
+    _, _, options = transformers_gpu._serve_plan(f"b{args.batch}:{args.options}")
+    buckets: str | list[int] = args.buckets
+    if args.buckets not in ("pow2", "fine", "none"):
+        buckets = [int(b) for b in args.buckets.split(",")]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    model = transformers_gpu._outputs_factory("hf:bert-base", ["pooler_output"])
+    model = transformers_gpu._outputs_factory(args.model, ["pooler_output"])
     plan = {"name": "bert", "models": [{"name": "bert", "model": model, "seq_buckets": [128],
-            "replicas": [{"unit": "cuda:0/fp16", "engine": "torch", "instances": args.instances,
-                          "batch": args.batch, "batch_buckets": "pow2",
-                          "options": {"compile": "default"}}]}]}
+            "replicas": [{"unit": args.unit, "engine": "torch", "instances": args.instances,
+                          "batch": args.batch, "batch_buckets": buckets,
+                          "options": options}]}]}
     (out / "plan.json").write_text(json.dumps(plan))
     trace = out / "trace.jsonl"
     started = time.monotonic()
     with (out / "serve.log").open("w") as log:
         server = subprocess.Popen(
             [sys.executable, "-m", "infermux", "serve", str(out / "plan.json"), "--http-port", "0",
-             "--grpc-port", "0", "--metrics-port", "0", "--json", "--fronts", "8", "--no-store",
-             "--telemetry", "off", "--trace-requests", "8", "--trace-file", str(trace)],
+             "--grpc-port", "0", "--metrics-port", "0", "--json", "--fronts", str(args.fronts),
+             "--no-store", "--telemetry", "off", "--trace-requests", "8", "--trace-file", str(trace)],
             stdout=subprocess.PIPE, stderr=log, text=True)
         assert server.stdout is not None
         line = server.stdout.readline()
@@ -82,7 +94,9 @@ def main() -> None:
         report: dict[str, object] = {"plan": plan, "ready_s": time.monotonic() - started}
         cmd = [args.perf_analyzer, "-m", "bert", "-u", f"127.0.0.1:{ready['grpc_port']}", "-i",
                "grpc", "--concurrency-range", args.concurrency, "--measurement-interval", "5000",
-               "--max-trials", "3", "--stability-percentage", "50", "--input-data", "zero"]
+               "--max-trials", "3", "--stability-percentage", "50", "--input-data",
+               transformers_gpu.pa_input_data(ready["models"][0]["inputs"], 128,
+                                              args.input_data, out)]
         for name in ("input_ids", "attention_mask", "token_type_ids"):
             cmd += ["--shape", f"{name}:128"]
         lib = Path(args.perf_analyzer).resolve().parent / "lib"
@@ -91,11 +105,23 @@ def main() -> None:
         began = time.perf_counter_ns()
         client = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                   text=True, env=env)
+        import psutil
+
+        tree = [psutil.Process(server.pid), *psutil.Process(server.pid).children(recursive=True)]
+        time.sleep(6)  # past perf_analyzer's warm-up
+        cpu0 = {p.pid: sum(p.cpu_times()[:2]) for p in tree}
+        t0 = time.perf_counter()
         if args.py_spy:
-            time.sleep(6)  # past perf_analyzer's warm-up
             subprocess.run([args.py_spy, "record", "--pid", str(server.pid), "--duration", "8",
                             "--rate", "200", "--format", "raw", "--output", str(out / "spy.txt"),
                             "--nonblocking", "--threads"], capture_output=True, check=False)
+        else:
+            time.sleep(8)
+        elapsed = time.perf_counter() - t0
+        # Cores each process of the server used over those seconds (the runtime first).
+        report["cores"] = {f"{p.pid} {' '.join(p.cmdline()[2:4])[:60]}":
+                           round((sum(p.cpu_times()[:2]) - cpu0[p.pid]) / elapsed, 2)
+                           for p in tree if p.is_running()}
         shown = client.communicate(timeout=300)[0]
         ended = time.perf_counter_ns()
         server.send_signal(signal.SIGTERM)
@@ -108,6 +134,11 @@ def main() -> None:
         report["py_spy"] = _spy_summary(out / "spy.txt")
     (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
     print("\n".join(report["perf_analyzer"]))  # type: ignore[arg-type]
+    for name, cores in report["cores"].items():  # type: ignore[attr-defined]
+        print(f"cores     {cores:5.2f} {name}")
+    for gap, figures in report["trace"]["gaps"].items():  # type: ignore[index]
+        print(f"gap       {gap:32s} p50 {figures['p50_ms']:7.2f} p99 {figures['p99_ms']:7.2f} "
+              f"mean {figures['mean_ms']:7.2f} ms")
     for kind in ("threads", "own", "inclusive"):
         for frame, share in (report.get("py_spy") or {}).get(kind, []):  # type: ignore[attr-defined]
             print(f"{kind:9s} {share:.3f} {frame[:140]}")

@@ -33,11 +33,11 @@ downloaded (the network is BertConfig's defaults with random weights).
   defaults: CUDA graphs on a GPU; the same command measures it on the CPU with `--unit cpu`).
 - with `--perf-analyzer PATH`, the best plan served (`infermux serve --fronts N` for each N of
   `--fronts`, 1 and 8 by default, behind each `--front`: own, triton) over gRPC,
-  perf_analyzer sending every input (INT64 ids, masks of zeros: `--input-data zero`) at
-  sequence 128 and rising concurrency, with each `--shared-memory` mode: the highest
-  requests/s whose p99 holds 50 ms, against the plan's offline items/s; `--serve-plan
-  b256x2:compile=default,precision=fp8` measures and serves that plan alone, in place of the
-  space.
+  perf_analyzer sending every input (INT64 ids and masks of ones, `--input-data tokens`, or
+  everything zero-filled, `zero`) at sequence 128 and rising concurrency, with each
+  `--shared-memory` mode: the highest requests/s whose p99 holds 50 ms, against the plan's
+  offline items/s; `--serve-plan b256x2:compile=default,precision=fp8` measures that plan
+  beside eager b128 and b256 (in place of the space) and serves it.
 
     python bench/transformers_gpu.py out.json --runtime --perf-analyzer /tmp/opt/perf_analyzer
     python bench/transformers_gpu.py out.json --runtime --tune 90 --mixed-sets fine \
@@ -58,6 +58,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from infermux.bench import BenchConfig, run_bench
 from infermux.models import ModelSpec
@@ -158,7 +160,8 @@ def _served(args: argparse.Namespace, plan: dict[str, Any], offline_items_per_s:
             cmd = [exe, "-m", "bert", "-u", f"127.0.0.1:{ready['grpc_port']}", "-i", "grpc",
                    "--concurrency-range", f"{concurrency}:{concurrency}",
                    "--measurement-interval", "4000", "--stability-percentage", "20",
-                   "--max-trials", "5", "--input-data", "zero", "--shared-memory", shm,
+                   "--max-trials", "5", "--shared-memory", shm, "--input-data",
+                   pa_input_data(ready["models"][0]["inputs"], args.seq, args.input_data, tmp),
                    "-f", str(csv_file)]
             for spec in ready["models"][0]["inputs"]:
                 cmd += ["--shape", f"{spec['name']}:{args.seq}"]
@@ -188,6 +191,34 @@ def _served(args: argparse.Namespace, plan: dict[str, Any], offline_items_per_s:
             "best_within_bound": best,
             "served_vs_offline": (best["requests_per_s"] / offline_items_per_s
                                   if best and offline_items_per_s else None)}
+
+
+def pa_input_data(inputs: list[dict[str, Any]], seq: int, kind: str, folder: Path) -> str:
+    """perf_analyzer's `--input-data` for token inputs: `zero`, or a JSON file of `tokens`.
+
+    `tokens`: what a tokenizer sends for unpadded text, four requests' worth: ids drawn from a
+    BERT vocabulary's word range, masks of ones, token types of zeros. Zero-filled inputs have
+    masks of zeros, a batch no client sends (every position masked).
+    """
+    if kind == "zero":
+        return "zero"
+    rng = np.random.default_rng(0)
+    data = []
+    for _ in range(4):
+        entry = {}
+        for spec in inputs:
+            name = spec["name"]
+            if "mask" in name:
+                content = [1] * seq
+            elif "type" in name:
+                content = [0] * seq
+            else:
+                content = rng.integers(1000, 30000, seq).tolist()
+            entry[name] = {"content": content, "shape": [seq]}
+        data.append(entry)
+    path = folder / "tokens.json"
+    path.write_text(json.dumps({"data": data}))
+    return str(path)
 
 
 def _outputs_factory(model: str, names: list[str]) -> str:
@@ -279,9 +310,10 @@ def runtime_main(args: argparse.Namespace) -> dict[str, Any]:
         "graph b64 x2": (64, {"cuda_graph": True}, 2),
     }
     plans: dict[str, Any] = {}
-    if args.serve_plan:  # only the given plan: measured offline below, then served
+    if args.serve_plan:  # the given plan beside eager's two largest batches, then served
         batch, instances, options = _serve_plan(args.serve_plan)
-        space = {"given": (batch, options, instances)}
+        space = {k: v for k, v in space.items() if k in ("eager b128", "eager b256")}
+        space["given"] = (batch, options, instances)
     if args.tune:
         # The tuned plan takes the place of the hand-made graph plans; eager is the baseline.
         space = {k: v for k, v in space.items() if k.startswith("eager")}
@@ -318,13 +350,17 @@ def runtime_main(args: argparse.Namespace) -> dict[str, Any]:
     best_name = max(plans, key=lambda n: plans[n].get("items_per_s") or 0)
     if "tuned" in plans:
         best_name = "tuned"
+    if args.serve_plan:
+        best_name = "given"
     best = plans[best_name]
     batch, options, instances = space[best_name]
     out: dict[str, Any] = {
         "plans": plans, "best_plan": best_name, "tune": tune_summary,
         "best_vs_eager": (best.get("items_per_s") or 0) / eager if eager else None,
         "tuned_vs_eager": ((plans["tuned"].get("items_per_s") or 0) / eager
-                           if "tuned" in plans and eager else None)}
+                           if "tuned" in plans and eager else None),
+        "given_vs_eager": ((plans["given"].get("items_per_s") or 0) / eager
+                           if "given" in plans and eager else None)}
     if args.mixed_sets:
         out["mixed_lengths"] = _mixed(args, batch, options, instances)
     if args.perf_analyzer:
@@ -386,6 +422,9 @@ def main() -> None:
     parser.add_argument("--shared-memory", default="none",
                         help="perf_analyzer --shared-memory modes, each at every concurrency "
                              "(none, system)")
+    parser.add_argument("--input-data", default="tokens", choices=("tokens", "zero"),
+                        help="what perf_analyzer sends: `tokens` (ids, masks of ones) or "
+                        "`zero` (every input zero-filled, masks of zeros)")
     parser.add_argument("--serve-plan",
                         help="with --runtime --perf-analyzer: measure and serve this plan "
                              "(bBATCH[xINSTANCES][:key=value,...]) in place of the space")

@@ -151,6 +151,37 @@ def test_every_request_is_traced_through_both_fronts_and_summarized(net_file: Pa
     assert summarize(str(trace))["requests"] == sent
 
 
+def test_requests_of_a_model_of_several_inputs_are_traced_in_the_runtime_too(
+        net_file: Path, two_inputs: tuple[str, str]) -> None:
+    """A model of float features and int64 ids through two front processes: the runtime's
+    stages of each traced request are written beside the fronts' (they were skipped)."""
+    trace = net_file.parent / "two.jsonl"
+    plan = _plan("two", two_inputs[0], cpu_workers="thread")
+    plan["models"][0]["seq_buckets"] = [8]
+    srv = Server(net_file.parent, plan, "--fronts", "2", "--trace-requests", "1",
+                 "--trace-file", str(trace))
+    sent = 0
+    try:
+        for k in range(4):
+            client = tgrpc.InferenceServerClient(srv.grpc)
+            features = tgrpc.InferInput("features", [1, 16], "FP32")
+            features.set_data_from_numpy(np.full((1, 16), k, np.float32))
+            ids = tgrpc.InferInput("ids", [1, 8], "INT64")
+            ids.set_data_from_numpy(np.arange(8, dtype=np.int64)[None] + k)
+            assert client.infer("net", [features, ids]).as_numpy("scores").shape == (1, 4)
+            client.close()
+            sent += 1
+    finally:
+        code, out = srv.stop()
+    assert code == 0, out
+    traced = json.loads(out[out.index("{"):])["trace"]
+    assert traced["requests"] == sent
+    gaps = traced["gaps"]
+    for gap in ("front_sent->frame_read", "enqueued->taken", "launch->collect",
+                "written->front_got"):
+        assert gaps[gap]["count"] == sent, (gap, gaps)
+
+
 def test_the_in_process_fronts_trace_from_admission_to_the_resumed_handler(net_file: Path,
                                                                          ) -> None:
     trace = net_file.parent / "inproc.jsonl"

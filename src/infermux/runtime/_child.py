@@ -97,6 +97,15 @@ def child_main(conn_in: Any, conn_out: Any) -> None:
                 shape = (len(items),)
                 runner.gather_input(IORows(items), range(len(items)))
                 del items
+            elif kind == "arrays":  # the same, stacked per input (items of one shape)
+                name, specs = indices
+                buf = _attach(shared, name).buf
+                arrays = [np.ndarray(shape, np.dtype(dtype), buffer=buf, offset=offset)
+                          for dtype, shape, offset in specs]
+                items = list(zip(*arrays, strict=True))
+                shape = (len(items),)
+                runner.gather_input(IORows(items), range(len(items)))
+                del items, arrays
             elif kind == "shm":  # a served batch: its own input rows, outputs sent back
                 name, shape = indices
                 rows = np.ndarray(shape, np.float32, buffer=_attach(shared, name).buf)
@@ -110,7 +119,7 @@ def child_main(conn_in: Any, conn_out: Any) -> None:
             waiting = conn_in.poll(0)
             times = (timing.latency_ns, timing.h2d_ns, timing.compute_ns, timing.d2h_ns)
             outputs = None
-            if kind in ("shm", "rows"):
+            if kind in ("shm", "rows", "arrays"):
                 n = shape[0]
                 outputs = [np.array(y[:n]) for y in runner.outputs()]
             conn_out.send(("ok", times, outputs, (early, idle_ns)))

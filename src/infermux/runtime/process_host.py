@@ -279,17 +279,39 @@ class ProcessHost:
         self._send(("shm", model, bucket, (shm.name, shape)))
 
     def send_io_rows(self, model: str, bucket: int, rows: Any) -> None:
-        """Queue one served batch of a model of several inputs: each item's inputs, pickled.
+        """Queue one served batch of a model of several inputs: every input of each item.
 
-        Each item has its own length, so the items are pickled as they are, into the batch's
-        shared memory block; only its name and size cross the pipe. Through the pipe itself, a
-        batch of 32 BERT items (98 KB) filled it while the child was writing the previous
-        batch's outputs into the other pipe: each waited for the other to read, for good.
+        Items of one shape per input (a fixed length: the usual case) are stacked per input
+        straight into the batch's shared memory block, and only the block's name and each
+        input's dtype, shape and offset cross the pipe: one copy per input, in C. Items of
+        differing lengths are pickled as they are into the block instead (a Python loop over
+        every array: 1.3 ms for 128 BERT items on the 2-core machine, against 0.25 ms
+        stacked). Through the pipe itself, a batch of 32 BERT items (98 KB) filled it while
+        the child was writing the previous batch's outputs into the other pipe: each waited for
+        the other to read, for good.
         """
-        payload = pickle.dumps([tuple(np.asarray(a) for a in row) for row in rows],
-                               protocol=pickle.HIGHEST_PROTOCOL)
+        first = [np.asarray(a) for a in rows[0]]
+        sizes = [len(rows) * a.nbytes for a in first]
         # Twice the size: the next batches' lengths vary, and each new block is a new mapping
         # in the child.
+        shm = self._block(model, sum(sizes), room=2)
+        specs: list[tuple[str, tuple[int, ...], int]] = []
+        offset = 0
+        try:
+            for j, (a, size) in enumerate(zip(first, sizes, strict=True)):
+                shape = (len(rows), *a.shape)
+                out = np.ndarray(shape, a.dtype, buffer=shm.buf, offset=offset)
+                np.stack([row[j] for row in rows], out=out)
+                del out
+                specs.append((a.dtype.str, shape, offset))
+                offset += size
+        except (ValueError, TypeError):  # items of differing shapes: pickled as they are
+            specs = []
+        if specs:
+            self._send(("arrays", model, bucket, (shm.name, specs)))
+            return
+        payload = pickle.dumps([tuple(np.asarray(a) for a in row) for row in rows],
+                               protocol=pickle.HIGHEST_PROTOCOL)
         shm = self._block(model, len(payload), room=2)
         block = np.ndarray((len(payload),), np.uint8, buffer=shm.buf)
         block[...] = np.frombuffer(payload, np.uint8)

@@ -257,6 +257,8 @@ class FrontHub:
             requests = []
             for rid, index, code, start, n, length in REQUEST.iter_unpack(payload):
                 layout, segment = self.layouts[index], gen.segments[index]
+                if trace is not None and trace.wants(rid):
+                    traces[rid] = {"front": gen.pid, "id": rid, "frame_read": read_ns}
                 if layout.several:  # one array per input, at the request's length
                     requests.append((self.models[index],
                                      layout.several_inputs(segment.map, start, n, length or None),
@@ -271,8 +273,6 @@ class FrontHub:
                                                                (id(segment), code))
                 requests.append((self.models[index], rows[start:start + n],
                                  layout.outputs(segment.map, start, n), rid))
-                if trace is not None and trace.wants(rid):
-                    traces[rid] = {"front": gen.pid, "id": rid, "frame_read": read_ns}
             assert gen.sink is not None
             refused = self.core.submit_many(requests, gen.sink, traces)
             gen.in_flight += len(requests) - len(refused)
