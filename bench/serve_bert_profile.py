@@ -42,8 +42,15 @@ def _spy_summary(raw: Path) -> dict[str, list[tuple[str, float]]]:
         own[frames[-1]] += n
         for frame in set(frames[1:]):
             inclusive[frame] += n
+    by_thread: dict[str, collections.Counter[str]] = {}
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        frames = stack.split(";")
+        by_thread.setdefault(frames[0], collections.Counter())[frames[-1]] += int(count)
     total = sum(threads.values()) or 1
     return {"threads": [(t, c / total) for t, c in threads.most_common(12)],
+            "by_thread": [(f"{t} | {f}", c / total) for t, _ in threads.most_common(4)
+                          for f, c in by_thread[t].most_common(8)],
             "own": [(f, c / total) for f, c in own.most_common(30)],
             "inclusive": [(f, c / total) for f, c in inclusive.most_common(300)
                           if "infermux" in f][:30]}
@@ -112,9 +119,13 @@ def main() -> None:
         cpu0 = {p.pid: sum(p.cpu_times()[:2]) for p in tree}
         t0 = time.perf_counter()
         if args.py_spy:
-            subprocess.run([args.py_spy, "record", "--pid", str(server.pid), "--duration", "8",
-                            "--rate", "200", "--format", "raw", "--output", str(out / "spy.txt"),
-                            "--nonblocking", "--threads"], capture_output=True, check=False)
+            # Threads while they run (py-spy's default), then only the one holding the
+            # interpreter lock (`--gil`): who keeps the others waiting.
+            for name, extra in (("spy.txt", []), ("spy-gil.txt", ["--gil"])):
+                subprocess.run([args.py_spy, "record", "--pid", str(server.pid), "--duration",
+                                "6", "--rate", "250", "--format", "raw", "--output",
+                                str(out / name), "--nonblocking", "--threads", *extra],
+                               capture_output=True, check=False)
         else:
             time.sleep(8)
         elapsed = time.perf_counter() - t0
@@ -132,6 +143,8 @@ def main() -> None:
     report["trace"] = summarize(str(trace), (began, ended))
     if (out / "spy.txt").exists():
         report["py_spy"] = _spy_summary(out / "spy.txt")
+    if (out / "spy-gil.txt").exists():
+        report["py_spy_gil"] = _spy_summary(out / "spy-gil.txt")
     (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
     print("\n".join(report["perf_analyzer"]))  # type: ignore[arg-type]
     for name, cores in report["cores"].items():  # type: ignore[attr-defined]
@@ -139,8 +152,10 @@ def main() -> None:
     for gap, figures in report["trace"]["gaps"].items():  # type: ignore[index]
         print(f"gap       {gap:32s} p50 {figures['p50_ms']:7.2f} p99 {figures['p99_ms']:7.2f} "
               f"mean {figures['mean_ms']:7.2f} ms")
-    for kind in ("threads", "own", "inclusive"):
-        for frame, share in (report.get("py_spy") or {}).get(kind, []):  # type: ignore[attr-defined]
+    for kind, key in (("threads", "py_spy"), ("own", "py_spy"), ("inclusive", "py_spy"),
+                      ("by_thread", "py_spy"), ("gil", "py_spy_gil")):
+        part = "by_thread" if kind == "gil" else kind
+        for frame, share in (report.get(key) or {}).get(part, []):  # type: ignore[attr-defined]
             print(f"{kind:9s} {share:.3f} {frame[:140]}")
 
 

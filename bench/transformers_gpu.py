@@ -62,7 +62,7 @@ from typing import Any
 import numpy as np
 
 from infermux.bench import BenchConfig, run_bench
-from infermux.models import ModelSpec
+from infermux.models import ModelSpec, load_model
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "eager": {"cuda_graph": False},
@@ -455,10 +455,13 @@ def main() -> None:
                       default=str)
         return
     runs: dict[str, Any] = {}
+    # A network without a sequence dim (a ViT) is measured at its one shape.
+    io = load_model(ModelSpec(args.model)).spec_io
+    seq_buckets = [args.seq] if io.dynamic_dims else None
     for name in args.variants.split(","):
         config = BenchConfig(ModelSpec(args.model), units=args.unit, batches=batches,
                              engine="torch", min_duration_s=args.min_duration, min_queries=256,
-                             warmup_s=1.0, options=VARIANTS[name], seq_buckets=[args.seq],
+                             warmup_s=1.0, options=VARIANTS[name], seq_buckets=seq_buckets,
                              telemetry_interval_s=None)
         t0 = time.perf_counter()
         report = run_bench(config)

@@ -37,7 +37,7 @@ from infermux.models import LoadedModel
 from infermux.units import Unit
 
 __all__ = ["IORows", "SeqRunner", "build_bucket_runners", "check_declared_inputs", "item_length",
-           "length_group", "sample_library", "seq_lengths"]
+           "length_group", "sample_library", "seq_axis", "seq_lengths"]
 
 
 class IORows:
@@ -51,10 +51,16 @@ class IORows:
 
 def item_length(io: IOSpec, item: Sequence[np.ndarray]) -> int | None:
     """One item's sequence length: the size of its first dynamic dim (None without one)."""
-    for spec, array in zip(io.inputs, item, strict=False):
+    at = seq_axis(io)
+    return None if at is None else int(np.shape(item[at[0]])[at[1]])
+
+
+def seq_axis(io: IOSpec) -> tuple[int, int] | None:
+    """(input index, axis) of the model's first dynamic dim in an item, or None."""
+    for j, spec in enumerate(io.inputs):
         for axis, dim in enumerate(spec.shape):
             if isinstance(dim, str):
-                return int(np.shape(array)[axis])
+                return j, axis
     return None
 
 
@@ -173,6 +179,7 @@ class SeqRunner(Runner):
         self._collected: Runner = first
         #: Tokens of the last gathered batch's items (their own lengths, not the padding).
         self.tokens = 0
+        self._seq_axis = seq_axis(io)
 
     def bucket_for(self, length: int | None) -> int | None:
         """The shortest compiled length that holds `length`."""
@@ -233,18 +240,27 @@ class SeqRunner(Runner):
     def _from_rows(self, rows: Sequence[Sequence[np.ndarray]], indices: Sequence[int]
                    ) -> tuple[list[np.ndarray], int | None, int]:
         items = [rows[i] for i in indices]
-        own = [item_length(self.io, item) for item in items]
+        n = len(items)
+        at = self._seq_axis
+        own = [None] * n if at is None else [np.shape(item[at[0]])[at[1]] for item in items]
         longest = max((x for x in own if x is not None), default=None)
         length = self.bucket_for(longest)
         dims = self.io.dims_for(length) if length is not None else {}
         arrays = []
         for j, spec in enumerate(self.io.inputs):
             out = np.zeros((self.batch, *spec.resolve(dims)), dtype=spec.numpy_dtype)
-            for i, item in enumerate(items):
-                value = np.asarray(item[j])
-                where: tuple[int | slice, ...] = (i, *(slice(0, s) for s in value.shape))
-                out[where] = value
-            out[len(items):] = out[0]
+            try:  # items of one shape (one length): stacked in one copy
+                stacked = np.stack([item[j] for item in items])
+            except ValueError:
+                stacked = None
+            if stacked is not None:
+                out[(slice(0, n), *(slice(0, s) for s in stacked.shape[1:]))] = stacked
+            else:
+                for i, item in enumerate(items):
+                    value = np.asarray(item[j])
+                    where: tuple[int | slice, ...] = (i, *(slice(0, s) for s in value.shape))
+                    out[where] = value
+            out[n:] = out[0]
             arrays.append(out)
         return arrays, length, sum(x for x in own if x is not None)
 

@@ -226,6 +226,12 @@ class ModelInfo:
                  for d, dim in enumerate(t.shape) if dim == -1]
         return max(sizes) if sizes else None
 
+    @property
+    def fixed_outputs(self) -> bool:
+        """A model of several inputs whose every output has one shape (no -1 dim)."""
+        return self.io is not None and bool(self.outputs) and not any(
+            -1 in t.shape for t in self.outputs)
+
     def cut(self, rows: list[np.ndarray], length: int) -> list[np.ndarray]:
         """One item's outputs cut to its own `length` along their sequence dims."""
         out = []
@@ -828,6 +834,7 @@ class InferenceCore:
     # -- the runtime's callbacks (worker threads) ----------------------------------------------
 
     def _on_outputs(self, batch: Batch, outputs: list[np.ndarray]) -> None:
+        cut: bool | None = None  # whether this batch's model has outputs to cut to a length
         with self._lock:
             for i, item in enumerate(batch.items):
                 pending = self._pending.get(item.query)
@@ -835,7 +842,10 @@ class InferenceCore:
                     continue
                 rows = [y[i] for y in outputs]
                 if pending.length is not None:
-                    rows = pending.model.cut(rows, pending.length)
+                    if cut is None:
+                        cut = not pending.model.fixed_outputs
+                    if cut:
+                        rows = pending.model.cut(rows, pending.length)
                 if pending.outputs is None:
                     pending.outputs = [np.empty((pending.items, *r.shape), dtype=r.dtype)
                                        for r in rows]

@@ -100,7 +100,7 @@ def _layout(info: Any, fronts: int) -> SlabLayout:
                          "seq_buckets, or serve it with --fronts 1")
     return SlabLayout((), info.output_room,
                       tuple((tuple(t.shape), DATATYPES[t.datatype].str) for t in info.inputs),
-                      info.max_length or 1)
+                      info.max_length or 1, fixed_outputs=info.fixed_outputs)
 
 
 # -- the runtime process's side ---------------------------------------------------------------
@@ -260,10 +260,14 @@ class FrontHub:
                 if trace is not None and trace.wants(rid):
                     traces[rid] = {"front": gen.pid, "id": rid, "frame_read": read_ns}
                 if layout.several:  # one array per input, at the request's length
+                    # Outputs of one shape whatever the length go straight into the
+                    # request's slots; others come back as arrays, written at their shapes.
+                    out = layout.outputs(segment.map, start, n) if layout.fixed_outputs else None
                     requests.append((self.models[index],
                                      layout.several_inputs(segment.map, start, n, length or None),
-                                     None, rid))
-                    gen.several[rid] = (index, start, n)
+                                     out, rid))
+                    if out is None:
+                        gen.several[rid] = (index, start, n)
                     continue
                 # The request's rows are a slice of the slab's rows, each knowing its slot:
                 # no array per request, and the runner gathers a batch by slot index.

@@ -176,19 +176,28 @@ class SlabLayout:
     max_length: int = 1
     #: Slots of the slab (set once its size is known: `replace(layout, slots=n)`).
     slots: int = 0
+    #: A model of several inputs whose outputs have no sequence dim: every request's outputs
+    #: are `output_shapes`, so the runtime writes them into the request's slots as it does a
+    #: single-input model's (no shapes sent back, no second copy).
+    fixed_outputs: bool = False
 
     def _at(self, shape: tuple[int, ...], length: int | None) -> tuple[int, ...]:
         """`shape` with its sequence dims (-1) at `length` (the longest when None)."""
         size = self.max_length if length is None else length
         return tuple(size if d == -1 else d for d in shape)
 
-    @property
+    @functools.cached_property
     def input_item_bytes(self) -> int:
         """Bytes of one item's input (every input at the longest length), as stored."""
         if self.several:
             return sum(math.prod(self._at(shape, None)) * np.dtype(dtype).itemsize
                        for shape, dtype in self.several)
         return math.prod(self.input_shape) * 4
+
+    @functools.cached_property
+    def _several_at(self) -> dict[int | None, list[tuple[tuple[int, ...], np.dtype, int]]]:
+        """Per request length: each input's item shape, dtype and bytes (filled as met)."""
+        return {}
 
     @property
     def output_item_bytes(self) -> tuple[int, ...]:
@@ -230,12 +239,17 @@ class SlabLayout:
     def several_inputs(self, buf: Any, start: int, n: int, length: int | None,
                        ) -> list[np.ndarray]:
         """A model of several inputs: the request's arrays, one per input, at `length`."""
+        specs = self._several_at.get(length)
+        if specs is None:  # once per length: a request makes only its views
+            specs = self._several_at[length] = [
+                (shape, np.dtype(dtype), math.prod(shape) * np.dtype(dtype).itemsize)
+                for shape, dtype in ((self._at(shape, length), dtype)
+                                     for shape, dtype in self.several)]
         at = start * self.input_item_bytes
         views = []
-        for shape, dtype in self.several:
-            view = np.ndarray((n, *self._at(shape, length)), dtype=dtype, buffer=buf, offset=at)
-            views.append(view)
-            at += view.nbytes
+        for shape, dtype, item_bytes in specs:
+            views.append(np.ndarray((n, *shape), dtype=dtype, buffer=buf, offset=at))
+            at += n * item_bytes
         return views
 
     def outputs(self, buf: Any, start: int, n: int,
