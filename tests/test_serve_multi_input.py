@@ -120,6 +120,44 @@ def _infer(protocol: str, srv: Server, model: str, request: dict[str, np.ndarray
         client.close()
 
 
+_POOLED = """
+from infermux import hf
+
+
+def build():
+    net = hf.build({folder!r})
+    net.outputs = [t for t in net.outputs if t.name == "pooler_output"]
+    net.output_names = ["pooler_output"]
+    return net
+"""
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_outputs_of_one_shape_are_answered_in_the_requests_slots(
+        tiny_bert: str, bert_module: Any, tmp_path: Any, protocol: str) -> None:
+    """The BERT as a service answering only its pooled vector (no sequence dim in any output):
+    the runtime writes each answer into the request's slots (no shapes frame) and requests of
+    several lengths and sizes through two fronts get the network's pooled outputs."""
+    factory = tmp_path / "pooled.py"
+    factory.write_text(_POOLED.format(folder=tiny_bert.removeprefix("hf:")))
+    plan = {"name": "pooled", "models": [
+        {"name": "bert", "model": f"{factory}:build", "seq_buckets": [8, 16],
+         "replicas": [{"unit": "cpu:0", "batch": 4}]}],
+        "dispatcher": {"max_queue_delay_ms": 1, "cpu_workers": "thread"}}
+    srv = Server(tmp_path, plan, "--fronts", "2")
+    shapes = [(1, 5), (3, 12), (2, 16), (4, 8), (1, 16)]
+    try:
+        got = [_infer(protocol, srv, "bert", _bert_request(n, length, k), ["pooler_output"])
+               for k, (n, length) in enumerate(shapes)]
+    finally:
+        code, out = srv.stop()
+    assert code == 0, out
+    for k, (n, length) in enumerate(shapes):
+        want = _bert_reference(bert_module, _bert_request(n, length, k))["pooler_output"]
+        assert got[k]["pooler_output"].shape == want.shape == (n, want.shape[1])
+        np.testing.assert_allclose(got[k]["pooler_output"], want, atol=1e-4)
+
+
 def test_slab_layout_of_several_inputs_packs_them_at_the_request_length() -> None:
     # features (16,) FP32 and ids (seq,) INT64, longest length 8; outputs (seq, 2) and (4,),
     # (8, 2) and (4,) at the longest length.

@@ -254,7 +254,8 @@ class SeqRunner(Runner):
             except ValueError:
                 stacked = None
             if stacked is not None:
-                out[(slice(0, n), *(slice(0, s) for s in stacked.shape[1:]))] = stacked
+                where_all = (slice(0, n), *(slice(0, s) for s in stacked.shape[1:]))
+                out[where_all] = stacked
             else:
                 for i, item in enumerate(items):
                     value = np.asarray(item[j])
