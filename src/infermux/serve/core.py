@@ -228,9 +228,16 @@ class ModelInfo:
 
     @property
     def fixed_outputs(self) -> bool:
-        """A model of several inputs whose every output has one shape (no -1 dim)."""
-        return self.io is not None and bool(self.outputs) and not any(
-            -1 in t.shape for t in self.outputs)
+        """A model of several inputs whose every output has one shape, the one served.
+
+        No -1 dim in any output, and each output's shape is what the start-up probe found
+        (`output_room`): a declared shape the network does not give is answered at the shapes
+        the runtime gives, as outputs with a sequence dim are.
+        """
+        return (self.io is not None and bool(self.outputs)
+                and len(self.outputs) == len(self.output_room)
+                and all(tuple(t.shape) == tuple(room)
+                        for t, room in zip(self.outputs, self.output_room, strict=True)))
 
     def cut(self, rows: list[np.ndarray], length: int) -> list[np.ndarray]:
         """One item's outputs cut to its own `length` along their sequence dims."""
