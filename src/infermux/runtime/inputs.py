@@ -23,6 +23,7 @@ length from the batch's longest item, so a served batch is right whatever it hol
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -117,7 +118,7 @@ def length_group(qsl: QuerySampleLibrary) -> Callable[[int, Any], int] | None:
     lengths = [n for n in qsl.seq_lengths if n is not None]
     if qsl.io is None or len(lengths) < 2:
         return None
-    io = qsl.io
+    at = seq_axis(qsl.io)
     bounds = np.asarray(lengths)
     samples = qsl.data
     by_sample = (np.searchsorted(bounds, samples.lengths) if samples.lengths is not None
@@ -126,8 +127,10 @@ def length_group(qsl: QuerySampleLibrary) -> Callable[[int, Any], int] | None:
     def group(sample: int, data: Any) -> int:
         if data is None:
             return int(by_sample[sample])
-        length = item_length(io, data)
-        return int(np.searchsorted(bounds, length)) if length is not None else 0
+        if at is None:
+            return 0
+        # Per served item, on the submitting thread: bisect on the list, not a numpy call.
+        return bisect.bisect_left(lengths, np.shape(data[at[0]])[at[1]])
 
     return group
 
