@@ -3,14 +3,23 @@
 One server (`infermux serve --fronts 8`) of BERT-base as a service answering only
 `pooler_output` (the factory module `transformers_gpu._outputs_factory` writes), fp16 on
 `cuda:0`, batch `--batch` × `--instances` with `torch.compile` `default`; perf_analyzer over
-gRPC at `--concurrency` (a perf_analyzer range, e.g. 128:256:128) with zero-filled INT64 inputs of
-length 128; with `--py-spy PATH`, eight seconds of the runtime process's stacks (raw, 200 Hz)
-summed per thread and per frame. Needs the `hf` and `serve` extras and a GPU.
+gRPC at `--concurrency` (a perf_analyzer range, e.g. 128:256:128) with INT64 inputs of
+length 128; with `--py-spy PATH`, six seconds of the runtime process's stacks (raw, 250 Hz)
+summed per thread and per frame, then six of the lock holder's. Needs the `hf` and `serve`
+extras (and a GPU for the default unit).
 
     python bench/serve_bert_profile.py --out prof --perf-analyzer /tmp/opt/perf_analyzer \
         --py-spy /tmp/pyspy/bin/py-spy
     python bench/serve_bert_profile.py --out prof --perf-analyzer PA --instances 2 \
         --concurrency 128:256:128
+    python bench/serve_bert_profile.py --out prof --perf-analyzer PA --py-spy PY_SPY \
+        --options compile=default,precision=fp8 --batch 128 --instances 2 --buckets 32,64,128 \
+        --concurrency 256:384:128
+
+`--options`, `--buckets`, `--model` and `--unit` set the plan (`--unit cpu --model hf:FOLDER`
+runs it on the CPU); perf_analyzer sends ids and masks of ones (`--input-data tokens`). It
+prints each server process's cores over the sampled seconds, the trace's gaps, and py-spy's
+samples twice: of the running threads, and of the interpreter lock's holder (`--gil`).
 """
 
 from __future__ import annotations
@@ -104,8 +113,8 @@ def main() -> None:
                "--max-trials", "3", "--stability-percentage", "50", "--input-data",
                transformers_gpu.pa_input_data(ready["models"][0]["inputs"], 128,
                                               args.input_data, out)]
-        for name in ("input_ids", "attention_mask", "token_type_ids"):
-            cmd += ["--shape", f"{name}:128"]
+        for spec in ready["models"][0]["inputs"]:
+            cmd += ["--shape", f"{spec['name']}:128"]
         lib = Path(args.perf_analyzer).resolve().parent / "lib"
         env = dict(os.environ, LD_LIBRARY_PATH=os.pathsep.join(
             [str(lib), os.environ.get("LD_LIBRARY_PATH", "")]))
