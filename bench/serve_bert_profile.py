@@ -44,18 +44,15 @@ def _spy_summary(raw: Path) -> dict[str, list[tuple[str, float]]]:
     own: collections.Counter[str] = collections.Counter()
     threads: collections.Counter[str] = collections.Counter()
     inclusive: collections.Counter[str] = collections.Counter()
+    by_thread: dict[str, collections.Counter[str]] = {}
     for line in raw.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
         frames, n = stack.split(";"), int(count)
         threads[frames[0]] += n
         own[frames[-1]] += n
+        by_thread.setdefault(frames[0], collections.Counter())[frames[-1]] += n
         for frame in set(frames[1:]):
             inclusive[frame] += n
-    by_thread: dict[str, collections.Counter[str]] = {}
-    for line in raw.read_text().splitlines():
-        stack, _, count = line.rpartition(" ")
-        frames = stack.split(";")
-        by_thread.setdefault(frames[0], collections.Counter())[frames[-1]] += int(count)
     total = sum(threads.values()) or 1
     return {"threads": [(t, c / total) for t, c in threads.most_common(12)],
             "by_thread": [(f"{t} | {f}", c / total) for t, _ in threads.most_common(4)

@@ -148,9 +148,10 @@ def test_a_two_input_onnx_file_runs_a_plan_on_onnxruntime(two, hosting):
 
 def test_a_tiny_bert_plan_on_torch_process_workers_serves_rows(bert):
     """A process-hosted worker's child builds every (batch, length) runner and runs served
-    items of every input; its outputs match the thread worker's."""
-    items = [[np.arange(1, 1 + n) % 100, np.ones(n, np.int64), np.zeros(n, np.int64)]
-             for n in (3, 9)]
+    items of every input; its outputs match the thread worker's. Items of one length go to
+    the child stacked per input, a batch of two lengths (3 and 5, one bucket) pickled."""
+    items = [[np.arange(k, k + n) % 100, np.ones(n, np.int64), np.zeros(n, np.int64)]
+             for k, n in enumerate((3, 5, 9, 9, 12))]
     answers = []
     for hosting in ("thread", "process"):
         rt = start_runtime(_plan(bert, hosting=hosting, seq_buckets=[8, 16], batch=2))

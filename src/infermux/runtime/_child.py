@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from infermux.engines.base import Runner, is_out_of_memory
-from infermux.runtime.inputs import IORows
+from infermux.runtime.inputs import IORows, StackedRows
 
 
 def child_main(conn_in: Any, conn_out: Any) -> None:
@@ -102,10 +102,9 @@ def child_main(conn_in: Any, conn_out: Any) -> None:
                 buf = _attach(shared, name).buf
                 arrays = [np.ndarray(shape, np.dtype(dtype), buffer=buf, offset=offset)
                           for dtype, shape, offset in specs]
-                items = list(zip(*arrays, strict=True))
-                shape = (len(items),)
-                runner.gather_input(IORows(items), range(len(items)))
-                del items, arrays
+                shape = (len(arrays[0]),)
+                runner.gather_input(StackedRows(arrays), range(shape[0]))
+                del arrays
             elif kind == "shm":  # a served batch: its own input rows, outputs sent back
                 name, shape = indices
                 rows = np.ndarray(shape, np.float32, buffer=_attach(shared, name).buf)

@@ -37,8 +37,8 @@ from infermux.load.samples import IOSamples, parse_lengths
 from infermux.models import LoadedModel
 from infermux.units import Unit
 
-__all__ = ["IORows", "SeqRunner", "build_bucket_runners", "check_declared_inputs", "item_length",
-           "length_group", "sample_library", "seq_axis", "seq_lengths"]
+__all__ = ["IORows", "SeqRunner", "StackedRows", "build_bucket_runners", "check_declared_inputs",
+           "item_length", "length_group", "sample_library", "seq_axis", "seq_lengths"]
 
 
 class IORows:
@@ -48,6 +48,15 @@ class IORows:
 
     def __init__(self, rows: Sequence[Sequence[np.ndarray]]) -> None:
         self.rows = rows
+
+
+class StackedRows:
+    """A served batch's own inputs of one length: per input, its items stacked `(n, ...)`."""
+
+    __slots__ = ("arrays",)
+
+    def __init__(self, arrays: Sequence[np.ndarray]) -> None:
+        self.arrays = arrays
 
 
 def item_length(io: IOSpec, item: Sequence[np.ndarray]) -> int | None:
@@ -217,6 +226,8 @@ class SeqRunner(Runner):
             raise RunError(f"{n} items for a batch of {self.batch}")
         if isinstance(pool, IORows):
             arrays, length, tokens = self._from_rows(pool.rows, indices)
+        elif isinstance(pool, StackedRows):
+            arrays, length, tokens = self._from_stacked(pool)
         else:
             arrays, length, tokens = self._from_pool(pool, indices)
         runner = self.runners[length]
@@ -243,30 +254,42 @@ class SeqRunner(Runner):
     def _from_rows(self, rows: Sequence[Sequence[np.ndarray]], indices: Sequence[int]
                    ) -> tuple[list[np.ndarray], int | None, int]:
         items = [rows[i] for i in indices]
-        n = len(items)
+        try:  # items of one shape (one length): each input stacked in one copy
+            stacked = [np.stack([item[j] for item in items]) for j in range(len(self.io.inputs))]
+        except ValueError:
+            stacked = None
+        if stacked is not None:
+            return self._from_stacked(StackedRows(stacked))
         at = self._seq_axis
-        own = [None] * n if at is None else [np.shape(item[at[0]])[at[1]] for item in items]
-        longest = max((x for x in own if x is not None), default=None)
-        length = self.bucket_for(longest)
+        own = [] if at is None else [np.shape(item[at[0]])[at[1]] for item in items]
+        length = self.bucket_for(max(own, default=None))
         dims = self.io.dims_for(length) if length is not None else {}
         arrays = []
         for j, spec in enumerate(self.io.inputs):
             out = np.zeros((self.batch, *spec.resolve(dims)), dtype=spec.numpy_dtype)
-            try:  # items of one shape (one length): stacked in one copy
-                stacked = np.stack([item[j] for item in items])
-            except ValueError:
-                stacked = None
-            if stacked is not None:
-                where_all = (slice(0, n), *(slice(0, s) for s in stacked.shape[1:]))
-                out[where_all] = stacked
-            else:
-                for i, item in enumerate(items):
-                    value = np.asarray(item[j])
-                    where: tuple[int | slice, ...] = (i, *(slice(0, s) for s in value.shape))
-                    out[where] = value
+            for i, item in enumerate(items):
+                value = np.asarray(item[j])
+                where: tuple[int | slice, ...] = (i, *(slice(0, s) for s in value.shape))
+                out[where] = value
+            out[len(items):] = out[0]
+            arrays.append(out)
+        return arrays, length, sum(own)
+
+    def _from_stacked(self, rows: StackedRows) -> tuple[list[np.ndarray], int | None, int]:
+        """Items of one length, each input stacked: padded to the batch and the length bucket."""
+        n = len(rows.arrays[0])
+        at = self._seq_axis
+        own = None if at is None else rows.arrays[at[0]].shape[1 + at[1]]
+        length = self.bucket_for(own)
+        dims = self.io.dims_for(length) if length is not None else {}
+        arrays = []
+        for spec, stacked in zip(self.io.inputs, rows.arrays, strict=True):
+            out = np.zeros((self.batch, *spec.resolve(dims)), dtype=spec.numpy_dtype)
+            where = (slice(0, n), *(slice(0, s) for s in stacked.shape[1:]))
+            out[where] = stacked
             out[n:] = out[0]
             arrays.append(out)
-        return arrays, length, sum(x for x in own if x is not None)
+        return arrays, length, n * (own or 0)
 
     def set_input(self, batch: np.ndarray) -> None:
         """Not for several inputs: `set_inputs`."""

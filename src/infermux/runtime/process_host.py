@@ -283,12 +283,11 @@ class ProcessHost:
 
         Items of one shape per input (a fixed length: the usual case) are stacked per input
         straight into the batch's shared memory block, and only the block's name and each
-        input's dtype, shape and offset cross the pipe: one copy per input, in C. Items of
-        differing lengths are pickled as they are into the block instead (a Python loop over
-        every array: 1.3 ms for 128 BERT items on the 2-core machine, against 0.25 ms
-        stacked). Through the pipe itself, a batch of 32 BERT items (98 KB) filled it while
-        the child was writing the previous batch's outputs into the other pipe: each waited for
-        the other to read, for good.
+        input's dtype, shape and offset cross the pipe: one copy per input, in C, and the child
+        pads them as they are (`StackedRows`). Items of differing lengths are pickled as they
+        are into the block instead (a Python loop over every array). Through the pipe itself,
+        a batch of 32 BERT items (98 KB) filled it while the child was writing the previous
+        batch's outputs into the other pipe: each waited for the other to read, for good.
         """
         first = [np.asarray(a) for a in rows[0]]
         sizes = [len(rows) * a.nbytes for a in first]
