@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import signal
@@ -142,7 +143,10 @@ def main() -> None:
         shown = client.communicate(timeout=300)[0]
         ended = time.perf_counter_ns()
         server.send_signal(signal.SIGTERM)
-        server.communicate(timeout=120)
+        tail = server.communicate(timeout=120)[0]
+    with contextlib.suppress(ValueError):  # the server's summary: its batches' mean size
+        models = json.loads(tail[tail.index("{"):])["models"]
+        report["mean_batch"] = {name: m.get("mean_batch") for name, m in models.items()}
     report["perf_analyzer"] = [ln.strip() for ln in shown.splitlines() if any(
         k in ln for k in ("Request concurrency", "Throughput", "p99 latency", "Avg request",
                           "Avg gRPC"))]
@@ -153,11 +157,20 @@ def main() -> None:
         report["py_spy_gil"] = _spy_summary(out / "spy-gil.txt")
     (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
     print("\n".join(report["perf_analyzer"]))  # type: ignore[arg-type]
+    print(f"mean batch {report.get('mean_batch')}")
     for name, cores in report["cores"].items():  # type: ignore[attr-defined]
         print(f"cores     {cores:5.2f} {name}")
     for gap, figures in report["trace"]["gaps"].items():  # type: ignore[index]
         print(f"gap       {gap:32s} p50 {figures['p50_ms']:7.2f} p99 {figures['p99_ms']:7.2f} "
               f"mean {figures['mean_ms']:7.2f} ms")
+    for bucket, figures in report["trace"].get("batches", {}).items():  # type: ignore[union-attr]
+        device = figures["device"] or {}
+        idle = figures.get("idle_before") or {}
+        print(f"bucket    {bucket:>5} requests {figures['requests']:6d} mean items "
+              f"{figures['mean_items']:6.1f} device p50 {device.get('p50_ms', 0):7.2f} p99 "
+              f"{device.get('p99_ms', 0):7.2f} mean {device.get('mean_ms', 0):7.2f} ms; idle "
+              f"before it mean {idle.get('mean_ms', 0):6.2f} p99 {idle.get('p99_ms', 0):6.2f} ms")
+    print(f"gathers   {report['trace'].get('gather_paths')}")  # type: ignore[union-attr]
     for kind, key in (("threads", "py_spy"), ("own", "py_spy"), ("inclusive", "py_spy"),
                       ("by_thread", "py_spy"), ("gil", "py_spy_gil")):
         part = "by_thread" if kind == "gil" else kind

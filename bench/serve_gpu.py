@@ -168,11 +168,11 @@ def stop_server(proc: subprocess.Popen[str]) -> dict[str, Any]:
 
 def perf_analyzer(exe: str, url: str, protocol: str, model: str, concurrency: int,
                   shared_memory: str, csv_file: Path, interval_ms: int, items: int = 1,
-                  stability_pct: int = 20) -> dict[str, Any]:
+                  stability_pct: int = 20, extra: Sequence[str] = ()) -> dict[str, Any]:
     cmd = [exe, "-m", model, "-u", url, "-i", protocol, "-b", str(items),
            "--concurrency-range", f"{concurrency}:{concurrency}",
            "--measurement-interval", str(interval_ms), "--stability-percentage", str(stability_pct),
-           "--max-trials", "5", "--shared-memory", shared_memory, "-f", str(csv_file)]
+           "--max-trials", "5", "--shared-memory", shared_memory, "-f", str(csv_file), *extra]
     started = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True)
     row: dict[str, Any] = {"concurrency": concurrency, "command": " ".join(cmd),

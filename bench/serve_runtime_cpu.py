@@ -29,6 +29,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import transformers_gpu
+from serve_bert_profile import _spy_summary
 
 MODULE = '''
 import torch
@@ -81,6 +82,14 @@ def _one(src: str, folder: Path, args: argparse.Namespace) -> dict[str, Any]:
     runtime = psutil.Process(server.pid)
     time.sleep(4)  # past perf_analyzer's warm-up
     cpu0, t0 = sum(runtime.cpu_times()[:2]), time.perf_counter()
+    spy = None
+    if args.py_spy:  # the runtime process's stacks, holding the interpreter lock or not
+        raw = folder / f"spy-{abs(hash(src))}.txt"
+        subprocess.run([args.py_spy, "record", "--pid", str(server.pid), "--duration", "5",
+                        "--rate", "200", "--format", "raw", "--output", str(raw),
+                        "--nonblocking", "--threads", *(["--gil"] if args.gil else [])],
+                       capture_output=True, check=False)
+        spy = _spy_summary(raw) if raw.exists() else None
     shown = client.communicate(timeout=300)[0]
     cpu1, t1 = sum(runtime.cpu_times()[:2]), time.perf_counter()
     server.send_signal(signal.SIGTERM)
@@ -89,7 +98,7 @@ def _one(src: str, folder: Path, args: argparse.Namespace) -> dict[str, Any]:
     rate = rates[-1] if rates else 0.0
     cores = (cpu1 - cpu0) / (t1 - t0)
     return {"src": src, "requests_per_s": rate, "runtime_cores": cores,
-            "runtime_us_per_request": 1e6 * cores / rate if rate else None}
+            "runtime_us_per_request": 1e6 * cores / rate if rate else None, "py_spy": spy}
 
 
 def main() -> None:
@@ -99,6 +108,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--json", default=None)
+    p.add_argument("--py-spy", help="py-spy executable: sample the runtime process for 5 s")
+    p.add_argument("--gil", action="store_true", help="with --py-spy: only the lock's holder")
     args = p.parse_args()
     folder = Path(tempfile.mkdtemp(prefix="infermux-runtime-cpu-"))
     (folder / "tokens_module.py").write_text(MODULE)
@@ -115,6 +126,9 @@ def main() -> None:
             print(f"round {k + 1} {src}: {row['requests_per_s']:.0f} requests/s, runtime process "
                   f"{row['runtime_cores']:.2f} cores, {row['runtime_us_per_request'] or 0:.0f} "
                   "us of its CPU per request", flush=True)
+            for part in ("by_thread", "own", "inclusive"):
+                for frame, share in (row["py_spy"] or {}).get(part, []):
+                    print(f"  {part:9s} {share:.3f} {frame[:150]}")
     if args.json:
         Path(args.json).write_text(json.dumps({"command": "python " + " ".join(sys.argv),
                                                "rows": rows}, indent=1))

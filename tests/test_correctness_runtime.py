@@ -179,7 +179,13 @@ def test_a_pipelined_batch_completes_when_collected_not_after_the_next_gather(de
         state.estimate.update(1, device_s * 1e9, "m")
     d.add_worker(state)
     spans: list[tuple[int, int]] = []
-    d.on_batch_done = lambda w, b, start, end, timing: spans.append((start, end))
+    taken: list[tuple[str, int]] = []  # each batch's gather path and device idle before it
+
+    def done(w, b, start, end, timing):
+        spans.append((start, end))
+        taken.append((b.gather_path, b.idle_before_ns))
+
+    d.on_batch_done = done
     finished = threading.Event()
     d.set_completion(lambda pairs, ok, t: len(spans) >= batches and finished.set())
     runner = SleepDevice(1, device_s, gather_s)
@@ -202,6 +208,14 @@ def test_a_pipelined_batch_completes_when_collected_not_after_the_next_gather(de
     total_s = (spans[-1][1] - spans[0][0]) / 1e9
     longer, shorter = max(device_s, gather_s), min(device_s, gather_s)
     assert total_s < (batches - 1) * longer + device_s + (2 if primed else 3) * shorter, total_s
+    # The first batch was gathered with nothing running and nothing collected before it.
+    assert taken[0] == ("idle", 0), taken
+    assert all(path in ("idle", "here", "helper", "after") for path, _ in taken), taken
+    if primed and device_s > gather_s:
+        # Each later gather ran under the batch before: the device never waited for one
+        # (every item was queued from the start, so any gap would have been counted).
+        assert all(path in ("here", "helper") for path, _ in taken[1:]), taken
+        assert max(idle for _, idle in taken[1:]) < 0.5 * gather_s * 1e9, taken
 
 
 # -- process-hosted CPU workers --------------------------------------------------------------

@@ -177,9 +177,13 @@ def test_requests_of_a_model_of_several_inputs_are_traced_in_the_runtime_too(
     traced = json.loads(out[out.index("{"):])["trace"]
     assert traced["requests"] == sent
     gaps = traced["gaps"]
-    for gap in ("front_sent->frame_read", "enqueued->taken", "launch->collect",
-                "written->front_got"):
+    for gap in ("front_sent->frame_read", "enqueued->taken", "launch->launched",
+                "launched->collect", "written->front_got"):
         assert gaps[gap]["count"] == sent, (gap, gaps)
+    # Each traced request's batch: its bucket (one request a batch here), items, device time.
+    ((_, batches),) = traced["batches"].items()
+    assert batches["requests"] == sent and batches["mean_items"] == 1, traced["batches"]
+    assert batches["device"]["count"] == sent and batches["device"]["mean_ms"] > 0
 
 
 def test_the_in_process_fronts_trace_from_admission_to_the_resumed_handler(net_file: Path,
@@ -202,7 +206,7 @@ def test_the_in_process_fronts_trace_from_admission_to_the_resumed_handler(net_f
     assert traced["requests"] == 2
     gaps = list(traced["gaps"])
     assert gaps[0] == "admitted->enqueued" and gaps[-1] == "answer_queued->written", gaps
-    assert "enqueued->taken" in gaps and "launch->collect" in gaps
+    assert "enqueued->taken" in gaps and "launched->collect" in gaps
 
 
 def test_a_negative_trace_rate_is_refused_in_one_line(net_file: Path, tmp_path: Path) -> None:

@@ -100,6 +100,15 @@ class Batch:
     #: When the worker gathered, launched, collected and reported it (clock ns; the served
     #: requests' stage trace reads them: serve/trace.py).
     stamps: dict[str, int] = field(default_factory=dict)
+    #: Its time on the device (the runner's copies and compute, from its own device timing;
+    #: 0 where the runner has none), set when it finished.
+    device_ns: int = 0
+    #: A pipelined (GPU) worker's: where its gather ran (`here` on the worker's thread while
+    #: the batch before ran, on the `helper` thread, `after` that batch was collected, or
+    #: `idle`: nothing ran), and how long the worker's device had no batch of its own while
+    #: this batch's first item waited (from the batch before's collection to this launch).
+    gather_path: str = ""
+    idle_before_ns: int = 0
 
     @property
     def samples(self) -> list[int]:
@@ -587,6 +596,9 @@ class Dispatcher:
             self.cond.notify_all()
         if stale:
             return
+        if timing is not None:
+            batch.device_ns = (getattr(timing, "h2d_ns", 0) + getattr(timing, "compute_ns", 0)
+                               + getattr(timing, "d2h_ns", 0))
         if self.on_batch_done is not None:
             self.on_batch_done(w, batch, start_ns, end_ns, timing)
         if outputs is not None and self.on_outputs is not None:

@@ -156,6 +156,7 @@ class Worker:
                 batch.stamps["gather_begin"] = start
                 batch.stamps["gather_end"] = batch.stamps["launch"] = self.clock_ns()
                 runner.launch()
+                batch.stamps["launched"] = self.clock_ns()
                 timing = runner.collect()
                 end = batch.stamps["collect"] = self.clock_ns()
                 outputs = self._outputs(runner, batch)
@@ -259,6 +260,7 @@ class Worker:
         # lengthened the next wait, and finished batches sat on the device uncollected while
         # the worker waited for a full batch (docs/architecture-serve.md, hidden waits).
         device_ns: dict[tuple[str, int], float] = {}
+        last_collect_ns = 0  # when this worker's previous batch was collected
         try:
             while True:
                 if pending is not None and self.just_in_time and self._wait_to_take(
@@ -269,7 +271,7 @@ class Worker:
                     pending = None
                     try:
                         timing = p_runner.collect()
-                        ended = p_batch.stamps["collect"] = self.clock_ns()
+                        ended = last_collect_ns = p_batch.stamps["collect"] = self.clock_ns()
                         outputs = self._outputs(p_runner, p_batch)
                     except Exception as exc:  # noqa: BLE001 - the inputs' fault, or the worker's
                         if self._input_fault([p_batch], exc):
@@ -292,9 +294,9 @@ class Worker:
                         runner = self._runner(batch)
                         pool, rows = self._source(runner, batch)
                         left = 0.0 if pending is None else pending[3] - self.clock_ns()
-                        where = ("here" if pending is None or gather_ns < 0.5 * left
+                        where = ("idle" if pending is None else "here" if gather_ns < 0.5 * left
                                  else "after" if left <= 0 else "helper")
-                        if where == "here":
+                        if where in ("here", "idle"):
                             took = self.clock_ns()
                             runner.gather_input(pool, rows)
                             ended = self.clock_ns()
@@ -308,7 +310,7 @@ class Worker:
                     if pending is not None:
                         p_batch, p_runner, p_start, _ = pending
                         timing = p_runner.collect()
-                        p_batch.stamps["collect"] = p_end = self.clock_ns()
+                        p_batch.stamps["collect"] = p_end = last_collect_ns = self.clock_ns()
                         _learn_device_time(device_ns, p_batch, timing)
                         # Read before the next launch, which may reuse the output buffers.
                         done = (p_batch, p_start, p_end, timing,
@@ -337,6 +339,10 @@ class Worker:
                     if batch is not None:
                         start = batch.stamps["launch"] = self.clock_ns()
                         runner.launch()
+                        batch.stamps["launched"] = self.clock_ns()
+                        batch.gather_path = where
+                        if last_collect_ns and batch.items[0].enqueued_ns < last_collect_ns:
+                            batch.idle_before_ns = start - last_collect_ns
                         expected = (device_ns.get((batch.model, batch.bucket))
                                     or w.estimate.expected_ns(batch.bucket, batch.model))
                         pending = (batch, runner, start, start + expected)

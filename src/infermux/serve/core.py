@@ -984,11 +984,15 @@ def _input_datatype(entry: ModelEntry) -> str:
     return "FP16" if modes == {"fp16"} else "FP32"
 
 
-def _stamp(trace: dict[str, int], enqueued_ns: int, batch: Batch) -> None:
+def _stamp(trace: dict[str, Any], enqueued_ns: int, batch: Batch) -> None:
     """A traced request's runtime stages: its first item's queueing, its last item's batch."""
     trace.setdefault("enqueued", enqueued_ns)
     trace["taken"] = batch.taken_ns
     trace.update(batch.stamps)
+    # Its batch's bucket, items, device time, gather path and the device's idle time before
+    # it: not stages, kept for the batches' summary (serve/trace.py).
+    trace.update(bucket=batch.bucket, items=len(batch.items), device_ns=batch.device_ns,
+                 gather_path=batch.gather_path, idle_before_ns=batch.idle_before_ns)
     trace["outputs_written"] = time.perf_counter_ns()
 
 

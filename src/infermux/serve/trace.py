@@ -9,7 +9,8 @@ to the front; the front got it and resumed the request's handler. Each process a
 JSON lines (the runtime to the trace file, a front process to `<file>.<pid>`), buffered and
 written at exit, so tracing costs nothing when off and a few dict writes per traced request
 when on. `summarize` joins the lines by (front, request) and gives the p50/p99 of every gap
-between consecutive stages; the server puts it in its summary (`--json`).
+between consecutive stages, and of the traced requests' batches per bucket (items, time on
+the device as the runner timed it); the server puts it in its summary (`--json`).
 
 Which gap grows with load says where requests wait: the dispatcher's queue (`enqueued` →
 `taken`) is the only wait that should.
@@ -39,7 +40,8 @@ STAGES = (
     "taken",            # a worker took the batch holding it
     "gather_begin",     # the batch's rows started into the input buffer
     "gather_end",
-    "launch",           # the batch launched on the device
+    "launch",           # the batch's launch began (its copies and work queued on the device)
+    "launched",         # the launch call returned (its time is the host's, under the lock)
     "collect",          # the batch's end (outputs ready on the host)
     "reported",         # the worker reported the batch (`Dispatcher.finished`)
     "outputs_written",  # the request's outputs written (its last item's batch)
@@ -94,21 +96,38 @@ def summarize(path: str, window_ns: tuple[int, int] | None = None) -> dict[str, 
     runtime = _records([path] if os.path.exists(path) else [])
     front = _records(p for p in glob.glob(glob.escape(path) + ".*") if p[len(path) + 1:].isdigit())
     joined: dict[tuple[int, int], dict[str, int]] = {}
+    # request → its batch's bucket, items, device ns, gather path, device idle before it (ns)
+    batches: dict[tuple[int, int], tuple[int, int, int, str, int]] = {}
     for r in runtime:
         joined[(r.get("front", 0), r["id"])] = {k: v for k, v in r.items() if k in STAGES}
+        if "bucket" in r:
+            batches[(r.get("front", 0), r["id"])] = (
+                r["bucket"], r["items"], r["device_ns"], r.get("gather_path", ""),
+                r.get("idle_before_ns", 0))
     for r in front:
         key = (r["front"], r["id"])
         if key in joined:
             joined[key].update({k: v for k, v in r.items() if k in STAGES})
     gaps: dict[str, list[float]] = {}
     totals: list[float] = []
+    by_bucket: dict[int, tuple[list[int], list[float], list[float]]] = {}
+    paths: dict[str, int] = {}
     kept = 0
-    for stamps in joined.values():
+    for key, stamps in joined.items():
         have = [s for s in STAGES if s in stamps]
         if not have or (window_ns is not None
                         and not window_ns[0] <= stamps[have[0]] < window_ns[1]):
             continue
         kept += 1
+        if key in batches:
+            bucket, items, device_ns, path, idle_ns = batches[key]
+            sizes, device, idle = by_bucket.setdefault(bucket, ([], [], []))
+            sizes.append(items)
+            if device_ns:
+                device.append(device_ns / 1e6)
+            idle.append(idle_ns / 1e6)
+            if path:
+                paths[path] = paths.get(path, 0) + 1
         for a, b in itertools.pairwise(have):
             gaps.setdefault(f"{a}->{b}", []).append((stamps[b] - stamps[a]) / 1e6)
         if len(have) > 1:
@@ -125,4 +144,13 @@ def summarize(path: str, window_ns: tuple[int, int] | None = None) -> dict[str, 
         "requests": kept,
         "total": stats(totals) if totals else None,
         "gaps": {name: stats(gaps[name]) for name in sorted(gaps, key=order.__getitem__)},
+        # The traced requests' batches by bucket (a batch counted once per traced request in
+        # it): their items, their time on the device as the runner timed it, and how long the
+        # worker's device had nothing of its own to run while the batch's first item waited.
+        "batches": {bucket: {"requests": len(sizes), "mean_items": round(float(np.mean(sizes)), 1),
+                             "device": stats(device) if device else None,
+                             "idle_before": stats(idle)}
+                    for bucket, (sizes, device, idle) in sorted(by_bucket.items())},
+        # Where those batches' gathers ran (a pipelined GPU worker's: `Batch.gather_path`).
+        "gather_paths": paths,
     }
