@@ -298,6 +298,81 @@ def test_a_just_in_time_worker_takes_its_next_batch_when_the_running_one_ends(ju
         assert len(sizes) >= 3 and sizes[1] < 5, sizes  # taken at the first launch
 
 
+def test_a_launch_does_not_wait_for_a_report_when_the_helpers_gather_is_done():
+    """The next batch's gather ran on the helper thread under the running batch and is over (or
+    nearly) when that batch is collected: the next batch launches, then the one before is
+    reported, so a slow report (answers to many requests) no longer keeps the device idle."""
+    device_s, gather_s, report_s = 0.05, 0.03, 0.03
+    batches = 8
+    d = Dispatcher(["m"], max_queue_delay_ns=0)
+    state = WorkerState(0, "gpu#0", "cuda:0/fp16", "m", [1], {"m"}, LatencyEstimate(), depth=2)
+    state.estimate.update(1, device_s * 1e9, "m")
+    d.add_worker(state)
+    taken: list[tuple[str, int]] = []
+    reported = threading.Event()
+
+    def done(w, b, start, end, timing):
+        taken.append((b.gather_path, b.idle_before_ns))
+        time.sleep(report_s)  # the report's own work, on the worker's thread
+        if len(taken) >= batches:
+            reported.set()
+
+    d.on_batch_done = done
+    worker = Worker(state, {"m": {1: SleepDevice(1, device_s, gather_s)}},
+                    {"m": np.zeros((8, 1), np.float32)}, d, just_in_time=True)
+    d.submit([Query(i, "m", (i,)) for i in range(batches)])
+    worker.start()
+    assert reported.wait(30)
+    d.close()
+    worker.join(10)
+    # Every gather after the first goes to the helper (it is over half the device time left).
+    helper = [idle for path, idle in taken if path == "helper"]
+    assert len(helper) == batches - 1, taken
+    # Before, each of them launched a report (30 ms) after the batch before was collected.
+    assert max(helper) < 0.5 * report_s * 1e9, taken
+
+
+def test_a_batch_that_becomes_ready_while_one_runs_is_gathered_under_it():
+    """A request arriving while the running batch is on the device, still within its queue
+    delay when the worker asks for its next batch: the worker waits for it there and gathers
+    it under the running batch, rather than collecting first and gathering with the device
+    idle."""
+    device_s, gather_s = 0.08, 0.03
+    d = Dispatcher(["m"], max_queue_delay_ns=10_000_000)
+    state = WorkerState(0, "gpu#0", "cuda:0/fp16", "m", [1], {"m"}, LatencyEstimate(), depth=2)
+    state.estimate.update(1, device_s * 1e9, "m")
+    d.add_worker(state)
+    stamps: list[dict[str, int]] = []
+    finished = threading.Event()
+
+    def done(w, b, start, end, timing):
+        stamps.append(dict(b.stamps))
+        if len(stamps) == 2:
+            finished.set()
+
+    d.on_batch_done = done
+    runner = SleepDevice(1, device_s, gather_s)
+    worker = Worker(state, {"m": {1: runner}}, {"m": np.zeros((8, 1), np.float32)}, d,
+                    just_in_time=True)
+    worker.start()
+    d.submit([Query(0, "m", (0,))])
+    deadline = time.monotonic() + 10
+    while not runner._launched_at and time.monotonic() < deadline:
+        time.sleep(0.001)
+    # The first batch is on the device; its worker asks for the next one 20 ms after the
+    # launch (two gathers before the expected end): this one is ready 25 ms after it.
+    time.sleep(0.015)
+    d.submit([Query(1, "m", (1,))])
+    assert finished.wait(30)
+    d.close()
+    worker.join(10)
+    first, second = stamps
+    # Ready 55 ms before the first batch ends: gathered on the helper by then, launched as
+    # soon as the first was collected. Collected first, it waited for its 30 ms gather.
+    assert second["gather_end"] <= first["collect"], (first, second)
+    assert second["launch"] - first["collect"] < 0.5 * gather_s * 1e9, (first, second)
+
+
 def test_a_batch_that_ends_before_its_estimate_is_answered_when_it_ends():
     """A just-in-time worker waiting to take its next batch notices the running one is over:
     its answers go out then, not at the (stale, far larger) estimate, while a partial batch

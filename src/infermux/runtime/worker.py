@@ -80,6 +80,9 @@ class Worker:
         #: A process-hosted worker's relay: the moving average of a batch's round trip to its
         #: child beyond the child's own time for it (`_loop_relayed`), ns.
         self.relay_ns = 0.0
+        #: A batch's report (`Dispatcher.finished`: its answers, the worker freed) on this
+        #: thread, moving average, ns.
+        self.report_ns = 0.0
         self.thread = threading.Thread(target=self._main, name=f"infermux-{state.name}",
                                        daemon=True)
 
@@ -227,6 +230,29 @@ class Worker:
                     return False
                 d.cond.wait(min(left, _DONE_POLL_NS) / 1e9)
 
+    def _take_while_running(self, running: Runner, end_ns: float) -> Batch | None:
+        """The next batch once the dispatcher gives one while `running` runs, else None.
+
+        None once the running batch has ended (or the worker should exit). Asked when the
+        running batch is about to end: a batch taken now is gathered under it. When none is
+        ready yet (its items not there, or within the queue delay or the deadline's slack),
+        waiting here rather than collecting first keeps that overlap for a batch that becomes
+        ready before the running one ends; before, the worker collected and reported, then
+        took, gathered and launched with the device idle throughout. Wakes when the queue
+        changes, when the dispatcher's wait is over, and at the running batch's expected end
+        (then every `_DONE_POLL_NS` until it is done).
+        """
+        d, w = self.dispatcher, self.state
+        with d.cond:
+            while True:
+                got = d.poll(w)
+                if got is None or isinstance(got, Batch):
+                    return got
+                if running.done():
+                    return None
+                left_s = (end_ns - self.clock_ns()) / 1e9
+                d.cond.wait(min(got, left_s if left_s > 0 else _DONE_POLL_NS / 1e9))
+
     def _loop_pipelined(self) -> None:
         """Gather batch k+1 while batch k runs on the device, then collect k and launch k+1.
 
@@ -282,7 +308,10 @@ class Worker:
                     _learn_device_time(device_ns, p_batch, timing)
                     self._report((p_batch, p_start, ended, timing, outputs))
                     continue
-                batch = d.next_batch(w, block=pending is None)
+                if pending is not None and self.just_in_time:
+                    batch = self._take_while_running(pending[1], pending[3])
+                else:
+                    batch = d.next_batch(w, block=pending is None)
                 if batch is None and pending is None:
                     return
                 held = [b for b in (pending[0] if pending else None, batch) if b is not None]
@@ -315,10 +344,16 @@ class Worker:
                         # Read before the next launch, which may reuse the output buffers.
                         done = (p_batch, p_start, p_end, timing,
                                 self._outputs(p_runner, p_batch))
-                        if where in ("after", "helper"):
+                        if where == "after" or (
+                                where == "helper" and helper is not None
+                                and helper.left_ns(gather_ns) > self.report_ns):
                             # The next launch waits for a gather: k's answer must not (it
                             # did, a gather and a launch per batch, before it was reported).
-                            # On the helper the gather goes on meanwhile.
+                            # On the helper the gather goes on meanwhile. A gather the helper
+                            # has finished, or will before a report would, is not waited for
+                            # that long: k+1 launches first, as after a gather here (the
+                            # report, k's outputs to each of its requests, took 1.2 ms of a
+                            # served BERT batch's cycle while the device had nothing to run).
                             held = [batch] if batch is not None else []
                             self._report(done)
                             done = None
@@ -350,6 +385,10 @@ class Worker:
                     if on_helper and helper is not None:
                         with contextlib.suppress(Exception):  # it must not write on, unseen
                             helper.result()
+                    if done is not None:  # k was collected and read: its answer stands,
+                        held = [b for b in held if b is not done[0]]  # whatever k+1 did
+                        self._report(done)
+                        done = None
                     if self._input_fault(held, exc):
                         d.rejected(w, held, _translate(exc, w))
                         pending = None
@@ -365,8 +404,11 @@ class Worker:
     def _report(self, done: tuple[Batch, int, int, BatchTiming, Any]) -> None:
         """`Dispatcher.finished` for a collected batch (batch, start, end, timing, outputs)."""
         batch, start, end, timing, outputs = done
-        batch.stamps["reported"] = self.clock_ns()
+        batch.stamps["reported"] = began = self.clock_ns()
         self.dispatcher.finished(self.state, batch, start, end, timing, outputs)
+        # Its answers to every request of the batch, on this thread: what a launch put behind
+        # a report waits for.
+        self.report_ns = _average(self.report_ns, self.clock_ns() - began)
 
     def _loop_relayed(self, host: ProcessHost) -> None:
         """A process-hosted worker: keep the next batch in the child's pipe while it runs one.
@@ -506,6 +548,7 @@ class _Helper:
         self._cond = threading.Condition()
         self._job: tuple[Callable[..., Any], tuple[Any, ...]] | None = None
         self._busy = False
+        self._started_ns = 0
         self._outcome: tuple[Any, int, int] = (None, 0, 0)
         self._error: BaseException | None = None
         self._stop = False
@@ -516,7 +559,15 @@ class _Helper:
         """Start `fn(*args)` on the thread; collect it with `result()` before the next."""
         with self._cond:
             self._job, self._busy, self._error = (fn, args), True, None
+            self._started_ns = self._clock_ns()
             self._cond.notify_all()
+
+    def left_ns(self, expected_ns: float) -> float:
+        """How long the call in hand should still run, were it to take `expected_ns` (0 if done)."""
+        with self._cond:
+            if not self._busy:
+                return 0.0
+            return max(0.0, expected_ns - (self._clock_ns() - self._started_ns))
 
     def result(self) -> tuple[Any, int, int]:
         """(its return value, the clock when it started, when it returned); or its error."""
