@@ -298,16 +298,22 @@ def test_a_just_in_time_worker_takes_its_next_batch_when_the_running_one_ends(ju
         assert len(sizes) >= 3 and sizes[1] < 5, sizes  # taken at the first launch
 
 
+def _one_gpu_worker(device_s: float, queue_delay_ns: int) -> tuple[Dispatcher, WorkerState]:
+    """A dispatcher of model `m` and one pipelined worker's state, its estimate primed."""
+    d = Dispatcher(["m"], max_queue_delay_ns=queue_delay_ns)
+    state = WorkerState(0, "gpu#0", "cuda:0/fp16", "m", [1], {"m"}, LatencyEstimate(), depth=2)
+    state.estimate.update(1, device_s * 1e9, "m")
+    d.add_worker(state)
+    return d, state
+
+
 def test_a_launch_does_not_wait_for_a_report_when_the_helpers_gather_is_done():
     """The next batch's gather ran on the helper thread under the running batch and is over (or
     nearly) when that batch is collected: the next batch launches, then the one before is
     reported, so a slow report (answers to many requests) no longer keeps the device idle."""
     device_s, gather_s, report_s = 0.05, 0.03, 0.03
     batches = 8
-    d = Dispatcher(["m"], max_queue_delay_ns=0)
-    state = WorkerState(0, "gpu#0", "cuda:0/fp16", "m", [1], {"m"}, LatencyEstimate(), depth=2)
-    state.estimate.update(1, device_s * 1e9, "m")
-    d.add_worker(state)
+    d, state = _one_gpu_worker(device_s, queue_delay_ns=0)
     taken: list[tuple[str, int]] = []
     reported = threading.Event()
 
@@ -338,10 +344,7 @@ def test_a_batch_that_becomes_ready_while_one_runs_is_gathered_under_it():
     it under the running batch, rather than collecting first and gathering with the device
     idle."""
     device_s, gather_s = 0.08, 0.03
-    d = Dispatcher(["m"], max_queue_delay_ns=10_000_000)
-    state = WorkerState(0, "gpu#0", "cuda:0/fp16", "m", [1], {"m"}, LatencyEstimate(), depth=2)
-    state.estimate.update(1, device_s * 1e9, "m")
-    d.add_worker(state)
+    d, state = _one_gpu_worker(device_s, queue_delay_ns=10_000_000)
     stamps: list[dict[str, int]] = []
     finished = threading.Event()
 
