@@ -376,6 +376,49 @@ def test_a_batch_that_becomes_ready_while_one_runs_is_gathered_under_it():
     assert second["launch"] - first["collect"] < 0.5 * gather_s * 1e9, (first, second)
 
 
+def test_a_worker_waiting_for_its_next_batch_leaves_an_item_to_an_idle_worker():
+    """Two workers of one model, one running a batch and waiting for its next, one idle: an item
+    that arrives then goes to the idle one, which starts it at once."""
+    device_s, gather_s = 0.3, 0.005
+    d = Dispatcher(["m"], max_queue_delay_ns=0)
+    states, runners, workers = [], [], []
+    for k in range(2):
+        state = WorkerState(k, f"gpu#{k}", "cuda:0/fp16", "m", [1], {"m"}, LatencyEstimate(),
+                            depth=2)
+        state.estimate.update(1, device_s * 1e9, "m")
+        d.add_worker(state)
+        runner = SleepDevice(1, device_s, gather_s)
+        states.append(state)
+        runners.append(runner)
+        workers.append(Worker(state, {"m": {1: runner}}, {"m": np.zeros((8, 1), np.float32)}, d,
+                              just_in_time=True))
+    ran: list[tuple[int, str]] = []  # (query, worker)
+    finished = threading.Event()
+
+    def done(w, b, start, end, timing):
+        ran.extend((it.query, w.name) for it in b.items)
+        if len(ran) == 2:
+            finished.set()
+
+    d.on_batch_done = done
+    for worker in workers:
+        worker.start()
+    d.submit([Query(0, "m", (0,))])
+    deadline = time.monotonic() + 10
+    while not any(r._launched_at for r in runners) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    # A full batch waiting: the busy worker asks for it at once (`_wait_to_take`), 250 ms
+    # before its own batch ends, while the other waits idle.
+    time.sleep(0.05)
+    d.submit([Query(1, "m", (1,))])
+    assert finished.wait(30)
+    d.close()
+    for worker in workers:
+        worker.join(10)
+    by_query = dict(ran)
+    assert by_query[0] != by_query[1], ran
+
+
 def test_a_batch_that_ends_before_its_estimate_is_answered_when_it_ends():
     """A just-in-time worker waiting to take its next batch notices the running one is over:
     its answers go out then, not at the (stale, far larger) estimate, while a partial batch

@@ -560,14 +560,23 @@ class Dispatcher:
         worker waiting for it.
         """
         with self.cond:
-            if w.in_flight:
-                now = self.clock_ns()
-                n = max(1, min(self.queued(w.model), w.batch))
-                mine = w.view().finish_ns(n, now)
-                if any(o.view().finish_ns(n, now) < mine for o in self._live(w.model)
-                       if o.id != w.id and not o.in_flight):
-                    return None
+            if self.leave_to_idle(w):
+                return None
             return self.next_batch(w, block=False)
+
+    def leave_to_idle(self, w: WorkerState) -> bool:
+        """Whether an idle worker of `w`'s model would finish what is queued sooner than `w`.
+
+        Only while `w` holds a batch (else False): `w` could start the items after its own.
+        Call with `self.cond` held.
+        """
+        if not w.in_flight:
+            return False
+        now = self.clock_ns()
+        n = max(1, min(self.queued(w.model), w.batch))
+        mine = w.view().finish_ns(n, now)
+        return any(o.view().finish_ns(n, now) < mine for o in self._live(w.model)
+                   if o.id != w.id and not o.in_flight)
 
     @property
     def closed(self) -> bool:

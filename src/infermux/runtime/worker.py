@@ -37,7 +37,7 @@ import numpy as np
 
 from infermux.engines.base import BatchTiming, Runner, is_out_of_memory
 from infermux.errors import DeviceOutOfMemoryError, RunError
-from infermux.runtime.dispatcher import Batch, Dispatcher, WorkerState
+from infermux.runtime.dispatcher import WAIT_FOREVER, Batch, Dispatcher, WorkerState
 from infermux.runtime.process_host import (
     BatchRaisedError,
     ProcessHost,
@@ -240,12 +240,14 @@ class Worker:
         ready before the running one ends; before, the worker collected and reported, then
         took, gathered and launched with the device idle throughout. Wakes when the queue
         changes, when the dispatcher's wait is over, and at the running batch's expected end
-        (then every `_DONE_POLL_NS` until it is done).
+        (then every `_DONE_POLL_NS` until it is done). Items an idle worker of the model would
+        finish sooner are left to it (`Dispatcher.leave_to_idle`, as `take_ahead` does).
         """
         d, w = self.dispatcher, self.state
         with d.cond:
             while True:
-                got = d.poll(w)
+                # What an idle worker of the model would finish sooner is left to it.
+                got = WAIT_FOREVER if d.leave_to_idle(w) else d.poll(w)
                 if got is None or isinstance(got, Batch):
                     return got
                 if running.done():
