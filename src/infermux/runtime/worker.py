@@ -357,8 +357,8 @@ class Worker:
                             # report, k's outputs to each of its requests, took 1.2 ms of a
                             # served BERT batch's cycle while the device had nothing to run).
                             held = [batch] if batch is not None else []
-                            self._report(done)
-                            done = None
+                            report, done = done, None  # reported once, whatever happens
+                            self._report(report)
                     if where == "after":
                         assert batch is not None
                         took = self.clock_ns()
@@ -388,9 +388,9 @@ class Worker:
                         with contextlib.suppress(Exception):  # it must not write on, unseen
                             helper.result()
                     if done is not None:  # k was collected and read: its answer stands,
-                        held = [b for b in held if b is not done[0]]  # whatever k+1 did
-                        self._report(done)
-                        done = None
+                        report, done = done, None  # whatever k+1 did
+                        held = [b for b in held if b is not report[0]]
+                        self._report(report)
                     if self._input_fault(held, exc):
                         d.rejected(w, held, _translate(exc, w))
                         pending = None
