@@ -120,6 +120,10 @@ def _layout(plan: dict[str, Any], n: int, args: argparse.Namespace, out: Path,
     if fronts < 2:  # one front is served in the server's own process, on a port of its own
         raise SystemExit(f"layout {n}: --fronts {args.fronts} leaves {fronts} per server; "
                          "each needs at least 2 to share the ports")
+    if n > 1 and args.shared_memory != "none":
+        # A region a client registers through one front is known to that server's fronts only.
+        raise SystemExit(f"layout {n}: --shared-memory {args.shared_memory} needs one server "
+                         "(the servers do not share their registered regions): use none")
     rows: list[dict[str, Any]] = []
     # Started together (each builds its runners, then its fronts listen on the shared ports).
     servers = [_start(part, out, fronts, http, grpc, f"{n}-{k}") for k in range(n)]
