@@ -14,15 +14,15 @@ whole plan in one process) is measured first, for the served/offline ratio. `--r
 repeats the layouts in reverse order (A B B A).
 
     python bench/serve_split.py --plan resnet50 \
-        --perf-analyzer PA --layouts 1,2 --fronts 8 --concurrency 64,128,256 \
-        --shared-memory system --json split.json
+        --perf-analyzer PA --layouts 1,2 --fronts 8 --concurrency 64,128,256 --json split.json
     python bench/serve_split.py --model hf:bert-base --served-outputs pooler_output \
         --batch 256 --instances 2 --options compile=default,precision=fp8 --buckets 64,128,256 \
         --perf-analyzer PA --layouts 1,2 --fronts 8 --concurrency 128,256,384 --json split.json
 
 `--model hf:NAME` writes the plan itself (sequence 128; perf_analyzer sends ids and masks of
 ones); `--plan` takes any plan file. The rows: requests/s, p50/p99 ms, and the served rate
-over the offline figure, per layout and concurrency.
+over the offline figure, per layout and concurrency. `--shared-memory system` runs with one
+server only: a region a client registers is known to the fronts of the server it reached.
 """
 
 from __future__ import annotations
