@@ -7,6 +7,9 @@ and the answers (CPU workers as threads, in that process). perf_analyzer drives 
 at `--concurrency` with ids and masks of ones; the runtime process's CPU seconds over the
 measurement, per request answered. With several `--src` trees (e.g. a worktree of an earlier
 commit) each round serves them one after another, so they are compared on one machine.
+`--py-spy PATH` samples the runtime process for 5 s of each measurement (`--gil`: only the
+thread holding the interpreter lock) and prints the shares per thread and frame; compare the
+CPU figures of runs without it.
 
     python bench/serve_runtime_cpu.py --perf-analyzer /tmp/pa/opt/perf_analyzer \
         --src /tmp/base/src,src --rounds 2 --concurrency 64
