@@ -419,6 +419,44 @@ def test_a_worker_waiting_for_its_next_batch_leaves_an_item_to_an_idle_worker():
     assert by_query[0] != by_query[1], ran
 
 
+class _FailingSecondLaunch(SleepDevice):
+    """A clock device whose second launch raises (a broken device, not an input)."""
+
+    launches = 0
+
+    def launch(self) -> None:
+        self.launches += 1
+        if self.launches == 2:
+            raise RuntimeError("device lost")
+        super().launch()
+
+
+def test_a_collected_batch_is_answered_when_the_next_launch_fails():
+    """Batch k was collected and read before k+1's launch raised: k's query completes, only
+    k+1's items are handed back for a retry (before, both were)."""
+    device_s, gather_s = 0.08, 0.03
+    d, state = _one_gpu_worker(device_s, queue_delay_ns=0)
+    outcomes: dict[int, bool] = {}
+    settled = threading.Event()
+
+    def completed(pairs, ok, t):
+        for query, _ in pairs:
+            outcomes[query] = ok
+        if len(outcomes) == 2:
+            settled.set()
+
+    d.set_completion(completed)
+    worker = Worker(state, {"m": {1: _FailingSecondLaunch(1, device_s, gather_s)}},
+                    {"m": np.zeros((8, 1), np.float32)}, d, just_in_time=True)
+    d.submit([Query(i, "m", (i,)) for i in range(2)])
+    worker.start()
+    assert settled.wait(30), outcomes
+    d.close()
+    worker.join(10)
+    # The only worker is out of service: the second query fails once its retry finds none.
+    assert outcomes == {0: True, 1: False}, outcomes
+
+
 def test_a_batch_that_ends_before_its_estimate_is_answered_when_it_ends():
     """A just-in-time worker waiting to take its next batch notices the running one is over:
     its answers go out then, not at the (stale, far larger) estimate, while a partial batch

@@ -68,7 +68,6 @@ def test_mobilenet_runner_matches(found):
     ({"cuda_graph": True}, "needs a CUDA unit"),
     ({"compile": "fastest"}, "compile='fastest'"),
     ({"turbo": 1}, "turbo"),
-    ({"graph_copies": True}, "graph_copies=true puts the copies in the CUDA graph"),
 ])
 def test_bad_options(found, tiny, options, message):
     with pytest.raises(UsageError, match=message):
@@ -98,28 +97,6 @@ def test_cuda_runner_graph_matches_eager(found, tiny, mode):
     np.testing.assert_allclose(a, ref, rtol=tol, atol=tol)
     timing = graph.run()
     assert timing.h2d_ns > 0 and timing.compute_ns > 0
-
-
-@needs_cuda
-def test_a_graph_with_its_copies_answers_as_the_graph_without(found, tiny):
-    """`graph_copies`: one replay copies in, computes and copies out, and times its phases;
-    a gathered batch, then a different one, each gets its own outputs."""
-    unit = select_units("cuda:0/fp16", found)[0]
-    engine = create_engine("torch")
-    plain = engine.build(tiny, unit, 8)
-    copies = engine.build(tiny, unit, 8, {"graph_copies": True})
-    assert copies.options["graph_copies"] and not plain.options["graph_copies"]
-    assert copies._graph_io and not plain._graph_io
-    samples = np.random.default_rng(3).standard_normal((16, 3, 32, 32)).astype(np.float32)
-    for indices in (list(range(8)), [15, 3, 9, 0, 1, 2, 4, 5]):
-        outs = []
-        for runner in (plain, copies):
-            runner.gather_input(runner.prepare_pool(samples), indices)
-            runner.launch()
-            timing = runner.collect()
-            assert timing.h2d_ns > 0 and timing.compute_ns > 0 and timing.d2h_ns > 0
-            outs.append(runner.outputs()[0])
-        np.testing.assert_allclose(outs[1], outs[0], rtol=2e-2, atol=2e-2)
 
 
 def test_self_graphing_compile_modes_run_in_the_runners_own_graph():

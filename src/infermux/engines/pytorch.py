@@ -93,15 +93,6 @@ class TorchOptions(BaseModel):
     #: second build of each (batch, length) runner, and a second CUDA graph's memory pool
     #: (the two graphs do not share one). None: on for CUDA units.
     dense_attention: bool | None = None
-    #: On a CUDA unit whose inputs come from host buffers: a second CUDA graph per forward
-    #: also holds the batch's copies to the device, its outputs' copies back and the phases'
-    #: events, so a launch is one replay instead of a call per copy and event (each gives the
-    #: interpreter lock back and takes it again, behind the server's other threads). Served
-    #: rows copied to the device from their slabs, and `compute`, run the graph without the
-    #: copies. Off unless asked (None): measured serving BERT-base, it cut the launch call's
-    #: host time (mean 1.10 to 0.50 ms, p99 6.9 to 2.4 ms) but not the served rate
-    #: (docs/architecture-engines.md). Needs torch 2.5 or later (events recorded in a graph).
-    graph_copies: bool | None = None
 
     def resolve(self, unit: Unit, ndim: int) -> TorchOptions:
         """Fill the defaults for `unit`: the measured best choices, overridable by the user."""
@@ -132,13 +123,8 @@ class TorchOptions(BaseModel):
         dense_attention = self.dense_attention
         if dense_attention is None:
             dense_attention = on_gpu
-        graph_copies = bool(self.graph_copies)
-        if graph_copies and not cuda_graph:
-            raise UsageError("option graph_copies=true puts the copies in the CUDA graph: it "
-                             "needs cuda_graph (a CUDA unit, cuda_graph not false)")
         update: dict[str, Any] = {"channels_last": channels_last, "cuda_graph": cuda_graph,
-                                  "threads": threads, "dense_attention": dense_attention,
-                                  "graph_copies": graph_copies}
+                                  "threads": threads, "dense_attention": dense_attention}
         if self.compile and self.compile_cache_dir is None:
             # torch.compile's artefacts (FX graphs, kernels, autotuning) are kept with the other
             # caches, so a second run or tune of the same model rebuilds from them in seconds.
@@ -208,10 +194,6 @@ class TorchRunner(Runner):
         self._graph_dense: Any = None
         self._y_masked: list[Any] = []  # each graph's own output tensors
         self._y_dense: list[Any] = []
-        #: The graphs with the copies (`TorchOptions.graph_copies`) by dense flag, and their
-        #: output tensors.
-        self._graph_io: dict[bool, Any] = {}
-        self._y_io: dict[bool, list[Any]] = {}
         #: The gathered batch's masks are all ones: the next launch runs the dense forward.
         self._dense_next = False
         self._in_flight = False
@@ -220,16 +202,7 @@ class TorchRunner(Runner):
         self.asynchronous = self._on_gpu
         if self._on_gpu:
             self._stream = torch.cuda.Stream(self._device)
-            self._events_in_graphs = False
-            if options.graph_copies:
-                try:  # recordable inside a CUDA graph too: torch 2.5 and later
-                    self._events = [torch.cuda.Event(enable_timing=True, external=True)
-                                    for _ in range(4)]
-                    self._events_in_graphs = True
-                except TypeError:
-                    pass
-            if not self._events_in_graphs:
-                self._events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+            self._events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
         self._xs_dev: list[Any] = []
         self._xs_host: list[Any] = []
         rng = np.random.default_rng(0)
@@ -316,56 +289,8 @@ class TorchRunner(Runner):
                     self._y_dense = outs
                 else:
                     self._y_masked = outs
-                if not self._y_host:
-                    self._y_host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                                    for t in outs]
-                if (self._opts.cuda_graph and self._opts.graph_copies
-                        and self._x_host is not self._x_dev):
-                    self._capture_with_copies(dense, graph)
         self._y_dev = self._y_masked
-
-    def _capture_with_copies(self, dense: bool, compute: Any) -> None:
-        """Capture the forward with the inputs' copies to the device and the outputs' back.
-
-        The phases' events are recorded inside it, so the timing is the device's as before.
-        It shares the compute graph's memory pool (the two never run at once, and each keeps
-        its outputs referenced), so it costs little memory. Left out where torch cannot record
-        events in a graph (before 2.5), and with a warning where the capture fails.
-        """
-        import torch
-
-        ev = self._events
-        if not self._events_in_graphs:  # torch before 2.5: the copies are launched one by one
-            return
-        try:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=compute.pool(), stream=self._stream):
-                ev[0].record(self._stream)
-                for x_dev, x_host in zip(self._xs_dev, self._xs_host, strict=True):
-                    x_dev.copy_(x_host, non_blocking=True)
-                ev[1].record(self._stream)
-                outs = self._forward(dense)
-                ev[2].record(self._stream)
-                for dst, src in zip(self._y_host, outs, strict=True):
-                    dst.copy_(src, non_blocking=True)
-                ev[3].record(self._stream)
-            graph.replay()
-            self._stream.synchronize()
-        except RuntimeError as exc:
-            import logging
-
-            logging.getLogger(__name__).warning(
-                "torch runner b%d: no CUDA graph with the copies (%s); the copies are "
-                "launched one by one", self.batch, first_line(exc))
-            self._graph_io = {}
-            return
-        self._graph_io[dense] = graph
-        self._y_io[dense] = outs
-
-    def _wait_input_copy(self) -> None:
-        """Wait until the launched batch's inputs are on the device (host buffers only)."""
-        if self._in_flight and self._x_host is not self._x_dev:
-            self._events[1].synchronize()
+        self._y_host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in outs]
 
     # -- running ----------------------------------------------------------------------------
 
@@ -402,14 +327,8 @@ class TorchRunner(Runner):
         previous = torch.cuda.current_stream(self._device)
         torch.cuda.set_stream(stream)
         try:
-            direct, self._direct = self._direct, None
-            graph_io = self._graph_io.get(self._dense_next) if direct is None else None
-            if graph_io is not None:  # the copies, the forward, the copies back and the
-                graph_io.replay()     # phases' events: one call
-                self._y_dev = self._y_io[self._dense_next]
-                self._in_flight = True
-                return
             ev[0].record(stream)
+            direct, self._direct = self._direct, None
             if direct is not None:  # served rows, by DMA from their slabs
                 dsts, srcs, stage = direct
                 torch._foreach_copy_(dsts, srcs, non_blocking=True)
@@ -513,7 +432,8 @@ class TorchRunner(Runner):
                 idx = torch.as_tensor(list(indices), dtype=torch.long).to(self._device)
                 dst.copy_(pool.index_select(0, idx))
             return
-        self._wait_input_copy()
+        if self._in_flight and self._x_host is not self._x_dev:
+            self._events[1].synchronize()
         idx = torch.as_tensor(list(indices), dtype=torch.long)
         if not (dst.is_contiguous() and pool.dtype == dst.dtype):
             dst.copy_(pool.index_select(0, idx))
@@ -552,7 +472,8 @@ class TorchRunner(Runner):
         if (slab_rows and _DIRECT_ROWS and self._x_host is not self._x_dev
                 and self._direct_rows(rows)):
             return
-        self._wait_input_copy()
+        if self._in_flight and self._x_host is not self._x_dev:
+            self._events[1].synchronize()
         dst = self._x_host.narrow(0, 0, len(rows))
         if slab_rows and self._gather_slab_rows(rows, dst):
             return
@@ -750,8 +671,8 @@ class TorchRunner(Runner):
             return
         self.check_inputs(arrays)
         self._direct = None
-        if self._on_gpu:
-            self._wait_input_copy()  # the previous batch's copy may still read them
+        if self._on_gpu and self._in_flight and self._x_host is not self._x_dev:
+            self._events[1].synchronize()  # the previous batch's copy still reads them
         for x_host, array in zip(self._xs_host, arrays, strict=True):
             x_host.copy_(torch.from_numpy(np.ascontiguousarray(array)))
         # Checked on the host, where the rows are: no device sync.
@@ -768,8 +689,6 @@ class TorchRunner(Runner):
             self._gather_pool.shutdown(wait=False)
             self._gather_pool = None
         self._graph = self._graph_dense = None
-        self._graph_io = {}
-        self._y_io = {}
         self._y_dev = []
         self._y_masked = []
         self._y_dense = []
