@@ -13,9 +13,12 @@ import yaml
 
 from infermux.engines.base import BatchTiming, Runner
 from infermux.errors import RunError
+from infermux.iospec import IOSpec, TensorSpec
 from infermux.load.base import Query
+from infermux.load.samples import IOSamples
 from infermux.runtime import Dispatcher, LatencyEstimate, WorkerState, parse_plan, run_plan
 from infermux.runtime.api import LocalRuntime
+from infermux.runtime.inputs import IORows, SeqRunner
 from infermux.runtime.local import _Runtime
 from infermux.runtime.peak import run_trial
 from infermux.runtime.process_host import ProcessHost, RunnerSpec
@@ -165,6 +168,49 @@ class SleepDevice(Runner):
 
     def outputs(self) -> list[np.ndarray]:
         return []
+
+
+TOKENS = IOSpec((TensorSpec("ids", "int64", ("seq",)), TensorSpec("mask", "int64", ("seq",))))
+
+
+class SeqSleepDevice(SleepDevice):
+    """`SleepDevice` for one sequence length of a model of two inputs (`TOKENS`)."""
+
+    unit = "cuda:0"
+    build_s = 0.0
+
+    def __init__(self, batch: int, device_s: float, gather_s: float, length: int) -> None:
+        super().__init__(batch, device_s, gather_s)
+        self.length = length
+        self.given: list[tuple[int, ...]] = []
+
+    def set_inputs(self, arrays) -> None:
+        self.given.append(tuple(a.shape for a in arrays))
+        time.sleep(self.gather_s)
+
+
+def seq_runner(batch: int, device_s: float, gather_s: float) -> SeqRunner:
+    return SeqRunner(TOKENS, {n: SeqSleepDevice(batch, device_s, gather_s, n) for n in (8, 16)})
+
+
+def test_a_runner_of_several_inputs_is_done_when_its_oldest_launched_batch_is():
+    """`SeqRunner.done` asks the length's runner that runs the oldest batch: the pipelined GPU
+    worker asks it whether to collect yet. It answered True while the batch ran."""
+    runner = seq_runner(2, 0.05, 0.0)
+    assert runner.done()  # nothing launched
+    rows = IORows([[np.ones(6, np.int64), np.ones(6, np.int64)],
+                   [np.ones(12, np.int64), np.ones(12, np.int64)]])
+    runner.gather_input(rows, [0])
+    runner.launch()
+    runner.gather_input(rows, [1])
+    runner.launch()
+    assert not runner.done()  # the length-8 batch runs
+    time.sleep(0.06)
+    assert runner.done()
+    runner.collect()
+    assert runner.done()  # the length-16 one launched at once, over by now too
+    assert runner.runners[8].given == [((2, 8), (2, 8))]
+    assert runner.runners[16].given == [((2, 16), (2, 16))]
 
 
 @pytest.mark.parametrize(("device_s", "gather_s", "primed"),
@@ -338,11 +384,12 @@ def test_a_launch_does_not_wait_for_a_report_when_the_helpers_gather_is_done():
     assert max(helper) < 0.5 * report_s * 1e9, taken
 
 
-def test_a_batch_that_becomes_ready_while_one_runs_is_gathered_under_it():
-    """A request arriving while the running batch is on the device, still within its queue
-    delay when the worker asks for its next batch: the worker waits for it there and gathers
-    it under the running batch, rather than collecting first and gathering with the device
-    idle."""
+@pytest.mark.parametrize("several_inputs", [False, True])
+def test_a_batch_that_becomes_ready_while_one_runs_is_gathered_under_it(several_inputs):
+    """A request arriving while the running batch is on the device: the worker takes it when
+    the running batch is about to end and gathers it under that batch, rather than collecting
+    first and gathering with the device idle. The same with a runner of several inputs (ids
+    and a mask), which used to say its batch was over the moment it was launched."""
     device_s, gather_s = 0.08, 0.03
     d, state = _one_gpu_worker(device_s, queue_delay_ns=10_000_000)
     stamps: list[dict[str, int]] = []
@@ -354,16 +401,21 @@ def test_a_batch_that_becomes_ready_while_one_runs_is_gathered_under_it():
             finished.set()
 
     d.on_batch_done = done
-    runner = SleepDevice(1, device_s, gather_s)
-    worker = Worker(state, {"m": {1: runner}}, {"m": np.zeros((8, 1), np.float32)}, d,
-                    just_in_time=True)
+    if several_inputs:
+        runner = seq_runner(1, device_s, gather_s)
+        pool = IOSamples.generate(TOKENS, "m", 8, 0, 16)
+    else:
+        runner, pool = SleepDevice(1, device_s, gather_s), np.zeros((8, 1), np.float32)
+    worker = Worker(state, {"m": {1: runner}}, {"m": pool}, d, just_in_time=True)
     worker.start()
     d.submit([Query(0, "m", (0,))])
+    devices = list(runner.runners.values()) if several_inputs else [runner]
     deadline = time.monotonic() + 10
-    while not runner._launched_at and time.monotonic() < deadline:
+    while not any(r._launched_at for r in devices) and time.monotonic() < deadline:
         time.sleep(0.001)
-    # The first batch is on the device; its worker asks for the next one 20 ms after the
-    # launch (two gathers before the expected end): this one is ready 25 ms after it.
+    # The first batch is on the device; its worker asks for the next one 40 ms after the
+    # launch (two gathers are over half the batch: half the batch before its expected end);
+    # this one arrives 15 ms after the launch, its queue delay over 10 ms later.
     time.sleep(0.015)
     d.submit([Query(1, "m", (1,))])
     assert finished.wait(30)

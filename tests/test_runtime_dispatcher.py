@@ -2,16 +2,16 @@
 
 from infermux.load.base import Query
 from infermux.runtime import Batch, Dispatcher, LatencyEstimate, WorkerState, batch_ready, slo_take
-from infermux.runtime.placement import ModelLoad, WorkerView, rebalance
+from infermux.runtime.placement import ModelLoad, WorkerView, bucket_holding, rebalance
 
 from .conftest import MS, Clock
 
 
-def worker(wid, model="m", buckets=(1, 2, 4, 8), est_ms=None, serves=None):
+def worker(wid, model="m", buckets=(1, 2, 4, 8), est_ms=None, serves=None, unit=None):
     est = LatencyEstimate(0.5)
     for b, ms in (est_ms or {}).items():
         est.update(b, ms * MS)
-    return WorkerState(wid, f"w{wid}", f"cpu:{wid}", model, list(buckets),
+    return WorkerState(wid, f"w{wid}", unit or f"cpu:{wid}", model, list(buckets),
                        set(serves or {model}), est)
 
 
@@ -50,6 +50,46 @@ def test_dynamic_batching_waits_for_the_delay_then_takes_what_is_there():
     assert isinstance(batch, Batch) and len(batch.items) == 5 and batch.bucket == 8
     d.finished(w, batch, clock(), clock() + 4 * MS)
     assert sorted(q for q, _, _ in done) == [0, 1, 2, 3, 4]
+
+
+def test_a_busy_workers_queue_delay_is_counted_to_the_launch():
+    """A worker asking for the batch to gather under its running one (`launch_ns`: when that
+    one ends): items whose delay is over by then go now; those whose delay outlasts it wait,
+    and the wait is counted from the launch. Without `launch_ns` the delay counts to now."""
+    clock = Clock()
+    w = worker(0)
+    d, _ = make(clock, w)
+    d.submit(queries(3))
+    clock.advance(1)
+    assert isinstance(d.poll(w), float)  # 1 ms of 5: not yet
+    wait = d.poll(w, launch_ns=clock() + 2 * MS)  # launched 3 ms in: still 2 ms short
+    assert isinstance(wait, float) and abs(wait - 0.002) < 1e-9
+    assert isinstance(d.poll(w, launch_ns=clock() - MS), float)  # a past launch is now
+    batch = d.poll(w, launch_ns=clock() + 4 * MS)  # launched 5 ms in: the delay is spent
+    assert isinstance(batch, Batch) and len(batch.items) == 3
+
+
+def test_a_gpu_batch_runs_at_a_larger_bucket_measured_faster():
+    """On a GPU a bucket measured well over a larger one (an uncompiled small bucket beside
+    compiled large ones) is passed over for the larger; within a quarter, unmeasured, or on a
+    CPU, the smallest holding bucket stays."""
+    assert bucket_holding([1, 2, 4, 8], 3) == 4  # no estimate: the smallest that holds them
+    clock = Clock()
+    est = {1: 1.0, 2: 2.0, 4: 10.0, 8: 5.0}
+    w = worker(0, est_ms=est, unit="cuda:0/fp16")
+    d, _ = make(clock, w)
+    d.submit(queries(3))
+    clock.advance(5)
+    batch = d.poll(w)
+    assert isinstance(batch, Batch) and len(batch.items) == 3 and batch.bucket == 8
+    assert w.bucket_for(2) == 2 and w.bucket_for(1) == 1  # the small ones are fast
+    assert worker(1, est_ms=est).bucket_for(3) == 4  # a CPU worker: by size alone
+    close = worker(2, est_ms={4: 6.0, 8: 5.0}, unit="cuda:0")  # not a quarter faster
+    assert close.bucket_for(3) == 4
+    unmeasured = worker(3, est_ms={8: 5.0}, unit="cuda:0")  # 4 never measured: not passed over
+    assert unmeasured.bucket_for(3) == 4
+    idle = worker(4, est_ms={4: 10.0, 8: 5.0}, unit="cuda:0")
+    assert idle.view().finish_ns(3, 0) == 5.0 * MS  # placement sees the same choice
 
 
 def test_full_batch_goes_at_once_and_the_rest_waits():

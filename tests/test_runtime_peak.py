@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from infermux.runtime import parse_plan, start_runtime
 from infermux.runtime.api import LocalRuntime
-from infermux.runtime.peak import TrialRun, best_at_peak, run_load, run_trial
+from infermux.runtime.metrics import BatchRecord
+from infermux.runtime.peak import (
+    TrialRun,
+    best_at_peak,
+    device_stall,
+    run_load,
+    run_trial,
+    stall_note,
+)
 from infermux.runtime.trial import TrialSummary
 
 from .conftest import TINY
@@ -31,6 +39,8 @@ def test_a_peak_search_hands_every_trial_to_keep_in_order_on_one_build() -> None
     assert [k.index for k in kept] == list(range(len(kept))) == [k.record.trial for k in kept]
     assert kept[0].record.scenario == "offline"
     assert all(k.record.scenario == "server" for k in kept[1:])
+    # Each server trial says whether its batches stopped on the device (CPU: no device time).
+    assert all("device_stall" in t and t["device_stall"] is None for t in peak["trials"])
     # One trial per runtime trial: the loop numbers its queries from the runtime's own count.
     assert rt.trial == len(kept)
     # A valid trial's batches are its own and add up to the items it completed (a batch is
@@ -45,6 +55,38 @@ def test_a_peak_search_hands_every_trial_to_keep_in_order_on_one_build() -> None
     for when in ("before", "after"):
         wake = peak["host"][when]["wake"]
         assert wake["n"] > 0 and 0 < wake["p50_ms"] <= wake["p99_ms"]
+
+
+def _batch(bucket: int, device_ms: float) -> BatchRecord:
+    return BatchRecord("gpu#0", "cuda:0/fp16", "m", bucket, bucket, 0, 0, 0, [], [],
+                       device_ns=int(device_ms * 1e6))
+
+
+def test_a_batch_that_stopped_on_the_device_is_named_and_so_is_the_trial_it_failed() -> None:
+    """One batch of a bucket far over its bucket's median and over half the bound is a device
+    stall; slow batches under half the bound, buckets with too few batches to judge, and
+    batches without device timing are not. The search's note names failed trials only."""
+    steady = [_batch(32, 3.0) for _ in range(20)]
+    assert device_stall(steady, 15.0) is None
+    stalled = device_stall([*steady, _batch(32, 132.0), _batch(32, 7.0)], 15.0)
+    assert stalled == {"batches": 1, "longest_ms": 132.0, "median_ms": 3.0, "model": "m",
+                       "bucket": 32}
+    # 14 ms is over four medians but not over half a 30 ms bound: not a stall for that bound.
+    assert device_stall([*steady, _batch(32, 14.0)], 30.0) is None
+    assert device_stall([*steady, _batch(32, 14.0)], 15.0) is not None
+    # Three batches of a bucket give no median to judge by; untimed batches are left out.
+    assert device_stall([_batch(8, 1.0), _batch(8, 1.0), _batch(8, 90.0)], 15.0) is None
+    assert device_stall([*steady, _batch(32, 0.0)], 15.0) is None
+    on_cpu = [BatchRecord("cpu#0", "cpu:0", "m", 32, 32, 0, 0, 0, [], [], device_ns=int(ms * 1e6))
+              for ms in [3.0] * 20 + [132.0]]
+    assert device_stall(on_cpu, 15.0) is None  # a CPU's slow batch is contention
+    trials = [{"rate_qps": 5000.0, "valid": True, "device_stall": None},
+              {"rate_qps": 10000.0, "valid": False, "device_stall": stalled},
+              {"rate_qps": 7500.0, "valid": False, "device_stall": None}]
+    note = stall_note(trials, 15.0)
+    assert note is not None and "1 of the 2 trials over the bound" in note
+    assert "10000 qps" in note and "132.0 ms" in note and "3.00 ms" in note
+    assert stall_note(trials[:1] + trials[2:], 15.0) is None
 
 
 def test_one_trial_without_a_search_returns_no_peak() -> None:

@@ -177,11 +177,14 @@ class WorkerState:
     def view(self, model: str | None = None) -> WorkerView:
         """The placement functions' view of this worker, for batches of `model` (default: its own)."""
         return WorkerView(self.id, self.buckets, self.estimate, self.busy_until_ns, self.alive,
-                          model or self.model)
+                          model or self.model, self.unit)
 
-    def bucket_for(self, n: int) -> int:
-        """The smallest runner batch size holding `n` items."""
-        return next((b for b in self.buckets if b >= n), self.buckets[-1])
+    def bucket_for(self, n: int, model: str | None = None) -> int:
+        """The runner batch size a batch of `n` items of `model` (default: its own) runs at.
+
+        The smallest holding them, or on a GPU a larger one measured faster (`bucket_holding`).
+        """
+        return self.view(model).bucket_for(n)
 
 
 def batch_ready(queued: int, batch: int, oldest_ns: int, now_ns: int, max_delay_ns: int,
@@ -464,8 +467,16 @@ class Dispatcher:
             return None, wait_ns / 1e9 if wait_ns != WAIT_FOREVER else WAIT_FOREVER
         return best[1], 0.0
 
-    def poll(self, w: WorkerState) -> Batch | float | None:
+    def poll(self, w: WorkerState, launch_ns: int | None = None) -> Batch | float | None:
         """A batch for worker `w`, else seconds to wait before asking again, else None (exit).
+
+        `launch_ns`: the earliest the batch could launch, where that is later than now (a busy
+        worker asking for the batch to gather under its running one). The queue delay is
+        counted to the launch, as a batcher that forms batches only for a free instance counts
+        it: items whose delay will be over by then go in this batch. Counted to the take, a
+        busy worker's next batch in a closed loop was rarely ready before the running one
+        ended (the items that came back from the batch before arrived a few milliseconds
+        into it), so every gather ran with the device idle.
 
         Call with `self.cond` held (or from one thread, as tests do).
         """
@@ -487,7 +498,8 @@ class Dispatcher:
             if n == 0:
                 return wait_ns / 1e9
         else:
-            take_now, wait_ns = batch_ready(len(queue), w.batch, oldest, now,
+            at = now if launch_ns is None else max(now, launch_ns)
+            take_now, wait_ns = batch_ready(len(queue), w.batch, oldest, at,
                                             self.max_queue_delay_ns, self._flush)
             if not take_now and self.take_when_idle and not w.in_flight:
                 take_now = not any(o.in_flight for o in self._live(model))
@@ -511,7 +523,7 @@ class Dispatcher:
             n = next((k for k in range(1, n) if queue[k].query != queue[0].query), n)
         items = _take(queue, n, grouped=model in self.group_of)
         n = len(items)
-        bucket = w.bucket_for(n)
+        bucket = w.bucket_for(n, model)
         ready = [max(it.enqueued_ns, w.free_since_ns) for it in items]
         start = max(now, w.busy_until_ns) if w.in_flight else now
         w.busy_until_ns = int(start + w.estimate.expected_ns(bucket, model))

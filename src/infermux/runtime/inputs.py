@@ -312,6 +312,16 @@ class SeqRunner(Runner):
         runner.launch()
         self._running.append(runner)
 
+    def done(self) -> bool:
+        """Whether the oldest launched batch is over (its length's runner's `done`).
+
+        Without it a runner of several inputs answered the base class's True at once, so a
+        just-in-time GPU worker took every running batch for finished: it collected at once,
+        and gathered each next batch with the device idle (served BERT-base: 5–6 ms idle
+        before each 6–11 ms batch, every gather on that path).
+        """
+        return self._running[0].done() if self._running else True
+
     def collect(self) -> BatchTiming:
         """Wait for the oldest launched batch."""
         if not self._running:

@@ -12,6 +12,7 @@ rates of `load.scenarios.find_peak`, each trial handed to `keep` as it ends (sto
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -27,7 +28,8 @@ from infermux.runtime.trial import TrialSummary
 if TYPE_CHECKING:
     from infermux.runtime.api import Subscription, TrialRuntime
 
-__all__ = ["KeepFn", "TrialRun", "best_at_peak", "run_load", "run_trial"]
+__all__ = ["KeepFn", "TrialRun", "best_at_peak", "device_stall", "run_load", "run_trial",
+           "stall_note"]
 
 #: Trial t numbers its queries from t << _TRIAL_ID_BITS: ranges of trials never overlap.
 _TRIAL_ID_BITS = 40
@@ -100,6 +102,63 @@ def run_trial(rt: TrialRuntime, settings: dict[str, Any], shares: dict[str, floa
     return TrialRun(index, result, record, counts.records)
 
 
+#: A batch counts as stalled on the device where its device time is over this many times its
+#: bucket's median in the trial, and over `STALL_SHARE` of the bound.
+STALL_FACTOR = 4.0
+STALL_SHARE = 0.5
+#: Fewer batches of a bucket than this in a trial give no median to judge by.
+STALL_MIN_BATCHES = 5
+
+
+def device_stall(batches: Sequence[BatchRecord], bound_ms: float) -> dict[str, Any] | None:
+    """The trial's batches that stopped on the device, if any: count and the longest.
+
+    A batch's device time (its copies and compute, timed by the device's own events) far above
+    its bucket's median is the device stopping while it ran: on one H100 host a probe that kept
+    the device fed saw a 132 ms gap between two events, and one that launched a tiny kernel
+    every millisecond a 174 ms wait, with no gap in a CPU probe beside them
+    (`bench/device_stalls.py`). One such stall in a trial puts more than one query in a hundred
+    over a 15 ms bound at any rate; the trial then measures the device's host, not the plan.
+    Batches of CUDA units only.
+    """
+    by_bucket: dict[tuple[str, int], list[int]] = {}
+    for b in batches:
+        if b.device_ns > 0 and b.unit.startswith("cuda"):  # a CPU's slow batch is contention
+            by_bucket.setdefault((b.model, b.bucket), []).append(b.device_ns)
+    count = 0
+    worst: tuple[int, float, tuple[str, int]] | None = None
+    for key, times in by_bucket.items():
+        if len(times) < STALL_MIN_BATCHES:
+            continue
+        median = statistics.median(times)
+        for ns in times:
+            if ns > STALL_FACTOR * median and ns > STALL_SHARE * bound_ms * 1e6:
+                count += 1
+                if worst is None or ns > worst[0]:
+                    worst = (ns, median, key)
+    if worst is None:
+        return None
+    ns, median, (model, bucket) = worst
+    return {"batches": count, "longest_ms": ns / 1e6, "median_ms": median / 1e6,
+            "model": model, "bucket": bucket}
+
+
+def stall_note(trials: Sequence[dict[str, Any]], bound_ms: float) -> str | None:
+    """A sentence where failed server trials held device stalls (`device_stall`), else None."""
+    failed = [t for t in trials if not t.get("valid")]
+    stalled = [t for t in failed if t.get("device_stall")]
+    if not stalled:
+        return None
+    longest = max(stalled, key=lambda t: t["device_stall"]["longest_ms"])["device_stall"]
+    rates = ", ".join(f"{t['rate_qps']:.0f}" for t in stalled)
+    return (f"the device stopped during {len(stalled)} of the {len(failed)} trials over the "
+            f"bound (at {rates} qps): a batch of {longest['model']} at {longest['bucket']} "
+            f"took up to {longest['longest_ms']:.1f} ms on the device against a median of "
+            f"{longest['median_ms']:.2f} ms; a stall that long fails a {bound_ms:g} ms bound at "
+            "any rate, so those trials measure this host's device, not the plan: rerun on "
+            "another host before taking this edge as the plan's")
+
+
 def run_load(rt: TrialRuntime, settings: dict[str, Any], *, keep: KeepFn,
              shares: dict[str, float] | None = None, mix: list[dict[str, Any]] | None = None,
              progress: ProgressFn | None = None, confirm: bool = True) -> dict[str, Any] | None:
@@ -135,17 +194,20 @@ def run_load(rt: TrialRuntime, settings: dict[str, Any], *, keep: KeepFn,
         return None
     upper = offline.record.items_per_s or 0.0
     phases: list[dict[str, Any]] = []
+    stalls: list[dict[str, Any] | None] = []
 
     def server(rate: float) -> ScenarioResult:
         run = one({**settings, "scenario": "server", "rate_qps": rate, "find_peak": False})
         phases.append({m: v.phases.to_dict() for m, v in run.record.models.items()})
+        stalls.append(device_stall(run.batches, bound))
         return run.result
 
     # With `confirm`, the edge is run twice (the last valid rate and the first invalid one):
     # one run of each does not place it on a host whose scheduling noise moves the p99.
     peak = find_peak(server, upper_qps=upper, bound_ms=bound, confirm=confirm)
-    for entry, ph in zip(peak.trials, phases, strict=False):
+    for entry, ph, stall in zip(peak.trials, phases, stalls, strict=False):
         entry["phases"] = ph  # where each trial's time went, per model (runtime.metrics)
+        entry["device_stall"] = stall
     if peak.peak_qps is None and peak.reason is not None:
         if upper <= 0:
             record = offline.record
@@ -159,9 +221,9 @@ def run_load(rt: TrialRuntime, settings: dict[str, Any], *, keep: KeepFn,
     after = probe_host(device=device)
     out = peak.record()
     out["host"] = {"before": before.to_dict(), "after": after.to_dict()}
-    note = search_note(before, after, bound)
-    if note is not None:
-        out["notes"] = [*out.get("notes", []), note]
+    for note in (search_note(before, after, bound), stall_note(peak.trials, bound)):
+        if note is not None:
+            out["notes"] = [*out.get("notes", []), note]
     return out
 
 
