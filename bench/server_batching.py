@@ -51,7 +51,7 @@ import yaml
 from infermux.load import find_peak
 from infermux.runtime import parse_plan
 from infermux.runtime.host_probe import describe_probes, plan_cuda_device, probe_host, search_note
-from infermux.runtime.peak import run_trial
+from infermux.runtime.peak import device_stall, run_trial, stall_note
 from infermux.runtime.plan import Plan
 from infermux.runtime.session import start_runtime
 from infermux.runtime.trial import TrialSummary
@@ -153,7 +153,9 @@ def _say(brief: dict[str, Any]) -> None:
     print(f"  {brief['scenario']:>7} {'' if rate is None else f'{rate:9.1f} qps':>13}  "
           f"{brief.get('items_per_s') or 0:8.1f} items/s  p99 "
           f"{'-' if p99 is None else f'{p99:.1f}'} ms  valid {brief['valid']}  issue lag p99 "
-          f"{'-' if lag is None else f'{lag:.1f}'} ms  mean batch {brief.get('mean_batch')}",
+          f"{'-' if lag is None else f'{lag:.1f}'} ms  mean batch {brief.get('mean_batch')}"
+          + (f"  device stall {stall['longest_ms']:.1f} ms ({stall['batches']} batches)"
+             if (stall := brief.get("device_stall")) else ""),
           file=sys.stderr, flush=True)
 
 
@@ -171,7 +173,8 @@ def _one(rt: Any, rule: str, settings: dict[str, Any], shares: dict[str, float],
     def server(rate: float) -> Any:
         run = run_trial(rt, {**settings, "scenario": "server", "rate_qps": rate}, shares)
         result, record = run.result, run.record
-        records.append(_brief(record))
+        # Batches that stopped on the device in this trial (`runtime.peak.device_stall`).
+        records.append({**_brief(record), "device_stall": device_stall(run.batches, bound)})
         _say(records[-1])
         return result
 
@@ -188,7 +191,10 @@ def _one(rt: Any, rule: str, settings: dict[str, Any], shares: dict[str, float],
     host_after = probe_host(device=device)
     at_peak = [r for r in records[1:] if r["rate_qps"] == peak["peak_qps"] and r["valid"]]
     said = search_note(host_before, host_after, bound)  # as `runtime.peak.run_load` names it
-    notes = peak["notes"] + ([said] if said else [])
+    # The search's trials, with their stalls, as `run_load` names them.
+    stalled = stall_note([{**t, "device_stall": r.get("device_stall")}
+                          for t, r in zip(peak["trials"], records[1:], strict=False)], bound)
+    notes = peak["notes"] + [n for n in (said, stalled) if n]
     return {"rule": rule, "offline_items_per_s": upper, "peak_qps": peak["peak_qps"],
             "ratio": peak["peak_fraction_of_offline"], "edge_confirmed": peak["edge_confirmed"],
             "p99_spread_ms": peak["p99_spread_ms"], "notes": notes,
