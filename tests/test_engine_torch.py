@@ -144,6 +144,29 @@ def test_reduce_overhead_runner_runs_from_other_threads(found, tiny):
 
 
 @needs_cuda
+def test_a_collected_batchs_outputs_survive_the_next_launch_on_a_gpu(found, tiny):
+    """A GPU runner writes each launch's outputs to the other of two host buffers: after batch
+    A is collected and batch B launched, `outputs()` is still A's; after B is collected, B's
+    (the worker reads A's after B's launch, `outputs_survive_launch`)."""
+    unit = select_units("cuda:0/fp32", found)[0]
+    runner = create_engine("torch").build(tiny, unit, 4)
+    assert runner.outputs_survive_launch
+    rng = np.random.default_rng(3)
+    a, b = (rng.standard_normal((4, 3, 32, 32)).astype(np.float32) for _ in range(2))
+    want_a, want_b = runner.infer(a)[0], runner.infer(b)[0]
+    runner.set_input(a)
+    runner.launch()
+    runner.collect()
+    runner.set_input(b)
+    runner.launch()
+    np.testing.assert_allclose(runner.outputs()[0], want_a, rtol=1e-5, atol=1e-5)
+    runner.collect()
+    np.testing.assert_allclose(runner.outputs()[0], want_b, rtol=1e-5, atol=1e-5)
+    cpu = create_engine("torch").build(tiny, select_units("cpu", found)[0], 4)
+    assert not cpu.outputs_survive_launch  # a CPU batch runs in its launch
+
+
+@needs_cuda
 def test_cuda_device_data_skips_copy(found, tiny):
     unit = select_units("cuda:0/fp16", found)[0]
     runner = create_engine("torch").build(tiny, unit, 4, data="device")

@@ -124,6 +124,10 @@ class Runner(ABC):
     #: True when `launch()` returns before the batch is done (GPU runners): the caller may
     #: prepare the next batch with `gather_input` while this one runs.
     asynchronous: bool = False
+    #: True when a collected batch's `outputs()` stay its own through the next `launch()` (the
+    #: runner writes each launch's outputs to another host buffer): the caller may launch the
+    #: next batch first and read them after. False: read them before the next launch.
+    outputs_survive_launch: bool = False
 
     def prepare_pool(self, samples: np.ndarray) -> Any:
         """The sample pool (float32, `(count, *input_shape)`) as `gather_input` reads it best.

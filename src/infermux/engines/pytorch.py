@@ -231,7 +231,13 @@ class TorchRunner(Runner):
         self._x_dev = self._xs_dev[0]
         self._x_host = self._xs_host[0]
         self._y_dev: list[Any] = []
+        #: The collected batch's outputs on the host (what `outputs()` reads).
         self._y_host: list[Any] = []
+        #: On a GPU, two sets of pinned host outputs used by turns, and the launched batch's:
+        #: a collected batch's outputs stay its own while the next batch runs
+        #: (`outputs_survive_launch`), so a worker launches that batch before reading them.
+        self._y_hosts: list[list[Any]] = []
+        self._y_launched: list[Any] = []
         self._gather_pool: Any = None  # threads for large gathers, made on first need
         #: Served rows to copy to the device straight from their slabs at the next launch:
         #: (device rows, slab rows as tensors, a device staging buffer to convert, or None).
@@ -290,7 +296,10 @@ class TorchRunner(Runner):
                 else:
                     self._y_masked = outs
         self._y_dev = self._y_masked
-        self._y_host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in outs]
+        self._y_hosts = [[torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in outs]
+                         for _ in range(2)]
+        self._y_host = self._y_launched = self._y_hosts[1]
+        self.outputs_survive_launch = True
 
     # -- running ----------------------------------------------------------------------------
 
@@ -347,7 +356,9 @@ class TorchRunner(Runner):
                 self._precision.apply()
                 self._y_dev = self._forward(dense)
             ev[2].record(stream)
-            for dst, src in zip(self._y_host, self._y_dev, strict=True):
+            # The other host set than the last batch's (whose outputs may still be read).
+            self._y_launched = self._y_hosts[self._y_hosts[0] is self._y_launched]
+            for dst, src in zip(self._y_launched, self._y_dev, strict=True):
                 dst.copy_(src, non_blocking=True)
             ev[3].record(stream)
         finally:
@@ -367,6 +378,7 @@ class TorchRunner(Runner):
         ev = self._events
         ev[3].synchronize()
         self._in_flight = False
+        self._y_host = self._y_launched
         latency = time.perf_counter_ns() - self._launch_ns
         return BatchTiming(
             latency_ns=latency,
@@ -679,7 +691,7 @@ class TorchRunner(Runner):
         self._dense_next = self._mask_at is not None and bool(np.all(arrays[self._mask_at]))
 
     def outputs(self) -> list[np.ndarray]:
-        """The last batch's outputs as float32 numpy arrays."""
+        """The last collected batch's outputs as float32 numpy arrays."""
         return [t.detach().float().cpu().numpy().copy() for t in self._y_host]
 
     def close(self) -> None:
@@ -693,6 +705,8 @@ class TorchRunner(Runner):
         self._y_masked = []
         self._y_dense = []
         self._y_host = []
+        self._y_hosts = []
+        self._y_launched = []
         self._direct = None
         self._dev_rows = {}
         self._stages = {}

@@ -185,6 +185,9 @@ class SeqRunner(Runner):
         self.options = first.options
         self.build_s = sum(r.build_s for r in runners.values())
         self.asynchronous = any(r.asynchronous for r in runners.values())
+        # `outputs()` reads the collected batch's length runner, whose outputs survive a launch
+        # where every length's do.
+        self.outputs_survive_launch = all(r.outputs_survive_launch for r in runners.values())
         self.length = self.lengths[-1] if self.lengths else None
         self._staged: Runner | None = None
         self._running: list[Runner] = []

@@ -331,6 +331,8 @@ class Worker:
                     return
                 held = [b for b in (pending[0] if pending else None, batch) if b is not None]
                 on_helper = False
+                # k's outputs, read after k+1's launch where the runner keeps them (below).
+                unread: tuple[Runner, Batch] | None = None
                 try:
                     done: tuple[Batch, int, int, BatchTiming, Any] | None = None
                     where = ""
@@ -356,12 +358,22 @@ class Worker:
                         timing = p_runner.collect()
                         p_batch.stamps["collect"] = p_end = last_collect_ns = self.clock_ns()
                         _learn_device_time(device_ns, p_batch, timing)
-                        # Read before the next launch, which may reuse the output buffers.
-                        done = (p_batch, p_start, p_end, timing,
-                                self._outputs(p_runner, p_batch))
-                        if where == "after" or (
-                                where == "helper" and helper is not None
-                                and helper.left_ns(gather_ns) > self.report_ns):
+                        report_first = where == "after" or (
+                            where == "helper" and helper is not None
+                            and helper.left_ns(gather_ns) > self.report_ns)
+                        if (batch is not None and not report_first
+                                and p_runner.outputs_survive_launch):
+                            # k+1 launches first; k's outputs stay its own through that launch
+                            # (the runner's other host buffers), so they are read after it:
+                            # reading them held the device idle (0.2–0.5 ms of copies, and the
+                            # interpreter lock's hand-overs on a busy server).
+                            done = (p_batch, p_start, p_end, timing, None)
+                            unread = (p_runner, p_batch)
+                        else:
+                            # Read before the next launch, which may reuse the output buffers.
+                            done = (p_batch, p_start, p_end, timing,
+                                    self._outputs(p_runner, p_batch))
+                        if report_first:
                             # The next launch waits for a gather: k's answer must not (it
                             # did, a gather and a launch per batch, before it was reported).
                             # On the helper the gather goes on meanwhile. A gather the helper
@@ -396,10 +408,19 @@ class Worker:
                         expected = (device_ns.get((batch.model, batch.bucket))
                                     or w.estimate.expected_ns(batch.bucket, batch.model))
                         pending = (batch, runner, start, start + expected)
+                    if unread is not None and done is not None:
+                        done = (*done[:4], self._outputs(*unread))
+                        unread = None
                 except Exception as exc:  # noqa: BLE001 - the inputs' fault, or the worker's
                     if on_helper and helper is not None:
                         with contextlib.suppress(Exception):  # it must not write on, unseen
                             helper.result()
+                    if done is not None and unread is not None:
+                        # k+1's launch failed: k's outputs are still in their own buffers.
+                        with contextlib.suppress(Exception):
+                            done = (*done[:4], self._outputs(*unread))
+                        if done[4] is None and unread[1].items[0].data is not None:
+                            done = None  # unread: k's items go back with k+1's, as before
                     if done is not None:  # k was collected and read: its answer stands,
                         report, done = done, None  # whatever k+1 did
                         held = [b for b in held if b is not report[0]]
