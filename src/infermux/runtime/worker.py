@@ -365,8 +365,8 @@ class Worker:
                                 and p_runner.outputs_survive_launch):
                             # k+1 launches first; k's outputs stay its own through that launch
                             # (the runner's other host buffers), so they are read after it:
-                            # reading them held the device idle (0.2–0.5 ms of copies, and the
-                            # interpreter lock's hand-overs on a busy server).
+                            # read before, their copies and the interpreter lock's hand-overs
+                            # on a busy server kept the device idle.
                             done = (p_batch, p_start, p_end, timing, None)
                             unread = (p_runner, p_batch)
                         else:
