@@ -345,6 +345,13 @@ def test_a_just_in_time_worker_takes_its_next_batch_when_the_running_one_ends(ju
         assert len(sizes) >= 3 and sizes[1] < 5, sizes  # taken at the first launch
 
 
+def _wait_for_a_launch(devices: list[SleepDevice]) -> None:
+    """Until one of `devices` has launched a batch (10 s at most)."""
+    deadline = time.monotonic() + 10
+    while not any(r._launched_at for r in devices) and time.monotonic() < deadline:
+        time.sleep(0.001)
+
+
 def _one_gpu_worker(device_s: float, queue_delay_ns: int) -> tuple[Dispatcher, WorkerState]:
     """A dispatcher of model `m` and one pipelined worker's state, its estimate primed."""
     d = Dispatcher(["m"], max_queue_delay_ns=queue_delay_ns)
@@ -413,10 +420,7 @@ def test_a_batch_that_becomes_ready_while_one_runs_is_gathered_under_it(several_
     worker = Worker(state, {"m": {1: runner}}, {"m": pool}, d, just_in_time=True)
     worker.start()
     d.submit([Query(0, "m", (0,))])
-    devices = list(runner.runners.values()) if several_inputs else [runner]
-    deadline = time.monotonic() + 10
-    while not any(r._launched_at for r in devices) and time.monotonic() < deadline:
-        time.sleep(0.001)
+    _wait_for_a_launch(list(runner.runners.values()) if several_inputs else [runner])
     # The first batch is on the device; its worker asks for the next one 40 ms after the
     # launch (two gathers are over half the batch: half the batch before its expected end);
     # this one arrives 15 ms after the launch, its queue delay over 10 ms later.
@@ -529,9 +533,7 @@ def test_a_worker_waiting_for_its_next_batch_leaves_an_item_to_an_idle_worker():
     for worker in workers:
         worker.start()
     d.submit([Query(0, "m", (0,))])
-    deadline = time.monotonic() + 10
-    while not any(r._launched_at for r in runners) and time.monotonic() < deadline:
-        time.sleep(0.001)
+    _wait_for_a_launch(runners)
     # A full batch waiting: the busy worker asks for it at once (`_wait_to_take`), 250 ms
     # before its own batch ends, while the other waits idle.
     time.sleep(0.05)

@@ -59,6 +59,11 @@ class BatchTiming:
     compute_ns: int = 0
     d2h_ns: int = 0
 
+    @property
+    def device_ns(self) -> int:
+        """The batch's time on the device: copy in, compute, copy out (0 where not measured)."""
+        return self.h2d_ns + self.compute_ns + self.d2h_ns
+
 
 class Runner(ABC):
     """A model compiled for one unit and one batch size, with preallocated buffers."""

@@ -618,8 +618,7 @@ class Dispatcher:
         if stale:
             return
         if timing is not None:
-            batch.device_ns = (getattr(timing, "h2d_ns", 0) + getattr(timing, "compute_ns", 0)
-                               + getattr(timing, "d2h_ns", 0))
+            batch.device_ns = int(getattr(timing, "device_ns", 0) or 0)
         if self.on_batch_done is not None:
             self.on_batch_done(w, batch, start_ns, end_ns, timing)
         if outputs is not None and self.on_outputs is not None:

@@ -91,7 +91,7 @@ class Recorder:
             w.name, w.unit, batch.model, len(batch.items), batch.bucket, batch.taken_ns,
             start_ns, end_ns, [it.enqueued_ns for it in batch.items], list(batch.ready_ns),
             int(getattr(timing, "compute_ns", 0) or 0),
-            sum(int(getattr(timing, k, 0) or 0) for k in ("h2d_ns", "compute_ns", "d2h_ns")),
+            int(getattr(timing, "device_ns", 0) or 0),
             self.clock_ns(),
             self.tokens_of(batch) if self.tokens_of is not None else 0,
         )

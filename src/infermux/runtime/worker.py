@@ -417,10 +417,10 @@ class Worker:
                             helper.result()
                     if done is not None and unread is not None:
                         # k+1's launch failed: k's outputs are still in their own buffers.
-                        with contextlib.suppress(Exception):
+                        try:
                             done = (*done[:4], self._outputs(*unread))
-                        if done[4] is None and unread[1].items[0].data is not None:
-                            done = None  # unread: k's items go back with k+1's, as before
+                        except Exception:  # noqa: BLE001 - unread: k goes back with k+1
+                            done = None
                     if done is not None:  # k was collected and read: its answer stands,
                         report, done = done, None  # whatever k+1 did
                         held = [b for b in held if b is not report[0]]
@@ -565,7 +565,7 @@ _DONE_POLL_NS = 200_000
 def _learn_device_time(device_ns: dict[tuple[str, int], float], batch: Batch,
                        timing: BatchTiming) -> None:
     """Fold a collected batch's device time (copy in, compute, copy out) into its bucket's average."""
-    on_device = timing.h2d_ns + timing.compute_ns + timing.d2h_ns
+    on_device = timing.device_ns
     if on_device > 0:
         key = (batch.model, batch.bucket)
         device_ns[key] = _average(device_ns.get(key, 0.0), on_device)
