@@ -51,7 +51,13 @@ import yaml
 from infermux.load import find_peak
 from infermux.runtime import parse_plan
 from infermux.runtime.host_probe import describe_probes, plan_cuda_device, probe_host, search_note
-from infermux.runtime.peak import device_stall, run_trial, stall_note
+from infermux.runtime.peak import (
+    confirm_duration_s,
+    device_stall,
+    lengthened,
+    run_trial,
+    stall_note,
+)
 from infermux.runtime.plan import Plan
 from infermux.runtime.session import start_runtime
 from infermux.runtime.trial import TrialSummary
@@ -110,6 +116,8 @@ def _with_load(plan: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]
     """The plan with the bench's server load: its bound, trial length and query count."""
     load = {**plan.get("load", {}), "scenario": "server", "p99_bound_ms": args.p99,
             "min_duration_s": args.duration, "min_queries": args.queries}
+    if args.confirm_duration is not None:
+        load["confirm_duration_s"] = args.confirm_duration
     load.pop("find_peak", None)
     load.pop("rate_qps", None)
     return {**plan, "load": load}
@@ -170,11 +178,14 @@ def _one(rt: Any, rule: str, settings: dict[str, Any], shares: dict[str, float],
     _say(records[-1])
     upper = offline.items_per_s or 0.0
 
-    def server(rate: float) -> Any:
-        run = run_trial(rt, {**settings, "scenario": "server", "rate_qps": rate}, shares)
+    def server(rate: float, min_duration_s: float | None = None) -> Any:
+        # A run that confirms the edge is longer (`runtime.peak.confirm_duration_s`).
+        trial = lengthened({**settings, "scenario": "server", "rate_qps": rate}, min_duration_s)
+        run = run_trial(rt, trial, shares)
         result, record = run.result, run.record
         # Batches that stopped on the device in this trial (`runtime.peak.device_stall`).
-        records.append({**_brief(record), "device_stall": device_stall(run.batches, bound)})
+        records.append({**_brief(record), "device_stall": device_stall(run.batches, bound),
+                        **({"min_duration_s": min_duration_s} if min_duration_s else {})})
         _say(records[-1])
         return result
 
@@ -187,7 +198,8 @@ def _one(rt: Any, rule: str, settings: dict[str, Any], shares: dict[str, float],
         return {"rule": rule, "offline_items_per_s": upper, "peak_qps": None, "ratio": None,
                 "edge_confirmed": None, "p99_spread_ms": None, "notes": [], "reason": None,
                 "at_peak": None, "host": {"before": host_before.to_dict()}, "trials": records}
-    peak = find_peak(server, upper_qps=upper, bound_ms=bound, confirm=True).record()
+    peak = find_peak(server, upper_qps=upper, bound_ms=bound, confirm=True,
+                     confirm_duration_s=confirm_duration_s(settings)).record()
     host_after = probe_host(device=device)
     at_peak = [r for r in records[1:] if r["rate_qps"] == peak["peak_qps"] and r["valid"]]
     said = search_note(host_before, host_after, bound)  # as `runtime.peak.run_load` names it
@@ -238,6 +250,9 @@ def main() -> int:
     parser.add_argument("--p99", type=float, default=15.0, help="the bound, ms")
     parser.add_argument("--duration", type=float, default=3.0, help="seconds per trial")
     parser.add_argument("--queries", type=int, default=1024, help="min_queries per trial")
+    parser.add_argument("--confirm-duration", type=float, default=None,
+                        help="seconds of each run that confirms the edge (default: "
+                             "runtime.peak.CONFIRM_SCALE x --duration)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--max-s", type=float, default=300.0,
                         help="start no find-peak after this many seconds")

@@ -35,16 +35,69 @@ def test_the_edge_is_run_again_and_a_rate_that_passed_once_is_not_the_peak():
         return _result(4.0 if rate <= 750 and calls[rate] == 1 else 30.0)
 
     peak = find_peak(run, upper_qps=1000.0, bound_ms=BOUND_MS, iterations=3, confirm=True)
-    # bisection: 500 valid, 750 valid (lucky), 875 invalid; then 750 again fails, so 500 is
-    # repeated and holds, and 875 is repeated.
-    assert [t["rate_qps"] for t in peak.trials] == [500, 750, 875, 750, 500, 875]
-    assert [t.get("repeat", False) for t in peak.trials] == [False] * 3 + [True] * 3
+    # bisection: 500 valid, 750 valid (lucky), 875 invalid; then 750 again fails, so the rate
+    # halfway down, 625, is run: valid (lucky) once, not twice; 500 is repeated and holds, and
+    # 875 is repeated.
+    assert [t["rate_qps"] for t in peak.trials] == [500, 750, 875, 750, 625, 625, 500, 875]
+    assert [t.get("repeat", False) for t in peak.trials] == [False] * 3 + [True] * 5
+    assert [t.get("between", False) for t in peak.trials] == [False] * 4 + [True] * 2 + [False] * 2
     assert peak.peak_qps == 500 and peak.edge_confirmed is False
     rec = peak.record()
     by_rate = {r["rate_qps"]: r for r in rec["repeats"]}
     assert by_rate[750]["valid"] == [True, False] and by_rate[750]["p99_spread_ms"] > 20
     assert by_rate[500]["p99_spread_ms"] < 0.1
     assert any("the edge moved between runs" in n for n in rec["notes"])
+
+
+def test_the_repeats_are_longer_runs_whose_p99_one_short_stall_does_not_decide():
+    def search(confirm_duration_s: float | None) -> tuple[Any, list[tuple[float, Any]]]:
+        calls: list[tuple[float, Any]] = []
+
+        def run(rate: float, *long: float) -> ScenarioResult:
+            calls.append((rate, *long))
+            if rate > 625:
+                return _result(30.0)
+            # The fourth run (the edge's repeat) meets a stall of the host; in a short run it
+            # is over 1% of the queries, in a long one it is not.
+            return _result(30.0 if len(calls) == 4 and not long else 4.0)
+
+        peak = find_peak(run, upper_qps=1000.0, bound_ms=BOUND_MS, iterations=3, confirm=True,
+                         confirm_duration_s=confirm_duration_s)
+        return peak, calls
+
+    peak, calls = search(12.0)
+    assert calls == [(500,), (750,), (625,), (625, 12.0), (750, 12.0)]
+    assert [t.get("min_duration_s") for t in peak.trials] == [None] * 3 + [12.0, 12.0]
+    assert peak.peak_qps == 625 and peak.edge_confirmed is True
+    peak, calls = search(None)
+    # Short repeats (the rate alone, as before): the stall sinks 625, and the rate halfway
+    # down to 500 is run twice (short runs hold twice, as the rates above had to).
+    assert calls == [(500,), (750,), (625,), (625,), (562.5,), (562.5,), (750,)]
+    assert peak.peak_qps == 562.5 and peak.edge_confirmed is False
+    assert [t.get("between", False) for t in peak.trials] == [False] * 4 + [True] * 2 + [False]
+
+
+def test_a_failed_long_repeat_tries_halfway_down_before_the_next_valid_rate():
+    calls: list[tuple[float, Any]] = []
+
+    def run(rate: float, *long: float) -> ScenarioResult:
+        calls.append((rate, *long))
+        return _result(4.0 if rate <= (600 if long else 700) else 30.0)
+
+    peak = find_peak(run, upper_qps=1000.0, bound_ms=BOUND_MS, iterations=3, confirm=True,
+                     confirm_duration_s=12.0)
+    # 625 held a short run, not a long one; halfway down to 500, 562.5 holds its long run
+    # (one long run decides), and 750 fails again.
+    assert calls == [(500,), (750,), (625,), (625, 12.0), (562.5, 12.0), (750, 12.0)]
+    assert peak.peak_qps == 562.5 and peak.edge_confirmed is False
+    assert peak.trials[4]["between"] is True and peak.trials[4]["min_duration_s"] == 12.0
+    # A gap under 2% of the failed rate is not split: the next valid rate is repeated.
+    calls.clear()
+    peak = find_peak(lambda rate, *long: _result(4.0 if rate <= (970 if long else 990) else 30),
+                     upper_qps=1000.0, bound_ms=BOUND_MS, iterations=6, confirm=True,
+                     confirm_duration_s=12.0)
+    assert [t["rate_qps"] for t in peak.trials if t.get("repeat")] == [984.375, 968.75]
+    assert peak.peak_qps == 968.75
 
 
 def test_a_steady_edge_is_confirmed_and_its_spread_reported():
@@ -90,7 +143,9 @@ def test_a_peak_that_never_holds_twice_is_no_peak_and_says_so():
     peak = find_peak(run, upper_qps=1000.0, bound_ms=BOUND_MS, iterations=4, confirm=True)
     # valid once: 500, 562.5; both fail again (the walk down stops at the lowest valid rate)
     assert peak.peak_qps is None and peak.edge_confirmed is False
-    assert [t["rate_qps"] for t in peak.trials if t.get("repeat")] == [562.5, 500, 625]
+    # (the walk down tries 531.25, halfway to 500, twice: it holds its first run only)
+    assert [t["rate_qps"] for t in peak.trials if t.get("repeat")] == [562.5, 531.25, 531.25,
+                                                                       500, 625]
     assert "in every run" in (peak.reason or "") and "562" in (peak.reason or "")
 
 
@@ -165,3 +220,30 @@ def test_the_lag_note_starts_past_a_tenth_of_the_bound():
     assert lag_note(None, 50.0) is None and lag_note(9.0, None) is None
     note = lag_note(5.1, 50.0)
     assert note is not None and "5.1 ms > 0.1 of the 50 ms bound" in note
+
+
+def test_a_first_invalid_rate_that_holds_its_long_run_lifts_the_peak_and_the_search_goes_on():
+    calls: list[tuple[float, Any]] = []
+
+    def run(rate: float, *long: float) -> ScenarioResult:
+        calls.append((rate, *long))
+        stalled = rate == 750 and not long  # one stall of the host in 750's short run
+        return _result(4.0 if rate <= 900 and not stalled else 30.0)
+
+    peak = find_peak(run, upper_qps=1000.0, bound_ms=BOUND_MS, iterations=3, confirm=True,
+                     confirm_duration_s=12.0)
+    # 625 and 750 hold their long runs, so 750's short failure was the host's; the search
+    # bisects 750-1000 in short trials (875 valid, 937.5 and 906.25 not) and 875 holds long.
+    assert calls == [(500,), (750,), (625,), (625, 12.0), (750, 12.0), (875,), (937.5,),
+                     (906.25,), (875, 12.0)]
+    assert peak.peak_qps == 875 and peak.edge_confirmed is False
+    assert any("750 qps failed its short run (p99 30.0 ms) and held its longer one" in n
+               for n in peak.notes)
+    assert any("longer runs decide" in n for n in peak.notes)
+    # A long run that fails below it keeps the first invalid rate out, however its own went.
+    calls.clear()
+    peak = find_peak(lambda rate, *long: _result(4.0 if (rate <= 600 if long else rate != 750)
+                                                 and rate <= 900 else 30.0),
+                     upper_qps=1000.0, bound_ms=BOUND_MS, iterations=3, confirm=True,
+                     confirm_duration_s=12.0)
+    assert peak.peak_qps is not None and peak.peak_qps < 625

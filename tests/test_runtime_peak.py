@@ -6,9 +6,12 @@ from infermux.runtime import parse_plan, start_runtime
 from infermux.runtime.api import LocalRuntime
 from infermux.runtime.metrics import BatchRecord
 from infermux.runtime.peak import (
+    CONFIRM_SCALE,
     TrialRun,
     best_at_peak,
+    confirm_duration_s,
     device_stall,
+    lengthened,
     run_load,
     run_trial,
     stall_note,
@@ -51,6 +54,14 @@ def test_a_peak_search_hands_every_trial_to_keep_in_order_on_one_build() -> None
             assert sum(b.size for b in k.batches) == k.record.completed_items > 0
     best = best_at_peak([k.record for k in kept], peak)
     assert best is not None and best.rate_qps == peak["peak_qps"] and best.valid
+    # The edge's repeats ran CONFIRM_SCALE times as long as the search's trials, and say so.
+    long = confirm_duration_s(plan.load.model_dump(mode="json"))
+    assert long == CONFIRM_SCALE * 0.3
+    repeats = [(k, t) for k, t in zip(kept[1:], peak["trials"], strict=True) if t.get("repeat")]
+    assert repeats and all(t["min_duration_s"] == long for _, t in repeats)
+    assert all(k.record.duration_s >= long for k, _ in repeats)
+    assert all(k.record.duration_s < long for k, t in zip(kept[1:], peak["trials"], strict=True)
+               if not t.get("repeat"))
     # The host's hand-overs were probed before the search and after it.
     for when in ("before", "after"):
         wake = peak["host"][when]["wake"]
@@ -120,3 +131,48 @@ def test_a_record_stored_with_completed_samples_still_reads() -> None:
     assert summary.completed_items == 40 and summary.models["m"].completed_items == 40
     new = {**old, "completed_items": 41}
     assert TrialSummary.from_dict(new).completed_items == 41
+
+
+def test_the_confirming_runs_length_is_the_load_s_or_four_trials_and_its_stop_moves_with_it():
+    assert confirm_duration_s({"min_duration_s": 3.0}) == 12.0
+    assert confirm_duration_s({"min_duration_s": 3.0, "confirm_duration_s": 20.0}) == 20.0
+    # No longer than a trial (or trials of no length): the repeats are plain trials.
+    assert confirm_duration_s({"min_duration_s": 3.0, "confirm_duration_s": 2.0}) is None
+    assert confirm_duration_s({"min_duration_s": 0}) is None
+    settings = {"min_duration_s": 3.0, "max_duration_s": 5.0, "rate_qps": 10.0}
+    assert lengthened(settings, None) is settings
+    assert lengthened(settings, 12.0) == {"min_duration_s": 12.0, "max_duration_s": 14.0,
+                                          "rate_qps": 10.0}
+    assert lengthened({"min_duration_s": 3.0}, 12.0) == {"min_duration_s": 12.0}
+    # A plan carries it, and refuses a length of nothing.
+    plan = _plan(scenario="server", find_peak=True, p99_bound_ms=50, confirm_duration_s=9)
+    assert plan.load.confirm_duration_s == 9
+    import pytest
+
+    from infermux.errors import UsageError
+
+    with pytest.raises(UsageError, match="confirm_duration_s"):
+        _plan(scenario="server", confirm_duration_s=0)
+
+
+def test_infermux_run_takes_the_confirming_length_and_refuses_none(tmp_path) -> None:
+    import json
+
+    import yaml
+
+    from .conftest import invoke_cli
+
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump(_plan().to_dict()))
+    run = invoke_cli("run", str(path), "--no-store", "--json", "--find-peak", "--p99", "2000",
+                     "--duration", "0.3s", "--confirm-duration", "0.9s")
+    assert run.returncode == 0, run.stderr
+    peak = json.loads(run.stdout)["peak"]
+    assert peak["peak_qps"] is not None
+    repeats = [t for t in peak["trials"] if t.get("repeat")]
+    assert repeats and all(t["min_duration_s"] == 0.9 for t in repeats)
+    bad = invoke_cli("run", str(path), "--no-store", "--find-peak", "--p99", "50",
+                     "--confirm-duration", "0s")
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr
+    said = (bad.stdout + bad.stderr).strip()
+    assert "confirm_duration_s" in said and len(said.splitlines()) <= 3, said

@@ -37,6 +37,7 @@ def run_command(
     p99: Annotated[str | None, typer.Option("--p99", help="Server: p99 latency bound, e.g. 15ms (a bare number is ms).")] = None,
     find_peak: Annotated[bool, typer.Option("--find-peak", help="Server: search the highest rate within --p99.")] = False,
     duration: Annotated[str | None, typer.Option("--duration", help="Minimum duration, e.g. 10s.")] = None,
+    confirm_duration: Annotated[str | None, typer.Option("--confirm-duration", help="Find-peak: how long the runs that confirm the edge last, e.g. 40s (default: four times --duration).")] = None,
     min_queries: Annotated[int | None, typer.Option("--min-queries", help="Minimum queries (samples offline).")] = None,
     seed: Annotated[int | None, typer.Option("--seed", help="Seed of arrivals and sample choice.")] = None,
     lengths: Annotated[str | None, typer.Option("--lengths", help="Query lengths of models with a sequence length: 128, uniform:16-256 or 32,64,128 (load.lengths).")] = None,
@@ -67,6 +68,8 @@ def run_command(
     plan = with_load(
         plan, scenario=scenario, rate_qps=qps, p99_bound_ms=parse_latency_ms(p99) if p99 is not None else None, find_peak=find_peak or None,
         min_duration_s=parse_duration_s(duration, name="--duration") if duration else None,
+        confirm_duration_s=(parse_duration_s(confirm_duration, name="--confirm-duration")
+                            if confirm_duration else None),
         min_queries=min_queries, seed=seed, lengths=lengths,
     )
     store = None if no_store else open_store(db)

@@ -501,13 +501,14 @@ def _trial_entry(rate: float, result: ScenarioResult, bound_ms: float) -> dict[s
 
 
 def find_peak(
-    run_server: Callable[[float], ScenarioResult],
+    run_server: Callable[..., ScenarioResult],
     *,
     upper_qps: float,
     bound_ms: float,
     iterations: int = 6,
     lower_qps: float = 0.0,
     confirm: bool = False,
+    confirm_duration_s: float | None = None,
 ) -> PeakResult:
     """The highest server rate whose runs are all valid: bisection, then the edge confirmed.
 
@@ -515,8 +516,14 @@ def find_peak(
     rate can beat); the first trial is at half the upper bound. With `confirm`, the last valid
     rate and the first invalid one are run again: on a noisy host one run of each does not
     place the edge. The peak is the highest rate valid in every run; if the repeat of the last
-    valid rate fails, the next lower valid rate is repeated too and the peak falls to it if it
-    holds. The p99s each repeated rate gave are reported (their spread). A trial whose load
+    valid rate fails, the rate halfway down to the next lower valid one is run (`between`),
+    then that lower rate again, and the peak falls to the first that holds. The p99s each
+    repeated rate gave are reported (their spread). With
+    `confirm_duration_s`, each repeat is called as `run_server(rate, confirm_duration_s)`: a
+    longer run, nearer LoadGen's, whose p99 one short host stall cannot decide alone (in a 3 s
+    trial at 20k queries/s, a 30 ms stall is 1% of the queries). Those runs decide: a first
+    invalid rate whose longer run holds (above a last valid rate whose longer run held) lifts
+    the peak, and the search goes on above it (`_search_above`). A trial whose load
     generator issued late (issue lag p99 over `LAG_SHARE` of the bound) is flagged and noted:
     its p99 holds the host's lag, not the plan's alone. With no throughput to search below, or
     no valid rate, the result has no peak and says why in `reason`.
@@ -528,9 +535,13 @@ def find_peak(
             "to search: make the offline scenario complete samples first (see its validity notes)"))
 
     def run(rate: float, repeat: bool = False) -> dict[str, Any]:
-        entry = _trial_entry(rate, run_server(rate), bound_ms)
+        long = repeat and confirm_duration_s is not None
+        result = run_server(rate, confirm_duration_s) if long else run_server(rate)
+        entry = _trial_entry(rate, result, bound_ms)
         if repeat:
             entry["repeat"] = True
+        if long:
+            entry["min_duration_s"] = confirm_duration_s
         trials.append(entry)
         return entry
 
@@ -550,7 +561,11 @@ def find_peak(
             hi = rate
     result = PeakResult(bound_ms, trials, best, upper_qps)
     if confirm and not interrupted and best is not None:
-        _confirm(result, run)
+        long = confirm_duration_s is not None
+        above = _confirm(result, run, long)
+        if above is not None:
+            _search_above(result, run, above)
+        _summarise_repeats(result, long)
     peak = result.peak_qps
     if peak is None and best is not None:
         tried = ", ".join(f"{r['rate_qps']:.3g}" for r in result.repeats if r["valid"][0])
@@ -578,36 +593,99 @@ def find_peak(
 
 #: How many valid rates below the last one a failed confirmation repeats before giving up.
 _CONFIRM_DOWN = 3
+#: A failed confirmation first tries the rate halfway down to the next lower valid one, where
+#: that gap is at least this share of the failed rate: bisection's valid rates lie far apart
+#: (a half, three quarters, seven eighths of offline), and the edge is between them.
+_SPLIT_SHARE = 0.02
 
 
-def _confirm(result: PeakResult, run: Callable[..., dict[str, Any]]) -> None:
-    """Repeat the last valid and the first invalid rate; move the peak down if it fails."""
+def _confirm(result: PeakResult, run: Callable[..., dict[str, Any]],
+             long: bool) -> tuple[float, float] | None:
+    """Repeat the last valid and the first invalid rate; move the peak down if it fails.
+
+    `long`: the repeats are longer runs than the search's (`confirm_duration_s`); they decide.
+    Then, if the last valid rate's long run held and so did the first invalid rate's, that
+    rate's short run met a stall of the host: it becomes the peak, and the span above it to
+    search is returned (from it to the next invalid rate, or the offline figure).
+    """
     trials = result.trials
     best = result.peak_qps
     assert best is not None
     invalid = [t["rate_qps"] for t in trials if not t["valid"] and t["rate_qps"] > best]
     first_bad = min(invalid) if invalid else None
+    short_p99 = {t["rate_qps"]: t["p99_ms"] for t in trials}
     valid_rates = sorted({t["rate_qps"] for t in trials if t["valid"]}, reverse=True)
-    runs: dict[float, list[dict[str, Any]]] = {}
-    for t in trials:
-        runs.setdefault(t["rate_qps"], []).append(t)
 
-    def again(rate: float) -> dict[str, Any]:
+    def again(rate: float, between: bool = False) -> dict[str, Any]:
         entry = run(rate, repeat=True)
-        runs[rate].append(entry)
+        if between:
+            entry["between"] = True
         return entry
 
-    # The last valid rate again; if it fails, the next lower valid rates in turn (a few at
-    # most), until one holds in every run.
+    # The last valid rate again; if it fails, the rate halfway to the next lower valid one
+    # (run once, in the confirming length), then that valid rate again, and so on down (a few
+    # valid rates at most), until one holds in every run.
     peak: float | None = None
+    failed = None
     for rate in [r for r in valid_rates if r <= best][:_CONFIRM_DOWN + 1]:
+        if failed is not None and failed - rate >= _SPLIT_SHARE * failed:
+            mid = (rate + failed) / 2
+            # One long run decides; short runs hold twice, as the rates above had to.
+            if again(mid, between=True)["valid"] and (
+                    long or again(mid, between=True)["valid"]):
+                peak = mid
+                break
         if again(rate)["valid"]:
             peak = rate
             break
+        failed = rate
     bad_again = again(first_bad) if first_bad is not None else None
     result.peak_qps = peak
     result.edge_confirmed = (peak == best
                              and (bad_again is None or not bad_again["valid"]))
+    if long and peak == best and bad_again is not None and bad_again["valid"]:
+        assert first_bad is not None
+        result.peak_qps = first_bad
+        result.notes.append(
+            f"{first_bad:.0f} qps failed its short run (p99 {_p99(short_p99[first_bad])}) and "
+            f"held its longer one (p99 {_p99(bad_again['p99_ms'])}): the short run met a stall "
+            "of the host, so the search went on above it")
+        higher = [r for r in invalid if r > first_bad]
+        return first_bad, min(higher) if higher else float(result.offline_items_per_s or 0.0)
+    return None
+
+
+def _p99(ms: float | None) -> str:
+    return "none" if ms is None else f"{ms:.1f} ms"
+
+
+#: How many short trials the search runs above a first invalid rate whose long run held.
+_RESUME_ITERATIONS = 3
+
+
+def _search_above(result: PeakResult, run: Callable[..., dict[str, Any]],
+                  span: tuple[float, float]) -> None:
+    """Bisect `span` in short trials; the highest valid rate is the peak if its long run holds."""
+    lo, hi = span
+    top = None
+    for _ in range(_RESUME_ITERATIONS):
+        rate = (lo + hi) / 2
+        entry = run(rate)
+        if entry.get("interrupted"):
+            return
+        if entry["valid"]:
+            top, lo = rate, rate
+        else:
+            hi = rate
+    if top is not None and run(top, repeat=True)["valid"]:
+        result.peak_qps = top
+
+
+def _summarise_repeats(result: PeakResult, long: bool) -> None:
+    """The rates run more than once, with every p99 they gave, and a note if the edge moved."""
+    runs: dict[float, list[dict[str, Any]]] = {}
+    for t in result.trials:
+        runs.setdefault(t["rate_qps"], []).append(t)
     for rate, entries in sorted(runs.items()):
         if len(entries) < 2:
             continue
@@ -620,5 +698,6 @@ def _confirm(result: PeakResult, run: Callable[..., dict[str, Any]]) -> None:
         said = "; ".join(f"{r['rate_qps']:.0f} qps: p99 "
                          + ", ".join("none" if p is None else f"{p:.1f}" for p in r["p99_ms"])
                          + " ms" for r in result.repeats)
-        result.notes.append(f"the edge moved between runs ({said}): the peak is the highest "
-                            "rate valid in every run")
+        rule = ("its longer runs decide: the peak is the highest rate whose longer run held"
+                if long else "the peak is the highest rate valid in every run")
+        result.notes.append(f"the edge moved between runs ({said}): {rule}")

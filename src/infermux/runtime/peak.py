@@ -28,11 +28,36 @@ from infermux.runtime.trial import TrialSummary
 if TYPE_CHECKING:
     from infermux.runtime.api import Subscription, TrialRuntime
 
-__all__ = ["KeepFn", "TrialRun", "best_at_peak", "device_stall", "run_load", "run_trial",
-           "stall_note"]
+__all__ = ["CONFIRM_SCALE", "KeepFn", "TrialRun", "best_at_peak", "confirm_duration_s",
+           "device_stall", "lengthened", "run_load", "run_trial", "stall_note"]
 
 #: Trial t numbers its queries from t << _TRIAL_ID_BITS: ranges of trials never overlap.
 _TRIAL_ID_BITS = 40
+
+#: The runs that confirm a find-peak's edge last this many times a search trial, unless the
+#: load sets `confirm_duration_s`. LoadGen judges a server run on at least 270,336 queries;
+#: a 3 s search trial at 20k queries/s has 60k, so one 30 ms stall of the host is 1% of them
+#: and decides its p99. Four times as long comes near LoadGen's count at such rates.
+CONFIRM_SCALE = 4.0
+
+
+def confirm_duration_s(settings: dict[str, Any]) -> float | None:
+    """How long a find-peak's confirming runs last, or None where that is no longer."""
+    given = settings.get("confirm_duration_s")
+    base = float(settings.get("min_duration_s") or 0.0)
+    length = float(given) if given else CONFIRM_SCALE * base
+    return length if length > base else None
+
+
+def lengthened(settings: dict[str, Any], min_duration_s: float | None) -> dict[str, Any]:
+    """`settings` for a run of at least `min_duration_s` (its hard stop moved as far)."""
+    if min_duration_s is None:
+        return settings
+    out = {**settings, "min_duration_s": min_duration_s}
+    cap, base = settings.get("max_duration_s"), float(settings.get("min_duration_s") or 0.0)
+    if cap is not None:
+        out["max_duration_s"] = float(cap) + (min_duration_s - base)
+    return out
 
 
 @dataclass
@@ -165,8 +190,8 @@ def run_load(rt: TrialRuntime, settings: dict[str, Any], *, keep: KeepFn,
     """Run a plan's load on the built runtime: one trial, or the peak search; the peak's record.
 
     With `find_peak` (server scenario): an offline trial gives the upper bound, then
-    `find_peak` bisects server rates within `p99_bound_ms` (`confirm`: the edge is run twice,
-    the last valid rate and the first invalid one). Every trial goes to `keep` as it ends.
+    `find_peak` bisects server rates within `p99_bound_ms` (`confirm`: the edge is run again,
+    the last valid rate and the first invalid one, in runs of `confirm_duration_s`). Every trial goes to `keep` as it ends.
     Returns the search's record (None when there was no search or it was interrupted).
     """
     shares = shares if shares is not None else {m.name: m.share for m in rt.plan.models}
@@ -196,15 +221,18 @@ def run_load(rt: TrialRuntime, settings: dict[str, Any], *, keep: KeepFn,
     phases: list[dict[str, Any]] = []
     stalls: list[dict[str, Any] | None] = []
 
-    def server(rate: float) -> ScenarioResult:
-        run = one({**settings, "scenario": "server", "rate_qps": rate, "find_peak": False})
+    def server(rate: float, min_duration_s: float | None = None) -> ScenarioResult:
+        run = one(lengthened({**settings, "scenario": "server", "rate_qps": rate,
+                               "find_peak": False}, min_duration_s))
         phases.append({m: v.phases.to_dict() for m, v in run.record.models.items()})
         stalls.append(device_stall(run.batches, bound))
         return run.result
 
     # With `confirm`, the edge is run twice (the last valid rate and the first invalid one):
-    # one run of each does not place it on a host whose scheduling noise moves the p99.
-    peak = find_peak(server, upper_qps=upper, bound_ms=bound, confirm=confirm)
+    # one run of each does not place it on a host whose scheduling noise moves the p99. The
+    # second runs are longer (`confirm_duration_s`), so one stall of the host does not decide.
+    peak = find_peak(server, upper_qps=upper, bound_ms=bound, confirm=confirm,
+                     confirm_duration_s=confirm_duration_s(settings))
     for entry, ph, stall in zip(peak.trials, phases, stalls, strict=False):
         entry["phases"] = ph  # where each trial's time went, per model (runtime.metrics)
         entry["device_stall"] = stall

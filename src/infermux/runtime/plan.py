@@ -305,6 +305,9 @@ class LoadSettings(_Strict):
     min_queries: int = Field(1024, ge=1)
     #: Hard stop: issuing ends here even if the validity rule is not met (the run is invalid).
     max_duration_s: float | None = Field(None, gt=0)
+    #: Find-peak: how long the runs that confirm the edge last (the last valid rate and the
+    #: first invalid one, run again). None: `runtime.peak.CONFIRM_SCALE` x min_duration_s.
+    confirm_duration_s: float | None = Field(None, gt=0)
     samples_per_query: int = Field(8, ge=1, le=1024)
     #: The query sample library: how many distinct samples per model are held in memory.
     sample_pool: int = Field(256, ge=1, le=65536)

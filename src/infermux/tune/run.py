@@ -714,9 +714,11 @@ def _server_peak(evaluator: LiveEvaluator, plan: dict[str, Any], request: TuneRe
     s = evaluator.settings
     # Each rate is one trial, and its p99 is judged on few queries' tails: a trial needs
     # seconds and hundreds of queries, not the search's short trials, or one host stall sinks it.
-    data = {**plan, "load": {**plan["load"],
-                             "min_duration_s": max(request.peak_min_duration_s,
-                                                   3 * s.min_duration_s),
+    trial_s = max(request.peak_min_duration_s, 3 * s.min_duration_s)
+    # The edge's confirming runs are twice a trial here, not `runtime.peak.CONFIRM_SCALE`
+    # times: the tune compares plans under one rule, within the user's budget.
+    data = {**plan, "load": {**plan["load"], "min_duration_s": trial_s,
+                             "confirm_duration_s": 2 * trial_s if trial_s > 0 else None,
                              "min_queries": max(request.peak_min_queries, s.min_queries)}}
     report = run_plan(parse_plan(data, source="tuned plan"), progress=progress)
     return report.peak
