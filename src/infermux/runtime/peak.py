@@ -191,7 +191,8 @@ def run_load(rt: TrialRuntime, settings: dict[str, Any], *, keep: KeepFn,
 
     With `find_peak` (server scenario): an offline trial gives the upper bound, then
     `find_peak` bisects server rates within `p99_bound_ms` (`confirm`: the edge is run again,
-    the last valid rate and the first invalid one, in runs of `confirm_duration_s`). Every trial goes to `keep` as it ends.
+    the last valid rate and the first invalid one, in runs of `confirm_duration_s`). Every
+    trial goes to `keep` as it ends.
     Returns the search's record (None when there was no search or it was interrupted).
     """
     shares = shares if shares is not None else {m.name: m.share for m in rt.plan.models}
