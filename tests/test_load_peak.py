@@ -240,10 +240,14 @@ def test_a_first_invalid_rate_that_holds_its_long_run_lifts_the_peak_and_the_sea
     assert any("750 qps failed its short run (p99 30.0 ms) and held its longer one" in n
                for n in peak.notes)
     assert any("longer runs decide" in n for n in peak.notes)
-    # A long run that fails below it keeps the first invalid rate out, however its own went.
-    calls.clear()
-    peak = find_peak(lambda rate, *long: _result(4.0 if (rate <= 600 if long else rate != 750)
-                                                 and rate <= 900 else 30.0),
-                     upper_qps=1000.0, bound_ms=BOUND_MS, iterations=3, confirm=True,
-                     confirm_duration_s=12.0)
-    assert peak.peak_qps is not None and peak.peak_qps < 625
+    # A long run that fails below it (625) keeps the first invalid rate out, though 750's own
+    # long run holds: the peak is the halfway rate, and the search does not go above.
+    def below_fails(rate: float, *long: float) -> ScenarioResult:
+        held = (rate <= 600 or rate == 750) if long else rate != 750
+        return _result(4.0 if held and rate <= 900 else 30.0)
+
+    peak = find_peak(below_fails, upper_qps=1000.0, bound_ms=BOUND_MS, iterations=3,
+                     confirm=True, confirm_duration_s=12.0)
+    assert [t["rate_qps"] for t in peak.trials] == [500, 750, 625, 625, 562.5, 750]
+    assert peak.trials[-1]["valid"] and peak.peak_qps == 562.5
+    assert not any("failed its short run" in n for n in peak.notes)
