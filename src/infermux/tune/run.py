@@ -718,7 +718,7 @@ def _server_peak(evaluator: LiveEvaluator, plan: dict[str, Any], request: TuneRe
     # The edge's confirming runs are twice a trial here, not `runtime.peak.CONFIRM_SCALE`
     # times: the tune compares plans under one rule, within the user's budget.
     data = {**plan, "load": {**plan["load"], "min_duration_s": trial_s,
-                             "confirm_duration_s": 2 * trial_s if trial_s > 0 else None,
+                             "confirm_duration_s": 2 * trial_s,
                              "min_queries": max(request.peak_min_queries, s.min_queries)}}
     report = run_plan(parse_plan(data, source="tuned plan"), progress=progress)
     return report.peak
