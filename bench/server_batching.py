@@ -51,10 +51,14 @@ import yaml
 from infermux.load import find_peak
 from infermux.runtime import parse_plan
 from infermux.runtime.host_probe import describe_probes, plan_cuda_device, probe_host, search_note
+from infermux.runtime.host_watch import HostWatch
 from infermux.runtime.peak import (
     confirm_duration_s,
     device_stall,
+    host_stall,
     lengthened,
+    offline_stall_note,
+    offline_upper,
     run_trial,
     stall_note,
 )
@@ -163,20 +167,28 @@ def _say(brief: dict[str, Any]) -> None:
           f"{'-' if p99 is None else f'{p99:.1f}'} ms  valid {brief['valid']}  issue lag p99 "
           f"{'-' if lag is None else f'{lag:.1f}'} ms  mean batch {brief.get('mean_batch')}"
           + (f"  device stall {stall['longest_ms']:.1f} ms ({stall['batches']} batches)"
-             if (stall := brief.get("device_stall")) else ""),
+             if (stall := brief.get("device_stall")) else "")
+          + (f"  host stall {hs['longest_ms']:.0f} ms" if (hs := brief.get("host_stall")) else ""),
           file=sys.stderr, flush=True)
 
 
 def _one(rt: Any, rule: str, settings: dict[str, Any], shares: dict[str, float],
-         bound: float, rates: list[float]) -> dict[str, Any]:
+         bound: float, rates: list[float], watch: HostWatch) -> dict[str, Any]:
     rt.set_batching(rule)
     records: list[dict[str, Any]] = []
     device = plan_cuda_device(rt.plan)
     host_before = probe_host(device=device)
-    offline = run_trial(rt, {**settings, "scenario": "offline"}, shares).record
-    records.append(_brief(offline))
-    _say(records[-1])
-    upper = offline.items_per_s or 0.0
+    retries = int(settings.get("stall_retries", 2))
+
+    def offline_trial() -> Any:
+        run = run_trial(rt, {**settings, "scenario": "offline"}, shares)
+        records.append(_brief(run.record))
+        _say(records[-1])
+        return run
+
+    # Run again while the whole host stopped during it (`runtime.peak.offline_upper`).
+    offline, offline_stalls = offline_upper(offline_trial, watch, bound, retries)
+    upper = offline.record.items_per_s or 0.0
 
     def server(rate: float, min_duration_s: float | None = None) -> Any:
         # A run that confirms the edge is longer (`runtime.peak.confirm_duration_s`).
@@ -185,6 +197,7 @@ def _one(rt: Any, rule: str, settings: dict[str, Any], shares: dict[str, float],
         result, record = run.result, run.record
         # Batches that stopped on the device in this trial (`runtime.peak.device_stall`).
         records.append({**_brief(record), "device_stall": device_stall(run.batches, bound),
+                        "host_stall": host_stall(watch, result, bound),
                         **({"min_duration_s": min_duration_s} if min_duration_s else {})})
         _say(records[-1])
         return result
@@ -198,19 +211,26 @@ def _one(rt: Any, rule: str, settings: dict[str, Any], shares: dict[str, float],
         return {"rule": rule, "offline_items_per_s": upper, "peak_qps": None, "ratio": None,
                 "edge_confirmed": None, "p99_spread_ms": None, "notes": [], "reason": None,
                 "at_peak": None, "host": {"before": host_before.to_dict()}, "trials": records}
+    searched = len(records)
     peak = find_peak(server, upper_qps=upper, bound_ms=bound, confirm=True,
-                     confirm_duration_s=confirm_duration_s(settings)).record()
+                     confirm_duration_s=confirm_duration_s(settings),
+                     disturbed=lambda result: records[-1]["host_stall"],
+                     stall_retries=retries).record()
     host_after = probe_host(device=device)
-    at_peak = [r for r in records[1:] if r["rate_qps"] == peak["peak_qps"] and r["valid"]]
+    for t, r in zip(peak["trials"], records[searched:], strict=False):
+        r["disturbed"] = bool(t.get("disturbed"))  # run again: the host stopped
+    at_peak = [r for r in records[searched:] if r["rate_qps"] == peak["peak_qps"] and r["valid"]]
     said = search_note(host_before, host_after, bound)  # as `runtime.peak.run_load` names it
     # The search's trials, with their stalls, as `run_load` names them.
     stalled = stall_note([{**t, "device_stall": r.get("device_stall")}
-                          for t, r in zip(peak["trials"], records[1:], strict=False)], bound)
-    notes = peak["notes"] + [n for n in (said, stalled) if n]
+                          for t, r in zip(peak["trials"], records[searched:], strict=False)],
+                         bound)
+    notes = peak["notes"] + [n for n in (said, stalled, offline_stall_note(offline_stalls)) if n]
     return {"rule": rule, "offline_items_per_s": upper, "peak_qps": peak["peak_qps"],
             "ratio": peak["peak_fraction_of_offline"], "edge_confirmed": peak["edge_confirmed"],
             "p99_spread_ms": peak["p99_spread_ms"], "notes": notes,
             "reason": peak["reason"], "at_peak": at_peak[-1] if at_peak else None,
+            "host_stalls": peak["host_stalls"], "offline_host_stalls": offline_stalls,
             "host": {"before": host_before.to_dict(), "after": host_after.to_dict()},
             "trials": records}
 
@@ -283,6 +303,8 @@ def main() -> int:
     base = _with_load(base, args)
     runtimes: dict[tuple[str | None, str | None], Any] = {}
     out["plans"] = {}
+    # The whole host's stalls, seen from a process of its own (`runtime.host_watch`).
+    watch = HostWatch().start()
     try:
         for hosting in hostings:
             for buckets in bucket_sets:
@@ -303,7 +325,8 @@ def main() -> int:
                 if time.perf_counter() - started > args.max_s:
                     break
                 before = os.getloadavg()
-                row = _one(runtimes[hosting, buckets], rule, settings, shares, args.p99, rates)
+                row = _one(runtimes[hosting, buckets], rule, settings, shares, args.p99, rates,
+                           watch)
                 row["round"], row["hosting"] = i, hosting or "plan"
                 row["buckets"] = buckets or "plan"
                 # A shared host's load decides a CPU plan's figures: kept beside each row.
@@ -333,6 +356,7 @@ def main() -> int:
                     print(f"  note: {note}", flush=True)
                 Path(args.json_path).write_text(json.dumps(out, indent=1))
     finally:
+        watch.stop()
         for rt in runtimes.values():
             rt.stop(drain=False)
     out["seconds"] = time.perf_counter() - started

@@ -251,3 +251,61 @@ def test_a_first_invalid_rate_that_holds_its_long_run_lifts_the_peak_and_the_sea
     assert [t["rate_qps"] for t in peak.trials] == [500, 750, 625, 625, 562.5, 750]
     assert peak.trials[-1]["valid"] and peak.peak_qps == 562.5
     assert not any("failed its short run" in n for n in peak.notes)
+
+
+def test_a_trial_that_failed_while_the_whole_host_stopped_is_run_again_and_left_out():
+    """A failed trial with a stall of the host (`disturbed`) is run again and kept out of the
+    search; one that held, or failed without a stall, counts as it came; the retries are
+    bounded per rate and per search, and the note says what was run again."""
+    calls: list[tuple[float, Any]] = []
+    stalled_calls = {2, 5}  # the second and the fifth run met a stall of the host
+    last: dict[str, int] = {}
+
+    def run(rate: float, *long: float) -> ScenarioResult:
+        calls.append((rate, *long))
+        last["n"] = len(calls)
+        return _result(30.0 if len(calls) in stalled_calls or rate > 700 else 4.0)
+
+    def disturbed(result: ScenarioResult) -> dict[str, Any] | None:
+        return ({"stalls": 1, "longest_ms": 350.0, "total_ms": 350.0, "at_s": 0.5}
+                if last["n"] in stalled_calls else None)
+
+    peak = find_peak(run, upper_qps=1000.0, bound_ms=BOUND_MS, iterations=3, confirm=True,
+                     disturbed=disturbed)
+    # 500 holds; 750 fails under a stall and again without one (it counts); 625 holds;
+    # the edge's repeats: 625 fails under a stall, run again and holds; 750 fails.
+    assert [t["rate_qps"] for t in peak.trials] == [500, 750, 750, 625, 625, 625, 750]
+    assert [bool(t.get("disturbed")) for t in peak.trials] == [
+        False, True, False, False, True, False, False]
+    assert peak.trials[4]["host_stall"]["longest_ms"] == 350.0
+    assert peak.peak_qps == 625 and peak.edge_confirmed is True
+    # The disturbed runs are neither repeats' p99s nor "the edge moved".
+    assert {r["rate_qps"]: r["valid"] for r in peak.repeats} == {625: [True, True],
+                                                                  750: [False, False]}
+    note = next(n for n in peak.notes if "whole host stopped" in n)
+    assert "up to 350 ms during 2 of the 7 trials" in note
+    assert "2 of them failed the 10 ms bound and were run again (at 750, 625 qps)" in note
+    rec = peak.record()
+    assert rec["host_stalls"] == {"trials": 2, "run_again": 2, "longest_ms": 350.0}
+    # A host that stops in every run: each rate is tried 1 + stall_retries times, the search
+    # spends twice stall_retries in all, and the trials that count say so.
+    always = find_peak(lambda rate, *long: _result(30.0), upper_qps=1000.0, bound_ms=BOUND_MS,
+                       iterations=3, disturbed=lambda r: {"stalls": 1, "longest_ms": 200.0,
+                                                          "total_ms": 200.0, "at_s": 0.1},
+                       stall_retries=1)
+    assert [t["rate_qps"] for t in always.trials] == [500, 500, 250, 250, 125]
+    assert [bool(t.get("disturbed")) for t in always.trials] == [True, False, True, False, False]
+    assert always.peak_qps is None
+    assert any("count, the retries being spent" in n for n in always.notes)
+    # stall_retries=0 runs nothing again and still names the stalls.
+    none_again = find_peak(lambda rate, *long: _result(30.0), upper_qps=1000.0,
+                           bound_ms=BOUND_MS, iterations=2, stall_retries=0,
+                           disturbed=lambda r: {"stalls": 1, "longest_ms": 200.0,
+                                                "total_ms": 200.0, "at_s": 0.1})
+    assert [t["rate_qps"] for t in none_again.trials] == [500, 250]
+    assert not any(t.get("disturbed") for t in none_again.trials)
+    # A trial that held despite a stall is not run again.
+    held = find_peak(lambda rate, *long: _result(4.0), upper_qps=1000.0, bound_ms=BOUND_MS,
+                     iterations=2, disturbed=lambda r: {"stalls": 1, "longest_ms": 20.0,
+                                                        "total_ms": 20.0, "at_s": 0.1})
+    assert [t["rate_qps"] for t in held.trials] == [500, 750]

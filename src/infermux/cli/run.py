@@ -38,6 +38,7 @@ def run_command(
     find_peak: Annotated[bool, typer.Option("--find-peak", help="Server: search the highest rate within --p99.")] = False,
     duration: Annotated[str | None, typer.Option("--duration", help="Minimum duration, e.g. 10s.")] = None,
     confirm_duration: Annotated[str | None, typer.Option("--confirm-duration", help="Find-peak: how long the runs that confirm the edge last, e.g. 40s (default: four times --duration).")] = None,
+    stall_retries: Annotated[int | None, typer.Option("--stall-retries", help="Find-peak: run a trial that failed while the whole host stopped again, at most this many times (default 2; 0: count every trial as it came).")] = None,
     min_queries: Annotated[int | None, typer.Option("--min-queries", help="Minimum queries (samples offline).")] = None,
     seed: Annotated[int | None, typer.Option("--seed", help="Seed of arrivals and sample choice.")] = None,
     lengths: Annotated[str | None, typer.Option("--lengths", help="Query lengths of models with a sequence length: 128, uniform:16-256 or 32,64,128 (load.lengths).")] = None,
@@ -70,7 +71,7 @@ def run_command(
         min_duration_s=parse_duration_s(duration, name="--duration") if duration else None,
         confirm_duration_s=(parse_duration_s(confirm_duration, name="--confirm-duration")
                             if confirm_duration else None),
-        min_queries=min_queries, seed=seed, lengths=lengths,
+        stall_retries=stall_retries, min_queries=min_queries, seed=seed, lengths=lengths,
     )
     store = None if no_store else open_store(db)
     command = "infermux " + shlex.join(sys.argv[1:])
@@ -149,7 +150,10 @@ def _print_peak(peak: dict[str, Any]) -> None:
         out.print(f"  {t['rate_qps']:.1f} qps: p99 {num(t['p99_ms'], 2)} ms "
                   f"{'valid' if t['valid'] else 'invalid'}"
                   + (" (repeat)" if t.get("repeat") else "")
-                  + (" (load generator lagged)" if t.get("load_generator_lag") else ""))
+                  + (" (load generator lagged)" if t.get("load_generator_lag") else "")
+                  + (f" (the host stopped {t['host_stall']['longest_ms']:.0f} ms"
+                     + ("; run again)" if t.get("disturbed") else ")")
+                     if t.get("host_stall") else ""))
     if peak.get("edge_confirmed") is not None:
         spread = peak.get("p99_spread_ms")
         out.print(f"  edge {'confirmed' if peak['edge_confirmed'] else 'not confirmed'} by "

@@ -452,13 +452,20 @@ class PeakResult:
         frac = (self.peak_qps / self.offline_items_per_s
                 if self.peak_qps and self.offline_items_per_s else None)
         spreads = [r["p99_spread_ms"] for r in self.repeats if r.get("p99_spread_ms") is not None]
-        lagged = [t["rate_qps"] for t in self.trials if t.get("load_generator_lag")]
+        lagged = [t["rate_qps"] for t in self.trials
+                  if t.get("load_generator_lag") and not t.get("disturbed")]
+        stalled = [t for t in self.trials if t.get("host_stall")]
         return {"p99_bound_ms": self.bound_ms, "peak_qps": self.peak_qps,
                 "offline_items_per_s": self.offline_items_per_s,
                 "peak_fraction_of_offline": frac, "reason": self.reason,
                 "edge_confirmed": self.edge_confirmed, "repeats": self.repeats,
                 "p99_spread_ms": max(spreads) if spreads else None,
-                "load_generator_lag_rates_qps": lagged, "notes": self.notes,
+                "load_generator_lag_rates_qps": lagged,
+                "host_stalls": {"trials": len(stalled),
+                                "run_again": sum(1 for t in stalled if t.get("disturbed")),
+                                "longest_ms": max((t["host_stall"]["longest_ms"]
+                                                   for t in stalled), default=None)},
+                "notes": self.notes,
                 "trials": self.trials}
 
 
@@ -509,6 +516,8 @@ def find_peak(
     lower_qps: float = 0.0,
     confirm: bool = False,
     confirm_duration_s: float | None = None,
+    disturbed: Callable[[ScenarioResult], dict[str, Any] | None] | None = None,
+    stall_retries: int = 2,
 ) -> PeakResult:
     """The highest server rate whose runs are all valid: bisection, then the edge confirmed.
 
@@ -525,8 +534,13 @@ def find_peak(
     invalid rate whose longer run holds (above a last valid rate whose longer run held) lifts
     the peak, and the search goes on above it (`_search_above`). A trial whose load
     generator issued late (issue lag p99 over `LAG_SHARE` of the bound) is flagged and noted:
-    its p99 holds the host's lag, not the plan's alone. With no throughput to search below, or
-    no valid rate, the result has no peak and says why in `reason`.
+    its p99 holds the host's lag, not the plan's alone. With `disturbed` (a trial's result in,
+    a description of a stall of the whole host that overlapped it out, or None;
+    `runtime.host_watch`), a trial that failed while the host stopped is kept as `disturbed`,
+    left out of the search, and run again, at most `stall_retries` times a rate and twice as
+    many in a search (a host that stops every few seconds would otherwise triple the search):
+    it measured the host, not the plan. With no throughput
+    to search below, or no valid rate, the result has no peak and says why in `reason`.
     """
     trials: list[dict[str, Any]] = []
     if not upper_qps or upper_qps <= 0 or not math.isfinite(upper_qps):
@@ -534,16 +548,29 @@ def find_peak(
             f"the offline throughput is {upper_qps or 0:g} samples/s, so there is no server rate "
             "to search: make the offline scenario complete samples first (see its validity notes)"))
 
+    retries_left = 2 * stall_retries
+
     def run(rate: float, repeat: bool = False) -> dict[str, Any]:
+        nonlocal retries_left
         long = repeat and confirm_duration_s is not None
-        result = run_server(rate, confirm_duration_s) if long else run_server(rate)
-        entry = _trial_entry(rate, result, bound_ms)
-        if repeat:
-            entry["repeat"] = True
-        if long:
-            entry["min_duration_s"] = confirm_duration_s
-        trials.append(entry)
-        return entry
+        for attempt in range(stall_retries + 1):
+            result = run_server(rate, confirm_duration_s) if long else run_server(rate)
+            entry = _trial_entry(rate, result, bound_ms)
+            if repeat:
+                entry["repeat"] = True
+            if long:
+                entry["min_duration_s"] = confirm_duration_s
+            stall = disturbed(result) if disturbed is not None else None
+            if stall is not None:
+                entry["host_stall"] = stall
+            trials.append(entry)
+            if (stall is None or entry["valid"] or entry.get("interrupted")
+                    or attempt == stall_retries or retries_left <= 0):
+                return entry
+            # The host stopped during a trial that failed: it says nothing of the plan.
+            entry["disturbed"] = True
+            retries_left -= 1
+        raise AssertionError("unreachable: the last attempt returns")
 
     lo, hi = lower_qps, upper_qps
     best: float | None = None
@@ -579,7 +606,10 @@ def find_peak(
         result.reason = (f"no rate held p99 <= {bound_ms:g} ms: the lowest tried, "
                          f"{low['rate_qps']:.3g} qps, gave p99 "
                          f"{'none' if p99 is None else f'{p99:.1f}'} ms")
-    lagged = [t for t in trials if t.get("load_generator_lag")]
+    stall = _stall_note(trials, bound_ms)
+    if stall is not None:
+        result.notes.append(stall)
+    lagged = [t for t in trials if t.get("load_generator_lag") and not t.get("disturbed")]
     if lagged:
         worst = max(t["issue_lag_p99_ms"] for t in lagged)
         rates = ", ".join(f"{t['rate_qps']:.0f}" for t in lagged)
@@ -589,6 +619,27 @@ def find_peak(
             "host's lag as well as the plan's; it shares the interpreter with the workers, so "
             "rerun on a quieter host or with fewer workers' threads before trusting that edge")
     return result
+
+
+def _stall_note(trials: list[dict[str, Any]], bound_ms: float) -> str | None:
+    """What the reader should know of trials during which the whole host stopped, or None."""
+    hit = [t for t in trials if t.get("host_stall")]
+    if not hit:
+        return None
+    longest = max(t["host_stall"]["longest_ms"] for t in hit)
+    again = [t for t in hit if t.get("disturbed")]
+    counted = [t for t in hit if not t.get("disturbed") and not t["valid"]]
+    said = (f"the whole host stopped for up to {longest:.0f} ms during {len(hit)} of the "
+            f"{len(trials)} trials (seen by a process that does none of the plan's work)")
+    if again:
+        rates = ", ".join(f"{t['rate_qps']:.0f}" for t in again)
+        said += (f"; {len(again)} of them failed the {bound_ms:g} ms bound and were run again "
+                 f"(at {rates} qps), left out of the search")
+    if counted:
+        rates = ", ".join(f"{t['rate_qps']:.0f}" for t in counted)
+        said += (f"; failed trials at {rates} qps met a stall too and count, the retries "
+                 "being spent: this host's stalls may have placed the edge")
+    return said
 
 
 #: How many valid rates below the last one a failed confirmation repeats before giving up.
@@ -608,7 +659,7 @@ def _confirm(result: PeakResult, run: Callable[..., dict[str, Any]],
     rate's short run met a stall of the host: it becomes the peak, and the span above it to
     search is returned (from it to the next invalid rate, or the offline figure).
     """
-    trials = result.trials
+    trials = [t for t in result.trials if not t.get("disturbed")]
     best = result.peak_qps
     assert best is not None
     invalid = [t["rate_qps"] for t in trials if not t["valid"] and t["rate_qps"] > best]
@@ -685,6 +736,8 @@ def _summarise_repeats(result: PeakResult, long: bool) -> None:
     """The rates run more than once, with every p99 they gave, and a note if the edge moved."""
     runs: dict[float, list[dict[str, Any]]] = {}
     for t in result.trials:
+        if t.get("disturbed"):  # run again at once; it measured the host
+            continue
         runs.setdefault(t["rate_qps"], []).append(t)
     for rate, entries in sorted(runs.items()):
         if len(entries) < 2:

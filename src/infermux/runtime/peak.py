@@ -21,7 +21,8 @@ from infermux.errors import UsageError
 from infermux.load.base import CompletionFn, Query
 from infermux.load.scenarios import LoadGenerator, ScenarioResult, find_peak
 from infermux.progress import ProgressFn
-from infermux.runtime.host_probe import plan_cuda_device, probe_host, search_note
+from infermux.runtime.host_probe import HostProbe, plan_cuda_device, probe_host, search_note
+from infermux.runtime.host_watch import HostWatch
 from infermux.runtime.metrics import BatchRecord, summarise
 from infermux.runtime.trial import TrialSummary
 
@@ -29,7 +30,8 @@ if TYPE_CHECKING:
     from infermux.runtime.api import Subscription, TrialRuntime
 
 __all__ = ["CONFIRM_SCALE", "KeepFn", "TrialRun", "best_at_peak", "confirm_duration_s",
-           "device_stall", "lengthened", "run_load", "run_trial", "stall_note"]
+           "device_stall", "host_stall", "lengthened", "offline_stall_note", "offline_upper",
+           "run_load", "run_trial", "stall_note"]
 
 #: Trial t numbers its queries from t << _TRIAL_ID_BITS: ranges of trials never overlap.
 _TRIAL_ID_BITS = 40
@@ -184,15 +186,29 @@ def stall_note(trials: Sequence[dict[str, Any]], bound_ms: float) -> str | None:
             "another host before taking this edge as the plan's")
 
 
+def offline_stall_note(stalls: Sequence[dict[str, Any]]) -> str | None:
+    """A sentence where the offline trial was run again for a stall of the host, else None."""
+    if not stalls:
+        return None
+    longest = max(s["longest_ms"] for s in stalls)
+    rates = ", ".join(f"{s['items_per_s']:.0f}" for s in stalls if s.get("items_per_s"))
+    return (f"the whole host stopped for up to {longest:.0f} ms during the offline trial, so it "
+            f"was run again ({len(stalls)} time(s); the runs set aside gave {rates} items/s): "
+            "a stall lowers the offline figure the peak is divided by")
+
+
 def run_load(rt: TrialRuntime, settings: dict[str, Any], *, keep: KeepFn,
              shares: dict[str, float] | None = None, mix: list[dict[str, Any]] | None = None,
-             progress: ProgressFn | None = None, confirm: bool = True) -> dict[str, Any] | None:
+             progress: ProgressFn | None = None, confirm: bool = True,
+             watch: HostWatch | None = None) -> dict[str, Any] | None:
     """Run a plan's load on the built runtime: one trial, or the peak search; the peak's record.
 
     With `find_peak` (server scenario): an offline trial gives the upper bound, then
     `find_peak` bisects server rates within `p99_bound_ms` (`confirm`: the edge is run again,
     the last valid rate and the first invalid one, in runs of `confirm_duration_s`). Every
-    trial goes to `keep` as it ends.
+    trial goes to `keep` as it ends. A `HostWatch` (`runtime.host_watch`; one of its own where
+    none is given) sees the whole host's stalls: a failed trial during one is run again, at
+    most `load.stall_retries` times, and so is an offline trial (`offline_upper`).
     Returns the search's record (None when there was no search or it was interrupted).
     """
     shares = shares if shares is not None else {m.name: m.share for m in rt.plan.models}
@@ -215,7 +231,46 @@ def run_load(rt: TrialRuntime, settings: dict[str, Any], *, keep: KeepFn,
     # named as the host's (`host_probe`).
     device = plan_cuda_device(rt.plan)
     before = probe_host(device=device)
-    offline = one({**settings, "scenario": "offline", "find_peak": False})
+    if watch is not None:
+        return _search(rt, settings, one, watch.start(), before, device, float(bound), confirm)
+    with HostWatch() as own:
+        return _search(rt, settings, one, own, before, device, float(bound), confirm)
+
+
+def host_stall(watch: HostWatch, result: ScenarioResult, bound_ms: float
+               ) -> dict[str, Any] | None:
+    """The whole host's stalls of at least the bound during a trial (`runtime.host_watch`)."""
+    if not watch.available:
+        return None
+    watch.wait_caught_up()
+    return watch.during(result.start_ns, result.end_ns, at_least_ms=bound_ms)
+
+
+def offline_upper(one: Callable[[], TrialRun], watch: HostWatch, bound_ms: float,
+                  retries: int) -> tuple[TrialRun, list[dict[str, Any]]]:
+    """The offline trial a peak is divided by, and the stalls of those run again.
+
+    It is run again (`retries` times at most) while the whole host stopped during it: a stall
+    lowers the offline figure and so flatters the fraction.
+    """
+    run = one()
+    stalls: list[dict[str, Any]] = []
+    while not run.result.interrupted and len(stalls) < retries:
+        stall = host_stall(watch, run.result, bound_ms)
+        if stall is None:
+            break
+        stalls.append({**stall, "items_per_s": run.record.items_per_s})
+        run = one()
+    return run, stalls
+
+
+def _search(rt: TrialRuntime, settings: dict[str, Any], one: Callable[[dict[str, Any]], TrialRun],
+            watch: HostWatch, before: HostProbe, device: str | None, bound: float,
+            confirm: bool) -> dict[str, Any] | None:
+    retries = int(settings.get("stall_retries", 2))
+    offline, offline_stalls = offline_upper(
+        lambda: one({**settings, "scenario": "offline", "find_peak": False}), watch, bound,
+        retries)
     if offline.result.interrupted:
         return None
     upper = offline.record.items_per_s or 0.0
@@ -233,7 +288,9 @@ def run_load(rt: TrialRuntime, settings: dict[str, Any], *, keep: KeepFn,
     # one run of each does not place it on a host whose scheduling noise moves the p99. The
     # second runs are longer (`confirm_duration_s`), so one stall of the host does not decide.
     peak = find_peak(server, upper_qps=upper, bound_ms=bound, confirm=confirm,
-                     confirm_duration_s=confirm_duration_s(settings))
+                     confirm_duration_s=confirm_duration_s(settings),
+                     disturbed=lambda result: host_stall(watch, result, bound),
+                     stall_retries=retries)
     for entry, ph, stall in zip(peak.trials, phases, stalls, strict=False):
         entry["phases"] = ph  # where each trial's time went, per model (runtime.metrics)
         entry["device_stall"] = stall
@@ -250,7 +307,10 @@ def run_load(rt: TrialRuntime, settings: dict[str, Any], *, keep: KeepFn,
     after = probe_host(device=device)
     out = peak.record()
     out["host"] = {"before": before.to_dict(), "after": after.to_dict()}
-    for note in (search_note(before, after, bound), stall_note(peak.trials, bound)):
+    out["host_watch"] = watch.available
+    out["offline_host_stalls"] = offline_stalls
+    for note in (search_note(before, after, bound), stall_note(peak.trials, bound),
+                 offline_stall_note(offline_stalls)):
         if note is not None:
             out["notes"] = [*out.get("notes", []), note]
     return out
