@@ -55,6 +55,7 @@ from infermux.runtime.host_watch import HostWatch
 from infermux.runtime.peak import (
     confirm_duration_s,
     device_stall,
+    device_stop,
     host_stall,
     lengthened,
     offline_stall_note,
@@ -186,7 +187,7 @@ def _one(rt: Any, rule: str, settings: dict[str, Any], shares: dict[str, float],
         _say(records[-1])
         return run
 
-    # Run again while the whole host stopped during it (`runtime.peak.offline_upper`).
+    # Run again while the host or its device stopped (`runtime.peak.offline_upper`).
     offline, offline_stalls = offline_upper(offline_trial, watch, bound, retries)
     upper = offline.record.items_per_s or 0.0
 
@@ -197,7 +198,9 @@ def _one(rt: Any, rule: str, settings: dict[str, Any], shares: dict[str, float],
         result, record = run.result, run.record
         # Batches that stopped on the device in this trial (`runtime.peak.device_stall`).
         records.append({**_brief(record), "device_stall": device_stall(run.batches, bound),
-                        "host_stall": host_stall(watch, result, bound),
+                        # The host or its device stopped (`runtime.peak`): run again.
+                        "host_stall": (host_stall(watch, result, bound)
+                                       or device_stop(run.batches, bound)),
                         **({"min_duration_s": min_duration_s} if min_duration_s else {})})
         _say(records[-1])
         return result

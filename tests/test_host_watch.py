@@ -88,7 +88,7 @@ def test_a_search_runs_again_a_trial_the_whole_host_stopped_in_but_not_the_plans
     assert peak["trials"][2]["rate_qps"] == stalled["rate_qps"]
     assert not peak["trials"][2].get("disturbed")
     assert peak["host_stalls"]["run_again"] == 1 and peak["host_watch"] is True
-    assert any("whole host stopped" in n for n in peak["notes"])
+    assert any("host stopped" in n for n in peak["notes"])
     # The runtime stopped alone and its trial failed, but the watch ran on: the trial counts.
     peak = _search_paused(whole_host=False)
     stalled = peak["trials"][1]

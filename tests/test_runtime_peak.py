@@ -11,6 +11,7 @@ from infermux.runtime.peak import (
     best_at_peak,
     confirm_duration_s,
     device_stall,
+    device_stop,
     lengthened,
     run_load,
     run_trial,
@@ -98,6 +99,36 @@ def test_a_batch_that_stopped_on_the_device_is_named_and_so_is_the_trial_it_fail
     assert note is not None and "1 of the 2 trials over the bound" in note
     assert "10000 qps" in note and "132.0 ms" in note and "3.00 ms" in note
     assert stall_note(trials[:1] + trials[2:], 15.0) is None
+
+
+def _on(worker: str, unit: str, bucket: int, device_ms: float) -> BatchRecord:
+    return BatchRecord(worker, unit, "m", bucket, bucket, 0, 0, 0, [], [],
+                       device_ns=int(device_ms * 1e6))
+
+
+def test_a_batch_longer_than_the_bound_and_every_worker_beside_it_is_a_device_stop() -> None:
+    """The allowance is a batch of every worker on the same device at its largest bucket's
+    median: two workers of b64 at 5 ms leave 15 + 10 ms; a batch within that is the plan's own
+    contention, one past it stood still; workers on another device or a CPU add nothing."""
+    steady = [_on(f"gpu#{w}", "cuda:0/fp16", 64, 5.0) for w in (0, 1) for _ in range(10)]
+    steady += [_on("gpu#0", "cuda:0/fp16", 16, 2.0) for _ in range(10)]
+    other = [_on("gpu#9", "cuda:1/fp16", 64, 50.0) for _ in range(10)]
+    cpu = [_on("cpu#0", "cpu:0", 64, 80.0) for _ in range(10)]
+    base = steady + other + cpu
+    assert device_stop(base, 15.0) is None
+    assert device_stop([*base, _on("gpu#1", "cuda:0/fp16", 16, 24.0)], 15.0) is None
+    stop = device_stop([*base, _on("gpu#1", "cuda:0/fp16", 64, 326.0),
+                        _on("gpu#0", "cuda:0/fp16", 16, 30.0)], 15.0)
+    assert stop == {"seen_by": "device", "stalls": 2, "longest_ms": 326.0,
+                    "threshold_ms": 25.0}
+    # Four workers on the device: 30 ms is within 15 + 4 x 5 ms.
+    four = [_on(f"gpu#{w}", "cuda:0/fp16", 64, 5.0) for w in range(4) for _ in range(10)]
+    assert device_stop([*four, _on("gpu#3", "cuda:0/fp16", 64, 30.0)], 15.0) is None
+    assert device_stop([*four, _on("gpu#3", "cuda:0/fp16", 64, 36.0)], 15.0) is not None
+    # A CPU unit's slow batch is contention, and a device's batches too few to judge add none.
+    assert device_stop([*cpu, _on("cpu#0", "cpu:0", 64, 900.0)], 15.0) is None
+    assert device_stop([_on("gpu#0", "cuda:0/fp16", 64, 5.0), _on("gpu#0", "cuda:0/fp16", 64,
+                                                                   400.0)], 15.0) is None
 
 
 def test_one_trial_without_a_search_returns_no_peak() -> None:

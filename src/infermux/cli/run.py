@@ -38,7 +38,7 @@ def run_command(
     find_peak: Annotated[bool, typer.Option("--find-peak", help="Server: search the highest rate within --p99.")] = False,
     duration: Annotated[str | None, typer.Option("--duration", help="Minimum duration, e.g. 10s.")] = None,
     confirm_duration: Annotated[str | None, typer.Option("--confirm-duration", help="Find-peak: how long the runs that confirm the edge last, e.g. 40s (default: four times --duration).")] = None,
-    stall_retries: Annotated[int | None, typer.Option("--stall-retries", help="Find-peak: run a trial that failed while the whole host stopped again, at most this many times (default 2; 0: count every trial as it came).")] = None,
+    stall_retries: Annotated[int | None, typer.Option("--stall-retries", help="Find-peak: run a trial that failed while the host or its device stopped again, at most this many times (default 2; 0: count every trial as it came).")] = None,
     min_queries: Annotated[int | None, typer.Option("--min-queries", help="Minimum queries (samples offline).")] = None,
     seed: Annotated[int | None, typer.Option("--seed", help="Seed of arrivals and sample choice.")] = None,
     lengths: Annotated[str | None, typer.Option("--lengths", help="Query lengths of models with a sequence length: 128, uniform:16-256 or 32,64,128 (load.lengths).")] = None,

@@ -537,7 +537,9 @@ def find_peak(
     its p99 holds the host's lag, not the plan's alone. With `disturbed` (a trial's result in,
     a description of a stall of the whole host that overlapped it out, or None;
     `runtime.host_watch`), a trial that failed while the host stopped is kept as `disturbed`,
-    left out of the search, and run again, at most `stall_retries` times a rate and twice as
+    left out of the search, and run again (`runtime.peak` names a stall of the whole host, seen
+    by `runtime.host_watch`, and a batch that stood still on the device longer than the plan
+    could make it, `device_stop`), at most `stall_retries` times a rate and twice as
     many in a search (a host that stops every few seconds would otherwise triple the search):
     it measured the host, not the plan. With no throughput
     to search below, or no valid rate, the result has no peak and says why in `reason`.
@@ -622,15 +624,19 @@ def find_peak(
 
 
 def _stall_note(trials: list[dict[str, Any]], bound_ms: float) -> str | None:
-    """What the reader should know of trials during which the whole host stopped, or None."""
+    """What the reader should know of trials during which the host stopped, or None."""
     hit = [t for t in trials if t.get("host_stall")]
     if not hit:
         return None
     longest = max(t["host_stall"]["longest_ms"] for t in hit)
     again = [t for t in hit if t.get("disturbed")]
     counted = [t for t in hit if not t.get("disturbed") and not t["valid"]]
-    said = (f"the whole host stopped for up to {longest:.0f} ms during {len(hit)} of the "
-            f"{len(trials)} trials (seen by a process that does none of the plan's work)")
+    seen = sorted({t["host_stall"].get("seen_by", "host watch") for t in hit})
+    how = {"host watch": "a process that does none of the plan's work stopped with it",
+           "device": "a batch stood still on the device longer than the bound and a batch of "
+                     "every worker beside it"}
+    said = (f"the host stopped for up to {longest:.0f} ms during {len(hit)} of the "
+            f"{len(trials)} trials (" + "; ".join(how.get(k, k) for k in seen) + ")")
     if again:
         rates = ", ".join(f"{t['rate_qps']:.0f}" for t in again)
         said += (f"; {len(again)} of them failed the {bound_ms:g} ms bound and were run again "

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from infermux.runtime.api import Subscription, TrialRuntime
 
 __all__ = ["CONFIRM_SCALE", "KeepFn", "TrialRun", "best_at_peak", "confirm_duration_s",
-           "device_stall", "host_stall", "lengthened", "offline_stall_note", "offline_upper",
+           "device_stall", "device_stop", "host_stall", "lengthened", "offline_stall_note", "offline_upper",
            "run_load", "run_trial", "stall_note"]
 
 #: Trial t numbers its queries from t << _TRIAL_ID_BITS: ranges of trials never overlap.
@@ -170,6 +170,45 @@ def device_stall(batches: Sequence[BatchRecord], bound_ms: float) -> dict[str, A
             "model": model, "bucket": bucket}
 
 
+def device_stop(batches: Sequence[BatchRecord], bound_ms: float) -> dict[str, Any] | None:
+    """A batch that stood still on its device longer than the plan itself could make it, if any.
+
+    A batch's device time (its copies and compute, timed by the device's events) holds its own
+    work and, at worst, a batch of every worker sharing its device (their streams take turns on
+    the same SMs). A batch longer than the bound plus that much, a batch of each of those
+    workers at its largest bucket's median, was held by something other than the plan: on
+    H200 hosts a ResNet50 batch of 64 whose median is 4.3 ms took 326 ms, with the load
+    generator 185 ms late beside it. A trial that failed beside such a batch is run again,
+    as one during a stall of the whole host is (`load.scenarios.find_peak`, `disturbed`).
+    Batches of CUDA units only; None where none stood still that long.
+    """
+    by_worker: dict[str, dict[int, list[int]]] = {}
+    device_of: dict[str, str] = {}
+    for b in batches:
+        if b.device_ns > 0 and b.unit.startswith("cuda"):
+            by_worker.setdefault(b.worker, {}).setdefault(b.bucket, []).append(b.device_ns)
+            device_of[b.worker] = b.unit.split("/")[0]
+    allowance: dict[str, float] = {}
+    for worker, buckets in by_worker.items():
+        judged = [statistics.median(t) for t in buckets.values() if len(t) >= STALL_MIN_BATCHES]
+        if judged:
+            allowance[device_of[worker]] = allowance.get(device_of[worker], 0.0) + max(judged)
+    count, longest, threshold = 0, 0, 0.0
+    for b in batches:
+        device = device_of.get(b.worker)
+        if device is None or device not in allowance:
+            continue
+        limit = bound_ms * 1e6 + allowance[device]
+        if b.device_ns > limit:
+            count += 1
+            if b.device_ns > longest:
+                longest, threshold = b.device_ns, limit
+    if not count:
+        return None
+    return {"seen_by": "device", "stalls": count, "longest_ms": round(longest / 1e6, 3),
+            "threshold_ms": round(threshold / 1e6, 3)}
+
+
 def stall_note(trials: Sequence[dict[str, Any]], bound_ms: float) -> str | None:
     """A sentence where failed server trials held device stalls (`device_stall`), else None."""
     failed = [t for t in trials if not t.get("valid")]
@@ -192,7 +231,7 @@ def offline_stall_note(stalls: Sequence[dict[str, Any]]) -> str | None:
         return None
     longest = max(s["longest_ms"] for s in stalls)
     rates = ", ".join(f"{s['items_per_s']:.0f}" for s in stalls if s.get("items_per_s"))
-    return (f"the whole host stopped for up to {longest:.0f} ms during the offline trial, so it "
+    return (f"the host stopped for up to {longest:.0f} ms during the offline trial, so it "
             f"was run again ({len(stalls)} time(s); the runs set aside gave {rates} items/s): "
             "a stall lowers the offline figure the peak is divided by")
 
@@ -243,20 +282,22 @@ def host_stall(watch: HostWatch, result: ScenarioResult, bound_ms: float
     if not watch.available:
         return None
     watch.wait_caught_up()
-    return watch.during(result.start_ns, result.end_ns, at_least_ms=bound_ms)
+    seen = watch.during(result.start_ns, result.end_ns, at_least_ms=bound_ms)
+    return None if seen is None else {"seen_by": "host watch", **seen}
 
 
 def offline_upper(one: Callable[[], TrialRun], watch: HostWatch, bound_ms: float,
                   retries: int) -> tuple[TrialRun, list[dict[str, Any]]]:
     """The offline trial a peak is divided by, and the stalls of those run again.
 
-    It is run again (`retries` times at most) while the whole host stopped during it: a stall
-    lowers the offline figure and so flatters the fraction.
+    It is run again (`retries` times at most) while the whole host stopped during it, or a
+    batch stood still on the device (`device_stop`): a stall lowers the offline figure and so
+    flatters the fraction.
     """
     run = one()
     stalls: list[dict[str, Any]] = []
     while not run.result.interrupted and len(stalls) < retries:
-        stall = host_stall(watch, run.result, bound_ms)
+        stall = host_stall(watch, run.result, bound_ms) or device_stop(run.batches, bound_ms)
         if stall is None:
             break
         stalls.append({**stall, "items_per_s": run.record.items_per_s})
@@ -276,12 +317,14 @@ def _search(rt: TrialRuntime, settings: dict[str, Any], one: Callable[[dict[str,
     upper = offline.record.items_per_s or 0.0
     phases: list[dict[str, Any]] = []
     stalls: list[dict[str, Any] | None] = []
+    stops: list[dict[str, Any] | None] = []
 
     def server(rate: float, min_duration_s: float | None = None) -> ScenarioResult:
         run = one(lengthened({**settings, "scenario": "server", "rate_qps": rate,
                                "find_peak": False}, min_duration_s))
         phases.append({m: v.phases.to_dict() for m, v in run.record.models.items()})
         stalls.append(device_stall(run.batches, bound))
+        stops.append(device_stop(run.batches, bound))
         return run.result
 
     # With `confirm`, the edge is run twice (the last valid rate and the first invalid one):
@@ -289,7 +332,7 @@ def _search(rt: TrialRuntime, settings: dict[str, Any], one: Callable[[dict[str,
     # second runs are longer (`confirm_duration_s`), so one stall of the host does not decide.
     peak = find_peak(server, upper_qps=upper, bound_ms=bound, confirm=confirm,
                      confirm_duration_s=confirm_duration_s(settings),
-                     disturbed=lambda result: host_stall(watch, result, bound),
+                     disturbed=lambda result: host_stall(watch, result, bound) or stops[-1],
                      stall_retries=retries)
     for entry, ph, stall in zip(peak.trials, phases, stalls, strict=False):
         entry["phases"] = ph  # where each trial's time went, per model (runtime.metrics)

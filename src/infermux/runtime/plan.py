@@ -308,9 +308,10 @@ class LoadSettings(_Strict):
     #: Find-peak: how long the runs that confirm the edge last (the last valid rate and the
     #: first invalid one, run again). None: `runtime.peak.CONFIRM_SCALE` x min_duration_s.
     confirm_duration_s: float | None = Field(None, gt=0)
-    #: Find-peak: how many times a trial that failed while the whole host stopped (a stall at
-    #: least as long as the bound, seen by a process that does none of the plan's work,
-    #: `runtime.host_watch`) is run again; 0 counts every trial as it came.
+    #: Find-peak: how many times a trial that failed while the host stopped is run again (a
+    #: stall at least as long as the bound, seen by a process that does none of the plan's
+    #: work, `runtime.host_watch`, or a batch that stood still on its device longer than the
+    #: plan could make it, `runtime.peak.device_stop`); 0 counts every trial as it came.
     stall_retries: int = Field(2, ge=0, le=10)
     samples_per_query: int = Field(8, ge=1, le=1024)
     #: The query sample library: how many distinct samples per model are held in memory.
