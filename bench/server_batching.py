@@ -114,7 +114,9 @@ def _tuned(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
                          "best": best.candidate.label() if best else None,
                          "server_peaks": report.server_peaks,
                          # Which CPU hosting the tune wrote, and on what figures.
-                         "hosting": report.hosting}
+                         "hosting": report.hosting,
+                         # Which batching rule it wrote: the plan's peak under each.
+                         "batching": report.batching}
 
 
 def _with_load(plan: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:

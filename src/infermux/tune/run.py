@@ -149,13 +149,16 @@ class TuneReport:
     #: Server scenario, a plan of lock-releasing CPU engines: how its CPU workers' hosting was
     #: chosen (`tune.hosting.HostingChoice.to_dict`); None where it was not compared.
     hosting: dict[str, Any] | None = None
+    #: Server scenario: the chosen plan's peak under each batching rule and the rule written
+    #: (`_choose_batching`); None where the rules were not compared.
+    batching: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready copy."""
         return {"run_id": self.run_id, "request": self.request.to_dict(),
                 "plan": self.plan, "plan_path": self.plan_path,
                 "server_peak": self.server_peak, "server_peaks": self.server_peaks,
-                "hosting": self.hosting,
+                "hosting": self.hosting, "batching": self.batching,
                 "pipelines": [p.to_dict() for p in self.pipelines],
                 "pipelines_note": self.pipelines_note,
                 "replica_items_per_s": self.replica_items_per_s, **self.result.to_dict()}
@@ -371,7 +374,8 @@ def run_tune(
                 "best_items_per_s": best.items_per_s if best else None,
                 "plan_path": report.plan_path,
                 # Both hostings' find-peaks, their trials and the decision, kept with the run.
-                "server_peaks": report.server_peaks or None, "hosting": report.hosting}
+                "server_peaks": report.server_peaks or None, "hosting": report.hosting,
+                "batching": report.batching}
     if status == "interrupted":
         raise KeyboardInterrupt
     return report
@@ -571,13 +575,16 @@ def _choose_by_server_peak(report: TuneReport, evaluator: LiveEvaluator, request
     else:
         best = _choose_hosting_of(report, chosen, threaded, label, chosen_items, measure,
                                   deadline)
+    best = _choose_batching(report, best, label, chosen_items, measure, deadline)
     for trial in others[:SERVER_ALTERNATIVES]:
         if time.monotonic() >= deadline:
             break
         if best is not None and trial.items_per_s is not None and trial.items_per_s <= best[0]:
             continue
-        # An alternative is measured, and written, in the hosting the comparison chose.
-        plan = _hosted_as(_plan_for(evaluator, trial, request), report.hosting)
+        # An alternative is measured, and written, in the hosting and under the batching
+        # rule the comparisons chose.
+        plan = _batched_as(_hosted_as(_plan_for(evaluator, trial, request), report.hosting),
+                           report.batching)
         peak, row = measure(plan, trial.candidate.label(), trial.items_per_s)
         peak_qps = peak.get("peak_qps")
         if peak_qps is not None and (best is None or peak_qps > best[0]):
@@ -591,6 +598,50 @@ def _choose_by_server_peak(report: TuneReport, evaluator: LiveEvaluator, request
     report.server_peaks[row]["chosen"] = True
     if best is not None:
         report.server_peak = best[2]
+
+
+def _choose_batching(report: TuneReport, best: tuple[float, int, dict[str, Any]] | None,
+                     label: str, offline: float | None,
+                     measure: Callable[..., tuple[dict[str, Any], int]], deadline: float,
+                     ) -> tuple[float, int, dict[str, Any]] | None:
+    """Measure the chosen plan under deadline batching too; the rule of the higher peak wins.
+
+    The plan so far waits `max_queue_delay_ms` for a fuller batch (the runtime's default);
+    the deadline rule lets a partial batch wait while its oldest query can still finish within
+    the bound. Which peaks higher moves by host: on H200 hosts, alternated on one built
+    ResNet50 plan, each rule won on some hosts (docs/architecture-runtime.md), so the host
+    decides, by one find-peak of each. Measured where the budget leaves time, the plan has a
+    bound and queue-delay batching, and no pipeline (a stage's batches are not sized by the
+    bound). `report.batching` holds both peaks and the rule written; returns the best as
+    `_choose_by_server_peak` keeps it.
+    """
+    plan = report.plan
+    if (plan is None or time.monotonic() >= deadline
+            or not plan.get("load", {}).get("p99_bound_ms")
+            or plan.get("dispatcher", {}).get("batching", "queue_delay") != "queue_delay"
+            or any(m.get("stages") for m in plan["models"])):
+        return best
+    timed = {**plan, "dispatcher": {**plan.get("dispatcher", {}), "batching": "deadline"}}
+    peak, row = measure(timed, label, offline)
+    before = best[0] if best is not None else None
+    after = peak.get("peak_qps")
+    won = after is not None and (before is None or after > before)
+    report.batching = {"queue_delay_peak_qps": before, "deadline_peak_qps": after,
+                       "batching": "deadline" if won else "queue_delay"}
+    if not won:
+        return best
+    report.plan = timed
+    report.server_peak = peak
+    assert after is not None
+    return after, row, peak
+
+
+def _batched_as(plan: dict[str, Any], batching: dict[str, Any] | None) -> dict[str, Any]:
+    """`plan` under the batching rule `_choose_batching` wrote; unchanged without a choice."""
+    if batching is None or batching["batching"] != "deadline" or not plan.get(
+            "load", {}).get("p99_bound_ms") or any(m.get("stages") for m in plan["models"]):
+        return plan
+    return {**plan, "dispatcher": {**plan.get("dispatcher", {}), "batching": "deadline"}}
 
 
 #: Find-peak runs of each hosting when the budget allows (alternated: process, thread, ...).
