@@ -223,7 +223,9 @@ def _one(rt: Any, rule: str, settings: dict[str, Any], shares: dict[str, float],
                      stall_retries=retries).record()
     host_after = probe_host(device=device)
     for t, r in zip(peak["trials"], records[searched:], strict=False):
-        r["disturbed"] = bool(t.get("disturbed"))  # run again: the host stopped
+        # Which runs confirmed the edge, went halfway down, or were run again (the host stopped).
+        for flag in ("repeat", "between", "disturbed"):
+            r[flag] = bool(t.get(flag))
     at_peak = [r for r in records[searched:] if r["rate_qps"] == peak["peak_qps"] and r["valid"]]
     said = search_note(host_before, host_after, bound)  # as `runtime.peak.run_load` names it
     # The search's trials, with their stalls, as `run_load` names them.

@@ -534,15 +534,14 @@ def find_peak(
     invalid rate whose longer run holds (above a last valid rate whose longer run held) lifts
     the peak, and the search goes on above it (`_search_above`). A trial whose load
     generator issued late (issue lag p99 over `LAG_SHARE` of the bound) is flagged and noted:
-    its p99 holds the host's lag, not the plan's alone. With `disturbed` (a trial's result in,
-    a description of a stall of the whole host that overlapped it out, or None;
-    `runtime.host_watch`), a trial that failed while the host stopped is kept as `disturbed`,
-    left out of the search, and run again (`runtime.peak` names a stall of the whole host, seen
-    by `runtime.host_watch`, and a batch that stood still on the device longer than the plan
-    could make it, `device_stop`), at most `stall_retries` times a rate and twice as
-    many in a search (a host that stops every few seconds would otherwise triple the search):
-    it measured the host, not the plan. With no throughput
-    to search below, or no valid rate, the result has no peak and says why in `reason`.
+    its p99 holds the host's lag, not the plan's alone. `disturbed` takes a trial's result and
+    describes the stop of the host that overlapped it, or gives None (`runtime.peak` passes
+    what `runtime.host_watch` and `runtime.peak.device_stop` saw): a trial that failed during
+    such a stop measured the host, not the plan, so it is kept marked `disturbed`, left out of
+    the search and run again, at most `stall_retries` times a rate and twice that in a search
+    (a host that stops every few seconds would otherwise triple the search). With no
+    throughput to search below, or no valid rate, the result has no peak and says why in
+    `reason`.
     """
     trials: list[dict[str, Any]] = []
     if not upper_qps or upper_qps <= 0 or not math.isfinite(upper_qps):
@@ -550,6 +549,7 @@ def find_peak(
             f"the offline throughput is {upper_qps or 0:g} samples/s, so there is no server rate "
             "to search: make the offline scenario complete samples first (see its validity notes)"))
 
+    stall_retries = max(0, stall_retries)
     retries_left = 2 * stall_retries
 
     def run(rate: float, repeat: bool = False) -> dict[str, Any]:
@@ -639,8 +639,9 @@ def _stall_note(trials: list[dict[str, Any]], bound_ms: float) -> str | None:
             f"{len(trials)} trials (" + "; ".join(how.get(k, k) for k in seen) + ")")
     if again:
         rates = ", ".join(f"{t['rate_qps']:.0f}" for t in again)
-        said += (f"; {len(again)} of them failed the {bound_ms:g} ms bound and were run again "
-                 f"(at {rates} qps), left out of the search")
+        said += (f"; {len(again)} of them failed the {bound_ms:g} ms bound and "
+                 f"{'was' if len(again) == 1 else 'were'} run again (at {rates} qps), left out "
+                 "of the search")
     if counted:
         rates = ", ".join(f"{t['rate_qps']:.0f}" for t in counted)
         said += (f"; failed trials at {rates} qps met a stall too and count, the retries "
