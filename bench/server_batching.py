@@ -116,7 +116,9 @@ def _tuned(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
                          # Which CPU hosting the tune wrote, and on what figures.
                          "hosting": report.hosting,
                          # Which batching rule it wrote: the plan's peak under each.
-                         "batching": report.batching}
+                         "batching": report.batching,
+                         # Whether ONNX Runtime's intra-op threads spin in the plan written.
+                         "spinning": report.spinning}
 
 
 def _with_load(plan: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """A server tune measures a CPU plan of lock-releasing engines hosted both ways, alternated,
 and writes the hosting `choose_hosting` picks from the median peaks."""
 
+import os
 import time
 
 import pytest
@@ -16,8 +17,10 @@ from infermux.tune.run import (
     _choose_hosting_of,
     _cpu_workers,
     _hosted_as,
+    _spin_free,
     _thread_hosted,
 )
+from infermux.units import Unit
 
 from .conftest import TINY
 
@@ -181,6 +184,46 @@ def test_server_tune_measures_both_hostings_and_writes_the_higher_peak(tmp_path,
     workers = {"process": "processes", "thread": "threads"}[chosen["cpu_workers"]]
     assert f"# CPU workers as {workers}: " in text
     assert all(r["trials"] for r in rows[:2])
+    # ONNX Runtime on both cores of one instance has an intra-op pool: the chosen plan was also
+    # measured with it not spinning, and the plan written spins or not as the higher peak said.
+    if len(os.sched_getaffinity(0)) > 1:
+        assert report.spinning is not None, rows
+        still = next(r for r in rows if r["plan"].endswith("(intra-op threads not spinning)"))
+        assert report.spinning["not_spinning_peak_qps"] == still["peak_qps"]
+        options = data["models"][0]["replicas"][0].get("options") or {}
+        if chosen is still:
+            assert report.spinning["allow_spinning"] is False
+            assert options["allow_spinning"] is False
+        elif chosen in rows[:2]:  # the spinning plan held the higher peak
+            assert report.spinning["allow_spinning"] is True
+            assert options.get("allow_spinning", True) is True
+
+
+def test_spin_free_stops_the_pools_of_onnx_runtime_instances_with_more_than_one_core():
+    two = Unit("cpu", "cpu", "cpu", "fp32", "x86", "cpu", cores=(0, 1))
+    one = Unit("cpu:0", "cpu", "cpu", "fp32", "x86", "cpu", cores=(0,))
+    gpu = Unit("cuda:0/fp16", "cuda", "cuda:0", "fp16", "H200", "cuda:0")
+    units = {u.id: u for u in (two, one, gpu)}
+
+    def plan(*replicas: dict) -> dict:
+        return {"name": "p", "models": [{"name": "m", "model": "m", "replicas": list(replicas)}]}
+
+    ort = {"unit": "cpu", "engine": "onnxruntime", "instances": 1, "batch": 8}
+    stopped = _spin_free(plan(ort, {**ort, "engine": "openvino"}), units)
+    assert stopped is not None
+    first, second = stopped["models"][0]["replicas"]
+    assert first["options"] == {"allow_spinning": False} and "options" not in second
+    assert "options" not in ort  # the plan given is left as it was
+    # One core per instance (two instances on two cores, or a one-core unit): no pool.
+    assert _spin_free(plan({**ort, "instances": 2}), units) is None
+    assert _spin_free(plan({**ort, "unit": "cpu:0"}), units) is None
+    # A pool asked for by hand, spinning already off, a GPU unit, a unit not known.
+    asked = _spin_free(plan({**ort, "instances": 2, "options": {"intra_op_threads": 2}}), units)
+    assert asked is not None
+    assert asked["models"][0]["replicas"][0]["options"]["allow_spinning"] is False
+    assert _spin_free(plan({**ort, "options": {"allow_spinning": False}}), units) is None
+    assert _spin_free(plan({**ort, "unit": "cuda:0/fp16"}), units) is None
+    assert _spin_free(plan({**ort, "unit": "cpu:7"}), units) is None
 
 
 def test_server_order_measures_the_shorter_predicted_query_first_among_near_ties():
