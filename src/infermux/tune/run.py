@@ -581,6 +581,8 @@ def _choose_by_server_peak(report: TuneReport, evaluator: LiveEvaluator, request
                                   deadline)
     best = _choose_spinning(report, best, label, chosen_items, evaluator.units, measure,
                             deadline)
+    if report.spinning is not None and not report.spinning["allow_spinning"]:
+        label = f"{label} {SPIN_FREE}"
     best = _choose_batching(report, best, label, chosen_items, measure, deadline)
     for trial in others[:SERVER_ALTERNATIVES]:
         if time.monotonic() >= deadline:
@@ -656,6 +658,10 @@ def _measure_variant(report: TuneReport, best: tuple[float, int, dict[str, Any]]
     return (after, row, peak), before, after, True
 
 
+#: How a row of `server_peaks` names the chosen plan with its intra-op pools not spinning.
+SPIN_FREE = "(intra-op threads not spinning)"
+
+
 def _spin_free(plan: dict[str, Any], units: dict[str, Unit]) -> dict[str, Any] | None:
     """`plan` with ONNX Runtime's intra-op threads not spinning, where that changes anything.
 
@@ -701,7 +707,7 @@ def _choose_spinning(report: TuneReport, best: tuple[float, int, dict[str, Any]]
     if still is None or time.monotonic() >= deadline:
         return best
     best, before, after, won = _measure_variant(
-        report, best, still, f"{label} (intra-op threads not spinning)", offline, measure)
+        report, best, still, f"{label} {SPIN_FREE}", offline, measure)
     report.spinning = {"spinning_peak_qps": before, "not_spinning_peak_qps": after,
                        "allow_spinning": not won}
     return best
