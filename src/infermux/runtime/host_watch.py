@@ -63,7 +63,7 @@ class HostWatch:
     """A child process that reports when the whole host stopped; a context manager.
 
     `gaps` holds `(start_ns, end_ns)` of each late wake-up the child reported. Where the child
-    cannot start (no interpreter to run, a sandbox without processes), `available` is False
+    cannot start (no interpreter to run, a host that forbids new processes), `available` is False
     and `during` finds nothing: the search then runs as it did without the watch.
     """
 
