@@ -48,21 +48,10 @@ from typing import Any
 
 import yaml
 
-from infermux.load import find_peak
 from infermux.runtime import parse_plan
-from infermux.runtime.host_probe import describe_probes, plan_cuda_device, probe_host, search_note
+from infermux.runtime.host_probe import describe_probes, plan_cuda_device, probe_host
 from infermux.runtime.host_watch import HostWatch
-from infermux.runtime.peak import (
-    confirm_duration_s,
-    device_stall,
-    device_stop,
-    host_stall,
-    lengthened,
-    offline_stall_note,
-    offline_upper,
-    run_trial,
-    stall_note,
-)
+from infermux.runtime.peak import TrialRun, device_stall, run_load, run_trial
 from infermux.runtime.plan import Plan
 from infermux.runtime.session import start_runtime
 from infermux.runtime.trial import TrialSummary
@@ -181,67 +170,45 @@ def _one(rt: Any, rule: str, settings: dict[str, Any], shares: dict[str, float],
          bound: float, rates: list[float], watch: HostWatch) -> dict[str, Any]:
     rt.set_batching(rule)
     records: list[dict[str, Any]] = []
-    device = plan_cuda_device(rt.plan)
-    host_before = probe_host(device=device)
-    retries = int(settings.get("stall_retries", 2))
 
-    def offline_trial() -> Any:
-        run = run_trial(rt, {**settings, "scenario": "offline"}, shares)
-        records.append(_brief(run.record))
-        _say(records[-1])
-        return run
-
-    # Run again while the host or its device stopped (`runtime.peak.offline_upper`).
-    offline, offline_stalls = offline_upper(offline_trial, watch, bound, retries)
-    upper = offline.record.items_per_s or 0.0
-
-    def server(rate: float, min_duration_s: float | None = None) -> Any:
-        # A run that confirms the edge is longer (`runtime.peak.confirm_duration_s`).
-        trial = lengthened({**settings, "scenario": "server", "rate_qps": rate}, min_duration_s)
-        run = run_trial(rt, trial, shares)
-        result, record = run.result, run.record
+    def keep(run: TrialRun) -> None:
         # Batches that stopped on the device in this trial (`runtime.peak.device_stall`).
-        records.append({**_brief(record), "device_stall": device_stall(run.batches, bound),
-                        # The host or its device stopped (`runtime.peak`): run again.
-                        "host_stall": (host_stall(watch, result, bound)
-                                       or device_stop(run.batches, bound)),
-                        **({"min_duration_s": min_duration_s} if min_duration_s else {})})
+        records.append({**_brief(run.record), "device_stall": device_stall(run.batches, bound),
+                        **({"min_duration_s": run.record.settings["min_duration_s"]}
+                           if run.record.settings and run.record.scenario == "server" else {})})
         _say(records[-1])
-        return result
 
     if rates:
         # Fixed rates instead of the search: on a loaded host every variant is judged at the
         # same loads, and a search that finds no valid rate does not halve down to minutes-long
         # trials at a few queries/s.
+        host_before = probe_host(device=plan_cuda_device(rt.plan))
+        keep(run_trial(rt, {**settings, "scenario": "offline"}, shares))
         for rate in rates:
-            server(rate)
-        return {"rule": rule, "offline_items_per_s": upper, "peak_qps": None, "ratio": None,
-                "edge_confirmed": None, "p99_spread_ms": None, "notes": [], "reason": None,
-                "at_peak": None, "host": {"before": host_before.to_dict()}, "trials": records}
-    searched = len(records)
-    peak = find_peak(server, upper_qps=upper, bound_ms=bound, confirm=True,
-                     confirm_duration_s=confirm_duration_s(settings),
-                     disturbed=lambda result: records[-1]["host_stall"],
-                     stall_retries=retries).record()
-    host_after = probe_host(device=device)
-    for t, r in zip(peak["trials"], records[searched:], strict=False):
+            keep(run_trial(rt, {**settings, "scenario": "server", "rate_qps": rate}, shares))
+        return {"rule": rule, "offline_items_per_s": records[0]["items_per_s"] or 0.0,
+                "peak_qps": None, "ratio": None, "edge_confirmed": None, "p99_spread_ms": None,
+                "notes": [], "reason": None, "at_peak": None,
+                "host": {"before": host_before.to_dict()}, "trials": records}
+    # The search `infermux run --find-peak` runs (`runtime.peak.run_load`): the offline trial
+    # and the server rates, stalled trials run again, the host probed before and after.
+    peak = run_load(rt, {**settings, "scenario": "server", "find_peak": True,
+                         "p99_bound_ms": bound}, keep=keep, shares=shares, watch=watch)
+    assert peak is not None, "interrupted"
+    searched = len(records) - len(peak["trials"])
+    for t, r in zip(peak["trials"], records[searched:], strict=True):
         # Which runs confirmed the edge, went halfway down, or were run again (the host stopped).
         for flag in ("repeat", "between", "disturbed"):
             r[flag] = bool(t.get(flag))
+        r["host_stall"] = t.get("host_stall")
     at_peak = [r for r in records[searched:] if r["rate_qps"] == peak["peak_qps"] and r["valid"]]
-    said = search_note(host_before, host_after, bound)  # as `runtime.peak.run_load` names it
-    # The search's trials, with their stalls, as `run_load` names them.
-    stalled = stall_note([{**t, "device_stall": r.get("device_stall")}
-                          for t, r in zip(peak["trials"], records[searched:], strict=False)],
-                         bound)
-    notes = peak["notes"] + [n for n in (said, stalled, offline_stall_note(offline_stalls)) if n]
-    return {"rule": rule, "offline_items_per_s": upper, "peak_qps": peak["peak_qps"],
-            "ratio": peak["peak_fraction_of_offline"], "edge_confirmed": peak["edge_confirmed"],
-            "p99_spread_ms": peak["p99_spread_ms"], "notes": notes,
-            "reason": peak["reason"], "at_peak": at_peak[-1] if at_peak else None,
-            "host_stalls": peak["host_stalls"], "offline_host_stalls": offline_stalls,
-            "host": {"before": host_before.to_dict(), "after": host_after.to_dict()},
-            "trials": records}
+    return {"rule": rule, "offline_items_per_s": peak["offline_items_per_s"],
+            "peak_qps": peak["peak_qps"], "ratio": peak["peak_fraction_of_offline"],
+            "edge_confirmed": peak["edge_confirmed"], "p99_spread_ms": peak["p99_spread_ms"],
+            "notes": peak.get("notes", []), "reason": peak["reason"],
+            "at_peak": at_peak[-1] if at_peak else None, "host": peak["host"],
+            "host_stalls": peak["host_stalls"],
+            "offline_host_stalls": peak["offline_host_stalls"], "trials": records}
 
 
 def _names(text: str, allowed: tuple[str, ...], flag: str) -> list[str]:

@@ -32,8 +32,8 @@ from infermux.load.base import Query, SystemUnderTest
 from infermux.progress import ProgressFn
 from infermux.stats import latency_summary_ms
 
-__all__ = ["LAG_SHARE", "LoadGenerator", "PeakResult", "ScenarioResult", "find_peak", "lag_note",
-           "poisson_schedule"]
+__all__ = ["LAG_SHARE", "STALL_RETRIES", "LoadGenerator", "PeakResult", "ScenarioResult",
+           "find_peak", "lag_note", "poisson_schedule"]
 
 _METRIC = {"offline": None, "server": 99, "single-stream": 90, "multi-stream": 99}
 
@@ -469,6 +469,10 @@ class PeakResult:
                 "trials": self.trials}
 
 
+#: How many times find-peak runs a failed trial again when the host stopped during it, by
+#: default (`load.stall_retries`).
+STALL_RETRIES = 2
+
 #: A trial whose load generator issued its queries this late (p99, as a share of the bound)
 #: measured the host's lag as much as the plan: it is flagged.
 LAG_SHARE = 0.1
@@ -517,7 +521,7 @@ def find_peak(
     confirm: bool = False,
     confirm_duration_s: float | None = None,
     disturbed: Callable[[ScenarioResult], dict[str, Any] | None] | None = None,
-    stall_retries: int = 2,
+    stall_retries: int = STALL_RETRIES,
 ) -> PeakResult:
     """The highest server rate whose runs are all valid: bisection, then the edge confirmed.
 

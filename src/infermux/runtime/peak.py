@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from infermux.errors import UsageError
 from infermux.load.base import CompletionFn, Query
-from infermux.load.scenarios import LoadGenerator, ScenarioResult, find_peak
+from infermux.load.scenarios import STALL_RETRIES, LoadGenerator, ScenarioResult, find_peak
 from infermux.progress import ProgressFn
 from infermux.runtime.host_probe import HostProbe, plan_cuda_device, probe_host, search_note
 from infermux.runtime.host_watch import HostWatch
@@ -308,7 +308,7 @@ def offline_upper(one: Callable[[], TrialRun], watch: HostWatch, bound_ms: float
 def _search(rt: TrialRuntime, settings: dict[str, Any], one: Callable[[dict[str, Any]], TrialRun],
             watch: HostWatch, before: HostProbe, device: str | None, bound: float,
             confirm: bool) -> dict[str, Any] | None:
-    retries = int(settings.get("stall_retries", 2))
+    retries = int(settings.get("stall_retries", STALL_RETRIES))
     offline, offline_stalls = offline_upper(
         lambda: one({**settings, "scenario": "offline", "find_peak": False}), watch, bound,
         retries)

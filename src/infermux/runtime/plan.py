@@ -18,6 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from infermux.errors import UsageError
+from infermux.load.scenarios import STALL_RETRIES
 from infermux.units import parse_core_set
 
 __all__ = [
@@ -312,7 +313,7 @@ class LoadSettings(_Strict):
     #: stall at least as long as the bound, seen by a process that does none of the plan's
     #: work, `runtime.host_watch`, or a batch that stood still on its device longer than the
     #: plan could make it, `runtime.peak.device_stop`); 0 counts every trial as it came.
-    stall_retries: int = Field(2, ge=0, le=10)
+    stall_retries: int = Field(STALL_RETRIES, ge=0, le=10)
     samples_per_query: int = Field(8, ge=1, le=1024)
     #: The query sample library: how many distinct samples per model are held in memory.
     sample_pool: int = Field(256, ge=1, le=65536)
