@@ -21,6 +21,10 @@ lag, so a slow query's time is accounted for.
     python bench/server_batching.py --model resnet50 --unit cuda:0/fp16 --batch 64 \
         --instances 2 --compile default --p99 15 --duration 3 --rounds 2 \
         --buckets pow2,fine --rules queue_delay --json buckets.json
+    # the plan the server tune writes, three find-peaks under the batching rule it chose
+    # (H200: about 6 minutes)
+    python bench/server_batching.py --model resnet50 --unit cuda:0/fp16 --tune 150 --p99 15 \
+        --duration 3 --rounds 3 --rules plan --max-s 330 --json tuned.json
     # mobilenet_v3_small on a 2-core CPU, p99 50 ms: the tuned plan, both hostings and rules
     # (the host to itself: about 6 minutes; LiteRT's conversion, ~90 s here, and torch, 4-10x
     # slower than the others on these cores, are left out of the tune to fit)
@@ -235,7 +239,9 @@ def main() -> int:
     parser.add_argument("--cpu-workers", default="",
                         help="host CPU workers as process, thread or both (process,thread: "
                              "alternated); default: as the plan says")
-    parser.add_argument("--rules", default=",".join(RULES), help="batching rules to alternate")
+    parser.add_argument("--rules", default=",".join(RULES),
+                        help="batching rules to alternate; `plan`: the rule the plan (or the "
+                             "tune) wrote")
     parser.add_argument("--buckets", default="",
                         help="batch bucket sets to alternate, e.g. pow2,fine (default: the plan's)")
     parser.add_argument("--rates", default="",
@@ -256,7 +262,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.plan and args.tune:
         raise SystemExit("--plan and --tune both given: measure a plan file or a tuned plan")
-    rules = _names(args.rules, RULES, "--rules")
+    rules = _names(args.rules, (*RULES, "plan"), "--rules")
     try:
         rates = [float(r) for r in args.rates.split(",") if r.strip()]
     except ValueError:
@@ -277,6 +283,8 @@ def main() -> int:
     else:
         base = _plan(args)
     base = _with_load(base, args)
+    parsed = parse_plan(base, source="bench plan")
+    rules = list(dict.fromkeys(parsed.dispatcher.batching if r == "plan" else r for r in rules))
     runtimes: dict[tuple[str | None, str | None], Any] = {}
     out["plans"] = {}
     # The whole host's stalls, seen from a process of its own (`runtime.host_watch`).
@@ -290,7 +298,6 @@ def main() -> int:
                 name = "/".join(n for n in (hosting, buckets) if n) or "plan"
                 out["plans"][name] = {"plan": plan.to_dict(),
                                       "build_s": time.perf_counter() - built}
-        parsed = parse_plan(base, source="bench plan")
         settings = parsed.load.model_dump(mode="json")
         shares = {m.name: m.share for m in parsed.models}
         variants = [(h, b, r) for h in hostings for b in bucket_sets for r in rules]

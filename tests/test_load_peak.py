@@ -6,6 +6,7 @@ from collections import Counter
 from typing import Any
 
 from infermux.load import ScenarioResult, find_peak
+from infermux.load.scenarios import bisection_steps
 from tests.conftest import MS
 
 BOUND_MS = 10.0
@@ -113,6 +114,21 @@ def test_without_confirm_the_search_is_the_bisection_alone():
     peak = find_peak(lambda rate: _result(2.0 if rate <= 600 else 30.0), upper_qps=1000.0,
                      bound_ms=BOUND_MS, iterations=4)
     assert len(peak.trials) == 4 and peak.edge_confirmed is None and peak.peak_qps == 562.5
+
+
+def test_the_search_places_the_edge_within_its_resolution_of_offline():
+    # The plan holds up to 812 of 1000 qps: six halvings (1/64) can only say 797, below 0.8.
+    def held(rate: float) -> ScenarioResult:
+        return _result(2.0 if rate <= 812 else 30.0)
+
+    assert find_peak(held, upper_qps=1000.0, bound_ms=BOUND_MS, iterations=6).peak_qps == 796.875
+    fine = find_peak(held, upper_qps=1000.0, bound_ms=BOUND_MS)  # the default: 1% of offline
+    assert len(fine.trials) == 7 and 812 - 10 <= fine.peak_qps <= 812
+    finer = find_peak(held, upper_qps=1000.0, bound_ms=BOUND_MS, resolution=0.002)
+    assert len(finer.trials) == 9 and 812 - 2 <= finer.peak_qps <= 812
+    # The span counts from the lower rate given, not from nothing.
+    assert bisection_steps(1000.0, 10.0) == 7 and bisection_steps(500.0, 10.0) == 6
+    assert bisection_steps(1000.0, 1000.0) == 1 and bisection_steps(0.0, 10.0) == 1
 
 
 def test_a_load_generator_that_falls_behind_is_flagged_not_taken_for_the_plan():

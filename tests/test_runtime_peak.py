@@ -186,7 +186,8 @@ def test_the_confirming_runs_length_is_the_load_s_or_four_trials_and_its_stop_mo
         _plan(scenario="server", confirm_duration_s=0)
 
 
-def test_infermux_run_takes_the_confirming_length_and_refuses_none(tmp_path) -> None:
+def test_infermux_run_takes_the_confirming_length_and_resolution_and_refuses_bad_ones(
+        tmp_path) -> None:
     import json
 
     import yaml
@@ -196,12 +197,20 @@ def test_infermux_run_takes_the_confirming_length_and_refuses_none(tmp_path) -> 
     path = tmp_path / "plan.yaml"
     path.write_text(yaml.safe_dump(_plan().to_dict()))
     run = invoke_cli("run", str(path), "--no-store", "--json", "--find-peak", "--p99", "2000",
-                     "--duration", "0.3s", "--confirm-duration", "0.9s")
+                     "--duration", "0.3s", "--confirm-duration", "0.9s",
+                     "--peak-resolution", "0.25")
     assert run.returncode == 0, run.stderr
     peak = json.loads(run.stdout)["peak"]
     assert peak["peak_qps"] is not None
     repeats = [t for t in peak["trials"] if t.get("repeat")]
     assert repeats and all(t["min_duration_s"] == 0.9 for t in repeats)
+    # A quarter of offline: two halvings (a half, then three quarters), then the repeats.
+    assert len([t for t in peak["trials"] if not t.get("repeat")]) == 2
+    coarse = invoke_cli("run", str(path), "--no-store", "--find-peak", "--p99", "50",
+                        "--peak-resolution", "0.5")
+    said = (coarse.stdout + coarse.stderr).strip()
+    assert coarse.returncode != 0 and "Traceback" not in said
+    assert "peak_resolution = 0.5" in said and "less than or equal to 0.25" in said, said
     bad = invoke_cli("run", str(path), "--no-store", "--find-peak", "--p99", "50",
                      "--confirm-duration", "0s")
     assert bad.returncode != 0 and "Traceback" not in bad.stderr

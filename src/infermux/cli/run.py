@@ -39,6 +39,7 @@ def run_command(
     duration: Annotated[str | None, typer.Option("--duration", help="Minimum duration, e.g. 10s.")] = None,
     confirm_duration: Annotated[str | None, typer.Option("--confirm-duration", help="Find-peak: how long the runs that confirm the edge last, e.g. 40s (default: four times --duration).")] = None,
     stall_retries: Annotated[int | None, typer.Option("--stall-retries", help="Find-peak: run a trial that failed while the host or its device stopped again, at most this many times (default 2; 0: count every trial as it came).")] = None,
+    peak_resolution: Annotated[float | None, typer.Option("--peak-resolution", help="Find-peak: how finely the edge is placed, as a share of the offline throughput (default 0.01; each halving is one more trial).")] = None,
     min_queries: Annotated[int | None, typer.Option("--min-queries", help="Minimum queries (samples offline).")] = None,
     seed: Annotated[int | None, typer.Option("--seed", help="Seed of arrivals and sample choice.")] = None,
     lengths: Annotated[str | None, typer.Option("--lengths", help="Query lengths of models with a sequence length: 128, uniform:16-256 or 32,64,128 (load.lengths).")] = None,
@@ -71,7 +72,7 @@ def run_command(
         min_duration_s=parse_duration_s(duration, name="--duration") if duration else None,
         confirm_duration_s=(parse_duration_s(confirm_duration, name="--confirm-duration")
                             if confirm_duration else None),
-        stall_retries=stall_retries, min_queries=min_queries, seed=seed, lengths=lengths,
+        stall_retries=stall_retries, peak_resolution=peak_resolution, min_queries=min_queries, seed=seed, lengths=lengths,
     )
     store = None if no_store else open_store(db)
     command = "infermux " + shlex.join(sys.argv[1:])

@@ -32,8 +32,8 @@ from infermux.load.base import Query, SystemUnderTest
 from infermux.progress import ProgressFn
 from infermux.stats import latency_summary_ms
 
-__all__ = ["LAG_SHARE", "STALL_RETRIES", "LoadGenerator", "PeakResult", "ScenarioResult",
-           "find_peak", "lag_note", "poisson_schedule"]
+__all__ = ["LAG_SHARE", "PEAK_RESOLUTION", "STALL_RETRIES", "LoadGenerator", "PeakResult", "ScenarioResult",
+           "bisection_steps", "find_peak", "lag_note", "poisson_schedule"]
 
 _METRIC = {"offline": None, "server": 99, "single-stream": 90, "multi-stream": 99}
 
@@ -473,6 +473,11 @@ class PeakResult:
 #: default (`load.stall_retries`).
 STALL_RETRIES = 2
 
+#: How finely find-peak places the edge by default, as a share of the offline throughput
+#: (`load.peak_resolution`): it bisects until the span left is this narrow, so the peak it
+#: reports is at most this far below the highest rate that held.
+PEAK_RESOLUTION = 0.01
+
 #: A trial whose load generator issued its queries this late (p99, as a share of the bound)
 #: measured the host's lag as much as the plan: it is flagged.
 LAG_SHARE = 0.1
@@ -516,8 +521,9 @@ def find_peak(
     *,
     upper_qps: float,
     bound_ms: float,
-    iterations: int = 6,
+    iterations: int | None = None,
     lower_qps: float = 0.0,
+    resolution: float = PEAK_RESOLUTION,
     confirm: bool = False,
     confirm_duration_s: float | None = None,
     disturbed: Callable[[ScenarioResult], dict[str, Any] | None] | None = None,
@@ -526,7 +532,8 @@ def find_peak(
     """The highest server rate whose runs are all valid: bisection, then the edge confirmed.
 
     Between `lower_qps` (assumed valid) and `upper_qps` (the offline throughput, which no server
-    rate can beat); the first trial is at half the upper bound. With `confirm`, the last valid
+    rate can beat); the first trial is at half the upper bound, and the span is halved until it
+    is at most `resolution` of the upper bound (or `iterations` times). With `confirm`, the last valid
     rate and the first invalid one are run again: on a noisy host one run of each does not
     place the edge. The peak is the highest rate valid in every run; if the repeat of the last
     valid rate fails, the rate halfway down to the next lower valid one is run (`between`),
@@ -553,6 +560,8 @@ def find_peak(
             f"the offline throughput is {upper_qps or 0:g} samples/s, so there is no server rate "
             "to search: make the offline scenario complete samples first (see its validity notes)"))
 
+    if iterations is None:
+        iterations = bisection_steps(upper_qps - lower_qps, resolution * upper_qps)
     stall_retries = max(0, stall_retries)
     retries_left = 2 * stall_retries
 
@@ -625,6 +634,13 @@ def find_peak(
             "host's lag as well as the plan's; it shares the interpreter with the workers, so "
             "rerun on a quieter host or with fewer workers' threads before trusting that edge")
     return result
+
+
+def bisection_steps(span: float, resolution: float) -> int:
+    """How many halvings bring `span` to at most `resolution` (at least one)."""
+    if span <= 0 or resolution <= 0:
+        return 1
+    return max(1, math.ceil(math.log2(span / resolution) - 1e-9))
 
 
 def _stall_note(trials: list[dict[str, Any]], bound_ms: float) -> str | None:

@@ -19,7 +19,13 @@ from typing import TYPE_CHECKING, Any
 
 from infermux.errors import UsageError
 from infermux.load.base import CompletionFn, Query
-from infermux.load.scenarios import STALL_RETRIES, LoadGenerator, ScenarioResult, find_peak
+from infermux.load.scenarios import (
+    PEAK_RESOLUTION,
+    STALL_RETRIES,
+    LoadGenerator,
+    ScenarioResult,
+    find_peak,
+)
 from infermux.progress import ProgressFn
 from infermux.runtime.host_probe import HostProbe, plan_cuda_device, probe_host, search_note
 from infermux.runtime.host_watch import HostWatch
@@ -333,7 +339,8 @@ def _search(rt: TrialRuntime, settings: dict[str, Any], one: Callable[[dict[str,
     peak = find_peak(server, upper_qps=upper, bound_ms=bound, confirm=confirm,
                      confirm_duration_s=confirm_duration_s(settings),
                      disturbed=lambda result: host_stall(watch, result, bound) or stops[-1],
-                     stall_retries=retries)
+                     stall_retries=retries,
+                     resolution=float(settings.get("peak_resolution", PEAK_RESOLUTION)))
     for entry, ph, stall in zip(peak.trials, phases, stalls, strict=False):
         entry["phases"] = ph  # where each trial's time went, per model (runtime.metrics)
         entry["device_stall"] = stall

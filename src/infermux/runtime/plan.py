@@ -18,7 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from infermux.errors import UsageError
-from infermux.load.scenarios import STALL_RETRIES
+from infermux.load.scenarios import PEAK_RESOLUTION, STALL_RETRIES
 from infermux.units import parse_core_set
 
 __all__ = [
@@ -314,6 +314,9 @@ class LoadSettings(_Strict):
     #: work, `runtime.host_watch`, or a batch that stood still on its device longer than the
     #: plan could make it, `runtime.peak.device_stop`); 0 counts every trial as it came.
     stall_retries: int = Field(STALL_RETRIES, ge=0, le=10)
+    #: Find-peak: how finely the edge is placed, as a share of the offline throughput (the
+    #: bisection stops when the span left is this narrow; each halving is one more trial).
+    peak_resolution: float = Field(PEAK_RESOLUTION, ge=0.001, le=0.25)
     samples_per_query: int = Field(8, ge=1, le=1024)
     #: The query sample library: how many distinct samples per model are held in memory.
     sample_pool: int = Field(256, ge=1, le=65536)
