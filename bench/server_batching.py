@@ -199,16 +199,19 @@ def _one(rt: Any, rule: str, settings: dict[str, Any], shares: dict[str, float],
     peak = run_load(rt, {**settings, "scenario": "server", "find_peak": True,
                          "p99_bound_ms": bound}, keep=keep, shares=shares, watch=watch)
     assert peak is not None, "interrupted"
-    searched = len(records) - len(peak["trials"])
-    for t, r in zip(peak["trials"], records[searched:], strict=True):
+    # The server trials are the search's, in its order (the offline ones before and after).
+    servers = [r for r in records if r["scenario"] == "server"]
+    for t, r in zip(peak["trials"], servers, strict=True):
         # Which runs confirmed the edge, went halfway down, or were run again (the host stopped).
         for flag in ("repeat", "between", "disturbed"):
             r[flag] = bool(t.get(flag))
         r["host_stall"] = t.get("host_stall")
-    at_peak = [r for r in records[searched:] if r["rate_qps"] == peak["peak_qps"] and r["valid"]]
+    at_peak = [r for r in servers if r["rate_qps"] == peak["peak_qps"] and r["valid"]]
     return {"rule": rule, "offline_items_per_s": peak["offline_items_per_s"],
             "peak_qps": peak["peak_qps"], "ratio": peak["peak_fraction_of_offline"],
             "edge_confirmed": peak["edge_confirmed"], "p99_spread_ms": peak["p99_spread_ms"],
+            "offline_after_items_per_s": peak["offline_after_items_per_s"],
+            "offline_drift": peak["offline_drift"],
             "notes": peak.get("notes", []), "reason": peak["reason"],
             "at_peak": at_peak[-1] if at_peak else None, "host": peak["host"],
             "host_stalls": peak["host_stalls"],
@@ -329,10 +332,13 @@ def main() -> int:
                           f"p99 {t['p99_ms'] or 0:7.1f} ms valid {t['valid']}  phases p99 {tp}",
                           flush=True)
                 ratio = "-" if row["ratio"] is None else f"{row['ratio']:.2f}"
+                after = row.get("offline_after_items_per_s")
                 print(f"round {i} {row['hosting']:>7} {row['buckets']:>5} {rule:>11}: offline "
-                      f"{row['offline_items_per_s']:9.1f}  peak {row['peak_qps'] or 0:9.1f}  "
-                      f"ratio {ratio}  edge confirmed {row['edge_confirmed']}  load "
-                      f"{row['loadavg_1m'][0]:.1f}/{row['loadavg_1m'][1]:.1f}  phases p99 at "
+                      f"{row['offline_items_per_s']:9.1f}"
+                      + (f" (after {after:.1f})" if after else "")
+                      + f"  peak {row['peak_qps'] or 0:9.1f}  ratio {ratio}  edge confirmed "
+                      f"{row['edge_confirmed']}  load {row['loadavg_1m'][0]:.1f}/"
+                      f"{row['loadavg_1m'][1]:.1f}  phases p99 at "
                       f"{'peak' if row['at_peak'] else 'lowest rate'} {p99s}", flush=True)
                 print(f"round {i} host (before/after): {describe_probes(row['host'])}", flush=True)
                 for note in row["notes"]:

@@ -122,14 +122,17 @@ def test_find_peak_searches_the_cluster_s_highest_rate_within_the_bound(cluster,
     report = run_cluster(plan, cluster, store=store, command="test")
     peak = report.peak
     assert peak is not None and peak["peak_qps"] is not None, peak
-    # An offline trial gives the upper bound, then the server trials of the bisection.
-    assert [t.scenario for t in report.trials] == ["offline"] + ["server"] * len(peak["trials"])
+    # An offline trial gives the upper bound, then the server trials of the bisection, then
+    # the offline trial again (the host's speed after the search).
+    assert [t.scenario for t in report.trials] == (
+        ["offline"] + ["server"] * len(peak["trials"]) + ["offline"])
+    assert peak["offline_after_items_per_s"] == report.trials[-1].items_per_s
     assert 0 < peak["peak_qps"] < peak["offline_items_per_s"] == report.trials[0].items_per_s
-    best = max((t for t in report.trials[1:] if t.valid), key=lambda t: t.rate_qps)
+    best = max((t for t in report.trials[1:-1] if t.valid), key=lambda t: t.rate_qps)
     assert report.record is best and best.rate_qps == peak["peak_qps"]
     assert best.latency.p99_ms <= 250
     # Each trial starts from empty nodes: its per-node counts are its own.
-    for t in report.trials[1:]:  # server queries are of one sample
+    for t in report.trials[1:-1]:  # server queries are of one sample
         assert sum(n["completed_items"] for n in t.cluster.nodes) == t.completed
     rows = store.connection.execute(
         "SELECT COUNT(DISTINCT trial) FROM cluster_nodes WHERE run_id = ?",

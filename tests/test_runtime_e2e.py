@@ -211,6 +211,12 @@ def test_find_peak_reports_a_fraction_of_offline():
     assert peak["offline_items_per_s"] > 0
     assert peak["peak_qps"] is not None
     assert 0 < peak["peak_fraction_of_offline"] <= 1.0
+    # The offline trial runs again after the search; the fraction is of the higher figure.
+    assert report.trials[0].scenario == "offline" and report.trials[-1].scenario == "offline"
+    after = peak["offline_after_items_per_s"]
+    assert after > 0 and peak["offline_drift"] == after / peak["offline_items_per_s"] - 1
+    assert peak["peak_fraction_of_offline"] == peak["peak_qps"] / max(
+        after, peak["offline_items_per_s"])
     assert report.final.scenario == "server" and report.final.valid
 
 

@@ -41,8 +41,10 @@ def test_a_peak_search_hands_every_trial_to_keep_in_order_on_one_build() -> None
         rt.stop(drain=False)
     assert peak is not None and peak["peak_qps"] is not None, peak
     assert [k.index for k in kept] == list(range(len(kept))) == [k.record.trial for k in kept]
-    assert kept[0].record.scenario == "offline"
-    assert all(k.record.scenario == "server" for k in kept[1:])
+    # The offline trial before the search and after it, the server trials between.
+    assert kept[0].record.scenario == "offline" and kept[-1].record.scenario == "offline"
+    assert all(k.record.scenario == "server" for k in kept[1:-1])
+    assert peak["offline_after_items_per_s"] == kept[-1].record.items_per_s
     # Each server trial says whether its batches stopped on the device (CPU: no device time).
     assert all("device_stall" in t and t["device_stall"] is None for t in peak["trials"])
     # One trial per runtime trial: the loop numbers its queries from the runtime's own count.
@@ -58,10 +60,10 @@ def test_a_peak_search_hands_every_trial_to_keep_in_order_on_one_build() -> None
     # The edge's repeats ran CONFIRM_SCALE times as long as the search's trials, and say so.
     long = confirm_duration_s(plan.load.model_dump(mode="json"))
     assert long == CONFIRM_SCALE * 0.3
-    repeats = [(k, t) for k, t in zip(kept[1:], peak["trials"], strict=True) if t.get("repeat")]
+    repeats = [(k, t) for k, t in zip(kept[1:-1], peak["trials"], strict=True) if t.get("repeat")]
     assert repeats and all(t["min_duration_s"] == long for _, t in repeats)
     assert all(k.record.duration_s >= long for k, _ in repeats)
-    assert all(k.record.duration_s < long for k, t in zip(kept[1:], peak["trials"], strict=True)
+    assert all(k.record.duration_s < long for k, t in zip(kept[1:-1], peak["trials"], strict=True)
                if not t.get("repeat"))
     # The host's hand-overs were probed before the search and after it.
     for when in ("before", "after"):
@@ -216,3 +218,23 @@ def test_infermux_run_takes_the_confirming_length_and_resolution_and_refuses_bad
     assert bad.returncode != 0 and "Traceback" not in bad.stderr
     said = (bad.stdout + bad.stderr).strip()
     assert "confirm_duration_s" in said and len(said.splitlines()) <= 3, said
+
+
+def test_the_offline_trial_after_the_search_bounds_the_fraction_and_names_a_moving_host() -> None:
+    from infermux.runtime.peak import speed_check
+
+    steady = {"peak_qps": 800.0, "offline_items_per_s": 1000.0}
+    assert speed_check(steady, 1030.0) is None
+    # A host that sped up during the search: the fraction is of the faster figure.
+    assert steady["peak_fraction_of_offline"] == 800.0 / 1030.0
+    assert abs(steady["offline_drift"] - 0.03) < 1e-12
+    slowed = {"peak_qps": 500.0, "offline_items_per_s": 1000.0}
+    note = speed_check(slowed, 600.0)
+    assert slowed["peak_fraction_of_offline"] == 0.5 and abs(slowed["offline_drift"] + 0.4) < 1e-12
+    assert note is not None and "from 1000 to 600 items/s" in note and "-40%" in note
+    # No trial after (an interrupted search): the fraction of the one before, no drift.
+    alone = {"peak_qps": 500.0, "offline_items_per_s": 1000.0}
+    assert speed_check(alone, None) is None
+    assert alone["offline_drift"] is None and alone["peak_fraction_of_offline"] == 0.5
+    none = {"peak_qps": None, "offline_items_per_s": 1000.0}
+    assert speed_check(none, 1000.0) is None and none["peak_fraction_of_offline"] is None

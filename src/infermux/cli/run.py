@@ -146,7 +146,9 @@ def _print_peak(peak: dict[str, Any]) -> None:
     frac = peak.get("peak_fraction_of_offline")
     out.print(f"[bold]peak[/] {num(peak.get('peak_qps'))} qps within p99 ≤ "
               f"{peak['p99_bound_ms']:g} ms; offline {num(peak.get('offline_items_per_s'))}"
-              f" samples/s" + (f" ({frac:.0%} of offline)" if frac else ""))
+              f" samples/s" + (f", {num(after)} after the search" if (
+                  after := peak.get("offline_after_items_per_s")) else "")
+              + (f" ({frac:.0%} of offline)" if frac else ""))
     for t in peak["trials"]:
         out.print(f"  {t['rate_qps']:.1f} qps: p99 {num(t['p99_ms'], 2)} ms "
                   f"{'valid' if t['valid'] else 'invalid'}"

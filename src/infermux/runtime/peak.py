@@ -35,9 +35,10 @@ from infermux.runtime.trial import TrialSummary
 if TYPE_CHECKING:
     from infermux.runtime.api import Subscription, TrialRuntime
 
-__all__ = ["CONFIRM_SCALE", "KeepFn", "TrialRun", "best_at_peak", "confirm_duration_s",
-           "device_stall", "device_stop", "host_stall", "lengthened", "offline_stall_note", "offline_upper",
-           "run_load", "run_trial", "stall_note"]
+__all__ = ["CONFIRM_SCALE", "SPEED_DRIFT", "KeepFn", "TrialRun", "best_at_peak",
+           "confirm_duration_s", "device_stall", "device_stop", "host_stall", "lengthened",
+           "offline_stall_note", "offline_upper", "run_load", "run_trial", "speed_check",
+           "stall_note"]
 
 #: Trial t numbers its queries from t << _TRIAL_ID_BITS: ranges of trials never overlap.
 _TRIAL_ID_BITS = 40
@@ -237,7 +238,7 @@ def offline_stall_note(stalls: Sequence[dict[str, Any]]) -> str | None:
         return None
     longest = max(s["longest_ms"] for s in stalls)
     rates = ", ".join(f"{s['items_per_s']:.0f}" for s in stalls if s.get("items_per_s"))
-    return (f"the host stopped for up to {longest:.0f} ms during the offline trial, so it "
+    return (f"the host stopped for up to {longest:.0f} ms during an offline trial, so it "
             f"was run again ({len(stalls)} time(s); the runs set aside gave {rates} items/s): "
             "a stall lowers the offline figure the peak is divided by")
 
@@ -315,9 +316,11 @@ def _search(rt: TrialRuntime, settings: dict[str, Any], one: Callable[[dict[str,
             watch: HostWatch, before: HostProbe, device: str | None, bound: float,
             confirm: bool) -> dict[str, Any] | None:
     retries = int(settings.get("stall_retries", STALL_RETRIES))
-    offline, offline_stalls = offline_upper(
-        lambda: one({**settings, "scenario": "offline", "find_peak": False}), watch, bound,
-        retries)
+
+    def offline_trial() -> TrialRun:
+        return one({**settings, "scenario": "offline", "find_peak": False})
+
+    offline, offline_stalls = offline_upper(offline_trial, watch, bound, retries)
     if offline.result.interrupted:
         return None
     upper = offline.record.items_per_s or 0.0
@@ -354,16 +357,53 @@ def _search(rt: TrialRuntime, settings: dict[str, Any], one: Callable[[dict[str,
                            "to search: fix what failed and run again")
         else:
             peak.reason = _no_peak_reason(rt, bound, peak.reason)
+    # The offline trial again, after the search: a host whose speed moved during it would
+    # otherwise pass its change for the plan's (`speed_check`).
+    closing: TrialRun | None = None
+    if upper > 0 and not (peak.trials and peak.trials[-1].get("interrupted")):
+        closing, closing_stalls = offline_upper(offline_trial, watch, bound, retries)
+        offline_stalls = offline_stalls + closing_stalls
+        if closing.result.interrupted:
+            closing = None
     after = probe_host(device=device)
     out = peak.record()
+    drift = speed_check(out, closing.record.items_per_s if closing is not None else None)
     out["host"] = {"before": before.to_dict(), "after": after.to_dict()}
     out["host_watch"] = watch.available
     out["offline_host_stalls"] = offline_stalls
     for note in (search_note(before, after, bound), stall_note(peak.trials, bound),
-                 offline_stall_note(offline_stalls)):
+                 offline_stall_note(offline_stalls), drift):
         if note is not None:
             out["notes"] = [*out.get("notes", []), note]
     return out
+
+
+#: How far the offline rate may move between the trials before and after a peak search
+#: before the search is said to have measured the host's change of speed.
+SPEED_DRIFT = 0.10
+
+
+def speed_check(record: dict[str, Any], after_items_per_s: float | None) -> str | None:
+    """Bring the offline trial run after a search into its peak `record`; a note if it moved.
+
+    The peak's fraction is taken of the higher of the two offline figures, so a host that
+    sped up during the search cannot flatter the plan (one that slowed down is divided by the
+    faster figure it had, as before). `offline_drift` is after / before - 1.
+    """
+    before = record.get("offline_items_per_s") or 0.0
+    record["offline_after_items_per_s"] = after_items_per_s
+    record["offline_drift"] = (after_items_per_s / before - 1.0
+                               if after_items_per_s and before else None)
+    top = max(before, after_items_per_s or 0.0)
+    peak = record.get("peak_qps")
+    record["peak_fraction_of_offline"] = peak / top if peak and top else None
+    drift = record["offline_drift"]
+    if drift is None or abs(drift) <= SPEED_DRIFT:
+        return None
+    return (f"the plan's offline rate moved from {before:.0f} to {after_items_per_s:.0f} "
+            f"items/s during the search ({drift:+.0%}): the host's speed changed while it ran, "
+            "so the peak holds that change as well as the plan's limit; rerun on a steadier "
+            "host before taking it as the plan's")
 
 
 def best_at_peak(trials: Sequence[TrialSummary], peak: dict[str, Any] | None
