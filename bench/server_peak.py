@@ -94,10 +94,12 @@ def main() -> int:
         trials = report["trials"]
         offline = trials[0].get("items_per_s") or 0.0
         peak = (report.get("peak") or {}).get("peak_qps")
-        invalid = [t for t in trials[1:] if not t.get("valid")]
+        # The server trials (the offline trial runs before the search and after it).
+        servers = [t for t in trials if t.get("scenario") == "server"]
+        invalid = [t for t in servers if not t.get("valid")]
         first_bad = min(invalid, key=lambda t: t.get("rate_qps") or 0) if invalid else None
         row = {"variant": variant, "delay_ms": delay, "take": take, "offline": offline,
-               "peak": peak, "ratio": (peak / offline) if peak and offline else None,
+               "peak": peak, "ratio": (report.get("peak") or {}).get("peak_fraction_of_offline"),
                "seconds": took, "trials": [
                    {"rate": t.get("rate_qps"), "valid": t.get("valid"),
                     "p99_ms": (t.get("latency") or {}).get("p99_ms"),
@@ -105,7 +107,7 @@ def main() -> int:
                     "batching_p99_ms": _phase(t, "batching_wait"),
                     "compute_p99_ms": _phase(t, "compute"),
                     "mean_batch": _model_value(t, "mean_batch")}
-                   for t in trials[1:]],
+                   for t in servers],
                "first_invalid": None if first_bad is None else first_bad.get("rate_qps"),
                "reason": (report.get("peak") or {}).get("reason")}
         rows.append(row)

@@ -238,3 +238,20 @@ def test_the_offline_trial_after_the_search_bounds_the_fraction_and_names_a_movi
     assert alone["offline_drift"] is None and alone["peak_fraction_of_offline"] == 0.5
     none = {"peak_qps": None, "offline_items_per_s": 1000.0}
     assert speed_check(none, 1000.0) is None and none["peak_fraction_of_offline"] is None
+
+
+def test_a_search_without_a_peak_is_answered_by_its_last_server_trial() -> None:
+    from infermux.runtime.peak import search_answer
+
+    # The offline trial, two server rates, the offline trial again after the search.
+    trials = [TrialSummary.from_dict(t) for t in (
+        {"scenario": "offline", "valid": True},
+        {"scenario": "server", "valid": False, "rate_qps": 50.0},
+        {"scenario": "server", "valid": False, "rate_qps": 25.0},
+        {"scenario": "offline", "valid": True})]
+    assert search_answer(trials, {"peak_qps": None}) is trials[2]
+    assert search_answer(trials, None) is None  # no search: the caller's last trial
+    assert search_answer(trials[:1], {"peak_qps": None}) is None
+    held = [*trials[:2], TrialSummary.from_dict(
+        {"scenario": "server", "valid": True, "rate_qps": 25.0}), trials[3]]
+    assert search_answer(held, {"peak_qps": 25.0}) is held[2]

@@ -23,7 +23,7 @@ from infermux.errors import InfermuxError, UsageError
 from infermux.load.scenarios import ScenarioResult
 from infermux.progress import ProgressFn
 from infermux.runtime.metrics import BatchRecord
-from infermux.runtime.peak import TrialRun, best_at_peak, run_load
+from infermux.runtime.peak import TrialRun, run_load, search_answer
 from infermux.runtime.trial import TrialSummary
 from infermux.store import Store
 
@@ -155,7 +155,7 @@ def _run(report: ClusterReport, plan: ClusterPlan, handle: ClusterHandle, store:
         report.peak = run_load(rt, load.model_dump(mode="json"), keep=keep, shares=shares,
                                mix=[p.model_dump() for p in load.mix] if load.mix else None,
                                progress=progress, confirm=False)
-        best = best_at_peak(report.trials, report.peak)
+        best = search_answer(report.trials, report.peak)
         if best is not None:
             report.record = best
             report.batches, report.delays_ns = kept[best.trial or 0]

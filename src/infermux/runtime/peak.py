@@ -37,8 +37,8 @@ if TYPE_CHECKING:
 
 __all__ = ["CONFIRM_SCALE", "SPEED_DRIFT", "KeepFn", "TrialRun", "best_at_peak",
            "confirm_duration_s", "device_stall", "device_stop", "host_stall", "lengthened",
-           "offline_stall_note", "offline_upper", "run_load", "run_trial", "speed_check",
-           "stall_note"]
+           "offline_stall_note", "offline_upper", "run_load", "run_trial", "search_answer",
+           "speed_check", "stall_note"]
 
 #: Trial t numbers its queries from t << _TRIAL_ID_BITS: ranges of trials never overlap.
 _TRIAL_ID_BITS = 40
@@ -418,6 +418,22 @@ def best_at_peak(trials: Sequence[TrialSummary], peak: dict[str, Any] | None
     best = [t for t in trials if t.scenario == "server" and t.valid
             and t.rate_qps == peak["peak_qps"]]
     return max(best, key=lambda t: t.rate_qps or 0) if best else None
+
+
+def search_answer(trials: Sequence[TrialSummary], peak: dict[str, Any] | None
+                  ) -> TrialSummary | None:
+    """The trial a peak search's run reports: `best_at_peak`, else its last server trial.
+
+    Without a peak the last server rate tried says how the plan failed; the offline trial
+    run after the search is not the answer. None when no search ran.
+    """
+    if peak is None:
+        return None
+    best = best_at_peak(trials, peak)
+    if best is not None:
+        return best
+    server = [t for t in trials if t.scenario == "server"]
+    return server[-1] if server else None
 
 
 def _no_peak_reason(rt: TrialRuntime, bound_ms: float, searched: str) -> str:

@@ -15,7 +15,7 @@ from infermux.errors import InfermuxError, UsageError
 from infermux.progress import ProgressFn
 from infermux.runtime.api import LocalRuntime
 from infermux.runtime.local import _Runtime
-from infermux.runtime.peak import TrialRun, best_at_peak, run_load
+from infermux.runtime.peak import TrialRun, run_load, search_answer
 from infermux.runtime.plan import Plan, parse_plan
 from infermux.runtime.trial import TrialSummary
 from infermux.store import Recording, Store, recording
@@ -44,10 +44,10 @@ class RunReport:
 
     @property
     def final(self) -> TrialSummary | None:
-        """The trial that answers the question: the last one, or the peak's best valid one."""
-        best = best_at_peak(self.trials, self.peak)
-        if best is not None:
-            return best
+        """The trial that answers the question: the last one, or the peak search's (`search_answer`)."""
+        answer = search_answer(self.trials, self.peak)
+        if answer is not None:
+            return answer
         return self.trials[-1] if self.trials else None
 
     def to_dict(self) -> dict[str, Any]:

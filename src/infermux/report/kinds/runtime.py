@@ -33,11 +33,14 @@ def final_trial(run: RunData, trials: Sequence[dict[str, Any]] | None = None
     trials = list(trials if trials is not None else _trials(run))
     if not trials:
         return None
-    peak = (run.summary.get("peak") or {}).get("peak_qps")
-    if peak:
-        server = [t for t in trials if t.get("rate_qps")]
-        if server:
-            return min(server, key=lambda t: abs((t["rate_qps"] or 0) - peak))
+    search = run.summary.get("peak")
+    server = [t for t in trials if t.get("rate_qps")]
+    if search and server:
+        # A peak search: the trial nearest its peak, or without one its last server trial
+        # (the offline trial after the search is not the answer).
+        peak = search.get("peak_qps")
+        return (min(server, key=lambda t: abs((t["rate_qps"] or 0) - peak)) if peak
+                else server[-1])
     return trials[-1]
 
 
