@@ -72,7 +72,8 @@ def run_command(
         min_duration_s=parse_duration_s(duration, name="--duration") if duration else None,
         confirm_duration_s=(parse_duration_s(confirm_duration, name="--confirm-duration")
                             if confirm_duration else None),
-        stall_retries=stall_retries, peak_resolution=peak_resolution, min_queries=min_queries, seed=seed, lengths=lengths,
+        stall_retries=stall_retries, peak_resolution=peak_resolution, min_queries=min_queries,
+        seed=seed, lengths=lengths,
     )
     store = None if no_store else open_store(db)
     command = "infermux " + shlex.join(sys.argv[1:])

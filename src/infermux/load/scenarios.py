@@ -32,8 +32,8 @@ from infermux.load.base import Query, SystemUnderTest
 from infermux.progress import ProgressFn
 from infermux.stats import latency_summary_ms
 
-__all__ = ["LAG_SHARE", "PEAK_RESOLUTION", "STALL_RETRIES", "LoadGenerator", "PeakResult", "ScenarioResult",
-           "bisection_steps", "find_peak", "lag_note", "poisson_schedule"]
+__all__ = ["LAG_SHARE", "PEAK_RESOLUTION", "STALL_RETRIES", "LoadGenerator", "PeakResult",
+           "ScenarioResult", "bisection_steps", "find_peak", "lag_note", "poisson_schedule"]
 
 _METRIC = {"offline": None, "server": 99, "single-stream": 90, "multi-stream": 99}
 
@@ -533,26 +533,25 @@ def find_peak(
 
     Between `lower_qps` (assumed valid) and `upper_qps` (the offline throughput, which no server
     rate can beat); the first trial is at half the upper bound, and the span is halved until it
-    is at most `resolution` of the upper bound (or `iterations` times). With `confirm`, the last valid
-    rate and the first invalid one are run again: on a noisy host one run of each does not
+    is at most `resolution` of the upper bound (or `iterations` times). With `confirm`, the last
+    valid rate and the first invalid one are run again: on a noisy host one run of each does not
     place the edge. The peak is the highest rate valid in every run; if the repeat of the last
-    valid rate fails, the rate halfway down to the next lower valid one is run (`between`),
-    then that lower rate again, and the peak falls to the first that holds. The p99s each
-    repeated rate gave are reported (their spread). With
-    `confirm_duration_s`, each repeat is called as `run_server(rate, confirm_duration_s)`: a
-    longer run, nearer LoadGen's, whose p99 one short host stall cannot decide alone (in a 3 s
-    trial at 20k queries/s, a 30 ms stall is 1% of the queries). Those runs decide: a first
-    invalid rate whose longer run holds (above a last valid rate whose longer run held) lifts
-    the peak, and the search goes on above it (`_search_above`). A trial whose load
-    generator issued late (issue lag p99 over `LAG_SHARE` of the bound) is flagged and noted:
-    its p99 holds the host's lag, not the plan's alone. `disturbed` takes a trial's result and
-    describes the stop of the host that overlapped it, or gives None (`runtime.peak` passes
-    what `runtime.host_watch` and `runtime.peak.device_stop` saw): a trial that failed during
-    such a stop measured the host, not the plan, so it is kept marked `disturbed`, left out of
-    the search and run again, at most `stall_retries` times a rate and twice that in a search
-    (a host that stops every few seconds would otherwise triple the search). With no
-    throughput to search below, or no valid rate, the result has no peak and says why in
-    `reason`.
+    valid rate fails, the rate halfway down to the next lower valid one is run (`between`), then
+    that lower rate again, and the peak falls to the first that holds. The p99s each repeated
+    rate gave are reported (their spread). With `confirm_duration_s`, each repeat is called as
+    `run_server(rate, confirm_duration_s)`: a longer run, nearer LoadGen's, whose p99 one short
+    host stall cannot decide alone (in a 3 s trial at 20k queries/s, a 30 ms stall is 1% of the
+    queries). Those runs decide: a first invalid rate whose longer run holds (above a last valid
+    rate whose longer run held) lifts the peak, and the search goes on above it
+    (`_search_above`). A trial whose load generator issued late (issue lag p99 over `LAG_SHARE`
+    of the bound) is flagged and noted: its p99 holds the host's lag, not the plan's alone.
+    `disturbed` takes a trial's result and describes the stop of the host that overlapped it, or
+    gives None (`runtime.peak` passes what `runtime.host_watch` and `runtime.peak.device_stop`
+    saw): a trial that failed during such a stop measured the host, not the plan, so it is kept
+    marked `disturbed`, left out of the search and run again, at most `stall_retries` times a
+    rate and twice that in a search (a host that stops every few seconds would otherwise triple
+    the search). With no throughput to search below, or no valid rate, the result has no peak
+    and says why in `reason`.
     """
     trials: list[dict[str, Any]] = []
     if not upper_qps or upper_qps <= 0 or not math.isfinite(upper_qps):
