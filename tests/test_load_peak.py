@@ -101,6 +101,23 @@ def test_a_failed_long_repeat_tries_halfway_down_before_the_next_valid_rate():
     assert peak.peak_qps == 968.75
 
 
+def test_a_walk_down_from_a_dense_edge_counts_its_steps_two_percent_apart():
+    # Every short run holds (the bisection climbs to 99% of offline in seven steps, its last
+    # valid rates 1-3% apart); long runs hold only up to 880. Counting each of those rates as
+    # a step, the walk gave up at 937.5 with no peak; counted 2% apart, it reaches 875.
+    calls: list[tuple[float, Any]] = []
+
+    def run(rate: float, *long: float) -> ScenarioResult:
+        calls.append((rate, *long))
+        return _result(4.0 if rate <= (880 if long else 995) else 30.0)
+
+    peak = find_peak(run, upper_qps=1000.0, bound_ms=BOUND_MS, confirm=True,
+                     confirm_duration_s=12.0)
+    walked = [c[0] for c in calls if len(c) > 1]
+    assert walked == [992.1875, 984.375, 968.75, 953.125, 937.5, 906.25, 875.0]
+    assert peak.peak_qps == 875.0 and peak.edge_confirmed is False
+
+
 def test_a_steady_edge_is_confirmed_and_its_spread_reported():
     peak = find_peak(lambda rate: _result(2.0 if rate <= 600 else 30.0), upper_qps=1000.0,
                      bound_ms=BOUND_MS, iterations=4, confirm=True)

@@ -100,6 +100,10 @@ def test_tune_server_scenario_holds_the_bound_and_finds_a_peak(tmp_path):
     written = data["dispatcher"].get("batching", "queue_delay")
     assert written == ("deadline" if chosen["batching"] == "deadline" else "queue_delay")
     assert report.server_peak["edge_confirmed"] is not None
+    # Each row keeps its search's own offline trials and the fraction of the higher of them.
+    assert chosen["search_offline_items_per_s"] > 0 and chosen["offline_after_items_per_s"] > 0
+    assert chosen["peak_fraction_of_offline"] == chosen["peak_qps"] / max(
+        chosen["search_offline_items_per_s"], chosen["offline_after_items_per_s"])
     assert "(chosen)" in (tmp_path / "s.yaml").read_text()
 
 

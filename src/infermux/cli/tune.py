@@ -126,9 +126,11 @@ def tune_command(
             hosted = (f", CPU workers as {hosting_word(row['cpu_workers'])}"
                       + (f" (round {row['hosting_round']})" if row.get("hosting_round") else "")
                       if row.get("cpu_workers") else "")
+            frac = row.get("peak_fraction_of_offline")
             out.print(f"  {mark} {escape(row['plan'])}{hosted}, {row['batching']} batching: "
-                      f"offline {num(row['offline_items_per_s'])} items/s, "
-                      f"peak {num(row['peak_qps'])} qps"
+                      f"offline {num(row.get('search_offline_items_per_s') or row['offline_items_per_s'])}"
+                      f" items/s, peak {num(row['peak_qps'])} qps"
+                      + (f" ({frac:.0%} of offline)" if frac else "")
                       + (f" ({escape(str(row['reason']))})" if row["peak_qps"] is None and row["reason"] else ""))
     if report.hosting is not None:
         out.print(f"[bold]CPU workers[/]: {hosting_word(report.hosting['cpu_workers'])} written: "

@@ -701,10 +701,22 @@ def _confirm(result: PeakResult, run: Callable[..., dict[str, Any]],
 
     # The last valid rate again; if it fails, the rate halfway to the next lower valid one
     # (run once, in the confirming length), then that valid rate again, and so on down (a few
-    # valid rates at most), until one holds in every run.
+    # steps at most), until one holds in every run. A bisection that held all the way up
+    # leaves its last valid rates a percent apart: a rate within `_SPLIT_SHARE` of the last
+    # step is run without counting as a step, so the walk reaches as far down as it would
+    # through a coarser bisection's rates.
+    down: list[float] = []
+    step: float | None = None
+    steps = 0
+    for r in (r for r in valid_rates if r <= best):
+        if step is None or r <= step * (1 - _SPLIT_SHARE):
+            step, steps = r, steps + 1
+            if steps > _CONFIRM_DOWN + 1:
+                break
+        down.append(r)
     peak: float | None = None
     failed = None
-    for rate in [r for r in valid_rates if r <= best][:_CONFIRM_DOWN + 1]:
+    for rate in down:
         if failed is not None and failed - rate >= _SPLIT_SHARE * failed:
             mid = (rate + failed) / 2
             # One long run decides; short runs hold twice, as the rates above had to.

@@ -765,14 +765,19 @@ def _choose_hosting_of(report: TuneReport, chosen: dict[str, Any], threaded: dic
 def _peak_figures(peak: dict[str, Any]) -> dict[str, Any]:
     """A find-peak's figures for its `server_peaks` row.
 
-    The p99 at the peak, the edge's confirmation and spread, and every trial's rate, p99 and
-    validity.
+    The p99 at the peak, its offline trials and fraction, the edge's confirmation and spread,
+    and every trial's rate, p99 and validity.
     """
     rate = peak.get("peak_qps")
     at_peak = [t.get("p99_ms") for t in peak.get("trials") or []
                if rate is not None and t.get("rate_qps") == rate and t.get("valid")
                and t.get("p99_ms") is not None]
     return {"peak_p99_ms": max(at_peak) if at_peak else None,
+            # The find-peak's own offline trials, before and after it, and the fraction of the
+            # higher (`runtime.peak.speed_check`): the search's figure may be minutes old.
+            "search_offline_items_per_s": peak.get("offline_items_per_s"),
+            "offline_after_items_per_s": peak.get("offline_after_items_per_s"),
+            "peak_fraction_of_offline": peak.get("peak_fraction_of_offline"),
             "edge_confirmed": peak.get("edge_confirmed"),
             "p99_spread_ms": peak.get("p99_spread_ms"),
             "trials": [{"rate_qps": t.get("rate_qps"), "p99_ms": t.get("p99_ms"),
