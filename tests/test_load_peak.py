@@ -116,6 +116,12 @@ def test_a_walk_down_from_a_dense_edge_counts_its_steps_two_percent_apart():
     walked = [c[0] for c in calls if len(c) > 1]
     assert walked == [992.1875, 984.375, 968.75, 953.125, 937.5, 906.25, 875.0]
     assert peak.peak_qps == 875.0 and peak.edge_confirmed is False
+    # Longer runs that hold only at 60%: the walk goes on to the bisection's lowest valid rate
+    # rather than end with no peak.
+    far = find_peak(lambda rate, *long: _result(4.0 if rate <= (600 if long else 995) else 30),
+                    upper_qps=1000.0, bound_ms=BOUND_MS, confirm=True, confirm_duration_s=12.0)
+    assert far.peak_qps == 500.0
+    assert [t["rate_qps"] for t in far.trials if t.get("repeat")][-3:] == [750.0, 625.0, 500.0]
 
 
 def test_a_steady_edge_is_confirmed_and_its_spread_reported():

@@ -668,8 +668,11 @@ def _stall_note(trials: list[dict[str, Any]], bound_ms: float) -> str | None:
     return said
 
 
-#: How many valid rates below the last one a failed confirmation repeats before giving up.
-_CONFIRM_DOWN = 3
+#: How many steps (valid rates `_SPLIT_SHARE` apart) below the last valid rate a failed
+#: confirmation walks before giving up. Six reach a seven-step bisection's lowest valid rate:
+#: on a 2-core host whose longer runs failed down to 87% of offline, three steps ended with no
+#: peak at all, which tells the user nothing.
+_CONFIRM_DOWN = 6
 #: A failed confirmation first tries the rate halfway down to the next lower valid one, where
 #: that gap is at least this share of the failed rate: bisection's valid rates lie far apart
 #: (a half, three quarters, seven eighths of offline), and the edge is between them.
