@@ -279,6 +279,19 @@ def test_a_first_invalid_rate_that_holds_its_long_run_lifts_the_peak_and_the_sea
     assert any("750 qps failed its short run (p99 30.0 ms) and held its longer one" in n
                for n in peak.notes)
     assert any("longer runs decide" in n for n in peak.notes)
+    # Above it, the highest rate that held short fails its long run: the next one down that
+    # held short (875) is run long and holds.
+    calls.clear()
+
+    def top_fails_long(rate: float, *long: float) -> ScenarioResult:
+        calls.append((rate, *long))
+        stalled = rate == 750 and not long
+        return _result(4.0 if rate <= (890 if long else 930) and not stalled else 30.0)
+
+    peak = find_peak(top_fails_long, upper_qps=1000.0, bound_ms=BOUND_MS, iterations=3,
+                     confirm=True, confirm_duration_s=12.0)
+    assert calls[5:] == [(875,), (937.5,), (906.25,), (906.25, 12.0), (875, 12.0)]
+    assert peak.peak_qps == 875
     # A long run that fails below it (625) keeps the first invalid rate out, though 750's own
     # long run holds: the peak is the halfway rate, and the search does not go above.
     def below_fails(rate: float, *long: float) -> ScenarioResult:
