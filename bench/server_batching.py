@@ -152,6 +152,9 @@ def _brief(record: TrialSummary) -> dict[str, Any]:
         "batch_histogram": model.batch_histogram if model else None,
         "worker_batch_latency": {name: w.batch_latency.to_dict() if w.batch_latency else {}
                                  for name, w in record.workers.items()},
+        # The runtime process's collector pauses (`runtime.gcpause`): a full collection holds
+        # the interpreter, the load generator's included.
+        "gc": record.gc,
     }
 
 
@@ -166,7 +169,9 @@ def _say(brief: dict[str, Any]) -> None:
           f"{'-' if lag is None else f'{lag:.1f}'} ms  mean batch {brief.get('mean_batch')}"
           + (f"  device stall {stall['longest_ms']:.1f} ms ({stall['batches']} batches)"
              if (stall := brief.get("device_stall")) else "")
-          + (f"  host stall {hs['longest_ms']:.0f} ms" if (hs := brief.get("host_stall")) else ""),
+          + (f"  host stall {hs['longest_ms']:.0f} ms" if (hs := brief.get("host_stall")) else "")
+          + (f"  full gc {gcs['full_collections']} (longest {gcs['full_max_ms']:.0f} ms)"
+             if (gcs := brief.get("gc")) and gcs.get("full_collections") else ""),
           file=sys.stderr, flush=True)
 
 

@@ -8,17 +8,53 @@ latency. `GcPauses` counts each generation's collections and their longest and t
 a trial's record (`gc`) and a server's summary carry them, so a tail can be checked against
 them. Measured on an H100 host (docs/benchmarks.md): no full collection in any trial of a
 find-peak, 5–7 young collections per 4 s trial, 1.4–6.6 ms in all; freezing the built heap
-(`gc.freeze`) changed nothing measurable, and was not kept.
+(`gc.freeze`) changed nothing measurable there. On the 2-core machine full collections do run
+in trials: one of 191 ms stopped the load generator (issue lag p99 106 ms) and failed its
+find-peak trial. So a started runtime freezes the heap it was built with (`frozen_heap`):
+the full collections walk only what was allocated since, and the frozen objects go back to
+the collector when the last runtime of the process stops.
 """
 
 from __future__ import annotations
 
 import gc
+import threading
 import time
 from contextlib import suppress
 from typing import Any
 
-__all__ = ["GcPauses"]
+__all__ = ["GcPauses", "freeze_heap", "thaw_heap"]
+
+_freeze_lock = threading.Lock()
+_freezers = 0
+
+
+def freeze_heap() -> None:
+    """Collect, then move every tracked object out of the collector's reach (`gc.freeze`).
+
+    Counted per process: the first runtime to start freezes, and `thaw_heap` by the last to
+    stop gives the objects back, so runtimes started one after another (a tune's) do not
+    keep each other's garbage. A process that froze its heap itself is left as it is.
+    """
+    global _freezers
+    with _freeze_lock:
+        if _freezers == 0 and gc.get_freeze_count() == 0:
+            gc.collect()
+            gc.freeze()
+            _freezers = 1
+        elif _freezers > 0:
+            _freezers += 1
+
+
+def thaw_heap() -> None:
+    """One runtime's `freeze_heap` undone; the last one gives the objects back (`gc.unfreeze`)."""
+    global _freezers
+    with _freeze_lock:
+        if _freezers == 0:
+            return
+        _freezers -= 1
+        if _freezers == 0:
+            gc.unfreeze()
 
 
 class GcPauses:
