@@ -221,23 +221,30 @@ def test_infermux_run_takes_the_confirming_length_and_resolution_and_refuses_bad
 
 
 def test_the_offline_trial_after_the_search_bounds_the_fraction_and_names_a_moving_host() -> None:
-    from infermux.runtime.peak import speed_check
+    from infermux.load.scenarios import PeakResult
+    from infermux.runtime.peak import speed_note
 
-    steady = {"peak_qps": 800.0, "offline_items_per_s": 1000.0}
-    assert speed_check(steady, 1030.0) is None
+    def search(after: float | None, peak: float | None = 800.0) -> PeakResult:
+        result = PeakResult(15.0, [], peak, 1000.0)
+        result.offline_after_items_per_s = after
+        return result
+
+    steady = search(1030.0)
+    assert speed_note(steady) is None
     # A host that sped up during the search: the fraction is of the faster figure.
-    assert steady["peak_fraction_of_offline"] == 800.0 / 1030.0
-    assert abs(steady["offline_drift"] - 0.03) < 1e-12
-    slowed = {"peak_qps": 500.0, "offline_items_per_s": 1000.0}
-    note = speed_check(slowed, 600.0)
-    assert slowed["peak_fraction_of_offline"] == 0.5 and abs(slowed["offline_drift"] + 0.4) < 1e-12
+    rec = steady.record()
+    assert rec["peak_fraction_of_offline"] == 800.0 / 1030.0
+    assert abs(rec["offline_drift"] - 0.03) < 1e-12 and rec["offline_after_items_per_s"] == 1030
+    slowed = search(600.0, peak=500.0)
+    note = speed_note(slowed)
+    assert slowed.record()["peak_fraction_of_offline"] == 0.5
+    assert abs(slowed.offline_drift + 0.4) < 1e-12
     assert note is not None and "from 1000 to 600 items/s" in note and "-40%" in note
     # No trial after (an interrupted search): the fraction of the one before, no drift.
-    alone = {"peak_qps": 500.0, "offline_items_per_s": 1000.0}
-    assert speed_check(alone, None) is None
-    assert alone["offline_drift"] is None and alone["peak_fraction_of_offline"] == 0.5
-    none = {"peak_qps": None, "offline_items_per_s": 1000.0}
-    assert speed_check(none, 1000.0) is None and none["peak_fraction_of_offline"] is None
+    alone = search(None, peak=500.0)
+    assert speed_note(alone) is None
+    assert alone.offline_drift is None and alone.record()["peak_fraction_of_offline"] == 0.5
+    assert search(1000.0, peak=None).record()["peak_fraction_of_offline"] is None
 
 
 def test_a_search_without_a_peak_is_answered_by_its_last_server_trial() -> None:

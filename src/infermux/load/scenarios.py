@@ -446,17 +446,31 @@ class PeakResult:
     #: Whether the repeats agreed: the last valid rate valid again, the first invalid invalid.
     edge_confirmed: bool | None = None
     notes: list[str] = field(default_factory=list)
+    #: The offline throughput measured again after the search, where it was.
+    offline_after_items_per_s: float | None = None
+
+    @property
+    def offline_drift(self) -> float | None:
+        """How far the offline throughput moved during the search: after / before - 1."""
+        before, after = self.offline_items_per_s, self.offline_after_items_per_s
+        return after / before - 1.0 if before and after else None
 
     def record(self) -> dict[str, Any]:
-        """JSON-ready, with the peak as a fraction of offline throughput."""
-        frac = (self.peak_qps / self.offline_items_per_s
-                if self.peak_qps and self.offline_items_per_s else None)
+        """JSON-ready, with the peak as a fraction of offline throughput.
+
+        The fraction is of the higher offline figure, before or after the search: a host that
+        sped up during it cannot flatter the plan.
+        """
+        top = max(self.offline_items_per_s or 0.0, self.offline_after_items_per_s or 0.0)
+        frac = self.peak_qps / top if self.peak_qps and top else None
         spreads = [r["p99_spread_ms"] for r in self.repeats if r.get("p99_spread_ms") is not None]
         lagged = [t["rate_qps"] for t in self.trials
                   if t.get("load_generator_lag") and not t.get("disturbed")]
         stalled = [t for t in self.trials if t.get("host_stall")]
         return {"p99_bound_ms": self.bound_ms, "peak_qps": self.peak_qps,
                 "offline_items_per_s": self.offline_items_per_s,
+                "offline_after_items_per_s": self.offline_after_items_per_s,
+                "offline_drift": self.offline_drift,
                 "peak_fraction_of_offline": frac, "reason": self.reason,
                 "edge_confirmed": self.edge_confirmed, "repeats": self.repeats,
                 "p99_spread_ms": max(spreads) if spreads else None,

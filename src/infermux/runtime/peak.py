@@ -23,6 +23,7 @@ from infermux.load.scenarios import (
     PEAK_RESOLUTION,
     STALL_RETRIES,
     LoadGenerator,
+    PeakResult,
     ScenarioResult,
     find_peak,
 )
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
 __all__ = ["CONFIRM_SCALE", "SPEED_DRIFT", "KeepFn", "TrialRun", "best_at_peak",
            "confirm_duration_s", "device_stall", "device_stop", "host_stall", "lengthened",
            "offline_stall_note", "offline_upper", "run_load", "run_trial", "search_answer",
-           "speed_check", "stall_note"]
+           "speed_note", "stall_note"]
 
 #: Trial t numbers its queries from t << _TRIAL_ID_BITS: ranges of trials never overlap.
 _TRIAL_ID_BITS = 40
@@ -358,21 +359,21 @@ def _search(rt: TrialRuntime, settings: dict[str, Any], one: Callable[[dict[str,
         else:
             peak.reason = _no_peak_reason(rt, bound, peak.reason)
     # The offline trial again, after the search: a host whose speed moved during it would
-    # otherwise pass its change for the plan's (`speed_check`).
+    # otherwise pass its change for the plan's (`speed_note`).
     closing: TrialRun | None = None
     if upper > 0 and not (peak.trials and peak.trials[-1].get("interrupted")):
         closing, closing_stalls = offline_upper(offline_trial, watch, bound, retries)
         offline_stalls = offline_stalls + closing_stalls
         if closing.result.interrupted:
             closing = None
+    peak.offline_after_items_per_s = closing.record.items_per_s if closing is not None else None
     after = probe_host(device=device)
     out = peak.record()
-    drift = speed_check(out, closing.record.items_per_s if closing is not None else None)
     out["host"] = {"before": before.to_dict(), "after": after.to_dict()}
     out["host_watch"] = watch.available
     out["offline_host_stalls"] = offline_stalls
     for note in (search_note(before, after, bound), stall_note(peak.trials, bound),
-                 offline_stall_note(offline_stalls), drift):
+                 offline_stall_note(offline_stalls), speed_note(peak)):
         if note is not None:
             out["notes"] = [*out.get("notes", []), note]
     return out
@@ -383,27 +384,15 @@ def _search(rt: TrialRuntime, settings: dict[str, Any], one: Callable[[dict[str,
 SPEED_DRIFT = 0.10
 
 
-def speed_check(record: dict[str, Any], after_items_per_s: float | None) -> str | None:
-    """Bring the offline trial run after a search into its peak `record`; a note if it moved.
-
-    The peak's fraction is taken of the higher of the two offline figures, so a host that
-    sped up during the search cannot flatter the plan (one that slowed down is divided by the
-    faster figure it had, as before). `offline_drift` is after / before - 1.
-    """
-    before = record.get("offline_items_per_s") or 0.0
-    record["offline_after_items_per_s"] = after_items_per_s
-    record["offline_drift"] = (after_items_per_s / before - 1.0
-                               if after_items_per_s and before else None)
-    top = max(before, after_items_per_s or 0.0)
-    peak = record.get("peak_qps")
-    record["peak_fraction_of_offline"] = peak / top if peak and top else None
-    drift = record["offline_drift"]
+def speed_note(peak: PeakResult) -> str | None:
+    """A sentence where the offline rate moved beyond `SPEED_DRIFT` during the search, else None."""
+    drift = peak.offline_drift
     if drift is None or abs(drift) <= SPEED_DRIFT:
         return None
-    return (f"the plan's offline rate moved from {before:.0f} to {after_items_per_s:.0f} "
-            f"items/s during the search ({drift:+.0%}): the host's speed changed while it ran, "
-            "so the peak holds that change as well as the plan's limit; rerun on a steadier "
-            "host before taking it as the plan's")
+    return (f"the plan's offline rate moved from {peak.offline_items_per_s:.0f} to "
+            f"{peak.offline_after_items_per_s:.0f} items/s during the search ({drift:+.0%}): "
+            "the host's speed changed while it ran, so the peak holds that change as well as "
+            "the plan's limit; rerun on a steadier host before taking it as the plan's")
 
 
 def best_at_peak(trials: Sequence[TrialSummary], peak: dict[str, Any] | None

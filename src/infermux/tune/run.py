@@ -774,7 +774,7 @@ def _peak_figures(peak: dict[str, Any]) -> dict[str, Any]:
                and t.get("p99_ms") is not None]
     return {"peak_p99_ms": max(at_peak) if at_peak else None,
             # The find-peak's own offline trials, before and after it, and the fraction of the
-            # higher (`runtime.peak.speed_check`): the search's figure may be minutes old.
+            # higher (`load.scenarios.PeakResult.record`): the search's figure may be minutes old.
             "search_offline_items_per_s": peak.get("offline_items_per_s"),
             "offline_after_items_per_s": peak.get("offline_after_items_per_s"),
             "peak_fraction_of_offline": peak.get("peak_fraction_of_offline"),
