@@ -258,3 +258,7 @@ def test_server_order_measures_the_shorter_predicted_query_first_among_near_ties
     far = trial(32, 4, 22_595.0 * (1 - SERVER_TIE_SHARE) - 1.0, 6.0)
     assert server_order([b64x2, far], bound) == [b64x2, far]
     assert server_order([broken], bound) == []
+    # One H200 host's options stage: b32 ×4 at 0.875 of b64 ×4's figure is still measured first.
+    b64x4 = trial(64, 4, 25_488.5, 7.0)
+    aa = server_order([b64x4, trial(64, 2, 24_601.0, 5.7), trial(32, 4, 22_291.2, 6.0)], bound)
+    assert [t.candidate.configs[0].batch for t in aa][0] == 32
