@@ -23,6 +23,7 @@ import numpy as np
 
 from infermux.load.base import CompletionFn, Query
 from infermux.runtime.dispatcher import Batch, WorkerState
+from infermux.runtime.gcpause import freeze_since
 from infermux.runtime.trial import TrialSummary
 
 if TYPE_CHECKING:
@@ -344,6 +345,7 @@ class LocalRuntime:
         """Empty the queues, counters and batch records for a new trial; the items dropped."""
         dropped = self._d.begin_trial()
         self._rt.recorder.reset()
+        freeze_since()  # earlier trials' records out of the collector's walk (runtime.gcpause)
         self._rt.gc_pauses.reset()
         for pipe in self._rt.pipelines:
             pipe.begin_window()

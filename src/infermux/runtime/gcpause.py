@@ -10,9 +10,13 @@ them. Measured on an H100 host (docs/benchmarks.md): no full collection in any t
 find-peak, 5–7 young collections per 4 s trial, 1.4–6.6 ms in all; freezing the built heap
 (`gc.freeze`) changed nothing measurable there. On the 2-core machine full collections do run
 in trials: one of 191 ms stopped the load generator (issue lag p99 106 ms) and failed its
-find-peak trial. So a started runtime freezes the heap it was built with (`frozen_heap`):
+find-peak trial. So a started runtime freezes the heap it was built with (`freeze_heap`):
 the full collections walk only what was allocated since, and the frozen objects go back to
-the collector when the last runtime of the process stops.
+the collector when the last runtime of the process stops. Every start freezes what was built
+since, and so does every trial's beginning (`freeze_since`): on an H200 host a find-peak after
+an in-process tune met two full collections of 343 and 367 ms in one round (issue lag p99
+250-310 ms), the heap of a second runtime built while the count said frozen, and the records of
+earlier trials.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import time
 from contextlib import suppress
 from typing import Any
 
-__all__ = ["GcPauses", "freeze_heap", "thaw_heap"]
+__all__ = ["GcPauses", "freeze_heap", "freeze_since", "thaw_heap"]
 
 _freeze_lock = threading.Lock()
 _freezers = 0
@@ -32,19 +36,35 @@ _freezers = 0
 def freeze_heap() -> None:
     """Move every tracked object out of the collector's reach (`gc.freeze`).
 
-    Counted per process: the first runtime to start freezes, and `thaw_heap` by the last to
-    stop gives the objects back, so runtimes started one after another (a tune's) do not
-    keep each other's garbage. No collection first: it would cost a full walk (180 ms on two
-    cores) at every start, and garbage frozen with the heap is collected once it is thawed. A
-    process that froze its heap itself is left as it is.
+    Counted per process: every runtime's start freezes what is there (a second runtime's
+    build too), and `thaw_heap` by the last to stop gives the objects back, so runtimes
+    started one after another (a tune's) do not keep each other's garbage. No collection
+    first: it would cost a full walk (180 ms on two cores) at every start, and garbage frozen
+    with the heap is collected once it is thawed. A process that froze its heap itself is
+    left as it is.
     """
     global _freezers
     with _freeze_lock:
-        if _freezers == 0 and gc.get_freeze_count() == 0:
+        if _freezers == 0 and gc.get_freeze_count() > 0:
+            return
+        gc.freeze()  # moves the generations' lists whole: no walk
+        _freezers += 1
+
+
+def freeze_since() -> None:
+    """Collect, then freeze, what was allocated since the last freeze, while a runtime holds
+    the heap frozen.
+
+    Called at each trial's beginning, between trials: the records of the trials before it
+    (batches, phases) and whatever a caller built between trials stay out of the walk of the
+    trial's full collections. The collection first walks only those objects (the rest is
+    frozen), so the garbage among them is not kept until the heap is thawed. Nothing happens
+    where no runtime froze the heap.
+    """
+    with _freeze_lock:
+        if _freezers > 0:
+            gc.collect()
             gc.freeze()
-            _freezers = 1
-        elif _freezers > 0:
-            _freezers += 1
 
 
 def thaw_heap() -> None:
