@@ -230,7 +230,7 @@ def test_spin_free_stops_the_pools_of_onnx_runtime_instances_with_more_than_one_
 
 
 def test_server_order_measures_the_shorter_predicted_query_first_among_near_ties():
-    """Near the best offline figure, more workers of a similar batch latency go first.
+    """Near the best offline figure, more workers go first, then the shorter predicted query.
 
     The figures are an H200's ResNet50 fp16 trials: b64 ×2 and b32 ×4 ran the same offline
     with the same batch p99, and b32 ×4 peaked at 0.94–0.97 of offline where b64 ×2 reached
@@ -258,7 +258,13 @@ def test_server_order_measures_the_shorter_predicted_query_first_among_near_ties
     far = trial(32, 4, 22_595.0 * (1 - SERVER_TIE_SHARE) - 1.0, 6.0)
     assert server_order([b64x2, far], bound) == [b64x2, far]
     assert server_order([broken], bound) == []
-    # One H200 host's options stage: b32 ×4 at 0.875 of b64 ×4's figure is still measured first.
+    # Two H200 hosts' options stages: b32 ×4 at 0.875 of b64 ×4's figure is still measured
+    # first, and before b64 ×1, whose batch alone predicts the shorter query (two workers' at
+    # least, one worker's the shortest) but which peaked at 0.55-0.80 of its offline figure.
     b64x4 = trial(64, 4, 25_488.5, 7.0)
-    aa = server_order([b64x4, trial(64, 2, 24_601.0, 5.7), trial(32, 4, 22_291.2, 6.0)], bound)
-    assert [t.candidate.configs[0].batch for t in aa][0] == 32
+    b64x1 = trial(64, 1, 21_819.3, 3.2)
+    assert predicted_query_ms(b64x1) < predicted_query_ms(b32x4)
+    aa = server_order([b64x4, trial(64, 2, 24_601.0, 5.7), trial(32, 4, 22_291.2, 6.0), b64x1],
+                      bound)
+    assert [(t.candidate.configs[0].batch, t.candidate.configs[0].instances) for t in aa] == [
+        (32, 4), (64, 4), (64, 2), (64, 1)]
