@@ -170,7 +170,8 @@ def _say(brief: dict[str, Any]) -> None:
           + (f"  device stall {stall['longest_ms']:.1f} ms ({stall['batches']} batches)"
              if (stall := brief.get("device_stall")) else "")
           + (f"  host stall {hs['longest_ms']:.0f} ms" if (hs := brief.get("host_stall")) else "")
-          + (f"  full gc {gcs['full_collections']} (longest {gcs['full_max_ms']:.0f} ms)"
+          + (f"  full gc {gcs['full_collections']} (longest {gcs['full_max_ms']:.0f} ms, "
+             f"of it on the CPU {gcs.get('full_max_cpu_ms', 0):.0f} ms)"
              if (gcs := brief.get("gc")) and gcs.get("full_collections") else ""),
           file=sys.stderr, flush=True)
 

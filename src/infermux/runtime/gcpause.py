@@ -13,10 +13,14 @@ in trials: one of 191 ms stopped the load generator (issue lag p99 106 ms) and f
 find-peak trial. So a started runtime freezes the heap it was built with (`freeze_heap`):
 the full collections walk only what was allocated since, and the frozen objects go back to
 the collector when the last runtime of the process stops. Every start freezes what was built
-since, and so does every trial's beginning (`freeze_since`): on an H200 host a find-peak after
-an in-process tune met two full collections of 343 and 367 ms in one round (issue lag p99
-250-310 ms), the heap of a second runtime built while the count said frozen, and the records of
-earlier trials.
+since, and every trial's beginning collects and freezes what the trials before it left
+(`freeze_since`), so a trial's full collections walk that trial's own objects alone.
+
+A pause is wall time, and a collecting thread taken off its core (by the host, by the
+scheduler) pauses as long as it is away: on H200 hosts "full collections" of 320-370 ms came
+in find-peak trials, one of them beside a batch the device timed at 340 ms. So the longest
+full collection's CPU time is kept beside it (`full_max_cpu_ms`): far below the pause, the
+host held the thread; near it, the collector walked that long.
 """
 
 from __future__ import annotations
@@ -86,7 +90,7 @@ class GcPauses:
     """
 
     def __init__(self) -> None:
-        self._began = 0
+        self._began = self._began_cpu = 0
         self.reset()
 
     def reset(self) -> None:
@@ -94,16 +98,22 @@ class GcPauses:
         self.count = [0, 0, 0]
         self.total_ns = [0, 0, 0]
         self.max_ns = [0, 0, 0]
+        #: The CPU time of each generation's longest pause: far below the pause, the
+        #: collecting thread was off its core (the host or the scheduler took it), not walking.
+        self.max_cpu_ns = [0, 0, 0]
 
     def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
             self._began = time.perf_counter_ns()
+            self._began_cpu = time.thread_time_ns()
             return
         g = min(2, int(info.get("generation", 2)))
         took = time.perf_counter_ns() - self._began
         self.count[g] += 1
         self.total_ns[g] += took
-        self.max_ns[g] = max(self.max_ns[g], took)
+        if took >= self.max_ns[g]:
+            self.max_ns[g] = took
+            self.max_cpu_ns[g] = time.thread_time_ns() - self._began_cpu
 
     def install(self) -> GcPauses:
         """Start listening to the collector; returns self."""
@@ -119,6 +129,7 @@ class GcPauses:
         """Full collections with their longest and total pause; all collections and their total."""
         return {"full_collections": self.count[2],
                 "full_max_ms": round(self.max_ns[2] / 1e6, 3),
+                "full_max_cpu_ms": round(self.max_cpu_ns[2] / 1e6, 3),
                 "full_total_ms": round(self.total_ns[2] / 1e6, 3),
                 "collections": sum(self.count),
                 "total_ms": round(sum(self.total_ns) / 1e6, 3)}
