@@ -12,7 +12,9 @@ from infermux.runtime.peak import (
     confirm_duration_s,
     device_stall,
     device_stop,
+    gc_note,
     lengthened,
+    own_pause,
     run_load,
     run_trial,
     stall_note,
@@ -131,6 +133,29 @@ def test_a_batch_longer_than_the_bound_and_every_worker_beside_it_is_a_device_st
     assert device_stop([*cpu, _on("cpu#0", "cpu:0", 64, 900.0)], 15.0) is None
     assert device_stop([_on("gpu#0", "cuda:0/fp16", 64, 5.0), _on("gpu#0", "cuda:0/fp16", 64,
                                                                    400.0)], 15.0) is None
+
+
+def test_a_device_stop_the_runtime_s_own_collection_explains_is_not_the_host_s() -> None:
+    """An H200 host's trial: a 548 ms full collection, all of it on the CPU, beside a batch the
+    device timed at 627 ms. The collection held the lock the launches need: the trial stays
+    failed (not run again), and its note names the collection, not the device."""
+    stop = device_stop([*[_on("gpu#0", "cuda:0/fp16", 32, 5.2) for _ in range(10)],
+                        _on("gpu#0", "cuda:0/fp16", 32, 627.5)], 15.0)
+    assert stop is not None and stop["longest_ms"] == 627.5
+    walked = {"full_collections": 1, "full_max_ms": 548.0, "full_max_cpu_ms": 548.0}
+    assert own_pause(walked, stop)
+    # A collection held off its core (the host took the thread) is the host's, as is a stop
+    # far longer than a short collection; no stop, or no collections, explains nothing.
+    assert not own_pause({**walked, "full_max_cpu_ms": 4.0}, stop)
+    assert not own_pause({**walked, "full_max_ms": 12.0, "full_max_cpu_ms": 12.0}, stop)
+    assert not own_pause(walked, None) and not own_pause(None, stop)
+    trials = [{"rate_qps": 20970.7, "valid": True, "gc": None},
+              {"rate_qps": 22416.9, "valid": False, "gc": walked},
+              {"rate_qps": 19889.9, "valid": False,
+               "gc": {"full_max_ms": 9.0, "full_max_cpu_ms": 9.0}}]
+    note = gc_note(trials, 15.0)
+    assert note is not None and "548 ms" in note and "22417" in note and "19890" not in note
+    assert gc_note(trials[:1] + trials[2:], 15.0) is None
 
 
 def test_one_trial_without_a_search_returns_no_peak() -> None:

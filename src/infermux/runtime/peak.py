@@ -37,9 +37,9 @@ if TYPE_CHECKING:
     from infermux.runtime.api import Subscription, TrialRuntime
 
 __all__ = ["CONFIRM_SCALE", "SPEED_DRIFT", "KeepFn", "TrialRun", "best_at_peak",
-           "confirm_duration_s", "device_stall", "device_stop", "host_stall", "lengthened",
-           "offline_stall_note", "offline_upper", "run_load", "run_trial", "search_answer",
-           "speed_note", "stall_note"]
+           "confirm_duration_s", "device_stall", "device_stop", "gc_note", "host_stall",
+           "lengthened", "offline_stall_note", "offline_upper", "own_pause", "run_load",
+           "run_trial", "search_answer", "speed_note", "stall_note"]
 
 #: Trial t numbers its queries from t << _TRIAL_ID_BITS: ranges of trials never overlap.
 _TRIAL_ID_BITS = 40
@@ -217,6 +217,35 @@ def device_stop(batches: Sequence[BatchRecord], bound_ms: float) -> dict[str, An
             "threshold_ms": round(threshold / 1e6, 3)}
 
 
+def own_pause(gc: dict[str, Any] | None, stop: dict[str, Any] | None) -> bool:
+    """Whether the runtime process's own full collection explains a batch's stop on the device.
+
+    A collection holds the interpreter lock: no worker launches, so a batch whose device
+    timing began before it (its copies in, then the graph's launch) stands as long. On an H200
+    host a 548 ms collection, 548 ms of it on the CPU, came with a batch timed at 627 ms, and
+    the trial was run again as if the host had stopped. That pause is the plan's process's,
+    not the host's: a trial it failed stays failed. Judged by the collection's CPU time (a
+    thread held off its core is the host's) against the stop.
+    """
+    if stop is None or not gc:
+        return False
+    return float(gc.get("full_max_cpu_ms") or 0.0) >= 0.5 * float(stop["longest_ms"])
+
+
+def gc_note(trials: Sequence[dict[str, Any]], bound_ms: float) -> str | None:
+    """A sentence where failed server trials held a full collection over the bound, else None."""
+    hit = [t for t in trials if not t.get("valid") and t.get("gc")
+           and (t["gc"].get("full_max_cpu_ms") or 0.0) >= bound_ms]
+    if not hit:
+        return None
+    worst = max(hit, key=lambda t: t["gc"]["full_max_cpu_ms"])["gc"]
+    rates = ", ".join(f"{t['rate_qps']:.0f}" for t in hit)
+    return (f"the runtime's own full collection held the interpreter for up to "
+            f"{worst['full_max_ms']:.0f} ms ({worst['full_max_cpu_ms']:.0f} ms on the CPU) in "
+            f"{len(hit)} failed trial(s) (at {rates} qps): the plan's process paused, not the "
+            "host, so those trials count as failed")
+
+
 def stall_note(trials: Sequence[dict[str, Any]], bound_ms: float) -> str | None:
     """A sentence where failed server trials held device stalls (`device_stall`), else None."""
     failed = [t for t in trials if not t.get("valid")]
@@ -305,7 +334,10 @@ def offline_upper(one: Callable[[], TrialRun], watch: HostWatch, bound_ms: float
     run = one()
     stalls: list[dict[str, Any]] = []
     while not run.result.interrupted and len(stalls) < retries:
-        stall = host_stall(watch, run.result, bound_ms) or device_stop(run.batches, bound_ms)
+        stop = device_stop(run.batches, bound_ms)
+        if own_pause(run.record.gc, stop):
+            stop = None  # the runtime's own collection: the figure stands as measured
+        stall = host_stall(watch, run.result, bound_ms) or stop
         if stall is None:
             break
         stalls.append({**stall, "items_per_s": run.record.items_per_s})
@@ -328,13 +360,19 @@ def _search(rt: TrialRuntime, settings: dict[str, Any], one: Callable[[dict[str,
     phases: list[dict[str, Any]] = []
     stalls: list[dict[str, Any] | None] = []
     stops: list[dict[str, Any] | None] = []
+    pauses: list[dict[str, Any] | None] = []
 
     def server(rate: float, min_duration_s: float | None = None) -> ScenarioResult:
         run = one(lengthened({**settings, "scenario": "server", "rate_qps": rate,
                                "find_peak": False}, min_duration_s))
         phases.append({m: v.phases.to_dict() for m, v in run.record.models.items()})
-        stalls.append(device_stall(run.batches, bound))
-        stops.append(device_stop(run.batches, bound))
+        stall, stop = device_stall(run.batches, bound), device_stop(run.batches, bound)
+        # A stop the runtime's own full collection explains is not the device's or the host's:
+        # the trial is not run again, and no note blames the device for it.
+        stalls.append(None if own_pause(run.record.gc, stall) else stall)
+        stops.append(None if own_pause(run.record.gc, stop) else stop)
+        pauses.append(run.record.gc if run.record.gc and run.record.gc.get("full_collections")
+                      else None)
         return run.result
 
     # With `confirm`, the edge is run twice (the last valid rate and the first invalid one):
@@ -345,9 +383,10 @@ def _search(rt: TrialRuntime, settings: dict[str, Any], one: Callable[[dict[str,
                      disturbed=lambda result: host_stall(watch, result, bound) or stops[-1],
                      stall_retries=retries,
                      resolution=float(settings.get("peak_resolution", PEAK_RESOLUTION)))
-    for entry, ph, stall in zip(peak.trials, phases, stalls, strict=False):
+    for entry, ph, stall, pause in zip(peak.trials, phases, stalls, pauses, strict=False):
         entry["phases"] = ph  # where each trial's time went, per model (runtime.metrics)
         entry["device_stall"] = stall
+        entry["gc"] = pause  # the trial's full collections, where it had any
     if peak.peak_qps is None and peak.reason is not None:
         if upper <= 0:
             record = offline.record
@@ -372,7 +411,8 @@ def _search(rt: TrialRuntime, settings: dict[str, Any], one: Callable[[dict[str,
     out["host"] = {"before": before.to_dict(), "after": after.to_dict()}
     out["host_watch"] = watch.available
     out["offline_host_stalls"] = offline_stalls
-    for note in (search_note(before, after, bound), stall_note(peak.trials, bound),
+    for note in (search_note(before, after, bound), gc_note(peak.trials, bound),
+                 stall_note(peak.trials, bound),
                  offline_stall_note(offline_stalls), speed_note(peak)):
         if note is not None:
             out["notes"] = [*out.get("notes", []), note]
