@@ -232,14 +232,26 @@ def own_pause(gc: dict[str, Any] | None, stop: dict[str, Any] | None) -> bool:
     return float(gc.get("full_max_cpu_ms") or 0.0) >= 0.5 * float(stop["longest_ms"])
 
 
-def gc_note(trials: Sequence[dict[str, Any]], bound_ms: float) -> str | None:
-    """A sentence where failed server trials held a full collection over the bound, else None."""
-    hit = [t for t in trials if not t.get("valid") and t.get("gc")
-           and (t["gc"].get("full_max_cpu_ms") or 0.0) >= bound_ms]
+def _failed_with(trials: Sequence[dict[str, Any]], key: str, size: str, at_least: float = 0.0
+                 ) -> tuple[list[dict[str, Any]], dict[str, Any], str] | None:
+    """Failed trials whose `key` entry's `size` is at least `at_least`, else None.
+
+    Returns them, the entry of the largest `size`, and their rates as one line.
+    """
+    hit = [t for t in trials if not t.get("valid") and t.get(key)
+           and (t[key].get(size) or 0.0) >= at_least]
     if not hit:
         return None
-    worst = max(hit, key=lambda t: t["gc"]["full_max_cpu_ms"])["gc"]
-    rates = ", ".join(f"{t['rate_qps']:.0f}" for t in hit)
+    worst = max(hit, key=lambda t: t[key][size])[key]
+    return hit, worst, ", ".join(f"{t['rate_qps']:.0f}" for t in hit)
+
+
+def gc_note(trials: Sequence[dict[str, Any]], bound_ms: float) -> str | None:
+    """A sentence where failed server trials held a full collection over the bound, else None."""
+    found = _failed_with(trials, "gc", "full_max_cpu_ms", bound_ms)
+    if found is None:
+        return None
+    hit, worst, rates = found
     return (f"the runtime's own full collection held the interpreter for up to "
             f"{worst['full_max_ms']:.0f} ms ({worst['full_max_cpu_ms']:.0f} ms on the CPU) in "
             f"{len(hit)} failed trial(s) (at {rates} qps): the plan's process paused, not the "
@@ -248,12 +260,11 @@ def gc_note(trials: Sequence[dict[str, Any]], bound_ms: float) -> str | None:
 
 def stall_note(trials: Sequence[dict[str, Any]], bound_ms: float) -> str | None:
     """A sentence where failed server trials held device stalls (`device_stall`), else None."""
-    failed = [t for t in trials if not t.get("valid")]
-    stalled = [t for t in failed if t.get("device_stall")]
-    if not stalled:
+    found = _failed_with(trials, "device_stall", "longest_ms")
+    if found is None:
         return None
-    longest = max(stalled, key=lambda t: t["device_stall"]["longest_ms"])["device_stall"]
-    rates = ", ".join(f"{t['rate_qps']:.0f}" for t in stalled)
+    stalled, longest, rates = found
+    failed = [t for t in trials if not t.get("valid")]
     return (f"the device stopped during {len(stalled)} of the {len(failed)} trials over the "
             f"bound (at {rates} qps): a batch of {longest['model']} at {longest['bucket']} "
             f"took up to {longest['longest_ms']:.1f} ms on the device against a median of "
