@@ -56,8 +56,7 @@ def freeze_heap() -> None:
 
 
 def freeze_since() -> None:
-    """Collect, then freeze, what was allocated since the last freeze, while a runtime holds
-    the heap frozen.
+    """Collect, then freeze, what was allocated since the last freeze (a runtime froze the heap).
 
     Called at each trial's beginning, between trials: the records of the trials before it
     (batches, phases) and whatever a caller built between trials stay out of the walk of the
