@@ -20,7 +20,8 @@ A pause is wall time, and a collecting thread taken off its core (by the host, b
 scheduler) pauses as long as it is away: on H200 hosts "full collections" of 320-370 ms came
 in find-peak trials, one of them beside a batch the device timed at 340 ms. So the longest
 full collection's CPU time is kept beside it (`full_max_cpu_ms`): far below the pause, the
-host held the thread; near it, the collector walked that long.
+host held the thread; near it, the collector walked that long (on the next host, 548 ms of a
+548 ms pause: a walk, of objects the trial itself had made).
 """
 
 from __future__ import annotations

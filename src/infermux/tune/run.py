@@ -392,11 +392,10 @@ SERVER_BUDGET_SHARE = 0.3
 #: At most this many plans get a find-peak run besides the one the search chose.
 SERVER_ALTERNATIVES = 3
 #: Server candidates within this share of the best offline throughput are near enough to it
-#: that the one predicting the shortest query latency is measured (and written) first. On H200
+#: to be measured (and written) first, in `server_order`'s order, not by throughput. On H200
 #: hosts ResNet50 fp16 b32 ×4 ran 0.87-0.92 of b64 ×4's offline figure and peaked at 0.81-0.98
 #: of its own, where b64 ×2 and ×1 peaked at 0.2-0.83 of theirs: with a tenth, one host's tune
-#: left b32 ×4 (0.875 of the best) behind b64 ×2, whose peak then failed the bound. Which of
-#: those near candidates goes first is `server_order`'s rule.
+#: left b32 ×4 (0.875 of the best) behind b64 ×2, whose peak then failed the bound.
 SERVER_TIE_SHARE = 0.15
 
 
