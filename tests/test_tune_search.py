@@ -442,3 +442,45 @@ def test_a_short_budget_screens_every_engine_and_climbs_the_quick_ones():
     assert not result.stopped_by_budget and clock.t <= 45.0
     assert result.best is not None and result.best.candidate.label() == "cpu openvino b64"
     assert result.verified is not None
+
+
+def test_a_host_that_slowed_during_the_search_is_named_not_passed_for_the_runtime():
+    """Two H200 hosts' tunes measured their winners at 0.43-0.47 of the in-process figure
+    through the runtime, and the same plans' offline figures then moved by half between runs.
+    A winner measured again in-process as slow says the host slowed; one as fast as before
+    leaves it to the runtime's figure; a runtime within the usual share asks nothing."""
+    from dataclasses import replace
+
+    from infermux.tune.search import speed_note
+
+    def run(runtime_share, host_share_after_runtime):
+        base, seen, slow = landscape(), {}, {"on": False}
+
+        def fn(candidate):
+            trial = base(candidate)
+            method = seen["ev"].calls[-1][1]
+            share = runtime_share if method == "runtime" else 1.0
+            if method == "runtime":
+                slow["on"] = True  # from the first runtime measurement on, the host is slower
+            share *= host_share_after_runtime if slow["on"] else 1.0
+            return replace(trial, items_per_s=trial.items_per_s * share)
+
+        t, ev, _ = tuner(space_one(), fn=fn)
+        seen["ev"] = ev
+        return t.run(), ev
+
+    result, _ = run(1.0, 0.45)
+    assert len(result.speed_moved) == 1 and result.phases.get("speed check") == 1
+    moved = result.speed_moved[0]
+    assert moved["runtime"] < 0.6 * moved["in_process"]
+    assert moved["in_process_again"] < 0.75 * moved["in_process"]
+    note = speed_note(result)
+    assert note is not None and moved["plan"] in note and "steadier host" in note
+    assert result.to_dict()["speed_moved"] == result.speed_moved
+    # The runtime alone slow (its own overhead, not the host): checked, not named.
+    result, _ = run(0.45, 1.0)
+    assert result.phases.get("speed check", 0) >= 1 and not result.speed_moved
+    assert speed_note(result) is None
+    # Within the usual share: no second measurement at all.
+    result, _ = run(0.8, 1.0)
+    assert "speed check" not in result.phases and not result.speed_moved

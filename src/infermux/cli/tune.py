@@ -64,6 +64,7 @@ def tune_command(
     from infermux.store import open_store
     from infermux.tune import Constraints, TrialSettings, TuneRequest, model_name, run_tune
     from infermux.tune.hosting import hosting_word
+    from infermux.tune.search import speed_note
 
     shape = parse_shape(input_shape) if input_shape else None
     constraints = Constraints(
@@ -140,6 +141,9 @@ def tune_command(
         first = failed[0]
         out.print(f"[dim]{len(failed)} trial(s) failed or were invalid, e.g. {escape(first['plan'])}: "
                   f"{first['status']}: {escape(str(first['error']))} (all of them: --json, `failed`)[/]")
+    moved = speed_note(result)
+    if moved:
+        out.print(f"[yellow]note: {escape(moved)}[/]")
     if result.skipped:
         out.print(f"[dim]not measured, their torch.compile build would not fit the budget: "
                   f"{', '.join(result.skipped[:4])}{' …' if len(result.skipped) > 4 else ''}[/]")

@@ -24,7 +24,7 @@ from infermux.tune.evaluate import (
 )
 from infermux.tune.hosting import HOSTINGS, HostingPeak, choose_hosting, hosting_word
 from infermux.tune.pipelines import PipelineTrial, pipeline_units, tune_pipelines
-from infermux.tune.search import OBJECTIVES, Tuner, TuneResult, TuneSettings
+from infermux.tune.search import OBJECTIVES, Tuner, TuneResult, TuneSettings, speed_note
 from infermux.tune.space import (
     COMPILE_MODES,
     DEFAULT_COMPILE_MODES,
@@ -889,6 +889,9 @@ def _plan_header(result: TuneResult, request: TuneRequest, pipelines: str | None
     ]
     if result.verified is not None and result.verified is not best and result.verified.ok:
         lines.append(f"# through the runtime: {result.verified.items_per_s:.1f} items/s")
+    moved = speed_note(result)
+    if moved:
+        lines.append(f"# note: {moved}")
     if pipelines:
         lines.append(f"# pipelines: {pipelines}")
     for row in server_peaks or []:

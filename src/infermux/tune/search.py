@@ -34,9 +34,17 @@ from infermux.tune.evaluate import Constraints, Evaluator, Trial
 from infermux.tune.finetune import fine_tune
 from infermux.tune.space import SEQ_KEY, Candidate, Config, Space
 
-__all__ = ["OBJECTIVES", "TuneResult", "TuneSettings", "Tuner", "pareto_front"]
+__all__ = ["OBJECTIVES", "SPEED_MOVED", "SPEED_SUSPECT", "TuneResult", "TuneSettings", "Tuner",
+           "pareto_front", "speed_note"]
 
 OBJECTIVES = ("throughput", "energy", "latency", "pareto")
+#: The runtime's check of an in-process winner suspects the host's speed where it ran the
+#: winner below this share of its in-process figure: on H200 hosts 0.71-0.98 for ResNet50
+#: plans, and 0.43-0.47 on two hosts whose own speed halved within minutes.
+SPEED_SUSPECT = 0.6
+#: ... and says the host's speed moved where the winner, measured in-process again, ran below
+#: this share of its first figure (the runtime was not what was slow).
+SPEED_MOVED = 0.75
 
 
 @dataclass(frozen=True)
@@ -80,6 +88,9 @@ class TuneResult:
     phases: dict[str, int] = field(default_factory=dict)
     #: Candidates not measured because their torch.compile build would not fit the budget.
     skipped: list[str] = field(default_factory=list)
+    #: Where the host's speed moved during the search (`Tuner._check_speed`): the
+    #: candidate, its first in-process figure, its runtime figure, its in-process figure again.
+    speed_moved: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def measured(self) -> int:
@@ -102,8 +113,21 @@ class TuneResult:
             "stopped_by_budget": self.stopped_by_budget,
             "phases": self.phases,
             "skipped": self.skipped,
+            "speed_moved": self.speed_moved,
             "failed": [t.to_dict() for t in self.trials if t.status != "ok"],
         }
+
+
+def speed_note(result: TuneResult) -> str | None:
+    """A sentence where the host's speed moved during the search, else None."""
+    if not result.speed_moved:
+        return None
+    m = result.speed_moved[0]
+    return (f"the host's speed moved during the search: {m['plan']} ran "
+            f"{m['in_process']:.0f} items/s in-process, then {m['runtime']:.0f} through the "
+            f"runtime and {m['in_process_again']:.0f} in-process again, so this search ranked "
+            "candidates measured at different speeds: tune again on a steadier host before "
+            "trusting the choice")
 
 
 def pareto_front(trials: list[Trial], *, with_energy: bool) -> list[Trial]:
@@ -158,6 +182,7 @@ class Tuner:
         self._stopped = False
         self.phase = "screen"
         self.phases: dict[str, int] = {}
+        self.speed_moved: list[dict[str, Any]] = []
         #: Candidates left unmeasured because their torch.compile build would not fit.
         self.skipped: list[str] = []
 
@@ -293,9 +318,10 @@ class Tuner:
             # The best was measured in-process: measure it as `infermux run` will run it, and
             # choose again (another plan may be better through the runtime).
             try:
-                self.measure(chosen.candidate, "runtime")
+                through = self.measure(chosen.candidate, "runtime")
             except BudgetSpentError:
                 break
+            self._check_speed(chosen, through)
         if chosen is not None and chosen.method != "runtime":
             # The budget ended before the runtime confirmed it: a plan measured as it will run
             # beats a figure the runtime has not confirmed.
@@ -313,7 +339,41 @@ class Tuner:
             pareto=pareto_front(feasible, with_energy=with_energy), solo_best=solo_best,
             contention=contention, verified=verified, space=self.space.describe(),
             elapsed_s=self.budget.elapsed_s(), stopped_by_budget=self._stopped,
-            phases=dict(self.phases), skipped=list(dict.fromkeys(self.skipped)))
+            phases=dict(self.phases), skipped=list(dict.fromkeys(self.skipped)),
+            speed_moved=list(self.speed_moved))
+
+    def _check_speed(self, first: Trial, through: Trial) -> None:
+        """Measure an in-process winner in-process again where the runtime ran it far slower.
+
+        Two hosts' tunes measured their winners at 0.43-0.47 of their in-process figures
+        through the runtime, where good hosts measure 0.71-0.98; the offline figures of the
+        same plans then moved by half between runs. Measured again in-process, a winner that
+        is as slow says the host slowed, not the runtime (`speed_moved`, `speed_note`); one
+        that is as fast leaves the runtime's figure to choose, as it does anyway.
+        """
+        if self.speed_moved or not (first.ok and through.ok and first.items_per_s
+                                    and through.items_per_s):
+            return  # one witness is enough
+        if through.items_per_s >= SPEED_SUSPECT * first.items_per_s:
+            return
+        candidate = first.candidate
+        if (self.budget.expected_s("engine", candidate.compiled, candidate.engines)
+                > self.budget.left_s()):
+            return
+        again = self.evaluator.evaluate(candidate, "engine")
+        self.trials.append(again)  # measured, so counted and kept; the first figure stands
+        self.phases["speed check"] = self.phases.get("speed check", 0) + 1
+        if self.progress is not None:
+            self.progress("speed check", {"trial": again,
+                                          "left_s": max(0.0, self.budget.left_s()),
+                                          "budget_s": self.settings.budget_s,
+                                          "measured": len(self.trials)})
+        if again.ok and again.items_per_s and (
+                again.items_per_s < SPEED_MOVED * first.items_per_s):
+            self.speed_moved.append({"plan": candidate.label(),
+                                     "in_process": first.items_per_s,
+                                     "runtime": through.items_per_s,
+                                     "in_process_again": again.items_per_s})
 
     def _solo(self, out: dict[str, Trial]) -> dict[str, Trial]:
         """Screen, ladder, options and instances per (model, unit); the best solo trial of each.
