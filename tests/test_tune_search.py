@@ -453,7 +453,7 @@ def test_a_host_that_slowed_during_the_search_is_named_not_passed_for_the_runtim
 
     from infermux.tune.search import speed_note
 
-    def run(runtime_share, host_share_after_runtime):
+    def run(runtime_share, host_share_after_runtime, space=None):
         base, seen, slow = landscape(), {}, {"on": False}
 
         def fn(candidate):
@@ -465,7 +465,7 @@ def test_a_host_that_slowed_during_the_search_is_named_not_passed_for_the_runtim
             share *= host_share_after_runtime if slow["on"] else 1.0
             return replace(trial, items_per_s=trial.items_per_s * share)
 
-        t, ev, _ = tuner(space_one(), fn=fn)
+        t, ev, _ = tuner(space or space_one(), fn=fn)
         seen["ev"] = ev
         return t.run(), ev
 
@@ -484,3 +484,8 @@ def test_a_host_that_slowed_during_the_search_is_named_not_passed_for_the_runtim
     # Within the usual share: no second measurement at all.
     result, _ = run(0.8, 1.0)
     assert "speed check" not in result.phases and not result.speed_moved
+    # On a CPU the runtime runs small plans far below their in-process figures as a matter of
+    # course: the share says nothing of the host there, and nothing is measured again.
+    result, _ = run(1.0, 0.45, space_one(unit=cpu(), engines=("onnxruntime",), instances=(1,)))
+    assert result.verified is not None and "speed check" not in result.phases
+    assert not result.speed_moved

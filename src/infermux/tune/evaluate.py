@@ -196,8 +196,12 @@ class Trial:
 class Evaluator(Protocol):
     """Measures candidates; the tuner's only window on the machine (injectable for tests)."""
 
-    def evaluate(self, candidate: Candidate, method: str = "auto") -> Trial:
-        """Measure `candidate`; `method` is `auto`, `engine` or `runtime`."""
+    def evaluate(self, candidate: Candidate, method: str = "auto", *,
+                 fresh: bool = False) -> Trial:
+        """Measure `candidate`; `method` is `auto`, `engine` or `runtime`.
+
+        `fresh`: measure now, whatever is stored, and store nothing (a check of the host).
+        """
         ...
 
 
@@ -228,8 +232,12 @@ class TableEvaluator:
         self.on_cost = on_cost
         self.calls: list[tuple[Candidate, str]] = []
 
-    def evaluate(self, candidate: Candidate, method: str = "auto") -> Trial:
-        """Look the candidate up; unknown candidates are `error` trials."""
+    def evaluate(self, candidate: Candidate, method: str = "auto", *,
+                 fresh: bool = False) -> Trial:
+        """Look the candidate up; unknown candidates are `error` trials.
+
+        `fresh` changes nothing: a table has no store.
+        """
         used = "engine" if method == "auto" and candidate.solo else (
             "runtime" if method == "auto" else method)
         self.calls.append((candidate, used))
@@ -342,8 +350,13 @@ class LiveEvaluator:
 
     # -- measuring -----------------------------------------------------------------------------
 
-    def evaluate(self, candidate: Candidate, method: str = "auto") -> Trial:
-        """Measure `candidate` (or reuse the stored trial of the same candidate)."""
+    def evaluate(self, candidate: Candidate, method: str = "auto", *,
+                 fresh: bool = False) -> Trial:
+        """Measure `candidate` (or reuse the stored trial of the same candidate).
+
+        `fresh`: measure it now and keep the figure out of the store (the search's check of
+        the host's speed, `Tuner._check_speed`, must not become a figure later tunes reuse).
+        """
         in_process = candidate.solo and can_engine(candidate.configs[0], self.units,
                                                    self.mixed_lengths)
         if method == "auto":
@@ -351,7 +364,7 @@ class LiveEvaluator:
         if method == "engine" and not in_process:
             raise UsageError(f"{candidate.label()} cannot be measured in-process: use the runtime")
         key = f"{method}|{candidate.key()}"
-        if not self.fresh:
+        if not (self.fresh or fresh):
             old = self._stored(key)
             if old is not None:
                 old.candidate = candidate
@@ -362,7 +375,8 @@ class LiveEvaluator:
         finally:
             self.release()
         trial.cost_s = time.perf_counter() - started
-        self._keep(key, trial)
+        if not fresh:
+            self._keep(key, trial)
         return trial
 
     def _stored(self, key: str) -> Trial | None:
