@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import weakref
 
 from infermux.runtime.gcpause import GcPauses
 from infermux.runtime.session import run_plan
@@ -139,6 +140,10 @@ def test_a_running_runtime_holds_its_built_heap_frozen() -> None:
         gc.unfreeze()
 
 
+class _Node:
+    self: object
+
+
 def test_each_trial_freezes_what_the_trials_before_it_left() -> None:
     """A trial's full collections walk only what was allocated since it began.
 
@@ -155,15 +160,15 @@ def test_each_trial_freezes_what_the_trials_before_it_left() -> None:
     try:
         at_start = gc.get_freeze_count()
         left = [[i] for i in range(20_000)]  # an earlier trial's records, still held
-        cycle: list[object] = []
-        cycle.append(cycle)
-        del cycle  # and its garbage
+        garbage = _Node()
+        garbage.self = garbage  # and its garbage: a cycle only the collector frees
+        gone = weakref.ref(garbage)
+        del garbage
         rt.begin_trial({})
         frozen = gc.get_freeze_count()
         assert frozen >= at_start + len(left)
         # The garbage was collected before the freeze, not kept frozen until the heap thaws.
-        assert not any(isinstance(o, list) and len(o) == 1 and o[0] is o
-                       for o in gc.get_objects())
+        assert gone() is None
         fresh = [[i] for i in range(1_000)]
         assert gc.get_freeze_count() <= frozen and len(fresh) == 1_000  # not frozen until the next
     finally:
