@@ -21,7 +21,7 @@ scheduler) pauses as long as it is away: on H200 hosts "full collections" of 320
 in find-peak trials, one of them beside a batch the device timed at 340 ms. So the longest
 full collection's CPU time is kept beside it (`full_max_cpu_ms`): far below the pause, the
 host held the thread; near it, the collector walked that long (on the next host, 548 ms of a
-548 ms pause: a walk, of objects the trial itself had made).
+548 ms pause: a walk, inside a trial, with the trials before it frozen).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ _freeze_lock = threading.Lock()
 _freezers = 0
 
 
-def freeze_heap() -> None:
+def freeze_heap() -> bool:
     """Move every tracked object out of the collector's reach (`gc.freeze`).
 
     Counted per process: every runtime's start freezes what is there (a second runtime's
@@ -46,14 +46,15 @@ def freeze_heap() -> None:
     started one after another (a tune's) do not keep each other's garbage. No collection
     first: it would cost a full walk (180 ms on two cores) at every start, and garbage frozen
     with the heap is collected once it is thawed. A process that froze its heap itself is
-    left as it is.
+    left as it is. Returns whether this call counts (its `thaw_heap` is then owed).
     """
     global _freezers
     with _freeze_lock:
         if _freezers == 0 and gc.get_freeze_count() > 0:
-            return
+            return False
         gc.freeze()  # moves the generations' lists whole: no walk
         _freezers += 1
+        return True
 
 
 def freeze_since() -> None:

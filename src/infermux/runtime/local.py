@@ -361,8 +361,7 @@ class _Runtime:
         self.gc_pauses.install()  # the collector's pauses, for each trial (runtime.gcpause)
         # The built heap (the engines, the model, torch's ~350k objects) out of the full
         # collections' walk: on two cores one took 191 ms inside a trial (runtime.gcpause).
-        freeze_heap()
-        self._frozen = True
+        self._frozen = freeze_heap()
         for worker in self.workers:
             worker.start()
         for pipe in self.pipelines:

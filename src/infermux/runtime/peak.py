@@ -232,6 +232,11 @@ def own_pause(gc: dict[str, Any] | None, stop: dict[str, Any] | None) -> bool:
     return float(gc.get("full_max_cpu_ms") or 0.0) >= 0.5 * float(stop["longest_ms"])
 
 
+def _not_own(run: TrialRun, seen: dict[str, Any] | None) -> dict[str, Any] | None:
+    """`seen` (a device stall or stop of `run`), unless the trial's own collection explains it."""
+    return None if own_pause(run.record.gc, seen) else seen
+
+
 def _failed_with(trials: Sequence[dict[str, Any]], key: str, size: str, at_least: float = 0.0
                  ) -> tuple[list[dict[str, Any]], dict[str, Any], str] | None:
     """Failed trials whose `key` entry's `size` is at least `at_least`, else None.
@@ -345,10 +350,9 @@ def offline_upper(one: Callable[[], TrialRun], watch: HostWatch, bound_ms: float
     run = one()
     stalls: list[dict[str, Any]] = []
     while not run.result.interrupted and len(stalls) < retries:
-        stop = device_stop(run.batches, bound_ms)
-        if own_pause(run.record.gc, stop):
-            stop = None  # the runtime's own collection: the figure stands as measured
-        stall = host_stall(watch, run.result, bound_ms) or stop
+        # A stop the runtime's own collection explains is the plan's: the figure stands.
+        stall = (host_stall(watch, run.result, bound_ms)
+                 or _not_own(run, device_stop(run.batches, bound_ms)))
         if stall is None:
             break
         stalls.append({**stall, "items_per_s": run.record.items_per_s})
@@ -377,11 +381,10 @@ def _search(rt: TrialRuntime, settings: dict[str, Any], one: Callable[[dict[str,
         run = one(lengthened({**settings, "scenario": "server", "rate_qps": rate,
                                "find_peak": False}, min_duration_s))
         phases.append({m: v.phases.to_dict() for m, v in run.record.models.items()})
-        stall, stop = device_stall(run.batches, bound), device_stop(run.batches, bound)
         # A stop the runtime's own full collection explains is not the device's or the host's:
         # the trial is not run again, and no note blames the device for it.
-        stalls.append(None if own_pause(run.record.gc, stall) else stall)
-        stops.append(None if own_pause(run.record.gc, stop) else stop)
+        stalls.append(_not_own(run, device_stall(run.batches, bound)))
+        stops.append(_not_own(run, device_stop(run.batches, bound)))
         pauses.append(run.record.gc if run.record.gc and run.record.gc.get("full_collections")
                       else None)
         return run.result

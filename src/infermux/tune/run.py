@@ -394,8 +394,9 @@ SERVER_ALTERNATIVES = 3
 #: Server candidates within this share of the best offline throughput are near enough to it
 #: to be measured (and written) first, in `server_order`'s order, not by throughput. On H200
 #: hosts ResNet50 fp16 b32 ×4 ran 0.87-0.92 of b64 ×4's offline figure and peaked at 0.81-0.98
-#: of its own, where b64 ×2 and ×1 peaked at 0.2-0.83 of theirs: with a tenth, one host's tune
-#: left b32 ×4 (0.875 of the best) behind b64 ×2, whose peak then failed the bound.
+#: of its own (six hosts, the current search), where b64 ×2 and ×1 peaked at 0.2-0.83 of
+#: theirs: with a tenth, one host's tune left b32 ×4 (0.875 of the best) behind b64 ×2, whose
+#: peak then failed the bound.
 SERVER_TIE_SHARE = 0.15
 
 
