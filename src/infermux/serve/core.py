@@ -422,6 +422,14 @@ class BatchSink:
             now = time.perf_counter_ns()
             for record in traced:
                 record["delivered"] = now
+        trace = self.core.trace
+        if traced and trace is not None:
+            now = time.perf_counter_ns()  # `deliver` writes them out at once (before the
+            for record in traced:         # front can read them: stamped first)
+                record["written"] = now
+                trace.add(record)
+        if answers:  # the answers first: the metrics are no client's wait
+            self._deliver(answers)
         metrics = self.core.metrics
         if metrics is not None and timings:
             by_model: dict[tuple[str, bool], list[int]] = {}
@@ -433,14 +441,6 @@ class BatchSink:
                 metrics.requests(name, ok, durations)
             for info in touched.values():
                 metrics.pending(info.name, info.in_flight_requests, info.in_flight_items)
-        trace = self.core.trace
-        if traced and trace is not None:
-            now = time.perf_counter_ns()  # `deliver` writes them out at once (before the
-            for record in traced:         # front can read them: stamped first)
-                record["written"] = now
-                trace.add(record)
-        if answers:
-            self._deliver(answers)
 
 
 def find_model(models: Mapping[str, ModelInfo], name: str, version: str | None = None,
@@ -709,42 +709,55 @@ class InferenceCore:
         success, a failure or a refusal, with the time from admission to its answer.
         `traces`: the stage records of the traced requests, by token (serve/trace.py).
         """
+        return self.submit_frames([(requests, sink, traces)])[0]
+
+    def submit_frames(self, frames: Sequence[tuple[Sequence[BatchRequest], BatchSink,
+                                                   dict[Any, dict[str, int]] | None]],
+                      ) -> list[list[tuple[Any, ProtocolError]]]:
+        """`submit_many` for several callers' frames at once, each with its own sink.
+
+        One lock and one `submit` to the runtime (so one wake-up of its workers) for all of
+        them, in order. Returns each frame's refusals.
+        """
         now = time.perf_counter_ns()
-        refused: list[tuple[Any, ProtocolError]] = []
+        refusals: list[list[tuple[Any, ProtocolError]]] = []
         queries: list[Query] = []
         rejected: dict[str, int] = {}
         touched: dict[str, ModelInfo] = {}
         with self._lock:
             ready: dict[str, bool] = {}
-            for info, inputs, out, token in requests:
-                n = len(inputs[0]) if info.io is not None else len(inputs)
-                is_ready = ready.get(info.name)
-                if is_ready is None:
-                    is_ready = ready[info.name] = self.model_ready(info.name)
-                refusal = self._refusal(info, n, is_ready)
-                if refusal is not None:
-                    info.stats.rejected += 1
-                    rejected[info.name] = rejected.get(info.name, 0) + 1
-                    refused.append((token, refusal))
-                    continue
-                qid = next(self._ids)
-                length = None
-                rows: Any = inputs
-                if info.io is not None:  # several inputs: per item, one array of each
-                    length = info.length_of(inputs)
-                    rows = [[a[k] for a in inputs] for k in range(n)]
-                elif not isinstance(inputs, list) and inputs.dtype not in (np.float32,
-                                                                           np.float16):
-                    rows = inputs.astype(np.float32)
-                pending = self._pending[qid] = _Pending(sink.loop, None, info, n, now, n, out,
-                                                        sink, token, length=length)
-                if traces and token in traces:
-                    pending.trace = traces[token]
-                    pending.trace["admitted"] = now
-                info.in_flight_items += n
-                info.in_flight_requests += 1
-                touched[info.name] = info
-                queries.append(Query(qid, info.name, tuple(range(n)), rows))
+            for requests, sink, traces in frames:
+                refused: list[tuple[Any, ProtocolError]] = []
+                refusals.append(refused)
+                for info, inputs, out, token in requests:
+                    n = len(inputs[0]) if info.io is not None else len(inputs)
+                    is_ready = ready.get(info.name)
+                    if is_ready is None:
+                        is_ready = ready[info.name] = self.model_ready(info.name)
+                    refusal = self._refusal(info, n, is_ready)
+                    if refusal is not None:
+                        info.stats.rejected += 1
+                        rejected[info.name] = rejected.get(info.name, 0) + 1
+                        refused.append((token, refusal))
+                        continue
+                    qid = next(self._ids)
+                    length = None
+                    rows: Any = inputs
+                    if info.io is not None:  # several inputs: per item, one array of each
+                        length = info.length_of(inputs)
+                        rows = [[a[k] for a in inputs] for k in range(n)]
+                    elif not isinstance(inputs, list) and inputs.dtype not in (np.float32,
+                                                                               np.float16):
+                        rows = inputs.astype(np.float32)
+                    pending = self._pending[qid] = _Pending(sink.loop, None, info, n, now, n,
+                                                            out, sink, token, length=length)
+                    if traces and token in traces:
+                        pending.trace = traces[token]
+                        pending.trace["admitted"] = now
+                    info.in_flight_items += n
+                    info.in_flight_requests += 1
+                    touched[info.name] = info
+                    queries.append(Query(qid, info.name, tuple(range(n)), rows))
         if self.metrics is not None:
             for name, count in rejected.items():
                 self.metrics.rejected(name, count)
@@ -758,7 +771,7 @@ class InferenceCore:
                     for q in queries:
                         self._finish(q.id, None, f"the runtime did not take the request: {exc}",
                                      status=500)
-        return refused
+        return refusals
 
     def count_refused(self, info: ModelInfo, count: int) -> None:
         """Requests of `info` a front process refused itself with 503 (its slab was full)."""

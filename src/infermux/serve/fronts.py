@@ -127,6 +127,8 @@ class _Generation:
     shaped: list[list[Any]] = field(default_factory=list)
     #: (model index, dtype code) → one `SlabRow` per slot of that slab (made when first used).
     rows: dict[tuple[int, int], list[Any]] = field(default_factory=dict)
+    #: model index → its slab's output region as rows (a model of one output), or None.
+    outs: dict[int, Any] = field(default_factory=dict)
     started_s: float = field(default_factory=time.monotonic)
 
 
@@ -153,6 +155,8 @@ class FrontHub:
         #: Triton shared-memory regions the clients registered, by name (every front maps them).
         self.regions: dict[str, dict[str, Any]] = {}
         self._closing = False
+        #: INFER frames read in this turn of the loop, submitted together at its end.
+        self._frames: list[tuple[_Generation, list[Any], dict[int, dict[str, int]]]] = []
         self._stopped = asyncio.Event()
         self._watchers: list[asyncio.Task[None]] = []
         self._pusher: asyncio.Task[None] | None = None
@@ -275,15 +279,18 @@ class FrontHub:
                 if rows is None:
                     rows = gen.rows[index, code] = layout.rows(segment.map, DTYPE_CODES[code],
                                                                (id(segment), code))
+                outs = gen.outs.get(index, False)
+                if outs is False:
+                    outs = gen.outs[index] = layout.output_rows(segment.map)
                 requests.append((self.models[index], rows[start:start + n],
-                                 layout.outputs(segment.map, start, n), rid))
-            assert gen.sink is not None
-            refused = self.core.submit_many(requests, gen.sink, traces)
-            gen.in_flight += len(requests) - len(refused)
-            if refused:
-                gen.errors.extend([rid, e.status, e.message, e.retry_after_s]
-                                  for rid, e in refused)
-                self._reply(gen)
+                                 layout.outputs(segment.map, start, n) if outs is None
+                                 else [outs[start:start + n]], rid))
+            # Submitted at the end of this turn of the loop, with the frames of the other
+            # fronts read in the same turn: one admission, one submit and one wake-up of the
+            # runtime's workers for them all, not one per frame (about one request each).
+            self._frames.append((gen, requests, traces))
+            if len(self._frames) == 1:
+                asyncio.get_running_loop().call_soon(self._submit_frames)
         elif kind == Kind.REFUSED:
             for index, count in REFUSALS.iter_unpack(payload):
                 self.core.count_refused(self.models[index], count)
@@ -292,6 +299,17 @@ class FrontHub:
         elif kind == Kind.READY:
             gen.ready.set()
             self._send_state(gen, self._state())
+
+    def _submit_frames(self) -> None:
+        frames, self._frames = self._frames, []
+        refusals = self.core.submit_frames([(requests, gen.sink, traces)
+                                            for gen, requests, traces in frames])
+        for (gen, requests, _), refused in zip(frames, refusals, strict=True):
+            gen.in_flight += len(requests) - len(refused)
+            if refused:
+                gen.errors.extend([rid, e.status, e.message, e.retry_after_s]
+                                  for rid, e in refused)
+                self._reply(gen)
 
     def _on_regions(self, gen: _Generation, op: dict[str, Any]) -> None:
         """A front's client (un)registered a shared-memory region: every front is told."""

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from bisect import bisect_left
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -27,112 +28,154 @@ __all__ = ["ServeMetrics"]
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 _LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
                       5.0, 10.0)
+#: The latency buckets' bounds in ns (an observation in ns falls where its seconds would).
+_LATENCY_BOUNDS_NS = tuple(round(b * 1e9) for b in _LATENCY_BUCKETS_S)
+
+
+class _Histogram:
+    """One histogram's bucket counts, sum and count: what an observation costs is a bisection."""
+
+    __slots__ = ("bounds", "counts", "total")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last: above every bound (+Inf only)
+        self.total = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.total += value
+
+    def buckets(self) -> list[tuple[str, float]]:
+        """Cumulative counts per upper bound, as the exposition writes them (`le`)."""
+        from prometheus_client.utils import floatToGoString
+
+        out, running = [], 0
+        for bound, count in zip((*self.bounds, float("inf")), self.counts, strict=True):
+            running += count
+            out.append((floatToGoString(bound), float(running)))
+        return out
+
+
+#: name, help text, label names: the counters, in the order they are exposed.
+_COUNTERS = {
+    "success": ("nv_inference_request_success", "Successful inference requests",
+                ("model", "version")),
+    "failure": ("nv_inference_request_failure",
+                "Failed inference requests (reason: REJECTED when refused with 503 before "
+                "admission, BACKEND when the runtime failed it)", ("model", "version", "reason")),
+    "count": ("nv_inference_count", "Inferences performed (items)", ("model", "version")),
+    "exec": ("nv_inference_exec_count", "Batches executed", ("model", "version")),
+    "request_us": ("nv_inference_request_duration_us",
+                   "Cumulative request duration, admission to answer (µs)", ("model", "version")),
+    "queue_us": ("nv_inference_queue_duration_us",
+                 "Cumulative time items waited in the dispatcher's queue (µs)",
+                 ("model", "version")),
+    "input_us": ("nv_inference_compute_input_duration_us",
+                 "Cumulative input copy time per item (µs)", ("model", "version")),
+    "infer_us": ("nv_inference_compute_infer_duration_us", "Cumulative compute time per item (µs)",
+                 ("model", "version")),
+    "output_us": ("nv_inference_compute_output_duration_us",
+                  "Cumulative output copy time per item (µs)", ("model", "version")),
+    "rejected": ("infermux_requests_rejected",
+                 "Requests refused with 503 before admission (queue full, model not ready, "
+                 "shutting down)", ("model",)),
+    "w_batches": ("infermux_worker_batches", "Batches run by each worker",
+                  ("worker", "unit", "model")),
+    "w_items": ("infermux_worker_items", "Items run by each worker", ("worker", "unit", "model")),
+    "w_busy": ("infermux_worker_busy_seconds", "Time each worker spent running batches",
+               ("worker", "unit", "model")),
+}
 
 
 class ServeMetrics:
-    """A registry of its own (no module-level state) with the server's metrics."""
+    """The server's metrics: plain tallies, written as Prometheus families when scraped.
+
+    The tallies are updated as requests and batches complete; `/metrics` turns them into
+    families (a registry of its own, no module state). Why not prometheus-client's Counter
+    and Histogram objects: the updates run in the runtime process, whose interpreter lock the
+    GPU workers and the fronts' hub share, once per request and a dozen times per batch. Each
+    labelled update cost a `labels()` lookup and a lock of its own: about a fifth of the
+    lock's held time while serving a small model (py-spy, docs/architecture-serve.md). Here an
+    update is a few additions under one lock, a request's latency a bisection; the exposition
+    (names, labels, `_total`, buckets) is the same.
+    """
 
     def __init__(self, runtime: Runtime, sampler: Any = None) -> None:
-        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+        from prometheus_client import CollectorRegistry
 
         self.registry = CollectorRegistry(auto_describe=True)
         self.runtime = runtime
         self.sampler = sampler
-        r = self.registry
-        mv = ["model", "version"]
-        self._success = Counter("nv_inference_request_success",
-                                "Successful inference requests", mv, registry=r)
-        self._failure = Counter("nv_inference_request_failure",
-                                "Failed inference requests (reason: REJECTED when refused with "
-                                "503 before admission, BACKEND when the runtime failed it)",
-                                [*mv, "reason"], registry=r)
-        self._count = Counter("nv_inference_count", "Inferences performed (items)", mv,
-                              registry=r)
-        self._exec = Counter("nv_inference_exec_count", "Batches executed", mv, registry=r)
-        self._request_us = Counter("nv_inference_request_duration_us",
-                                   "Cumulative request duration, admission to answer (µs)", mv,
-                                   registry=r)
-        self._queue_us = Counter("nv_inference_queue_duration_us",
-                                 "Cumulative time items waited in the dispatcher's queue (µs)",
-                                 mv, registry=r)
-        self._input_us = Counter("nv_inference_compute_input_duration_us",
-                                 "Cumulative input copy time per item (µs)", mv, registry=r)
-        self._infer_us = Counter("nv_inference_compute_infer_duration_us",
-                                 "Cumulative compute time per item (µs)", mv, registry=r)
-        self._output_us = Counter("nv_inference_compute_output_duration_us",
-                                  "Cumulative output copy time per item (µs)", mv, registry=r)
-        self._pending = Gauge("nv_inference_pending_request_count",
-                              "Requests admitted and not yet answered", mv, registry=r)
-        self._items = Gauge("infermux_items_in_flight",
-                            "Items admitted and not yet answered (bounded by admission)",
-                            ["model"], registry=r)
-        self._rejected = Counter("infermux_requests_rejected",
-                                 "Requests refused with 503 before admission (queue full, model "
-                                 "not ready, shutting down)", ["model"], registry=r)
-        self._latency = Histogram("infermux_request_duration_seconds",
-                                  "Request duration, admission to answer", ["model"],
-                                  buckets=_LATENCY_BUCKETS_S, registry=r)
-        self._batch = Histogram("infermux_batch_size", "Items per executed batch",
-                                ["model"], buckets=_BATCH_BUCKETS, registry=r)
-        wl = ["worker", "unit", "model"]
-        self._w_batches = Counter("infermux_worker_batches", "Batches run by each worker", wl,
-                                  registry=r)
-        self._w_items = Counter("infermux_worker_items", "Items run by each worker", wl,
-                                registry=r)
-        self._w_busy = Counter("infermux_worker_busy_seconds",
-                               "Time each worker spent running batches", wl, registry=r)
-        self._busy_s: dict[str, float] = {}
         self._lock = threading.Lock()
+        #: counter key -> label values -> value
+        self._counts: dict[str, dict[tuple[str, ...], float]] = {k: {} for k in _COUNTERS}
+        #: model -> (requests, items) admitted and not yet answered
+        self._pending: dict[str, tuple[int, int]] = {}
+        self._latency: dict[str, _Histogram] = {}
+        self._batch: dict[str, _Histogram] = {}
+        self._busy_s: dict[str, float] = {}
         self._since = (time.perf_counter(), dict[str, float]())
-        r.register(_Collector(self))
+        self.registry.register(_Tallied(self))
+        self.registry.register(_Collector(self))
+
+    def _add(self, key: str, labels: tuple[str, ...], value: float) -> None:
+        """Add to one counter (called with `_lock` held)."""
+        table = self._counts[key]
+        table[labels] = table.get(labels, 0.0) + value
 
     # -- updates from the server --------------------------------------------------------------
 
     def request(self, model: str, ok: bool, duration_ns: int) -> None:
         """One request answered (ok) or failed by the runtime."""
-        if ok:
-            self._success.labels(model, "1").inc()
-            self._request_us.labels(model, "1").inc(duration_ns / 1e3)
-            self._latency.labels(model).observe(duration_ns / 1e9)
-        else:
-            self._failure.labels(model, "1", "BACKEND").inc()
+        self.requests(model, ok, (duration_ns,))
 
-    def requests(self, model: str, ok: bool, durations_ns: list[int]) -> None:
+    def requests(self, model: str, ok: bool, durations_ns: Sequence[int]) -> None:
         """Several requests answered (ok) or failed: one update per counter."""
-        if ok:
-            self._success.labels(model, "1").inc(len(durations_ns))
-            self._request_us.labels(model, "1").inc(sum(durations_ns) / 1e3)
-            latency = self._latency.labels(model)
-            for ns in durations_ns:
-                latency.observe(ns / 1e9)
-        else:
-            self._failure.labels(model, "1", "BACKEND").inc(len(durations_ns))
+        mv = (model, "1")
+        with self._lock:
+            if not ok:
+                self._add("failure", (model, "1", "BACKEND"), len(durations_ns))
+                return
+            self._add("success", mv, len(durations_ns))
+            self._add("request_us", mv, sum(durations_ns) / 1e3)
+            latency = self._latency.get(model)
+            if latency is None:
+                latency = self._latency[model] = _Histogram(_LATENCY_BUCKETS_S)
+            counts, bounds = latency.counts, _LATENCY_BOUNDS_NS
+            for ns in durations_ns:  # bisected in ns: no division per request
+                counts[bisect_left(bounds, ns)] += 1
+            latency.total += sum(durations_ns) / 1e9
 
     def rejected(self, model: str, count: int = 1) -> None:
         """Requests refused with 503 before admission (full, not ready, shutting down)."""
-        self._failure.labels(model, "1", "REJECTED").inc(count)
-        self._rejected.labels(model).inc(count)
+        with self._lock:
+            self._add("failure", (model, "1", "REJECTED"), count)
+            self._add("rejected", (model,), count)
 
     def pending(self, model: str, requests: int, items: int) -> None:
         """Requests and items admitted and not yet answered."""
-        self._pending.labels(model, "1").set(requests)
-        self._items.labels(model).set(items)
+        self._pending[model] = (requests, items)
 
     def batch(self, worker: Any, model: str, items: int, queue_ns: int, compute_ns: int,
               infer_ns: int, input_ns: int, output_ns: int) -> None:
         """One batch executed by `worker` (a WorkerState)."""
-        self._count.labels(model, "1").inc(items)
-        self._exec.labels(model, "1").inc()
-        self._queue_us.labels(model, "1").inc(queue_ns / 1e3)
-        self._input_us.labels(model, "1").inc(input_ns * items / 1e3)
-        self._infer_us.labels(model, "1").inc(infer_ns * items / 1e3)
-        self._output_us.labels(model, "1").inc(output_ns * items / 1e3)
-        self._batch.labels(model).observe(items)
+        mv = (model, "1")
         labels = (worker.name, worker.unit, worker.model)
-        self._w_batches.labels(*labels).inc()
-        self._w_items.labels(*labels).inc(items)
-        self._w_busy.labels(*labels).inc(compute_ns / 1e9)
         with self._lock:
+            self._add("count", mv, items)
+            self._add("exec", mv, 1)
+            self._add("queue_us", mv, queue_ns / 1e3)
+            self._add("input_us", mv, input_ns * items / 1e3)
+            self._add("infer_us", mv, infer_ns * items / 1e3)
+            self._add("output_us", mv, output_ns * items / 1e3)
+            sizes = self._batch.get(model)
+            if sizes is None:
+                sizes = self._batch[model] = _Histogram(_BATCH_BUCKETS)
+            sizes.observe(items)
+            self._add("w_batches", labels, 1)
+            self._add("w_items", labels, items)
+            self._add("w_busy", labels, compute_ns / 1e9)
             self._busy_s[worker.name] = self._busy_s.get(worker.name, 0.0) + compute_ns / 1e9
 
     def utilisation(self) -> dict[str, float]:
@@ -152,6 +195,54 @@ class ServeMetrics:
         from prometheus_client import generate_latest
 
         return generate_latest(self.registry)
+
+
+class _Tallied:
+    """The request, batch and worker tallies as Prometheus families, at scrape time."""
+
+    def __init__(self, metrics: ServeMetrics) -> None:
+        self.m = metrics
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+        m = self.m
+        with m._lock:
+            counts = {k: dict(v) for k, v in m._counts.items()}
+            latency = {k: (h.buckets(), h.total) for k, h in m._latency.items()}
+            sizes = {k: (h.buckets(), h.total) for k, h in m._batch.items()}
+            pending = dict(m._pending)
+        families: dict[str, CounterMetricFamily] = {}
+        for key, (name, doc, labels) in _COUNTERS.items():
+            fam = families[key] = CounterMetricFamily(name, doc, labels=list(labels))
+            for values, value in counts[key].items():
+                fam.add_metric(list(values), value)
+        yield from (families[k] for k in ("success", "failure", "count", "exec", "request_us",
+                                          "queue_us", "input_us", "infer_us", "output_us"))
+        waiting = GaugeMetricFamily("nv_inference_pending_request_count",
+                                    "Requests admitted and not yet answered",
+                                    labels=["model", "version"])
+        items = GaugeMetricFamily("infermux_items_in_flight",
+                                  "Items admitted and not yet answered (bounded by admission)",
+                                  labels=["model"])
+        for model, (requests, n) in pending.items():
+            waiting.add_metric([model, "1"], float(requests))
+            items.add_metric([model], float(n))
+        yield waiting
+        yield items
+        yield families["rejected"]
+        for name, doc, table in (
+                ("infermux_request_duration_seconds", "Request duration, admission to answer",
+                 latency),
+                ("infermux_batch_size", "Items per executed batch", sizes)):
+            histogram = HistogramMetricFamily(name, doc, labels=["model"])
+            for model, (buckets, total) in table.items():
+                histogram.add_metric([model], buckets, total)
+            yield histogram
+        yield from (families[k] for k in ("w_batches", "w_items", "w_busy"))
 
 
 class _Collector:

@@ -199,7 +199,7 @@ class SlabLayout:
         """Per request length: each input's item shape, dtype and bytes (filled as met)."""
         return {}
 
-    @property
+    @functools.cached_property
     def output_item_bytes(self) -> tuple[int, ...]:
         """Bytes of one item's row of each output (FP32, at the longest length)."""
         return tuple(math.prod(s) * 4 for s in self.output_shapes)
@@ -251,6 +251,17 @@ class SlabLayout:
             views.append(np.ndarray((n, *shape), dtype=dtype, buffer=buf, offset=at))
             at += n * item_bytes
         return views
+
+    def output_rows(self, buf: Any) -> np.ndarray | None:
+        """A model of one output: the whole output region as `(slots, *shape)` FP32 rows.
+
+        A request's outputs are then a slice of it (made once per slab, as `rows`). None for
+        a model of several outputs.
+        """
+        if len(self.output_shapes) != 1:
+            return None
+        return np.ndarray((self.slots, *self.output_shapes[0]), dtype=np.float32, buffer=buf,
+                          offset=self.slots * self.input_item_bytes)
 
     def outputs(self, buf: Any, start: int, n: int,
                 shapes: Sequence[tuple[int, ...]] | None = None) -> list[np.ndarray]:
