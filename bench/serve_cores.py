@@ -9,7 +9,8 @@ the front processes, perf_analyzer, and the runtime's other child processes (CPU
 templates). Each row also keeps perf_analyzer's requests/s, p99 and the server's own split of
 a request (queue, compute, the rest). Optionally the runtime process's interpreter-lock share
 is sampled with py-spy (`--py-spy PATH`: the share of samples in which some thread holds the
-lock; 1.0 means the process is bound by it), and so is one front (where its samples are: the
+lock, 1.0 meaning the process is bound by it, and which threads and functions hold it), and so
+is one front (where its samples are: the
 innermost frames' shares, and the share with an infermux frame on the stack).
 
     python bench/serve_cores.py --perf-analyzer PA --json cores.json \
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -83,6 +85,51 @@ def _lock_share(py_spy: str, pid: int, out: Path) -> float | None:
         return None
     samples = sum(int(line.rpartition(" ")[2]) for line in raw.read_text().splitlines() if line)
     return samples / (500 * 4)
+
+
+#: What a sampled stack's thread is, by a frame on it.
+_THREADS = (("worker", "Worker._main"), ("event loop", "BaseEventLoop.run_forever"))
+#: Frames every stack of a thread has (its start, the loop's turn): left out of the shares.
+_SCAFFOLD = ("threading.py", "<frozen runpy>", "typer/", "infermux/__main__.py",
+             "infermux/cli/", "asyncio/", "serve_plan (infermux/serve/server.py)",
+             "Worker._main (", "Worker._loop")
+
+
+def _lock_holders(raw: Path, top: int = 12) -> dict[str, Any] | None:
+    """What holds the runtime process's lock, from `_lock_share`'s samples.
+
+    Shares by thread and, per function, of the samples with it on the stack (inclusive) and
+    innermost (its own).
+    """
+    if not raw.exists():
+        return None
+    threads: dict[str, int] = {}
+    inclusive: dict[str, int] = {}
+    own: dict[str, int] = {}
+    total = 0
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack:
+            continue
+        n, frames = int(count), stack.split(";")
+        names = [re.sub(r":\d+\)$", ")", f) for f in frames[1:]]  # no line numbers
+        total += n
+        head = next((kind for kind, marker in _THREADS if any(marker in f for f in names)),
+                    names[-1] if names else frames[0])
+        threads[head] = threads.get(head, 0) + n
+        for name in set(names):
+            if not any(skip in name for skip in _SCAFFOLD):
+                inclusive[name] = inclusive.get(name, 0) + n
+        if names:
+            own[names[-1]] = own.get(names[-1], 0) + n
+    if not total:
+        return None
+
+    def shares(d: dict[str, int]) -> list[tuple[str, float]]:
+        return [(k, round(v / total, 4)) for k, v in sorted(d.items(), key=lambda kv: -kv[1])[:top]]
+
+    return {"samples": total, "threads": shares(threads), "inclusive": shares(inclusive),
+            "own": shares(own)}
 
 
 def _front_profile(py_spy: str, pid: int, out: Path) -> dict[str, Any] | None:
@@ -156,6 +203,7 @@ def _case(args: argparse.Namespace, spec: str, out: Path) -> dict[str, Any]:
         row["host_cores"] = os.cpu_count()
         if args.py_spy:
             row["runtime_lock_share"] = _lock_share(args.py_spy, server.pid, out)
+            row["runtime_lock_holders"] = _lock_holders(out / f"gil-{server.pid}.txt")
             if front_pids and front == "own":  # Triton's fronts are C++: nothing to sample
                 row["front_profile"] = _front_profile(args.py_spy, front_pids[0], out)
         try:
@@ -200,6 +248,11 @@ def main() -> None:
                                   else ""), flush=True)
         for line in row["perf_analyzer"]:
             print(f"  {line}", flush=True)
+        holders = row.get("runtime_lock_holders")
+        if holders:
+            for what in ("threads", "own", "inclusive"):
+                print(f"  runtime lock, {what}: " + "; ".join(
+                    f"{share:.0%} {name}" for name, share in holders[what][:10]), flush=True)
         profile = row.get("front_profile")
         if profile:
             print(f"  one front's samples: {profile['infermux_share']:.0%} with an infermux "

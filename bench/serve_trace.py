@@ -14,8 +14,10 @@ between stages for the requests of that row's window. One JSON file (`--json`).
 
 `--cases` lists model:fronts:concurrency rows (rows of one model and front count share a
 server, started once, in the order given). `--baseline-src DIR` (another checkout's `src/`)
-serves the same rows with that code first, untraced unless `--trace-baseline`, for a
-before/after in one run. On this 2-core machine, the served rows' gather before and after:
+serves the same rows with that code first (last with `--baseline-after`), untraced unless
+`--trace-baseline`, for a before/after in one run. Each row also records the fronts' cores
+and, two seconds into the run, each front's client connections (the kernel spreads them by a
+hash of their addresses). On this 2-core machine, the served rows' gather before and after:
 
     python bench/serve_trace.py --device cpu --cpu-workers thread --trace-baseline \
         --baseline-src /path/to/before/src --cases digits:2:16,digits:2:64,digits:2:128 \
@@ -30,6 +32,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -118,6 +121,34 @@ def _perf_analyzer(exe: str, port: int, model: str, concurrency: int, shm: str,
     return row
 
 
+def _count_connections(pids: list[int], port: int, after_s: float, into: dict[str, Any],
+                       ) -> threading.Thread:
+    """Count each front's client connections on `port`, `after_s` into a run (a thread).
+
+    The kernel spreads connections over the fronts by a hash of their addresses, and a client
+    opens what it opens (perf_analyzer: about one per five concurrent requests), so a front's
+    share of the load is its share of the connections.
+    """
+    def count() -> None:
+        time.sleep(after_s)
+        import psutil
+
+        counts = []
+        for pid in pids:
+            try:
+                conns = psutil.Process(pid).net_connections("tcp")
+            except psutil.Error:
+                counts.append(None)
+                continue
+            counts.append(sum(1 for c in conns
+                              if c.status == psutil.CONN_ESTABLISHED and c.laddr.port == port))
+        into["connections_per_front"] = counts
+
+    thread = threading.Thread(target=count, daemon=True)
+    thread.start()
+    return thread
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -130,6 +161,8 @@ def main() -> None:
     p.add_argument("--perf-analyzer", help="path of perf_analyzer (its lib/ beside it is used)")
     p.add_argument("--wheels", help="folder of wheels to install the serve extra from, offline")
     p.add_argument("--baseline-src", help="another checkout's src/ to serve the rows with first")
+    p.add_argument("--baseline-after", action="store_true",
+                   help="serve each case with this checkout first, then the baseline")
     p.add_argument("--trace-baseline", action="store_true",
                    help="trace the baseline's requests too (its checkout must have "
                         "--trace-requests): the gaps before and after side by side")
@@ -167,6 +200,8 @@ def main() -> None:
         for plan in all_plans.values():
             plan["dispatcher"]["cpu_workers"] = args.cpu_workers
     variants = ([args.baseline_src] if args.baseline_src else []) + [None]
+    if args.baseline_after:
+        variants.reverse()
     for (name, fronts, levels), src in [(g, v) for g in groups for v in variants]:
         variant = "baseline" if src else "this"
         plan_file = work / f"{name}.json"
@@ -187,9 +222,13 @@ def main() -> None:
                 pids = [proc.pid, *(ready.get("front_pids") or [])]
                 s0, t0 = _stats(ready["http_port"], model), time.perf_counter_ns()
                 cpu0 = [cpu_s([pid]) for pid in pids]
+                conns: dict[str, Any] = {}
+                counter = _count_connections(pids[1:], ready["grpc_port"], 2.0, conns)
                 row = _perf_analyzer(exe, ready["grpc_port"], model, c, args.shared_memory,
                                      args.interval_ms,
                                      work / f"{name}-f{fronts}-c{c}-{variant}.csv")
+                counter.join()
+                row.update(conns)
                 t1 = time.perf_counter_ns()
                 time.sleep(0.3)  # the fronts answer statistics the runtime pushes every 0.1 s
                 row.update(model=name, fronts=fronts, concurrency=c, protocol="grpc", variant=variant,
@@ -202,7 +241,8 @@ def main() -> None:
                 report["rows"].append(row)
                 windows.append((row, (t0, t1)))
                 figure = (f"{row['requests_per_s']:.0f} req/s, p99 {row['p99_ms']:.1f} ms, "
-                          f"server {row['server']}" if "requests_per_s" in row
+                          f"server {row['server']}, fronts' cores {cores[1:]}, connections "
+                          f"{row.get('connections_per_front')}" if "requests_per_s" in row
                           else f"failed: {row['error'][-200:]}")
                 print(f"  c{c}: {figure}", flush=True)
                 save()
