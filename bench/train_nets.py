@@ -16,7 +16,8 @@ is the reference the others' learned correction is transferred from (kept only w
 leave-one-configuration-out error beats the simple model's). Everything goes to
 `OUT/train-nets.db` and `OUT/train-nets.json` (rewritten after each run, so a run cut short
 keeps what it measured; its `status` says whether it was); the images to `--data-dir` (a
-temporary folder by default, not OUT). The command plans against `--budget-s`: each run gets a
+temporary folder by default, not OUT), every data set written and the device started before
+the first run is planned (`prepared_s`). The command plans against `--budget-s`: each run gets a
 share of what is left (weighted by its data set's pixels), its profiles at most half of it, and
 its whole epochs and validated configurations start only where they are expected to end within
 it (each against `PLAN_SHARE` of the budget, so the command ends within it); past the budget by
@@ -55,6 +56,7 @@ from infermux.errors import InfermuxError
 from infermux.models import ModelSpec
 from infermux.store import Store
 from infermux.train import DataSpec, Grid, TrainConfig, run_train_predict
+from infermux.train.profile import prepare
 from train_common import print_figure, summary
 
 HERE = Path(__file__).resolve().parent
@@ -87,6 +89,24 @@ class _Cut(KeyboardInterrupt):
 
 def _model(name: str, size: int) -> str:
     return f"{HERE / 'train_models.py'}:vit_{size}" if name == "vit" else name
+
+
+def prepare_all(configs: list[TrainConfig], unit: str, say: Any) -> float:
+    """Write each config's data set and start the device; the seconds it took.
+
+    `train.profile.prepare` writes a synthetic data set once (a later run finds it) and loads
+    the model; a CUDA unit's context is made by a first tensor on it.
+    """
+    began = time.perf_counter()
+    if unit.startswith("cuda"):
+        import torch
+
+        say(f"starting {unit}")
+        torch.ones(1, device=unit.split("/")[0]).sum().item()
+    for config in configs:
+        say(f"preparing {config.data.count}x{config.data.size}: its images")
+        prepare(config).close()
+    return time.perf_counter() - began
 
 
 def _weight(images: int, size: int) -> float:
@@ -168,8 +188,27 @@ def main() -> None:
     signal.signal(signal.SIGALRM, cut)
     signal.alarm(int(budget_s + GRACE_S))
     references: dict[tuple[int, int], int] = {}
+
+    def make_config(name: str, images: int, size: int, profile_budget_s: float) -> TrainConfig:
+        return TrainConfig(
+            ModelSpec(_model(name, size), input_shape=(3, size, size)),
+            Grid(batch=batch, workers=workers, pin_memory=[args.unit.startswith("cuda")],
+                 storage=["disk"], cores=cores, precision=precision),
+            data=DataSpec(count=images, size=size, classes=args.classes),
+            unit=args.unit, disk_dir=str(data_dir), profile_steps=400,
+            profile_share=args.profile_share, budget_s=profile_budget_s)
+
     write()
     try:
+        # Before any run is given its share: every data set's images written and the device
+        # started, so that neither is charged to the first run of a data set (whose share is
+        # planned for its profiles and validated epochs, and on a GPU host went to them).
+        doc["prepared_s"] = prepare_all(
+            [make_config(name, images, size, 1.0) for name, images, size
+             in {(n, s): (m, n, s) for m, n, s in runs}.values()],
+            args.unit, lambda label: print(f"[{time.time() - started:5.0f}s] {label}",
+                                           flush=True))
+        write()
         with Store(out / "train-nets.db") as store:
             for k, (name, images, size) in enumerate(runs):
                 key = f"{name} {images}x{size}"
@@ -179,14 +218,7 @@ def main() -> None:
                     doc["skipped"].append(key)
                     continue
                 share_s = run_share_s(left, runs[k:])
-                config = TrainConfig(
-                    ModelSpec(_model(name, size), input_shape=(3, size, size)),
-                    Grid(batch=batch, workers=workers, pin_memory=[args.unit.startswith("cuda")],
-                         storage=["disk"], cores=cores, precision=precision),
-                    data=DataSpec(count=images, size=size, classes=args.classes),
-                    unit=args.unit, disk_dir=str(data_dir), profile_steps=400,
-                    profile_share=args.profile_share,
-                    budget_s=PROFILE_SHARE_OF_RUN * share_s)
+                config = make_config(name, images, size, PROFILE_SHARE_OF_RUN * share_s)
                 doc["current"] = {"run": key, "share_s": share_s}
                 write()
                 try:
