@@ -18,7 +18,7 @@ from infermux.train import Grid, Knobs
 from infermux.train.attribution import epoch_parts
 from infermux.train.components import fit_components
 from infermux.train.covering import choose_profiled, model_cell
-from infermux.train.drift import applied_drift, drift_of, epoch_drift
+from infermux.train.drift import applied_drift, compute_drift_scale, drift_of, epoch_drift
 from infermux.train.learned import held_out_rows, training_rows
 from infermux.train.predict import Prediction, predict_all
 from infermux.train.run import (
@@ -529,3 +529,43 @@ def test_a_transfer_is_compared_with_the_simple_model_only_from_four_profiled_co
         two["transfer"]["not_used"])
     six = info_for(6)
     assert six["chosen"] == "transfer" and "not_used" not in six["transfer"]
+
+
+def test_a_device_drift_moves_an_epoch_through_its_compute_term_only() -> None:
+    """On a GPU host a compute probe read 1.17-1.38x while the loader-bound epochs beside it
+    ran as predicted (regnet_y_400mf at b128 with two workers): the drift was the device's,
+    and the epoch's steady minibatch is the largest of its terms. Scaled through the fitted
+    model: an epoch its loader bounds does not move; one its compute bounds moves by the
+    compute's share; without workers the compute adds to the loader's time."""
+    items = 4096
+    profiled = [Knobs(batch=8, workers=1), Knobs(batch=128, workers=4), Knobs(batch=32, workers=0)]
+    passes = [_synthetic_pass(i, k, p, items, 12) for i, k in enumerate(profiled)
+              for p in ("cold", "warm")]
+    comps = fit_components(passes, all_cores=2)
+    drift = 1.3
+    for knobs in (Knobs(batch=8, workers=1), Knobs(batch=128, workers=4),
+                  Knobs(batch=32, workers=0)):
+        model = comps.predict(knobs, "warm", items)
+        scale = compute_drift_scale(model, drift, knobs.workers)
+        body = (model["epoch_s"] - model["start_s"]) / model["T"]
+        compute = model["term_compute"]
+        if knobs.workers:
+            others = max(model["term_loader"], model["term_cores"])
+            step = max(compute * drift, others)
+        else:
+            step = model["T"] + compute * (drift - 1)
+        assert scale == pytest.approx((model["start_s"] + body * step) / model["epoch_s"])
+        assert 1.0 <= scale <= drift
+        if knobs.workers and others >= compute * drift:  # bound by the loader or the cores
+            assert scale == pytest.approx(1.0)
+    # A bound the compute does not reach, and one it holds alone (a model's terms as given).
+    loader_bound = {"epoch_s": 10.0, "start_s": 1.0, "T": 0.09, "term_compute": 0.05,
+                    "term_loader": 0.09, "term_cores": 0.02}
+    assert compute_drift_scale(loader_bound, 1.3, 2) == pytest.approx(1.0)
+    compute_bound = dict(loader_bound, T=0.09, term_compute=0.09, term_loader=0.05)
+    assert compute_drift_scale(compute_bound, 1.3, 2) == pytest.approx((1.0 + 9.0 * 1.3) / 10.0)
+    # What the scores apply: the epoch's own scale where given, the drift where not, and 1
+    # where the drift is within its noise.
+    assert applied_drift({"drift": 1.3, "drift_resolved": True, "drift_epoch": 1.0}) == 1.0
+    assert applied_drift({"drift": 1.3, "drift_resolved": False, "drift_epoch": 1.2}) == 1.0
+    assert applied_drift({"drift": 1.3, "drift_resolved": True}) == 1.3

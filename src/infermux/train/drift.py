@@ -26,7 +26,7 @@ from typing import Any
 
 from infermux.train.steady import steady
 
-__all__ = ["DRIFT_Z", "applied_drift", "drift_of", "epoch_drift"]
+__all__ = ["DRIFT_Z", "applied_drift", "compute_drift_scale", "drift_of", "epoch_drift"]
 
 #: A drift is corrected for only where its logarithm is this many standard errors from zero.
 DRIFT_Z = 2.0
@@ -123,9 +123,37 @@ def applied_drift(measured: dict[str, Any]) -> float | None:
     """The factor an epoch's prediction is scaled by for drift.
 
     Its drift where resolved (or stored before the noise was), 1 where within its noise, None
-    where none was measured.
+    where none was measured. Where the drift moves the compute term alone (`drift_epoch`,
+    `compute_drift_scale`), the epoch moves by that term's share of it, not by all of it.
     """
     drift = measured.get("drift")
     if not drift:
         return None
-    return float(drift) if measured.get("drift_resolved", True) else 1.0
+    if not measured.get("drift_resolved", True):
+        return 1.0
+    return float(measured.get("drift_epoch") or drift)
+
+
+def compute_drift_scale(model: dict[str, Any], drift: float, workers: int) -> float:
+    """How much an epoch moves when its compute term alone moves by `drift`.
+
+    `model`: the simple model's prediction of the epoch (`Components.predict`: `epoch_s`,
+    `start_s`, the steady minibatch `T` and its terms). On a GPU a compute probe times the
+    device's step (its minibatches less their fetch), while the loader and the training
+    process's CPU run on the host: a device that slowed by 30% does not slow an epoch its
+    loader bounds. With loader workers the steady minibatch is the largest of its terms
+    (`Components.figures`), so it becomes max(compute × drift, loader, cores); without them
+    the terms take turns and the compute adds. The start-up's own first minibatch is left
+    as predicted.
+    """
+    t, start, step = model["epoch_s"], model["start_s"], model["T"]
+    compute = model.get("term_compute")
+    if not t or t <= 0 or not step or step <= 0 or compute is None:
+        return drift
+    if workers > 0:
+        others = [model.get(f"term_{k}") or 0.0 for k in ("loader", "cores")]
+        moved = max([compute * drift, *others])
+    else:
+        moved = step + compute * (drift - 1.0)
+    body = (t - start) / step
+    return (start + body * moved) / t

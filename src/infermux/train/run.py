@@ -34,7 +34,7 @@ from infermux.train.attribution import attribute, attribute_passes
 from infermux.train.components import Components, fit_components
 from infermux.train.covering import covered, covering_order, model_cell
 from infermux.train.data import fs_type
-from infermux.train.drift import DRIFT_Z, applied_drift, drift_of, epoch_drift
+from infermux.train.drift import DRIFT_Z, applied_drift, compute_drift_scale, drift_of, epoch_drift
 from infermux.train.knobs import Knobs
 from infermux.train.predict import Prediction, mape, predict_all
 from infermux.train.profile import (
@@ -1020,6 +1020,12 @@ def _validate(setup: TrainSetup, report: PredictReport, validate: int | None,
                if budget_s is not None and len(done) < count else ""))
     if not series:
         return
+    # On a GPU a compute probe's drift is the device's: it moves an epoch through its compute
+    # term only (`drift.compute_drift_scale`). A CPU's compute probe times the same cores its
+    # loader and training process use, so there the whole epoch moves with it.
+    comps = (_components([r.as_data() for r in report.passes if r.kind in ("profile", "whole")
+                          and r.status == "ok" and r.result is not None])
+             if setup.config.unit.startswith("cuda") else None)
     for i in done:
         got = epoch_drift([series[x]["drift"] for x in around.get(i, []) if series[x]["drift"]])
         if got is None:
@@ -1027,6 +1033,9 @@ def _validate(setup: TrainSetup, report: PredictReport, validate: int | None,
         basis = bases[i]
         for fig in report.predictions[i].measured.values():
             fig.update(got, drift_probe=basis["label"] if basis else None)
+        if comps is not None and basis and basis["kind"] == "compute":
+            _device_drift(comps, configs[i], report.predictions[i].measured,
+                          setup.dataset_items)
     report.drift = _drift_summary(
         _basis_label([bases[i] for i in done]), [g["drift"] for g in series],
         [report.predictions[i].measured for i in done])
@@ -1160,6 +1169,13 @@ def repredict(store: Store, run_id: int, *, reference_run: int | None = None,
         predictions[p["config"]].measured["first" if p["pass"] == "cold" else "later"] = {
             "s": p["wall_ns"] / 1e9, "energy_j": p.get("energy_j"),
             **((drift or {}).get("by_config", {}).get(p["config"]) or {})}
+    if str(config.get("unit", "")).startswith("cuda") and drift:
+        # As when the run was made: a compute probe's drift moves the compute term alone.
+        comps = _components(profile)
+        for i, got in drift.get("by_config", {}).items():
+            if comps is not None and str(got.get("drift_probe", "")).startswith("compute probe"):
+                _device_drift(comps, configs[i], predictions[i].measured,
+                              config["dataset_items"])
     report = PredictReport(run_id, config.get("model", {}), configs,
                            sorted({p["config"] for p in profile}), predictions, info, [], [],
                            config["dataset_items"],
@@ -1177,6 +1193,20 @@ def repredict(store: Store, run_id: int, *, reference_run: int | None = None,
                                             config["dataset_items"], all_cores),
             "drift": {k: v for k, v in drift.items() if k != "by_config"} if drift else None,
             "predictions": [r for p in predictions for r in p.rows()]}
+
+
+def _device_drift(comps: Components, knobs: Knobs, measured: dict[str, dict[str, Any]],
+                  items: int) -> None:
+    """A GPU configuration's drift from its compute probe: what it moves each epoch by.
+
+    `measured`: the configuration's validated epochs (`first`, `later`), each with its `drift`;
+    each gets `drift_epoch`, the factor its prediction moves by when the compute term alone
+    moves by that drift (`drift.compute_drift_scale`).
+    """
+    for epoch, fig in measured.items():
+        if fig.get("drift"):
+            model = comps.predict(knobs, "cold" if epoch == "first" else "warm", items)
+            fig["drift_epoch"] = compute_drift_scale(model, fig["drift"], knobs.workers)
 
 
 def _stored_drift(passes: list[dict[str, Any]], profile: list[dict[str, Any]],
