@@ -52,7 +52,10 @@ def test_slab_chunks_are_page_locked_once_as_rows_need_them() -> None:
         n = len(calls)
         assert not pins.ensure(f32, [7]) and len(calls) == n + 1
         assert not pins.ensure(f16, [7]) and len(calls) == n + 1  # not asked again
-        assert pins.ensure(f32, [0, 1])
+        assert pins.ensure(f32, [0, 1]) and len(calls) == n + 1
+        # Rows whose chunks are locked, on either side of a refused one: locked, nothing asked
+        # (the refused chunk between them is not theirs).
+        assert pins.ensure(f32, [0, 39]) and len(calls) == n + 1
         assert pins.locked_bytes() == sum(s for a, s in calls if a not in refuse) < n * chunk
     finally:
         seg.unlink()

@@ -55,14 +55,22 @@ class HostPins:
         start = base - base % page
         limit = -(-end // page) * page
         size = self.chunk_bytes
+        with self._lock:
+            entry = self._regions.get(start)
+            if entry is None:
+                entry = self._regions[start] = (region, set(), set())
+            _, locked, refused = entry
+            # Served batches reuse the lowest slots: every chunk from the lowest row's to the
+            # highest's is usually locked already, which two bounds tell without a set per row.
+            low = (base + min(slots) * stride - start) // size
+            high = (base + max(slots) * stride - start + row_bytes - 1) // size
+            if all(k in locked for k in range(low, high + 1)):
+                return True
         wanted: set[int] = set()
         for slot in slots:
             first = base + slot * stride - start
             wanted.update(range(first // size, (first + row_bytes - 1) // size + 1))
         with self._lock:
-            entry = self._regions.get(start)
-            if entry is None:
-                entry = self._regions[start] = (region, set(), set())
             _, locked, refused = entry
             todo = wanted - locked
             if todo & refused:
