@@ -564,6 +564,18 @@ def test_a_device_drift_moves_an_epoch_through_its_compute_term_only() -> None:
     assert compute_drift_scale(loader_bound, 1.3, 2) == pytest.approx(1.0)
     compute_bound = dict(loader_bound, T=0.09, term_compute=0.09, term_loader=0.05)
     assert compute_drift_scale(compute_bound, 1.3, 2) == pytest.approx((1.0 + 9.0 * 1.3) / 10.0)
+    # A validated configuration's epochs get it from the model fitted as the predictor fits
+    # it (what a GPU run does with its compute probe's drift); an epoch without a drift, none.
+    from infermux.train.run import _device_components, _device_drift
+
+    fitted = _device_components(passes)
+    assert fitted is not None
+    knobs = Knobs(batch=128, workers=4)
+    measured: dict[str, dict] = {"first": {"s": 1.0, "drift": drift}, "later": {"s": 1.0}}
+    _device_drift(fitted, knobs, measured, items)
+    assert measured["first"]["drift_epoch"] == pytest.approx(compute_drift_scale(
+        fitted.predict(knobs, "cold", items), drift, knobs.workers))
+    assert "drift_epoch" not in measured["later"]
     # What the scores apply: the epoch's own scale where given, the drift where not, and 1
     # where the drift is within its noise.
     assert applied_drift({"drift": 1.3, "drift_resolved": True, "drift_epoch": 1.0}) == 1.0

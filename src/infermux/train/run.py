@@ -1023,8 +1023,8 @@ def _validate(setup: TrainSetup, report: PredictReport, validate: int | None,
     # On a GPU a compute probe's drift is the device's: it moves an epoch through its compute
     # term only (`drift.compute_drift_scale`). A CPU's compute probe times the same cores its
     # loader and training process use, so there the whole epoch moves with it.
-    comps = (_components([r.as_data() for r in report.passes if r.kind in ("profile", "whole")
-                          and r.status == "ok" and r.result is not None])
+    comps = (_device_components([r.as_data() for r in report.passes
+                                 if r.status == "ok" and r.result is not None])
              if setup.config.unit.startswith("cuda") else None)
     for i in done:
         got = epoch_drift([series[x]["drift"] for x in around.get(i, []) if series[x]["drift"]])
@@ -1111,7 +1111,8 @@ def _drift_summary(label: str, series: list[dict[str, Any] | None],
         "resolved_range": [min(resolved), max(resolved)] if resolved else None,
         "resolved_epochs": len(resolved), "epochs": len(epochs),
         "corrected": "each validated epoch's prediction × its drift where the drift stands "
-                     f"{DRIFT_Z:g} standard errors out of its noise (else × 1), in the "
+                     f"{DRIFT_Z:g} standard errors out of its noise (else × 1; on a GPU a "
+                     "compute probe's drift through the epoch's compute term only), in the "
                      "scores' *_drift_corrected_pct (time only: energy is not corrected)"}
 
 
@@ -1171,11 +1172,17 @@ def repredict(store: Store, run_id: int, *, reference_run: int | None = None,
             **((drift or {}).get("by_config", {}).get(p["config"]) or {})}
     if str(config.get("unit", "")).startswith("cuda") and drift:
         # As when the run was made: a compute probe's drift moves the compute term alone.
-        comps = _components(profile)
-        for i, got in drift.get("by_config", {}).items():
-            if comps is not None and str(got.get("drift_probe", "")).startswith("compute probe"):
+        comps = _device_components(profile + probes)
+        device = [i for i, got in drift.get("by_config", {}).items()
+                  if str(got.get("drift_probe", "")).startswith("compute probe")]
+        for i in device:
+            if comps is not None:
                 _device_drift(comps, configs[i], predictions[i].measured,
                               config["dataset_items"])
+        applied = [applied_drift(m) or 1.0 for p in predictions for m in p.measured.values()
+                   if m.get("drift")]
+        if applied:
+            drift["applied_range"] = [min(applied), max(applied)]
     report = PredictReport(run_id, config.get("model", {}), configs,
                            sorted({p["config"] for p in profile}), predictions, info, [], [],
                            config["dataset_items"],
@@ -1193,6 +1200,19 @@ def repredict(store: Store, run_id: int, *, reference_run: int | None = None,
                                             config["dataset_items"], all_cores),
             "drift": {k: v for k, v in drift.items() if k != "by_config"} if drift else None,
             "predictions": [r for p in predictions for r in p.rows()]}
+
+
+def _device_components(passes: list[dict[str, Any]]) -> Components | None:
+    """The simple model as the predictor fits it (profiles, whole epochs and compute probes)."""
+    fitted = [p for p in passes if p.get("kind") in ("profile", "whole")
+              and p.get("status", "ok") == "ok"]
+    probes = [p for p in passes if p.get("kind") == "compute" and p.get("status", "ok") == "ok"]
+    if not fitted:
+        return None
+    try:
+        return fit_components(fitted, len(os.sched_getaffinity(0)), probes)
+    except UsageError:
+        return None
 
 
 def _device_drift(comps: Components, knobs: Knobs, measured: dict[str, dict[str, Any]],
