@@ -576,6 +576,19 @@ def test_a_device_drift_moves_an_epoch_through_its_compute_term_only() -> None:
     assert measured["first"]["drift_epoch"] == pytest.approx(compute_drift_scale(
         fitted.predict(knobs, "cold", items), drift, knobs.workers))
     assert "drift_epoch" not in measured["later"]
+    # The reference at another batch read the drift of a launch-bound step: reported, not
+    # applied to a GPU configuration's epochs; a stored run's label names that reference.
+    from infermux.train.run import _not_across_batches, _reference_of
+
+    beside = {"first": {"s": 1.0, "drift": 1.23, "drift_resolved": True}, "later": {"s": 1.0}}
+    _not_across_batches(beside)
+    assert applied_drift(beside["first"]) == 1.0 and beside["first"]["drift"] == 1.23
+    assert "drift_epoch" not in beside["later"]
+    ref = Knobs(batch=32, workers=2)
+    index = {ref.label: 0, knobs.label: 1}
+    assert _reference_of(f"reference {ref.label} (no figure at its batch)", index) == 0
+    assert _reference_of("compute probe b128 fp32", index) is None
+    assert _reference_of("reference b999 w1 (no figure at its batch)", index) is None
     # What the scores apply: the epoch's own scale where given, the drift where not, and 1
     # where the drift is within its noise.
     assert applied_drift({"drift": 1.3, "drift_resolved": True, "drift_epoch": 1.0}) == 1.0

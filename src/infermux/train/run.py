@@ -1036,6 +1036,9 @@ def _validate(setup: TrainSetup, report: PredictReport, validate: int | None,
         if comps is not None and basis and basis["kind"] == "compute":
             _device_drift(comps, configs[i], report.predictions[i].measured,
                           setup.dataset_items)
+        elif (setup.config.unit.startswith("cuda") and basis and basis["kind"] == "reference"
+              and configs[basis["config"]].batch != configs[i].batch):
+            _not_across_batches(report.predictions[i].measured)
     report.drift = _drift_summary(
         _basis_label([bases[i] for i in done]), [g["drift"] for g in series],
         [report.predictions[i].measured for i in done])
@@ -1173,12 +1176,14 @@ def repredict(store: Store, run_id: int, *, reference_run: int | None = None,
     if str(config.get("unit", "")).startswith("cuda") and drift:
         # As when the run was made: a compute probe's drift moves the compute term alone.
         comps = _device_components(profile + probes)
-        device = [i for i, got in drift.get("by_config", {}).items()
-                  if str(got.get("drift_probe", "")).startswith("compute probe")]
-        for i in device:
-            if comps is not None:
+        for i, got in drift.get("by_config", {}).items():
+            probe = str(got.get("drift_probe", ""))
+            if probe.startswith("compute probe") and comps is not None:
                 _device_drift(comps, configs[i], predictions[i].measured,
                               config["dataset_items"])
+            elif (ref := _reference_of(probe, index)) is not None \
+                    and configs[ref].batch != configs[i].batch:
+                _not_across_batches(predictions[i].measured)
         applied = [applied_drift(m) or 1.0 for p in predictions for m in p.measured.values()
                    if m.get("drift")]
         if applied:
@@ -1213,6 +1218,30 @@ def _device_components(passes: list[dict[str, Any]]) -> Components | None:
         return fit_components(fitted, len(os.sched_getaffinity(0)), probes)
     except UsageError:
         return None
+
+
+def _reference_of(probe: str, index: dict[str, int]) -> int | None:
+    """The configuration a stored drift probe's label names as the run's reference, if any.
+
+    `drift_basis` labels it `reference LABEL (no figure at its batch)`; `index`: label → config.
+    """
+    if not probe.startswith("reference "):
+        return None
+    return index.get(probe.removeprefix("reference ").rsplit(" (", 1)[0])
+
+
+def _not_across_batches(measured: dict[str, dict[str, Any]]) -> None:
+    """A GPU configuration's drift read on the reference at another batch: not applied.
+
+    It is reported, and its epochs get `drift_epoch` 1. A GPU's small-batch step (launch and
+    host bound) and its large one (device bound) do not move together: on H200 hosts the
+    batch-32 reference's drift did not describe batch-128 epochs (a correlation of -0.49 with
+    their errors), and scaling them by it turned 4.5 / 3.9% into 17.1 / 27.5%
+    (docs/architecture-train.md).
+    """
+    for fig in measured.values():
+        if fig.get("drift"):
+            fig["drift_epoch"] = 1.0
 
 
 def _device_drift(comps: Components, knobs: Knobs, measured: dict[str, dict[str, Any]],
