@@ -195,6 +195,7 @@ def test_server_arrivals_follow_the_requested_rate():
     assert rec.valid
 
 
+@pytest.mark.exclusive  # a rate held within p99 50 ms: timing, so not beside other tests
 def test_find_peak_reports_a_fraction_of_offline():
     report = run_plan(plan([tiny(replicas=[{"unit": "cpu:0", "batch": 8}])],
                            dispatcher={"max_queue_delay_ms": 2},
