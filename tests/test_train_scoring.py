@@ -566,9 +566,9 @@ def test_a_device_drift_moves_an_epoch_through_its_compute_term_only() -> None:
     assert compute_drift_scale(compute_bound, 1.3, 2) == pytest.approx((1.0 + 9.0 * 1.3) / 10.0)
     # A validated configuration's epochs get it from the model fitted as the predictor fits
     # it (what a GPU run does with its compute probe's drift); an epoch without a drift, none.
-    from infermux.train.run import _device_components, _device_drift
+    from infermux.train.run import _components, _device_drift
 
-    fitted = _device_components(passes)
+    fitted = _components(passes)
     assert fitted is not None
     knobs = Knobs(batch=128, workers=4)
     measured: dict[str, dict] = {"first": {"s": 1.0, "drift": drift}, "later": {"s": 1.0}}

@@ -116,7 +116,6 @@ class ServeMetrics:
         self._batch: dict[str, _Histogram] = {}
         self._busy_s: dict[str, float] = {}
         self._since = (time.perf_counter(), dict[str, float]())
-        self.registry.register(_Tallied(self))
         self.registry.register(_Collector(self))
 
     def _add(self, key: str, labels: tuple[str, ...], value: float) -> None:
@@ -197,56 +196,50 @@ class ServeMetrics:
         return generate_latest(self.registry)
 
 
-class _Tallied:
+def _tallied(m: ServeMetrics) -> Iterator[Any]:
     """The request, batch and worker tallies as Prometheus families, at scrape time."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-    def __init__(self, metrics: ServeMetrics) -> None:
-        self.m = metrics
-
-    def describe(self) -> list[Any]:
-        return []
-
-    def collect(self) -> Iterator[Any]:
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
-
-        m = self.m
-        with m._lock:
-            counts = {k: dict(v) for k, v in m._counts.items()}
-            latency = {k: (h.buckets(), h.total) for k, h in m._latency.items()}
-            sizes = {k: (h.buckets(), h.total) for k, h in m._batch.items()}
-            pending = dict(m._pending)
-        families: dict[str, CounterMetricFamily] = {}
-        for key, (name, doc, labels) in _COUNTERS.items():
-            fam = families[key] = CounterMetricFamily(name, doc, labels=list(labels))
-            for values, value in counts[key].items():
-                fam.add_metric(list(values), value)
-        yield from (families[k] for k in ("success", "failure", "count", "exec", "request_us",
-                                          "queue_us", "input_us", "infer_us", "output_us"))
-        waiting = GaugeMetricFamily("nv_inference_pending_request_count",
-                                    "Requests admitted and not yet answered",
-                                    labels=["model", "version"])
-        items = GaugeMetricFamily("infermux_items_in_flight",
-                                  "Items admitted and not yet answered (bounded by admission)",
-                                  labels=["model"])
-        for model, (requests, n) in pending.items():
-            waiting.add_metric([model, "1"], float(requests))
-            items.add_metric([model], float(n))
-        yield waiting
-        yield items
-        yield families["rejected"]
-        for name, doc, table in (
-                ("infermux_request_duration_seconds", "Request duration, admission to answer",
-                 latency),
-                ("infermux_batch_size", "Items per executed batch", sizes)):
-            histogram = HistogramMetricFamily(name, doc, labels=["model"])
-            for model, (buckets, total) in table.items():
-                histogram.add_metric([model], buckets, total)
-            yield histogram
-        yield from (families[k] for k in ("w_batches", "w_items", "w_busy"))
+    with m._lock:
+        counts = {k: dict(v) for k, v in m._counts.items()}
+        latency = {k: (h.buckets(), h.total) for k, h in m._latency.items()}
+        sizes = {k: (h.buckets(), h.total) for k, h in m._batch.items()}
+        pending = dict(m._pending)
+    families: dict[str, CounterMetricFamily] = {}
+    for key, (name, doc, labels) in _COUNTERS.items():
+        fam = families[key] = CounterMetricFamily(name, doc, labels=list(labels))
+        for values, value in counts[key].items():
+            fam.add_metric(list(values), value)
+    yield from (families[k] for k in ("success", "failure", "count", "exec", "request_us",
+                                      "queue_us", "input_us", "infer_us", "output_us"))
+    waiting = GaugeMetricFamily("nv_inference_pending_request_count",
+                                "Requests admitted and not yet answered",
+                                labels=["model", "version"])
+    items = GaugeMetricFamily("infermux_items_in_flight",
+                              "Items admitted and not yet answered (bounded by admission)",
+                              labels=["model"])
+    for model, (requests, n) in pending.items():
+        waiting.add_metric([model, "1"], float(requests))
+        items.add_metric([model], float(n))
+    yield waiting
+    yield items
+    yield families["rejected"]
+    for name, doc, table in (
+            ("infermux_request_duration_seconds", "Request duration, admission to answer",
+             latency),
+            ("infermux_batch_size", "Items per executed batch", sizes)):
+        histogram = HistogramMetricFamily(name, doc, labels=["model"])
+        for model, (buckets, total) in table.items():
+            histogram.add_metric([model], buckets, total)
+        yield histogram
+    yield from (families[k] for k in ("w_batches", "w_items", "w_busy"))
 
 
 class _Collector:
-    """Figures read at scrape time: worker liveness and utilisation, pipeline stages, hardware."""
+    """Everything `/metrics` writes, made at scrape time.
+
+    The tallies (`_tallied`), worker liveness and utilisation, pipeline stages, hardware.
+    """
 
     def __init__(self, metrics: ServeMetrics) -> None:
         self.m = metrics
@@ -257,6 +250,7 @@ class _Collector:
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+        yield from _tallied(self.m)
         rt = self.m.runtime
         alive = GaugeMetricFamily("infermux_worker_alive", "1 while a worker serves, 0 after "
                                   "it failed", labels=["worker", "unit", "model"])

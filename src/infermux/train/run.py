@@ -369,12 +369,16 @@ def estimated_share(knobs: Knobs, passes: list[dict[str, Any]], config: TrainCon
     return profile / epoch if epoch > 0 else None
 
 
-def _components(passes: list[dict[str, Any]]) -> Components | None:
-    """The simple model fitted on `passes`; None without passes it can be fitted on."""
+def _components(passes: list[dict[str, Any]], probes: list[dict[str, Any]] | None = None,
+                ) -> Components | None:
+    """The simple model fitted on `passes`; None without passes it can be fitted on.
+
+    `probes`: compute probes, fitted on as the predictor fits them.
+    """
     if not passes:
         return None
     try:
-        return fit_components(passes, len(os.sched_getaffinity(0)))
+        return fit_components(passes, len(os.sched_getaffinity(0)), probes)
     except UsageError:
         return None
 
@@ -1023,9 +1027,11 @@ def _validate(setup: TrainSetup, report: PredictReport, validate: int | None,
     # On a GPU a compute probe's drift is the device's: it moves an epoch through its compute
     # term only (`drift.compute_drift_scale`). A CPU's compute probe times the same cores its
     # loader and training process use, so there the whole epoch moves with it.
-    comps = (_device_components([r.as_data() for r in report.passes
-                                 if r.status == "ok" and r.result is not None])
-             if setup.config.unit.startswith("cuda") else None)
+    comps = None
+    if setup.config.unit.startswith("cuda"):
+        ok = [r.as_data() for r in report.passes if r.status == "ok" and r.result is not None]
+        comps = _components([d for d in ok if d["kind"] in ("profile", "whole")],
+                            [d for d in ok if d["kind"] == "compute"])
     for i in done:
         got = epoch_drift([series[x]["drift"] for x in around.get(i, []) if series[x]["drift"]])
         if got is None:
@@ -1175,7 +1181,7 @@ def repredict(store: Store, run_id: int, *, reference_run: int | None = None,
             **((drift or {}).get("by_config", {}).get(p["config"]) or {})}
     if str(config.get("unit", "")).startswith("cuda") and drift:
         # As when the run was made: a compute probe's drift moves the compute term alone.
-        comps = _device_components(profile + probes)
+        comps = _components(profile, probes)
         for i, got in drift.get("by_config", {}).items():
             probe = str(got.get("drift_probe", ""))
             if probe.startswith("compute probe") and comps is not None:
@@ -1205,19 +1211,6 @@ def repredict(store: Store, run_id: int, *, reference_run: int | None = None,
                                             config["dataset_items"], all_cores),
             "drift": {k: v for k, v in drift.items() if k != "by_config"} if drift else None,
             "predictions": [r for p in predictions for r in p.rows()]}
-
-
-def _device_components(passes: list[dict[str, Any]]) -> Components | None:
-    """The simple model as the predictor fits it (profiles, whole epochs and compute probes)."""
-    fitted = [p for p in passes if p.get("kind") in ("profile", "whole")
-              and p.get("status", "ok") == "ok"]
-    probes = [p for p in passes if p.get("kind") == "compute" and p.get("status", "ok") == "ok"]
-    if not fitted:
-        return None
-    try:
-        return fit_components(fitted, len(os.sched_getaffinity(0)), probes)
-    except UsageError:
-        return None
 
 
 def _reference_of(probe: str, index: dict[str, int]) -> int | None:
