@@ -18,11 +18,14 @@ innermost frames' shares, and the share with an infermux frame on the stack).
     python bench/serve_cores.py --device cpu --perf-analyzer PA --json cpu.json \
         --cases digits:2:32:32:1 --py-spy .venv/bin/py-spy
 
-A case is `model:fronts:concurrency:batch:instances[:async][:http][:triton[:np1]]` (`async`:
-perf_analyzer's `--async` mode instead of one thread per concurrent request; `http`: HTTP/REST
-instead of gRPC; `triton`: `--front triton`, Triton's server as the front with `fronts`
-instances per model, whose cores are counted as the fronts'; `np1`: its model instances on
-the numpy 1 of `--triton-python-path`).
+A case is `model:fronts:concurrency:batch:instances[:async][:http][:triton[:np1]][:asyncio][:age0]`
+(`async`: perf_analyzer's `--async` mode instead of one thread per concurrent request; `http`:
+HTTP/REST instead of gRPC; `triton`: `--front triton`, Triton's server as the front with
+`fronts` instances per model, whose cores are counted as the fronts'; `np1`: its model
+instances on the numpy 1 of `--triton-python-path`; `asyncio`: the server's processes on
+asyncio's own event loop, `--loop asyncio`, instead of uvloop; `age0`: `--connection-age 0`,
+gRPC connections left where they first landed, where `--connection-age AGE` has the other
+cases' servers re-place them on the least loaded front).
 """
 
 from __future__ import annotations
@@ -170,14 +173,20 @@ def _case(args: argparse.Namespace, spec: str, out: Path) -> dict[str, Any]:
     path = out / f"{model}-b{batch}x{instances}.json"
     path.write_text(json.dumps(plan))
     front = "triton" if "triton" in flags else "own"
-    extra = ["--front", front]
+    extra = ["--front", front, "--loop", "asyncio" if "asyncio" in flags else "auto"]
+    if "age0" in flags:
+        extra += ["--connection-age", "0"]
+    elif args.connection_age:
+        extra += ["--connection-age", args.connection_age]
     if "np1" in flags:
         if not args.triton_python_path:
             raise SystemExit(f"case {spec}: np1 needs --triton-python-path")
         extra += ["--triton-python-path", args.triton_python_path]
     server, ready = start_server(path, out, int(fronts), extra=extra,
                                  tag=f"-c{concurrency}-{mode}-{protocol}-{front}"
-                                     f"{'-np1' if 'np1' in flags else ''}")
+                                     f"{'-np1' if 'np1' in flags else ''}"
+                                     f"{'-asyncio' if 'asyncio' in flags else ''}"
+                                     f"{'-age0' if 'age0' in flags else ''}")
     name = plan["models"][0]["name"]
     cmd = [args.perf_analyzer, "-m", name, "-u", f"127.0.0.1:{ready[protocol + '_port']}",
            "-i", protocol,
@@ -232,6 +241,8 @@ def main() -> None:
                         "comma-separated")
     p.add_argument("--triton-python-path", help="a numpy<2 install, for the cases marked np1")
     p.add_argument("--py-spy", help="py-spy executable: the runtime process's lock share")
+    p.add_argument("--connection-age", help="serve's --connection-age for the cases not marked "
+                                            "age0 (e.g. 5s; default: serve's own)")
     args = p.parse_args()
     perf_analyzer_env(args.perf_analyzer)
     out = Path(args.json).resolve().parent / (Path(args.json).stem + "-logs")

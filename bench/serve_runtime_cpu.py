@@ -9,7 +9,8 @@ measurement, per request answered. With several `--src` trees (e.g. a worktree o
 commit) each round serves them one after another, so they are compared on one machine.
 `--py-spy PATH` samples the runtime process for 5 s of each measurement (`--gil`: only the
 thread holding the interpreter lock) and prints the shares per thread and frame; compare the
-CPU figures of runs without it.
+CPU figures of runs without it. `--module image` serves a one-input module instead (an 8×8
+image into a linear layer): the path ResNet50's requests take.
 
     python bench/serve_runtime_cpu.py --perf-analyzer /tmp/pa/opt/perf_analyzer \
         --src /tmp/base/src,src --rounds 2 --concurrency 64
@@ -58,6 +59,25 @@ def build():
     return Tokens()
 '''
 
+#: `--module image`: one small float input (digits-cnn's 8×8), one output: the path ResNet50's
+#: requests take, with the model's own work negligible.
+IMAGE_MODULE = '''
+import torch
+
+
+class Image(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(64, 10)
+
+    def forward(self, x):
+        return self.fc(x.flatten(1))
+
+
+def build():
+    return Image()
+'''
+
 
 def _one(src: str, folder: Path, args: argparse.Namespace) -> dict[str, Any]:
     env = dict(os.environ, PYTHONPATH=str(Path(src).resolve()))
@@ -72,12 +92,14 @@ def _one(src: str, folder: Path, args: argparse.Namespace) -> dict[str, Any]:
     if not line:
         raise SystemExit(f"the server of {src} did not start: see {folder / 'serve.log'}")
     ready = json.loads(line)
-    data = transformers_gpu.pa_input_data(ready["models"][0]["inputs"], 128, "tokens", folder)
+    image = args.module == "image"
+    data = ("random" if image else
+            transformers_gpu.pa_input_data(ready["models"][0]["inputs"], 128, "tokens", folder))
     cmd = [args.perf_analyzer, "-m", "m", "-u", f"127.0.0.1:{ready['grpc_port']}", "-i", "grpc",
            "--concurrency-range", f"{args.concurrency}:{args.concurrency}",
            "--measurement-interval", "6000", "--max-trials", "3", "--stability-percentage", "50",
            "--input-data", data]
-    for spec in ready["models"][0]["inputs"]:
+    for spec in [] if image else ready["models"][0]["inputs"]:
         cmd += ["--shape", f"{spec['name']}:128"]
     lib = Path(args.perf_analyzer).resolve().parent / "lib"
     client = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -110,16 +132,23 @@ def main() -> None:
     p.add_argument("--src", default="src", help="comma list of source trees to compare")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--module", choices=("tokens", "image"), default="tokens",
+                   help="three token inputs (BERT's path) or one small image (ResNet50's)")
     p.add_argument("--json", default=None)
     p.add_argument("--py-spy", help="py-spy executable: sample the runtime process for 5 s")
     p.add_argument("--gil", action="store_true", help="with --py-spy: only the lock's holder")
     args = p.parse_args()
     folder = Path(tempfile.mkdtemp(prefix="infermux-runtime-cpu-"))
-    (folder / "tokens_module.py").write_text(MODULE)
-    plan = {"name": "tokens", "models": [{"name": "m", "model": f"{folder}/tokens_module.py:build",
-            "seq_buckets": [128], "replicas": [{"unit": "cpu", "engine": "torch", "batch": 64,
-                                                "batch_buckets": [16, 32, 64]}]}],
-            "dispatcher": {"cpu_workers": "thread"}}
+    replicas = [{"unit": "cpu", "engine": "torch", "batch": 64, "batch_buckets": [16, 32, 64]}]
+    if args.module == "image":
+        (folder / "image_module.py").write_text(IMAGE_MODULE)
+        model = {"name": "m", "model": f"{folder}/image_module.py:build",
+                 "input_shape": [1, 8, 8], "replicas": replicas}
+    else:
+        (folder / "tokens_module.py").write_text(MODULE)
+        model = {"name": "m", "model": f"{folder}/tokens_module.py:build",
+                 "seq_buckets": [128], "replicas": replicas}
+    plan = {"name": args.module, "models": [model], "dispatcher": {"cpu_workers": "thread"}}
     (folder / "plan.json").write_text(json.dumps(plan))
     rows = []
     for k in range(args.rounds):

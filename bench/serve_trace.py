@@ -16,8 +16,9 @@ between stages for the requests of that row's window. One JSON file (`--json`).
 server, started once, in the order given). `--baseline-src DIR` (another checkout's `src/`)
 serves the same rows with that code first (last with `--baseline-after`), untraced unless
 `--trace-baseline`, for a before/after in one run. Each row also records the fronts' cores
-and, two seconds into the run, each front's client connections (the kernel spreads them by a
-hash of their addresses). On this 2-core machine, the served rows' gather before and after:
+and each front's client connections two seconds into the run (where the client's first burst
+landed), then at 8 and 14 s while the run lasts (once the server re-placed them: serve/steer.py).
+On this 2-core machine, the served rows' gather before and after:
 
     python bench/serve_trace.py --device cpu --cpu-workers thread --trace-baseline \
         --baseline-src /path/to/before/src --cases digits:2:16,digits:2:64,digits:2:128 \
@@ -78,9 +79,14 @@ def _split(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
 
 
 def _start(plan: Path, out: Path, fronts: int, trace: Path | None, src: str | None,
-           ) -> tuple[subprocess.Popen[str], dict[str, Any]]:
-    """The server, traced; or with the code of checkout `src`, untraced (a baseline)."""
+           connection_age: str | None = None) -> tuple[subprocess.Popen[str], dict[str, Any]]:
+    """The server, traced; or with the code of checkout `src`, untraced (a baseline).
+
+    `connection_age`: this tree's `--connection-age` (a baseline's serve may not know it).
+    """
     traced = ["--trace-requests", "8", "--trace-file", str(trace)] if trace else []
+    if connection_age and src is None:
+        traced += ["--connection-age", connection_age]
     # The checkout's `src/` replaces this one's on the path; the rest of it (where the serving
     # wheels were installed) stays.
     path = [p for p in ENV.get("PYTHONPATH", "").split(os.pathsep)
@@ -121,28 +127,36 @@ def _perf_analyzer(exe: str, port: int, model: str, concurrency: int, shm: str,
     return row
 
 
-def _count_connections(pids: list[int], port: int, after_s: float, into: dict[str, Any],
-                       ) -> threading.Thread:
-    """Count each front's client connections on `port`, `after_s` into a run (a thread).
+def _count_connections(pids: list[int], port: int, times_s: tuple[float, ...],
+                       into: dict[str, Any], stop: threading.Event) -> threading.Thread:
+    """Count each front's client connections on `port` at `times_s` into a run (a thread).
 
-    The kernel spreads connections over the fronts by a hash of their addresses, and a client
-    opens what it opens (perf_analyzer: about one per five concurrent requests), so a front's
-    share of the load is its share of the connections.
+    A client opens what it opens (perf_analyzer: about one per five concurrent requests), and
+    a front's share of the load is its share of the connections. The first count is where
+    the client's burst of connections landed (`connections_per_front`), the later ones where
+    they are once the server re-placed them (`--connection-age`; `connections_later`, one
+    list per time, taken only while the run lasts).
     """
     def count() -> None:
-        time.sleep(after_s)
         import psutil
 
-        counts = []
-        for pid in pids:
-            try:
-                conns = psutil.Process(pid).net_connections("tcp")
-            except psutil.Error:
-                counts.append(None)
-                continue
-            counts.append(sum(1 for c in conns
-                              if c.status == psutil.CONN_ESTABLISHED and c.laddr.port == port))
-        into["connections_per_front"] = counts
+        start = time.monotonic()
+        for k, at in enumerate(times_s):
+            if stop.wait(max(0.0, start + at - time.monotonic())):
+                return
+            counts = []
+            for pid in pids:
+                try:
+                    conns = psutil.Process(pid).net_connections("tcp")
+                except psutil.Error:
+                    counts.append(None)
+                    continue
+                counts.append(sum(1 for c in conns
+                                  if c.status == psutil.CONN_ESTABLISHED and c.laddr.port == port))
+            if k == 0:
+                into["connections_per_front"] = counts
+            else:
+                into.setdefault("connections_later", []).append(counts)
 
     thread = threading.Thread(target=count, daemon=True)
     thread.start()
@@ -160,6 +174,7 @@ def main() -> None:
                    help="perf_analyzer's measurement interval")
     p.add_argument("--perf-analyzer", help="path of perf_analyzer (its lib/ beside it is used)")
     p.add_argument("--wheels", help="folder of wheels to install the serve extra from, offline")
+    p.add_argument("--connection-age", help="this tree's serve --connection-age (e.g. 5s)")
     p.add_argument("--baseline-src", help="another checkout's src/ to serve the rows with first")
     p.add_argument("--baseline-after", action="store_true",
                    help="serve each case with this checkout first, then the baseline")
@@ -210,7 +225,7 @@ def main() -> None:
             work / f"trace-{name}-f{fronts}-{variant}.jsonl"
         print(f"{name} --fronts {fronts} ({variant}): starting", flush=True)
         try:
-            proc, ready = _start(plan_file, work, fronts, trace, src)
+            proc, ready = _start(plan_file, work, fronts, trace, src, args.connection_age)
         except RuntimeError as exc:
             report["servers"].append({"model": name, "fronts": fronts, "variant": variant,
                                       "error": str(exc)})
@@ -223,10 +238,13 @@ def main() -> None:
                 s0, t0 = _stats(ready["http_port"], model), time.perf_counter_ns()
                 cpu0 = [cpu_s([pid]) for pid in pids]
                 conns: dict[str, Any] = {}
-                counter = _count_connections(pids[1:], ready["grpc_port"], 2.0, conns)
+                done = threading.Event()
+                counter = _count_connections(pids[1:], ready["grpc_port"], (2.0, 8.0, 14.0),
+                                             conns, done)
                 row = _perf_analyzer(exe, ready["grpc_port"], model, c, args.shared_memory,
                                      args.interval_ms,
                                      work / f"{name}-f{fronts}-c{c}-{variant}.csv")
+                done.set()
                 counter.join()
                 row.update(conns)
                 t1 = time.perf_counter_ns()
@@ -242,7 +260,8 @@ def main() -> None:
                 windows.append((row, (t0, t1)))
                 figure = (f"{row['requests_per_s']:.0f} req/s, p99 {row['p99_ms']:.1f} ms, "
                           f"server {row['server']}, fronts' cores {cores[1:]}, connections "
-                          f"{row.get('connections_per_front')}" if "requests_per_s" in row
+                          f"{row.get('connections_per_front')} then "
+                          f"{row.get('connections_later')}" if "requests_per_s" in row
                           else f"failed: {row['error'][-200:]}")
                 print(f"  c{c}: {figure}", flush=True)
                 save()

@@ -592,7 +592,9 @@ def test_bad_serve_arguments_are_one_line(tmp_path: Path, net_file: Path) -> Non
     for args, words in ((["--http-port", "70000"], "--http-port 70000"),
                         (["--max-queue", "0"], "--max-queue 0"),
                         (["--max-restarts", "-1"], "--max-restarts -1"),
-                        (["--drain-timeout", "soon"], "--drain-timeout")):
+                        (["--drain-timeout", "soon"], "--drain-timeout"),
+                        (["--loop", "tokio"], "--loop 'tokio'"),
+                        (["--connection-age", "-5s"], "--connection-age")):
         done = subprocess.run([sys.executable, "-m", "infermux", "serve", str(plan), *args],
                               capture_output=True, text=True, env=env, timeout=60)
         assert done.returncode == 2, done.stderr

@@ -49,6 +49,8 @@ def serve_command(
     triton_python_path: Annotated[str | None, typer.Option("--triton-python-path", help="With --front triton: folders (':'-separated) first on the model instances' import path, e.g. one with numpy<2 (pip install --target DIR 'numpy<2'): Triton's stubs are built for numpy 1, and under numpy 2 each tensor crosses by DLPack, which costs more.")] = None,
     trace_requests: Annotated[int, typer.Option("--trace-requests", help="Trace every Nth request's stages (front, queue, gather, launch, answer) with one host clock, 1: every request, 0: off; the p50/p99 of each gap go in the summary (--json).")] = 0,
     trace_file: Annotated[str, typer.Option("--trace-file", help="Where --trace-requests writes its JSON lines (each front process adds FILE.<pid>).")] = "serve-trace.jsonl",
+    connection_age: Annotated[str, typer.Option("--connection-age", help="With --fronts: close a gRPC connection after about this long (GOAWAY; its calls finish, the client reconnects), so connections are re-placed on the least loaded front (e.g. 5s); 0 or off: never.")] = "0",
+    loop: Annotated[str, typer.Option("--loop", help="The event loop of the server's processes: auto (uvloop where installed), asyncio or uvloop.")] = "auto",
     cluster: Annotated[str | None, typer.Option("--cluster", help="Serve from a Ray cluster: ray://HOST:PORT, HOST:PORT, auto, or local:N. PLAN is a cluster plan, or a local plan run on every node; requests are routed to the nodes.")] = None,
     db: DbOpt = "infermux.db",
     no_store: Annotated[bool, typer.Option("--no-store", help="Do not write the results database.")] = False,
@@ -89,7 +91,9 @@ def serve_command(
         drain_timeout_s=parse_duration_s(drain_timeout, name="--drain-timeout"),
         telemetry_interval_s=interval, fronts=fronts, trace_requests=trace_requests,
         trace_path=trace_file, front=front, triton_home=triton_home,
-        triton_python_path=triton_python_path)
+        triton_python_path=triton_python_path, loop=loop,
+        connection_age_s=0.0 if connection_age.strip().lower() in ("0", "off") else
+        parse_duration_s(connection_age, name="--connection-age"))
     if cluster is None:
         settings.check_plan(plan)  # before anything is built
     store = None if no_store else open_store(db)

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from infermux.errors import UsageError
+from infermux.serve import loops
 from infermux.serve.core import DATATYPES, BatchSink, ProtocolError
 from infermux.serve.proxy import (
     DTYPE_CODES,
@@ -51,6 +52,7 @@ from infermux.serve.proxy import (
     frame,
 )
 from infermux.serve.shm import SHM_DIR, Segment, SlabLayout
+from infermux.serve.steer import Steering, listening_sockets
 
 __all__ = ["FrontHub", "default_fronts", "reuse_port_socket"]
 
@@ -105,7 +107,7 @@ def _layout(info: Any, fronts: int) -> SlabLayout:
 
 # -- the runtime process's side ---------------------------------------------------------------
 
-@dataclass
+@dataclass(eq=False)
 class _Generation:
     """One front process and what it was given: its link, its slabs, its requests in flight."""
 
@@ -130,6 +132,9 @@ class _Generation:
     #: model index → its slab's output region as rows (a model of one output), or None.
     outs: dict[int, Any] = field(default_factory=dict)
     started_s: float = field(default_factory=time.monotonic)
+    #: Its gRPC connections with calls lately, as it last reported (`Kind.PEERS`): its load,
+    #: as the steering of new connections reads it (serve/steer.py).
+    load: float = 0.0
 
 
 class FrontHub:
@@ -161,6 +166,10 @@ class FrontHub:
         self._watchers: list[asyncio.Task[None]] = []
         self._pusher: asyncio.Task[None] | None = None
         self.http_task: asyncio.Task[Any] | None = None
+        #: Which front's socket is at which index of the gRPC port's group (serve/steer.py);
+        #: None once a front opened other than one socket there (no index is known then).
+        self.steering: Steering | None = Steering() if count > 1 else None
+        self._steer: list[list[float]] | None = None
 
     def _slab_slots(self) -> list[int]:
         """Slots per model per front: its admission limit, scaled down to fit /dev/shm.
@@ -186,18 +195,29 @@ class FrontHub:
     # -- starting ---------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Start every front and wait until each listens."""
-        self.fronts = [await self._spawn(i) for i in range(self.count)]
+        """Start every front and wait until each listens.
+
+        The processes start together; they open the gRPC port one after another (`LISTEN`,
+        then wait for the front's READY), so the order of their sockets in the port's group is
+        known (serve/steer.py).
+        """
+        self.fronts = [await self._spawn(i, listen=False) for i in range(self.count)]
+
+        async def in_turn() -> None:
+            for gen in self.fronts:
+                if gen.link is not None:
+                    gen.link.send(Kind.LISTEN, b"")
+                await gen.ready.wait()
+
         try:
-            await asyncio.wait_for(asyncio.gather(*(g.ready.wait() for g in self.fronts)),
-                                   _START_TIMEOUT_S)
+            await asyncio.wait_for(in_turn(), _START_TIMEOUT_S)
         except asyncio.TimeoutError:
             raise UsageError(f"the {self.count} front processes did not start within "
                              f"{_START_TIMEOUT_S:.0f} s") from None
         self._pusher = asyncio.create_task(self._push_state())
         self.http_task = asyncio.create_task(self._stopped.wait())
 
-    async def _spawn(self, slot: int) -> _Generation:
+    async def _spawn(self, slot: int, *, listen: bool = True) -> _Generation:
         segments = [Segment.new(f"infermux-front{slot}-{m.name}", n * lay.slot_bytes)
                     for m, n, lay in zip(self.models, self.slots, self.layouts, strict=True)]
         gen = _Generation(slot, segments)
@@ -211,6 +231,8 @@ class FrontHub:
                 "http_port": self.http_port, "grpc_port": self.grpc_port,
                 "server_metadata": self.core.server_metadata()}
         ours.sendall(frame(Kind.INIT, pickle.dumps(init)))
+        if listen:  # a restarted front: its socket joins the group last, whenever it is ready
+            ours.sendall(frame(Kind.LISTEN, b""))
         ours.setblocking(False)
         _, gen.link = await loop.create_unix_connection(
             lambda: Link(functools.partial(self._on_frame, gen),
@@ -234,6 +256,9 @@ class FrontHub:
             return
         self.restarts += 1
         uptime_s = time.monotonic() - gen.started_s
+        if self.steering is not None:
+            self.steering.leave(gen)
+            self._resteer()
         self._retire(gen)
         # A front that dies at once again and again is not restarted in a tight loop.
         await asyncio.sleep(0.1 if uptime_s > 10 else min(5.0, 0.5 * self.restarts))
@@ -291,12 +316,22 @@ class FrontHub:
             self._frames.append((gen, requests, traces))
             if len(self._frames) == 1:
                 asyncio.get_running_loop().call_soon(self._submit_frames)
+        elif kind == Kind.PEERS:
+            gen.load = float(json.loads(payload)["connections"])
+            self._resteer()
         elif kind == Kind.REFUSED:
             for index, count in REFUSALS.iter_unpack(payload):
                 self.core.count_refused(self.models[index], count)
         elif kind == Kind.REGIONS:
             self._on_regions(gen, json.loads(payload))
         elif kind == Kind.READY:
+            listeners = json.loads(payload).get("grpc_listeners")
+            if self.steering is not None and listeners is not None:
+                if listeners == 1:
+                    self.steering.join(gen)
+                    self._resteer()
+                else:  # which socket is whose is not known: the kernel's hash alone
+                    self.steering = self._steer = None
             gen.ready.set()
             self._send_state(gen, self._state())
 
@@ -390,6 +425,22 @@ class FrontHub:
     def _send_state(gen: _Generation, state: bytes) -> None:
         if gen.link is not None:
             gen.link.send(Kind.STATE, state)
+
+    def _resteer(self) -> None:
+        """A front's load or the group changed: a new table, if it differs, to one front.
+
+        Any socket of the group attaches the group's program, so one front is told.
+        """
+        if self.steering is None or self._closing:
+            return
+        table = self.steering.table({g: g.load for g in self.steering.members})
+        if table is None or table == self._steer:
+            return
+        self._steer = table
+        for gen in self.steering.members:
+            if gen.link is not None:
+                gen.link.send(Kind.STEER, json.dumps(table).encode())
+                return
 
     async def _push_state(self) -> None:
         while True:
@@ -487,11 +538,14 @@ async def _front(sock: socket.socket, init: dict[str, Any], reader: FrameReader 
     settings = replace(settings, http_port=init["http_port"], grpc_port=init["grpc_port"])
     proxy = RuntimeProxy(init)
     drain = asyncio.Event()
+    listen = asyncio.Event()
     loop = asyncio.get_running_loop()
 
     def on_frame(kind: int, payload: bytes) -> None:
         if kind == Kind.DRAIN:
             drain.set()
+        elif kind == Kind.LISTEN:
+            listen.set()
         else:
             proxy.on_frame(kind, payload)
 
@@ -512,11 +566,22 @@ async def _front(sock: socket.socket, init: dict[str, Any], reader: FrameReader 
     server = InferenceServer(None, settings, backend=_no_backend)
     http_sock = reuse_port_socket(settings.host, settings.http_port, listen=True)
     http, http_task = await server._start_http(proxy, http_sock)
+    # The gRPC port is opened when the runtime process says so: the fronts join its group in
+    # a known order (serve/steer.py).
+    waiting = [asyncio.ensure_future(listen.wait()), asyncio.ensure_future(drain.wait())]
+    await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+    for task in waiting:
+        task.cancel()
     grpc_server, _ = await server._start_grpc(proxy)
-    link.send(Kind.READY, json.dumps({"pid": os.getpid()}).encode())
+    listeners = listening_sockets(settings.grpc_port)
+    proxy.steer_socket = listeners[0] if len(listeners) == 1 else None
+    link.send(Kind.READY, json.dumps({"pid": os.getpid(),
+                                      "grpc_listeners": len(listeners)}).encode())
     await drain.wait()
     left = await drain_fronts(proxy, http, http_task, grpc_server, settings.drain_timeout_s)
     http_sock.close()
+    for sock in listeners:
+        sock.close()
     proxy.close()
     return 0 if left == 0 else 1
 
@@ -531,7 +596,7 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     sock = socket.socket(fileno=int(argv[0]))
     init, reader, early = _read_init(sock)
-    return asyncio.run(_front(sock, init, reader, early))
+    return loops.run(_front(sock, init, reader, early), init["settings"].loop)
 
 
 if __name__ == "__main__":

@@ -54,6 +54,7 @@ _MAX_UNTAKEN_CALLS = 10000
 
 
 def server_options(max_message_bytes: int, *, reuse_port: bool = False,
+                   connection_age_s: float = 0.0, grace_s: float = 30.0,
                    ) -> list[tuple[str, int]]:
     """The grpc.aio server's options, each set on purpose rather than left to grpc's defaults.
 
@@ -70,7 +71,12 @@ def server_options(max_message_bytes: int, *, reuse_port: bool = False,
       window, not its whole message;
     - the listen backlog is the kernel's `somaxconn`, which grpc reads itself (no option);
     - the port shared (SO_REUSEPORT) only by front processes (`--fronts N`), so that a second
-      server on a taken port fails instead of splitting its connections.
+      server on a taken port fails instead of splitting its connections;
+    - with `connection_age_s` (front processes, `--connection-age`), a connection is sent
+      GOAWAY after that long (grpc jitters it by ±10%), its calls in flight get `grace_s` to
+      finish, and the client reconnects: the new connection is placed by the steering of that
+      moment (serve/steer.py), so connections made while the fronts' loads were unknown (a
+      client's first burst) do not stay where the kernel's hash put them.
     """
     return [
         ("grpc.max_receive_message_length", max_message_bytes),
@@ -86,16 +92,22 @@ def server_options(max_message_bytes: int, *, reuse_port: bool = False,
         ("grpc.server.max_pending_requests", _MAX_UNTAKEN_CALLS),
         ("grpc.server.max_pending_requests_hard_limit", _MAX_UNTAKEN_CALLS),
         ("grpc.so_reuseport", int(reuse_port)),
+        *([("grpc.max_connection_age_ms", round(connection_age_s * 1000)),
+           ("grpc.max_connection_age_grace_ms", round(grace_s * 1000))]
+          if connection_age_s > 0 else []),
     ]
 
 
 def build_grpc_server(core: InferenceCore, address: str, *, api_key: str | None = None,
                       max_message_bytes: int = 64 << 20, reuse_port: bool = False,
+                      connection_age_s: float = 0.0, grace_s: float = 30.0,
                       ) -> tuple[Any, int]:
     """A grpc.aio server with the service added, bound to `address`; (server, port)."""
     import grpc
 
-    server = grpc.aio.server(options=server_options(max_message_bytes, reuse_port=reuse_port))
+    server = grpc.aio.server(options=server_options(
+        max_message_bytes, reuse_port=reuse_port, connection_age_s=connection_age_s,
+        grace_s=grace_s))
     _add_service(server, _Service(core, api_key))
     port = server.add_insecure_port(address)
     return server, port
@@ -245,6 +257,9 @@ class _Service(_servicer_base()):  # type: ignore[misc]
         self.api_key = api_key
         self.pb = service_pb2
         self.config_pb = model_config_pb2
+        #: A front process's record of the connections its calls come on
+        #: (`RuntimeProxy.saw_peer`: the steering's load), or None in the server process.
+        self._saw_peer: Any = getattr(core, "saw_peer", None)
 
     async def _abort(self, context: Any, exc: ProtocolError) -> None:
         import grpc
@@ -355,6 +370,8 @@ class _Service(_servicer_base()):  # type: ignore[misc]
         not taken in time are reset by grpc (REFUSED_STREAM past a connection's stream limit,
         CANCELLED after 30 s), never counted, and carry no `retry-after`.
         """
+        if self._saw_peer is not None:
+            self._saw_peer(context.peer())
         try:
             self._check_key(context)
             if isinstance(request, Undecodable):

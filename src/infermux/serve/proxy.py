@@ -22,7 +22,9 @@ import dataclasses
 import itertools
 import json
 import os
+import socket
 import struct
+import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -32,6 +34,7 @@ import numpy as np
 
 from infermux.serve.core import ModelInfo, ProtocolError, find_model
 from infermux.serve.shm import Segment, SharedMemoryRegions, SlabLayout, SlotAllocator
+from infermux.serve.steer import attach, program
 from infermux.serve.trace import RequestTrace
 
 __all__ = [
@@ -48,6 +51,10 @@ __all__ = [
 
 #: How often the runtime process pushes readiness and statistics to the fronts.
 STATE_PERIOD_S = 0.1
+#: A front counts a gRPC connection as its load while calls came on it within this many state
+#: periods (0.1–0.2 s). Longer, a front that has just lost connections to their age still
+#: counts them while their clients reconnect, and the steering sends the new ones elsewhere.
+PEER_TICKS = 2
 _HEADER = struct.Struct("<IB")
 #: A request's descriptor: id, model index, input dtype code, first slot, items, sequence
 #: length (a model of several inputs with a sequence dim; else 0).
@@ -75,6 +82,9 @@ class Kind:
     SHAPED = 11   # runtime → front: JSON [[id, [shape of each output's item]], ...] answered
     #               (models of several inputs: the shapes follow the request's length)
     HELLO = 12    # Triton model instance → runtime: JSON {model, pid}, its first frame
+    LISTEN = 13   # runtime → front: open the gRPC port now (the fronts join its group in turn)
+    PEERS = 14    # front → runtime: JSON {connections}: gRPC connections with calls lately
+    STEER = 15    # runtime → front: JSON [[socket index, share], ...] to attach to the group
 
 
 def frame(kind: int, payload: bytes | bytearray) -> bytes:
@@ -216,6 +226,13 @@ class RuntimeProxy:
                                       settings.trace_requests)
         #: Traced records whose descriptors are in `_batch`, not yet sent.
         self._tracing: list[dict[str, int]] = []
+        #: The gRPC connections this front's inference calls came on: peer → `tick` (the
+        #: STATE frames so far) when last seen; the front's load, as the steering counts it.
+        self.peers: dict[str, int] = {}
+        self.tick = 0
+        #: This front's socket in the gRPC port's group, to attach the steering's programs to
+        #: (serve/steer.py); None: not steered.
+        self.steer_socket: socket.socket | None = None
 
     # -- what the handlers read -------------------------------------------------------------------
 
@@ -373,6 +390,37 @@ class RuntimeProxy:
             for name, (_, _, stats) in state["models"].items():
                 if name in self.models:
                     self.models[name].remote_statistics = stats
+            self.tick += 1
+            recent = self.tick - PEER_TICKS
+            for peer in [p for p, t in self.peers.items() if t < recent]:
+                del self.peers[peer]
+            self._report_peers()
+        elif kind == Kind.STEER:
+            self._steer(json.loads(payload))
+
+    def saw_peer(self, peer: str) -> None:
+        """An inference call came on connection `peer`; a new one is reported at once."""
+        known = peer in self.peers
+        self.peers[peer] = self.tick
+        if not known:
+            self._report_peers()
+
+    def _report_peers(self) -> None:
+        if self.link is not None:
+            self.link.send(Kind.PEERS, json.dumps({"connections": len(self.peers)}).encode())
+
+    def _steer(self, table: list[list[float]]) -> None:
+        """Attach the steering table's program to the gRPC port's group (serve/steer.py)."""
+        if self.steer_socket is None or not table:
+            return
+        try:
+            attach(self.steer_socket, program([int(i) for i, _ in table],
+                                              [w for _, w in table]))
+        except OSError as exc:  # a kernel without it: the hash alone, said once
+            print(f"infermux front {os.getpid()}: new gRPC connections are spread by the "
+                  f"kernel's hash only: SO_ATTACH_REUSEPORT_CBPF failed ({exc})",
+                  file=sys.stderr)
+            self.steer_socket = None
 
     def _done(self, rid: int, shapes: list[tuple[int, ...]] | None) -> None:
         """Request `rid` was answered: its outputs (of `shapes`) are in its slots."""

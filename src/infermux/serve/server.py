@@ -30,6 +30,8 @@ from typing import TYPE_CHECKING, Any
 
 from infermux.errors import UsageError
 from infermux.runtime.plan import Plan
+from infermux.serve import loops
+from infermux.serve.loops import loop_factory
 from infermux.store import Store
 
 if TYPE_CHECKING:
@@ -154,8 +156,19 @@ class ServeSettings:
     #: (the runtime's lines) and `trace_path.<pid>` (each front process's).
     trace_requests: int = 0
     trace_path: str = "serve-trace.jsonl"
+    #: The event loop of the server's processes (serve/loops.py): auto (uvloop where
+    #: installed), asyncio or uvloop.
+    loop: str = "auto"
+    #: With front processes: a gRPC connection is closed (GOAWAY, its calls finished) after
+    #: about this long, and the client's new one placed on the least loaded front
+    #: (serve/steer.py); 0: never (the default: no gain was shown, docs/architecture-serve.md).
+    connection_age_s: float = 0.0
 
     def __post_init__(self) -> None:
+        loop_factory(self.loop)  # a bad or missing loop fails before anything starts
+        if self.connection_age_s < 0:
+            raise UsageError(f"--connection-age {self.connection_age_s}s must not be negative "
+                             "(0 or off: never)")
         for flag, port in (("--http-port", self.http_port), ("--grpc-port", self.grpc_port),
                            ("--metrics-port", self.metrics_port)):
             if not 0 <= port <= 65535:
@@ -480,7 +493,10 @@ class InferenceServer:
             server, port = build_grpc_server(core, f"{_grpc_host(s.host)}:{s.grpc_port}",
                                              api_key=s.api_key,
                                              max_message_bytes=body_limit(core, binary=True),
-                                             reuse_port=(s.fronts or 0) > 1)
+                                             reuse_port=(s.fronts or 0) > 1,
+                                             connection_age_s=s.connection_age_s
+                                             if (s.fronts or 0) > 1 else 0.0,
+                                             grace_s=max(1.0, s.drain_timeout_s))
         except RuntimeError as exc:
             raise UsageError(f"--grpc-port {s.grpc_port} on {s.host} cannot be bound ({exc}): "
                              "is it in use? pass another port, or 0 for any free one") from None
@@ -701,6 +717,6 @@ def serve_plan(plan: Plan | None, settings: ServeSettings | None = None, *,
     previous = sys.getswitchinterval()
     sys.setswitchinterval(min(previous, SWITCH_INTERVAL_S))
     try:
-        return asyncio.run(main())
+        return loops.run(main(), server.settings.loop)
     finally:
         sys.setswitchinterval(previous)
