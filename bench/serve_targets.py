@@ -11,6 +11,7 @@ Both figures of the CPU targets, side by side in one run of a few minutes:
    infermux's best throughput within KServe's p99 at KServe's best throughput over gRPC
    against that best (target ≥ 1.5).
 
+`--loop asyncio,auto` serves the plan twice, on asyncio's loop and on uvloop, in turns too.
 The plan is bench/serve_cpu.py's (mobilenet_v3_small, ONNX Runtime on `cpu:1` at batch 4, a
 2 ms queue delay; the server's fronts on core 0). The load average before and after is in the
 report: on a shared machine the figures move with it.
@@ -57,6 +58,8 @@ def main() -> None:
     p.add_argument("--front", default="own",
                    help="infermux's front: own, triton, or own,triton (each served, in turns)")
     p.add_argument("--triton-python-path", help="--front triton: a numpy<2 install")
+    p.add_argument("--loop", default="auto",
+                   help="serve's --loop: auto, asyncio, or a list (each served, in turns)")
     args = p.parse_args()
     started = time.monotonic()
     out = Path(tempfile.mkdtemp(prefix="serve-targets-"))
@@ -71,12 +74,14 @@ def main() -> None:
     servers: dict[str, tuple[Any, dict[str, int]]] = {}
     try:
         for front in args.front.split(","):
-            extra = ["--front", front]
-            if front == "triton" and args.triton_python_path:
-                extra += ["--triton-python-path", args.triton_python_path]
-            proc, ready = start_server(plan, out, extra)
-            name = "infermux" if front == "own" else f"infermux-{front}"
-            servers[name] = (proc, {pr: ready[f"{pr}_port"] for pr in ("http", "grpc")})
+            for loop in args.loop.split(","):
+                extra = ["--front", front, "--loop", loop]
+                if front == "triton" and args.triton_python_path:
+                    extra += ["--triton-python-path", args.triton_python_path]
+                proc, ready = start_server(plan, out, extra)
+                name = "-".join(["infermux", *([front] if front != "own" else []),
+                                 *([loop] if loop != "auto" else [])])
+                servers[name] = (proc, {pr: ready[f"{pr}_port"] for pr in ("http", "grpc")})
         if args.peer_python:
             peer, ports = start_peer(args.peer_python, args, out, 1, "unit")
             servers["kserve"] = (peer, {"http": ports[0], "grpc": ports[1]})
