@@ -4,8 +4,8 @@ Front processes share the gRPC port through SO_REUSEPORT, and the kernel hands e
 connection to one of their listening sockets by a hash of its addresses and ports. A gRPC
 client multiplexes many calls over few connections (perf_analyzer opens about one per five
 concurrent requests), so the hash's spread is the load's: at concurrency 64 eight fronts held
-twelve connections as `[2, 0, 0, 3, 1, 3, 2, 1]`, the busiest front ran out of its one core
-while others idled, and that front's queue set the served p99 (docs/benchmarks.md).
+twelve connections as `[2, 0, 0, 3, 1, 3, 2, 1]`, and each front's cores followed its count,
+the busiest near one core of its own while others idled (docs/benchmarks.md).
 
 A socket of a SO_REUSEPORT group may carry a classic BPF program that picks the group's
 socket for each new connection (`SO_ATTACH_REUSEPORT_CBPF`, Linux 4.5; no privilege needed,
