@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import os
+import signal
 import socket
 import sys
 import threading
@@ -144,6 +145,43 @@ def _front_of(srv: Server, local_port: int) -> int:
     raise AssertionError(f"no front holds the connection from port {local_port}")
 
 
+def _steered_away_from_busy(srv: Server, clients: int = 5) -> tuple[int, list[int]]:
+    """A client kept busy, then `clients` fresh ones a second apart: (busy front, theirs)."""
+    grpc_port = srv.ready["grpc_port"]
+    stop = threading.Event()
+    failures: list[BaseException] = []
+    busy = _client(srv)
+    _infer(busy)
+    (busy_port,) = _mine(grpc_port)
+    busy_front = _front_of(srv, busy_port)
+
+    def keep_busy() -> None:
+        try:
+            while not stop.is_set():
+                _infer(busy)
+        except BaseException as exc:  # noqa: BLE001 - reported by the caller
+            failures.append(exc)
+
+    thread = threading.Thread(target=keep_busy)
+    thread.start()
+    fronts = []
+    try:
+        for _ in range(clients):
+            time.sleep(1.0)
+            before = _mine(grpc_port)
+            client = _client(srv)
+            _infer(client)
+            (port,) = _mine(grpc_port) - before
+            fronts.append(_front_of(srv, port))
+            client.close()
+    finally:
+        stop.set()
+        thread.join(30)
+        busy.close()
+    assert not failures, failures
+    return busy_front, fronts
+
+
 @pytest.fixture
 def net_file(tmp_path: Path) -> Path:
     path = tmp_path / "net.py"
@@ -154,44 +192,12 @@ def net_file(tmp_path: Path) -> Path:
 def test_new_connections_go_to_the_front_the_busy_client_is_not_on(net_file: Path) -> None:
     srv = Server(net_file.parent, _plan("steer", f"{net_file}:build"), "--fronts", "2",
                  "--connection-age", "0")
-    stop = threading.Event()
-    failures: list[BaseException] = []
-    thread: threading.Thread | None = None
     try:
-        grpc_port = srv.ready["grpc_port"]
-        busy = _client(srv)
-        _infer(busy)
-        (busy_port,) = _mine(grpc_port)
-        busy_front = _front_of(srv, busy_port)
-
-        def keep_busy() -> None:
-            try:
-                while not stop.is_set():
-                    _infer(busy)
-            except BaseException as exc:  # noqa: BLE001 - reported by the test
-                failures.append(exc)
-
-        thread = threading.Thread(target=keep_busy)
-        thread.start()
-        fronts = []
-        for _ in range(5):
-            # A front counts a connection as its load for 0.2-0.3 s after its last call, and
-            # reports every 0.1 s: each new client finds the one before forgotten.
-            time.sleep(1.0)
-            before = _mine(grpc_port)
-            client = _client(srv)
-            _infer(client)
-            (port,) = _mine(grpc_port) - before
-            fronts.append(_front_of(srv, port))
-            client.close()
+        busy_front, fronts = _steered_away_from_busy(srv)
         # By the kernel's hash alone, all five would miss the busy front 1 time in 32.
         assert busy_front not in fronts, (busy_front, fronts)
     finally:
-        stop.set()
-        if thread is not None:
-            thread.join(30)
         code, out = srv.stop()
-    assert not failures, failures
     assert code == 0, out
 
 
@@ -229,3 +235,30 @@ def test_a_front_finds_its_own_listening_socket_once() -> None:
         os.close(dup)
         other.close()
         socks[0].close()
+
+
+def test_steering_follows_the_group_after_a_front_is_restarted(net_file: Path) -> None:
+    """The first front's socket leaves the group; the kernel moves the last into its place.
+
+    Three fronts at indices [0, 1, 2]; the one at 0 is killed, so the group is [2, 1] and the
+    restarted front joins as [2, 1, 0']. A picture that only dropped the dead socket ([1, 2,
+    0']) would steer away from the wrong front whenever the busy client is on front 1 or 2.
+    """
+    srv = Server(net_file.parent, _plan("restart", f"{net_file}:build"), "--fronts", "3",
+                 "--connection-age", "0")
+    try:
+        victim = srv.ready["front_pids"][0]  # the first to open the port: index 0
+        os.kill(victim, signal.SIGKILL)
+        deadline = time.monotonic() + 90
+        while True:
+            now = _front_pids(srv.proc.pid)
+            if len(now) == 3 and victim not in now:
+                break
+            assert time.monotonic() < deadline, f"the front was not restarted: {now}"
+            time.sleep(0.2)
+        time.sleep(2.0)  # its gRPC port opened and READY sent
+        busy_front, fronts = _steered_away_from_busy(srv)
+        assert busy_front not in fronts, (busy_front, fronts)
+    finally:
+        code, out = srv.stop()
+    assert code == 0, out
