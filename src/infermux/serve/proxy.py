@@ -406,7 +406,7 @@ class RuntimeProxy:
             self._report_peers()
 
     def _report_peers(self) -> None:
-        if self.link is not None:
+        if self.link is not None and self.steer_socket is not None:  # only a steered front's
             self.link.send(Kind.PEERS, json.dumps({"connections": len(self.peers)}).encode())
 
     def _steer(self, table: list[list[float]]) -> None:

@@ -68,8 +68,8 @@ def weights(loads: Sequence[float]) -> list[float]:
     """Each front's share of new connections, from its load (its connections with calls).
 
     The fronts with the fewest share alike, the others get none. Each front reports a new
-    connection the moment its first call arrives, and a new table is attached within a few
-    milliseconds, so connections made one after another (the server's own re-placing, spread
+    connection the moment its first call arrives, and the runtime process sends a new table
+    on that report, so connections made one after another (the server's own re-placing, spread
     over `--connection-age`'s jitter) each go to the front with fewest at that moment. A burst
     faster than that (a client's first connections) is drawn at random among those fronts,
     as the kernel's hash would, and re-placed as the connections age.

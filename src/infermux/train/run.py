@@ -1039,12 +1039,9 @@ def _validate(setup: TrainSetup, report: PredictReport, validate: int | None,
         basis = bases[i]
         for fig in report.predictions[i].measured.values():
             fig.update(got, drift_probe=basis["label"] if basis else None)
-        if comps is not None and basis and basis["kind"] == "compute":
-            _device_drift(comps, configs[i], report.predictions[i].measured,
-                          setup.dataset_items)
-        elif (setup.config.unit.startswith("cuda") and basis and basis["kind"] == "reference"
-              and configs[basis["config"]].batch != configs[i].batch):
-            _not_across_batches(report.predictions[i].measured)
+        if setup.config.unit.startswith("cuda") and basis:
+            _gpu_drift(comps, configs, i, report.predictions[i].measured, setup.dataset_items,
+                       basis["kind"], basis["config"])
     report.drift = _drift_summary(
         _basis_label([bases[i] for i in done]), [g["drift"] for g in series],
         [report.predictions[i].measured for i in done])
@@ -1184,12 +1181,11 @@ def repredict(store: Store, run_id: int, *, reference_run: int | None = None,
         comps = _components(profile, probes)
         for i, got in drift.get("by_config", {}).items():
             probe = str(got.get("drift_probe", ""))
-            if probe.startswith("compute probe") and comps is not None:
-                _device_drift(comps, configs[i], predictions[i].measured,
-                              config["dataset_items"])
-            elif (ref := _reference_of(probe, index)) is not None \
-                    and configs[ref].batch != configs[i].batch:
-                _not_across_batches(predictions[i].measured)
+            ref = _reference_of(probe, index)
+            kind = ("compute" if probe.startswith("compute probe")
+                    else "reference" if ref is not None else "")
+            _gpu_drift(comps, configs, i, predictions[i].measured, config["dataset_items"],
+                       kind, ref)
         applied = [applied_drift(m) or 1.0 for p in predictions for m in p.measured.values()
                    if m.get("drift")]
         if applied:
@@ -1211,6 +1207,22 @@ def repredict(store: Store, run_id: int, *, reference_run: int | None = None,
                                             config["dataset_items"], all_cores),
             "drift": {k: v for k, v in drift.items() if k != "by_config"} if drift else None,
             "predictions": [r for p in predictions for r in p.rows()]}
+
+
+def _gpu_drift(comps: Components | None, configs: list[Knobs], i: int,
+               measured: dict[str, dict[str, Any]], items: int, kind: str,
+               basis_config: int | None) -> None:
+    """On a GPU, what configuration `i`'s drift (read on a basis of `kind`) moves its epochs by.
+
+    A compute probe's drift moves them through the compute term only (`_device_drift`); the
+    reference's drift at another batch is reported, not applied (`_not_across_batches`); any
+    other drift moves the whole epoch. For a run as it is made and a stored run read again.
+    """
+    if kind == "compute" and comps is not None:
+        _device_drift(comps, configs[i], measured, items)
+    elif (kind == "reference" and basis_config is not None
+          and configs[basis_config].batch != configs[i].batch):
+        _not_across_batches(measured)
 
 
 def _reference_of(probe: str, index: dict[str, int]) -> int | None:
