@@ -15,9 +15,10 @@ perf_analyzer: `--perf-analyzer PATH` (its lib/ folder, if beside it, goes on th
 path), else `perf_analyzer` on PATH or in the venv (`make perf-analyzer`); without it the
 load comes from bench/serve_load.py (no shared memory then).
 
-The ResNet50 plan is what `infermux tune -m resnet50 --units cuda:0/fp16 --scenario server
---p99 15ms` chose on an H100 (docs/benchmarks.md): torch b64 x2, `compile: default`, pow2
-buckets.
+The ResNet50 plan (`resnet50`) is what `infermux tune -m resnet50 --units cuda:0/fp16 --scenario
+server --p99 15ms` chose on an H100 (docs/benchmarks.md): torch b64 x2, `compile: default`, pow2
+buckets. `resnet50x4` is the shape the server tune writes since it measures its candidates'
+peaks shortest latency first: b32 x4, the same offline rate with four workers taking turns.
 """
 
 from __future__ import annotations
@@ -53,6 +54,16 @@ def plans(device: str) -> dict[str, dict[str, Any]]:
             "models": [{"name": "resnet50", "model": "resnet50", "replicas": [
                 {"unit": "cuda:0/fp16" if gpu else "cpu:0", "engine": "torch", "instances": 2,
                  "batch": 64 if gpu else 8, "batch_buckets": "pow2",
+                 "options": {"compile": "default"} if gpu else {}}]}],
+            "dispatcher": {"max_queue_delay_ms": 2.0}, "load": _LOAD},
+        # The shape the server tune writes where its find-peaks measure it (b32 x4: four
+        # workers taking turns, docs/benchmarks.md "two plan shapes side by side").
+        "resnet50x4": {
+            "name": "resnet50-server-x4",
+            "models": [{"name": "resnet50", "model": "resnet50", "replicas": [
+                {"unit": "cuda:0/fp16" if gpu else "cpu:0", "engine": "torch",
+                 "instances": 4 if gpu else 2, "batch": 32 if gpu else 8,
+                 "batch_buckets": "pow2",
                  "options": {"compile": "default"} if gpu else {}}]}],
             "dispatcher": {"max_queue_delay_ms": 2.0}, "load": _LOAD},
         "digits": {

@@ -194,3 +194,52 @@ def test_short_epochs_are_said_once_which_rule_could_not_hold_and_why() -> None:
     assert "47–188 minibatches an epoch at batch 32,128" in line
     assert "needs 8–14 where the rule leaves 2–11" in line
     assert short_epoch_line(configs, 200_000, 0.1) is None
+
+
+class _SlowItems:
+    """Items that take `delay_s` each to load (a probe's first batch, decoded in the process)."""
+
+    def __init__(self, count: int, delay_s: float) -> None:
+        self.count, self.delay_s = count, delay_s
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index: int) -> tuple[object, int]:
+        import time
+
+        import torch
+
+        time.sleep(self.delay_s)
+        return torch.zeros(3, 4, 4), index
+
+
+def _probe_steps(max_steps_time: float | None, times: int = 3) -> tuple[int, float]:
+    """A probe's minibatches and wall time: a first batch loading 0.1 s, 10 ms a minibatch."""
+    import time
+
+    import torch
+
+    from infermux.train.profile import _Repeated
+
+    loader = torch.utils.data.DataLoader(_SlowItems(4, 0.025), batch_size=4)
+    began = time.perf_counter()
+    steps = 0
+    for _ in _Repeated(loader, times, min_s=30.0, max_times=60,
+                       max_steps_time=max_steps_time):
+        time.sleep(0.01)
+        steps += 1
+    return steps, time.perf_counter() - began
+
+
+def test_a_probe_s_power_read_stops_at_its_share_of_the_rule_counted_in_time() -> None:
+    """A power read would run the probe to its count (60 minibatches, 30 s not reached); held
+    to 20 of its own minibatches in time, the first batch's 0.1 s of loading counts, so it
+    stops near 0.2 s after about ten, where a count of 20 would have run 0.3 s. The first
+    `times` minibatches run whatever the share."""
+    unbounded, _ = _probe_steps(None)
+    assert unbounded == 60
+    steps, wall = _probe_steps(20.0)
+    assert 4 <= steps <= 15
+    assert wall < 0.3
+    assert _probe_steps(1.0, times=3)[0] == 3

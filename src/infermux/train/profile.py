@@ -525,6 +525,7 @@ def measure_configs(setup: TrainSetup, configs: list[Knobs], *, kind: str = "pro
 def measure_compute(setup: TrainSetup, knobs: Knobs, index: int,
                     steps: int = COMPUTE_PROBE_STEPS, *, kind: str = "compute",
                     power_s: float = 0.0, max_steps: int | None = None,
+                    max_steps_time: float | None = None,
                     extra: dict[str, Any] | None = None) -> PassRecord:
     """A compute probe: `steps` minibatches of `knobs`' batch and precision, no loader workers.
 
@@ -541,7 +542,11 @@ def measure_compute(setup: TrainSetup, knobs: Knobs, index: int,
     stepping the same batch until its minibatches after the first have lasted this long (at
     most `max_steps` minibatches in all), so its mean power at this batch is a counter's read
     over a few sampler intervals, not one (`extra["power_w"]`, the minibatches after the first:
-    the first holds the batch's loading). `kind`: `drift:N` for a validated configuration's
+    the first holds the batch's loading). `max_steps_time`: no minibatch past the first `steps`
+    starts once the probe, its start and first batch's loading included, has lasted that many
+    of its own minibatches (`_Repeated`): its share of the rule's cost held in time, where a
+    count of minibatches alone left the loading out (a GPU run's probes overran the rule's
+    total by up to 8%). `kind`: `drift:N` for a validated configuration's
     drift probe (`run._validate`), never fitted on.
     """
     if (knobs.precision, knobs.batch) not in setup.warmed:
@@ -561,6 +566,7 @@ def measure_compute(setup: TrainSetup, knobs: Knobs, index: int,
                                        indices=_subset(items, min(items, knobs.batch),
                                                        setup.config.seed + index)), steps,
                            min_s=power_s, max_times=max(steps, max_steps or steps),
+                           max_steps_time=max_steps_time,
                            # A counter read where the power window starts: the window is
                            # then between two reads, none interpolated from before it.
                            on_repeat=setup.sampler.flush
@@ -618,14 +624,20 @@ class _Repeated:
     """A loader's first batch, then the same tensors `times` − 1 times more (no load timing).
 
     With `min_s`, the repeats go on (up to `max_times` in all) until those after the first
-    have lasted that long: a probe's power window.
+    have lasted that long: a probe's power window. With `max_steps_time`, no repeat past the
+    first `times` starts once the whole, the first batch's loading included, has lasted that
+    many of its own repeats (their mean so far): the probe's share of the rule's cost in
+    minibatches, counted in time. An epoch's minibatch at this batch is no shorter than a
+    repeat (the same compute, and a loader's or its fetch's time besides), so the probe's time
+    over its epoch's is then at most that share.
     """
 
     def __init__(self, loader: Any, times: int, *, min_s: float = 0.0,
-                 max_times: int | None = None,
+                 max_times: int | None = None, max_steps_time: float | None = None,
                  on_repeat: Callable[[], Any] | None = None) -> None:
         self.loader, self.times = loader, times
         self.min_s, self.max_times = min_s, max(times, max_times or times)
+        self.max_steps_time = max_steps_time
         self.on_repeat = on_repeat
         self.pin_memory = getattr(loader, "pin_memory", False)
         self.batch_size = getattr(loader, "batch_size", None)
@@ -633,6 +645,7 @@ class _Repeated:
     def __iter__(self) -> Iterator[Any]:
         import torch
 
+        began = time.perf_counter()
         batch = next(iter(self.loader))
         yield batch
         x, y, *rest = batch
@@ -642,10 +655,18 @@ class _Repeated:
         t0 = time.perf_counter()
         n = 1
         while n < self.times or (n < self.max_times
-                                 and time.perf_counter() - t0 < self.min_s):
+                                 and time.perf_counter() - t0 < self.min_s
+                                 and not self._over(began, t0, n)):
             # The items were loaded once: the repeats carry no loading time of their own.
             yield (x, y, torch.zeros_like(rest[0])) if rest else (x, y)
             n += 1
+
+    def _over(self, began: float, t0: float, n: int) -> bool:
+        """Whether the probe has used its share (`max_steps_time`) after `n` minibatches."""
+        if self.max_steps_time is None or n < 2:
+            return False
+        now = time.perf_counter()
+        return now - began >= self.max_steps_time * (now - t0) / (n - 1)
 
 
 def _unit_label(device: str, knobs: Knobs) -> str:

@@ -249,6 +249,9 @@ THIN_STEADY_STEPS = 3
 #: A thin plan's profiles leave this share of the rule's cost to the compute probes of the
 #: batch sizes they cannot reach (`_compute_probes`).
 PROBE_RESERVE = 0.25
+#: The share of what the rule's cost leaves after the profiles that the compute probes' power
+#: reads may use (`_compute_probes`).
+PROBE_ROOM_USED = 0.8
 #: Where no profile within the rule reaches a cell and a configuration of it is predicted to
 #: take at most this long an epoch, its whole epochs are measured instead (`--whole-epochs-below`).
 WHOLE_EPOCH_S = 10.0
@@ -702,7 +705,11 @@ def _compute_probes(setup: TrainSetup, report: PredictReport, passes: list[dict[
     # profiles (`power_room`), shared among the probes: a probe's steps run faster than an
     # epoch's average minibatch, so a share of the epoch's minibatches is at most that share
     # of its time.
-    room = _power_room(setup, report, passes) / max(1, len(cells)) if counter else 0.0
+    # A margin of what is left: the budget counts each profile over its configuration's epoch
+    # as finally predicted, which the probes themselves move (a GPU run's total came to 1.03
+    # of the rule's with the whole room given to the probes).
+    room = PROBE_ROOM_USED * _power_room(setup, report, passes) if counter else 0.0
+    left = len(cells)
     for i, knobs in enumerate(configs):
         key = (tuple(knobs.cores or ()), knobs.precision, knobs.batch)
         if key in reached or key in done:
@@ -714,16 +721,26 @@ def _compute_probes(setup: TrainSetup, report: PredictReport, passes: list[dict[
         per_epoch = math.ceil(setup.dataset_items / knobs.batch)
         most = math.floor(setup.config.profile_share * per_epoch)
         steps = min(COMPUTE_PROBE_STEPS, most)
-        most = max(steps, min(most, math.floor(room * per_epoch)))
+        mine = room / max(1, left)
+        left -= 1
+        most = max(steps, min(most, math.floor(mine * per_epoch)))
         if steps < 1:
             skipped.append(f"b{knobs.batch} {knobs.precision}")
             continue
         if progress is not None:
             progress(f"compute probe b{knobs.batch} {knobs.precision}", 0.5)
         # Where a counter measures power, the probe reads it at its batch over up to
-        # `PROBE_POWER_S`, within the share of the epoch's minibatches.
+        # `PROBE_POWER_S`, within its share of the epoch's minibatches counted in time (its
+        # start and first batch's loading included).
         rec = measure_compute(setup, knobs, i, steps, power_s=PROBE_POWER_S if counter else 0.0,
-                              max_steps=most)
+                              max_steps=most, max_steps_time=mine * per_epoch if counter else None)
+        if counter and rec.result is not None and len(rec.result.steps) > 1:
+            # What it cost, not what it was given, in its own minibatches (each no longer than
+            # an epoch's at its batch): a probe over its share leaves the others less.
+            step_s = sum(s.wall_ns for s in rec.result.steps[1:]) / 1e9 / (
+                len(rec.result.steps) - 1)
+            if step_s > 0:
+                room = max(0.0, room - rec.result.wall_ns / 1e9 / step_s / per_epoch)
         report.passes.append(rec)
         if rec.status == "ok" and rec.result is not None:
             power = rec.extra.get("power_w")
