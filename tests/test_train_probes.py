@@ -214,32 +214,35 @@ class _SlowItems:
         return torch.zeros(3, 4, 4), index
 
 
-def _probe_steps(max_steps_time: float | None, times: int = 3) -> tuple[int, float]:
-    """A probe's minibatches and wall time: a first batch loading 0.1 s, 10 ms a minibatch."""
+def _probe_steps(max_steps_time: float | None, times: int = 3) -> tuple[int, float, float]:
+    """A probe's minibatches, wall time and mean repeat: a first batch loading 0.2 s, then
+    10 ms a minibatch."""
     import time
 
     import torch
 
     from infermux.train.profile import _Repeated
 
-    loader = torch.utils.data.DataLoader(_SlowItems(4, 0.025), batch_size=4)
+    loader = torch.utils.data.DataLoader(_SlowItems(4, 0.05), batch_size=4)
     began = time.perf_counter()
-    steps = 0
+    stamps = []
     for _ in _Repeated(loader, times, min_s=30.0, max_times=60,
                        max_steps_time=max_steps_time):
         time.sleep(0.01)
-        steps += 1
-    return steps, time.perf_counter() - began
+        stamps.append(time.perf_counter())
+    repeat = (stamps[-1] - stamps[0]) / max(1, len(stamps) - 1)
+    return len(stamps), stamps[-1] - began, repeat
 
 
 def test_a_probe_s_power_read_stops_at_its_share_of_the_rule_counted_in_time() -> None:
     """A power read would run the probe to its count (60 minibatches, 30 s not reached); held
-    to 20 of its own minibatches in time, the first batch's 0.1 s of loading counts, so it
-    stops near 0.2 s after about ten, where a count of 20 would have run 0.3 s. The first
-    `times` minibatches run whatever the share."""
-    unbounded, _ = _probe_steps(None)
+    to 30 of its own minibatches in time, the first batch's 0.2 s of loading counts (about 20
+    of them at 10 ms), so it stops after about ten, at 30 minibatches' time, where a count of
+    30 would have run half as long again. The first `times` minibatches run whatever the
+    share."""
+    unbounded, _, _ = _probe_steps(None)
     assert unbounded == 60
-    steps, wall = _probe_steps(20.0)
-    assert 4 <= steps <= 15
-    assert wall < 0.3
+    steps, wall, repeat = _probe_steps(30.0)
+    assert 4 <= steps < 25
+    assert wall <= 30 * repeat * 1.15 + 0.02
     assert _probe_steps(1.0, times=3)[0] == 3
