@@ -701,13 +701,12 @@ def _compute_probes(setup: TrainSetup, report: PredictReport, passes: list[dict[
     counter = any(p.get("energy_j") and not str(p.get("energy_source", "none")).startswith(
         ("modelled", "none")) for p in passes)
     cells = {(tuple(k.cores or ()), k.precision, k.batch) for k in configs} - reached
-    # The power reads' minibatches come out of what the rule's cost in all leaves after the
-    # profiles (`power_room`), shared among the probes: a probe's steps run faster than an
-    # epoch's average minibatch, so a share of the epoch's minibatches is at most that share
-    # of its time.
-    # A margin of what is left: the budget counts each profile over its configuration's epoch
-    # as finally predicted, which the probes themselves move (a GPU run's total came to 1.03
-    # of the rule's with the whole room given to the probes).
+    # The power reads come out of what the rule's cost in all leaves after the profiles
+    # (`power_room`), shared among the probes still to run and counted in time: a probe's
+    # minibatch is no longer than an epoch's at its batch, so its time in its own minibatches
+    # over the epoch's count is at least its share of the epoch. A fifth of it is kept as a
+    # margin: the budget counts each profile over its epoch as finally predicted, which the
+    # probes themselves move (a GPU run's total came to 1.03 of the rule's without it).
     room = PROBE_ROOM_USED * _power_room(setup, report, passes) if counter else 0.0
     left = len(cells)
     for i, knobs in enumerate(configs):
