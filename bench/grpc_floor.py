@@ -12,6 +12,12 @@ infermux's front processes, and beside them its runtime process and CPU worker).
 (infermux's server options and its ModelInfer registration with the zero-copy request parser).
 
     python bench/grpc_floor.py --perf-analyzer PA --json floor.json --rounds 2
+    python bench/grpc_floor.py --perf-analyzer PA --json rate.json --rounds 2 --request-rate 1000
+
+`--request-rate R`: perf_analyzer sends R requests/s to infermux and R / `--fronts` to the
+floor, so that each serving process answers as many a second (a process's cost per call
+depends on its rate: at a low one each call wakes its loop and grpc's poller on its own).
+Without it, a concurrency drives both as fast as they answer.
 
 The floor server alone (`--serve-floor PORT`) is how the bench starts it.
 """
@@ -106,12 +112,14 @@ def _free_port() -> int:
         return port
 
 
-def _drive(perf_analyzer: str, port: int, concurrency: int, sides: dict[str, list[int]]
-           ) -> dict[str, Any]:
-    """perf_analyzer at `concurrency`; requests/s and each side's CPU µs per request."""
+def _drive(perf_analyzer: str, port: int, concurrency: int, sides: dict[str, list[int]],
+           rate: float | None = None) -> dict[str, Any]:
+    """Requests/s and each side's CPU µs per request, at `concurrency` or `rate` requests/s."""
+    load = (["--request-rate-range", f"{rate:g}:{rate:g}"] if rate
+            else ["--concurrency-range", f"{concurrency}:{concurrency}"])
     cmd = [perf_analyzer, "-m", "digits", "-u", f"127.0.0.1:{port}", "-i", "grpc", "-b", "1",
-           "--concurrency-range", f"{concurrency}:{concurrency}", "--measurement-interval",
-           "4000", "--stability-percentage", "50", "--max-trials", "3"]
+           *load, "--measurement-interval", "4000", "--stability-percentage", "50",
+           "--max-trials", "3"]
     client = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     time.sleep(_SETTLE_S)
     before = {k: cpu_s(v) for k, v in sides.items()}
@@ -134,6 +142,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--floor-variant", choices=["plain", "infermux"], default="plain")
     p.add_argument("--fronts", type=int, default=2)
+    p.add_argument("--request-rate", type=float,
+                   help="requests/s to infermux (to the floor: this over --fronts) instead of "
+                        "a concurrency")
     p.add_argument("--serve-floor", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.serve_floor:
@@ -150,7 +161,8 @@ def main() -> None:
     plan_path.write_text(json.dumps(plan))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(ROOT / "src"), *filter(None, [os.environ.get("PYTHONPATH")])]))
-    report: dict[str, Any] = {"concurrency": args.concurrency, "rows": []}
+    report: dict[str, Any] = {"concurrency": args.concurrency,
+                              "request_rate": args.request_rate, "rows": []}
     for rnd in range(args.rounds):
         port = _free_port()
         floor = subprocess.Popen([sys.executable, __file__, "--serve-floor", str(port),
@@ -159,7 +171,8 @@ def main() -> None:
         assert floor.stdout is not None
         floor.stdout.readline()
         try:
-            row = _drive(args.perf_analyzer, port, args.concurrency, {"floor": [floor.pid]})
+            row = _drive(args.perf_analyzer, port, args.concurrency, {"floor": [floor.pid]},
+                         args.request_rate / args.fronts if args.request_rate else None)
         finally:
             floor.terminate()
             floor.wait(timeout=30)
@@ -168,7 +181,7 @@ def main() -> None:
         try:
             row = _drive(args.perf_analyzer, ready["grpc_port"], args.concurrency,
                          dict(zip(("fronts", "workers"), fronts_and_others(server.pid),
-                                  strict=True), runtime=[server.pid]))
+                                  strict=True), runtime=[server.pid]), args.request_rate)
         finally:
             stop_server(server)
         report["rows"].append({"round": rnd, "server": f"infermux --fronts {args.fronts}", **row})
