@@ -15,8 +15,9 @@ infermux's front processes, and beside them its runtime process and CPU worker).
     python bench/grpc_floor.py --perf-analyzer PA --json rate.json --rounds 2 --request-rate 1000
 
 `--request-rate R`: perf_analyzer sends R requests/s to infermux and R / `--fronts` to the
-floor, so that each serving process answers as many a second (a process's cost per call
-depends on its rate: at a low one each call wakes its loop and grpc's poller on its own).
+floor, so that each serving process answers as many a second where infermux keeps up (the
+report has the rates reached). A process's cost per call depends on its rate: at a low one
+each call wakes its loop and grpc's poller on its own.
 Without it, a concurrency drives both as fast as they answer.
 
 The floor server alone (`--serve-floor PORT`) is how the bench starts it.

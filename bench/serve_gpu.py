@@ -48,24 +48,23 @@ _LOAD = {"scenario": "offline", "min_duration_s": 4, "min_queries": 1024}
 def plans(device: str) -> dict[str, dict[str, Any]]:
     """The plans served, by short name."""
     gpu = device == "cuda"
-    return {
-        "resnet50": {
-            "name": "resnet50-server",
-            "models": [{"name": "resnet50", "model": "resnet50", "replicas": [
-                {"unit": "cuda:0/fp16" if gpu else "cpu:0", "engine": "torch", "instances": 2,
-                 "batch": 64 if gpu else 8, "batch_buckets": "pow2",
-                 "options": {"compile": "default"} if gpu else {}}]}],
-            "dispatcher": {"max_queue_delay_ms": 2.0}, "load": _LOAD},
-        # The shape the server tune writes where its find-peaks measure it (b32 x4: four
-        # workers taking turns, docs/benchmarks.md "two plan shapes side by side").
-        "resnet50x4": {
-            "name": "resnet50-server-x4",
+
+    def resnet50(name: str, batch: int, instances: int) -> dict[str, Any]:
+        """The server-tuned ResNet50 plan at one shape (on the CPU: b8 ×2)."""
+        return {
+            "name": name,
             "models": [{"name": "resnet50", "model": "resnet50", "replicas": [
                 {"unit": "cuda:0/fp16" if gpu else "cpu:0", "engine": "torch",
-                 "instances": 4 if gpu else 2, "batch": 32 if gpu else 8,
-                 "batch_buckets": "pow2",
+                 "instances": instances if gpu else 2,
+                 "batch": batch if gpu else 8, "batch_buckets": "pow2",
                  "options": {"compile": "default"} if gpu else {}}]}],
-            "dispatcher": {"max_queue_delay_ms": 2.0}, "load": _LOAD},
+            "dispatcher": {"max_queue_delay_ms": 2.0}, "load": _LOAD}
+
+    return {
+        "resnet50": resnet50("resnet50-server", 64, 2),
+        # The shape the server tune writes where its find-peaks measure it (b32 x4: four
+        # workers taking turns, docs/benchmarks.md "two plan shapes side by side").
+        "resnet50x4": resnet50("resnet50-server-x4", 32, 4),
         "digits": {
             "name": "digits-serve",
             "models": [{"name": "digits", "model": "digits-cnn", "replicas": [
