@@ -233,7 +233,8 @@ def main() -> None:
     p.add_argument("--models", default="resnet50,digits")
     p.add_argument("--fronts", default="1,8", help="front counts to serve with (1: in-process)")
     p.add_argument("--front", default="own",
-                   help="serve --front: own, triton, or both (own,triton), each per front count")
+                   help="serve --front: own, triton, or both (own,triton), each per front count; "
+                        "triton:native or triton:python name its --triton-backend")
     p.add_argument("--triton-python-path",
                    help="--front triton: a numpy<2 install for its model instances")
     p.add_argument("--concurrency", default="1,64,256")
@@ -301,10 +302,12 @@ def main() -> None:
                 report["skipped"].append(f"{name} --fronts {fronts} --front {front}")
                 continue
             try:
-                extra = ["--front", front]
-                if front == "triton" and args.triton_python_path:
+                kind, _, backend = front.partition(":")
+                extra = ["--front", kind, *(["--triton-backend", backend] if backend else [])]
+                if kind == "triton" and args.triton_python_path:
                     extra += ["--triton-python-path", args.triton_python_path]
-                proc, ready = start_server(plan_file, work, fronts, extra=extra, tag=f"-{front}")
+                proc, ready = start_server(plan_file, work, fronts, extra=extra,
+                                           tag=f"-{front.replace(':', '-')}")
             except RuntimeError as exc:
                 entry.setdefault("servers", []).append({"fronts": fronts, "front": front,
                                                         "error": str(exc)})
@@ -317,7 +320,7 @@ def main() -> None:
                     for mode in modes:
                         for c in levels:
                             what = (f"{name} fronts={fronts}"
-                                    f"{' triton' if front == 'triton' else ''} {protocol} "
+                                    f"{'' if front == 'own' else ' ' + front} {protocol} "
                                     f"shm={mode} c{c}")
                             if time.monotonic() - began > args.budget:
                                 report["skipped"].append(what)
@@ -328,7 +331,8 @@ def main() -> None:
                                       answered(ready, model))
                             row = perf_analyzer(
                                 exe, url, protocol, model, c, mode,
-                                work / f"{name}-f{fronts}-{front}-{protocol}-{mode}-c{c}.csv",
+                                work / f"{name}-f{fronts}-{front.replace(':', '-')}-{protocol}"
+                                       f"-{mode}-c{c}.csv",
                                 args.interval_ms, args.items_per_request,
                                 args.stability) if exe else \
                                 load_client(url, protocol, model, shape, c)

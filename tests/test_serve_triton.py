@@ -20,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 import uuid
 from pathlib import Path
 from types import SimpleNamespace
@@ -30,7 +31,7 @@ import pytest
 
 from infermux.errors import UsageError
 from infermux.serve.core import TensorSpec
-from infermux.serve.triton_front import find_triton, model_config
+from infermux.serve.triton_front import TritonHub, find_triton, model_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -77,8 +78,15 @@ def test_a_folder_without_triton_is_one_line_saying_how_to_get_it(tmp_path: Path
     assert "--triton-home" in message and "nvidia-pytriton" in message
     (tmp_path / "bin").mkdir()
     (tmp_path / "bin" / "tritonserver").write_text("")
-    with pytest.raises(UsageError, match="no Python backend"):
-        find_triton(str(tmp_path))
+    # A build without the Python backend serves through the native backend; asked for the
+    # Python one, it is one line naming what is missing and the way around it.
+    install = find_triton(str(tmp_path))
+    assert install.python_backend is None and install.stub is None
+    assert "no Python backend" in (install.python_problem or "")
+    settings = types.SimpleNamespace(triton_backend="python")
+    with pytest.raises(UsageError, match="no Python backend.*--triton-backend native") as err:
+        TritonHub._choose_backend(None, settings, 1, install)
+    assert "\n" not in str(err.value)
 
 
 def test_a_bad_front_or_options_it_cannot_take_exit_with_one_line(tmp_path: Path) -> None:
@@ -118,14 +126,15 @@ net_file = test_serve_fronts.net_file
 NUMPY1 = Path(os.environ.get("INFERMUX_TEST_NUMPY1", ROOT / ".venv" / "opt" / "triton-numpy1"))
 
 
-@pytest.fixture(scope="module", params=["numpy2", "numpy1"])
+@pytest.fixture(scope="module", params=["native", "numpy2", "numpy1"])
 def triton(net_file: Path, request: pytest.FixtureRequest) -> Any:
-    """A served plan; its model instances on this environment's numpy 2, or on a numpy 1."""
-    extra = []
+    """A served plan; its model instances infermux's C backend, or Python-backend stubs on this
+    environment's numpy 2 or on a numpy 1."""
+    extra = ["--triton-backend", "native" if request.param == "native" else "python"]
     if request.param == "numpy1":
         if not (NUMPY1 / "numpy").is_dir():
             pytest.skip(f"no numpy 1 install at {NUMPY1} (make triton makes one)")
-        extra = ["--triton-python-path", str(NUMPY1)]
+        extra += ["--triton-python-path", str(NUMPY1)]
     srv = Server(net_file.parent, _plan("triton", f"{net_file}:build"), "--front", "triton",
                  "--fronts", "2", *extra)
     yield srv
@@ -246,7 +255,8 @@ def test_past_triton_s_queue_a_request_is_refused_unavailable_never_reset(
         net_file: Path, reference: Any) -> None:
     """A burst past the model's admission limit (`--max-queue 6`) on a 0.3 s/batch model: every
     request is answered or refused with 503 / UNAVAILABLE, none reset or lost, and what is
-    answered is the network's output; the limit is Triton's queue, written from the plan."""
+    answered is the network's output; the limit is Triton's queue, written from the plan, and
+    the native instances' slabs and the runtime's admission behind it."""
     srv = Server(net_file.parent, _plan("triton-queue", f"{net_file}:slower"), "--front",
                  "triton", "--fronts", "1", "--max-queue", "6")
     outcomes: dict[int, str] = {}
@@ -276,7 +286,9 @@ def test_past_triton_s_queue_a_request_is_refused_unavailable_never_reset(
         refused = [o for o in outcomes.values() if o != "ok"]
         assert refused and len(refused) < 32, outcomes
         assert all(o.split()[0] in ("503", "StatusCode.UNAVAILABLE") for o in refused), refused
-        assert all("queue" in o for o in refused), refused
+        # Triton's queue (the Python stubs hold one batch each), or the native instances' and
+        # the runtime's admission limit (they take every request at once).
+        assert all("queue" in o or "admission limit" in o for o in refused), refused
     finally:
         code, out = srv.stop()
     assert code == 0, out

@@ -12,9 +12,10 @@ from infermux.serve.shm import SlabLayout
 
 
 def test_slab_chunks_are_page_locked_once_as_rows_need_them() -> None:
-    """`HostPins` locks a slab in page-aligned chunks covering the rows copied, each chunk once
-    (FP32 and FP16 views of one slab share them), never past the slab's input region; a chunk
-    refused is not asked again and its rows are reported unlocked."""
+    """`HostPins` locks a slab in chunks of whole rows, each starting on a page, covering the
+    rows copied, each chunk once (FP32 and FP16 views of one slab share them), never past the
+    slab's input region, and no row in two chunks (CUDA refuses a copy that spans two
+    registrations); a chunk refused is not asked again and its rows are reported unlocked."""
     import mmap
 
     from infermux.engines.host_pins import HostPins
@@ -28,35 +29,48 @@ def test_slab_chunks_are_page_locked_once_as_rows_need_them() -> None:
         calls.append((address, size))
         return address not in refuse
 
-    layout = SlabLayout((3, 100, 7), ((10,),), slots=40)  # 8,400-byte rows: not page-sized
+    # Rows of 1.5 pages: two rows are three pages, so a chunk of about 5 pages holds 2 rows.
+    layout = SlabLayout((3 * page // 8,), ((10,),), slots=40)
+    stride = layout.input_item_bytes
+    assert stride == 3 * page // 2
     seg = Segment.new("infermux-test-pins", layout.slot_bytes * 40)
     try:
         f32 = layout.rows(seg.map, np.dtype("<f4"), "a")[0].slab_region
         f16 = layout.rows(seg.map, np.dtype("<f2"), "b")[0].slab_region
         base = f32.__array_interface__["data"][0]
-        chunk = 3 * page
-        pins = HostPins(register, chunk_bytes=chunk)
+        pins = HostPins(register, chunk_bytes=5 * page)
+        assert pins.rows_per_chunk(stride) == 2
+        chunk = 2 * stride
         assert pins.ensure(f32, [0]) and calls == [(base, chunk)]
-        assert pins.ensure(f16, [0]) and len(calls) == 1  # the same chunk, any dtype
-        assert pins.ensure(f32, [1]) and calls[1:] == [(base + chunk, chunk)]  # spans 0 and 1
-        assert pins.ensure(f16, [1]) and len(calls) == 2
-        end = base + 40 * layout.input_item_bytes
+        assert pins.ensure(f16, [1]) and len(calls) == 1  # the same chunk, any dtype
+        assert pins.ensure(f32, [2]) and calls[1:] == [(base + chunk, chunk)]
+        assert pins.ensure(f16, [3]) and len(calls) == 2
+        end = base + 40 * stride
         assert pins.ensure(f32, [39])
         last = calls[-1]
         assert last[0] + last[1] == -(-end // page) * page  # the last chunk ends on its page
-        assert all(a % page == 0 and s % page == 0 for a, s in calls)
+        assert all(a % page == 0 for a, _ in calls)
+        for slot in range(40):  # every row lies within one chunk
+            row = base + slot * stride
+            assert sum(a <= row and row + stride <= a + s for a, s in calls
+                       if a == base + slot // 2 * chunk) == (1 if slot in (0, 1, 2, 3, 38, 39)
+                                                             else 0)
         starts = [a for a, _ in calls]
         assert len(set(starts)) == len(starts)  # no range locked twice
-        k = 7 * layout.input_item_bytes // chunk  # row 7's first chunk
-        refuse.add(base + k * chunk)
+        refuse.add(base + 3 * chunk)  # rows 6 and 7
         n = len(calls)
         assert not pins.ensure(f32, [7]) and len(calls) == n + 1
-        assert not pins.ensure(f16, [7]) and len(calls) == n + 1  # not asked again
-        assert pins.ensure(f32, [0, 1]) and len(calls) == n + 1
+        assert not pins.ensure(f16, [6]) and len(calls) == n + 1  # not asked again
+        assert pins.ensure(f32, [0, 1, 2]) and len(calls) == n + 1
         # Rows whose chunks are locked, on either side of a refused one: locked, nothing asked
         # (the refused chunk between them is not theirs).
         assert pins.ensure(f32, [0, 39]) and len(calls) == n + 1
-        assert pins.locked_bytes() == sum(s for a, s in calls if a not in refuse) < n * chunk
+        assert pins.locked_bytes() == sum(s for a, s in calls if a not in refuse)
+        # A stride with fewer powers of two: a chunk is a multiple of 256 such rows (525 pages),
+        # however small `chunk_bytes`.
+        assert HostPins(register, chunk_bytes=1 << 20).rows_per_chunk(8400) == 256
+        assert HostPins(register, chunk_bytes=32 << 20).rows_per_chunk(8400) == 3840
+        assert HostPins(register, chunk_bytes=32 << 20).rows_per_chunk(147 * page) == 55
     finally:
         seg.unlink()
 

@@ -47,6 +47,7 @@ def serve_command(
     front: Annotated[str, typer.Option("--front", help="Who parses HTTP and gRPC: own (infermux's fronts, --fronts processes) or triton (Triton's C++ server, --fronts instances of each model forwarding its batches to the runtime; needs a Triton build: --triton-home, or pip install --no-deps nvidia-pytriton).")] = "own",
     triton_home: Annotated[str | None, typer.Option("--triton-home", help="With --front triton: a Triton build (a directory with bin/tritonserver and backends/python); default: $INFERMUX_TRITON_HOME, /opt/tritonserver, or the nvidia-pytriton wheel's.")] = None,
     triton_python_path: Annotated[str | None, typer.Option("--triton-python-path", help="With --front triton: folders (':'-separated) first on the model instances' import path, e.g. one with numpy<2 (pip install --target DIR 'numpy<2'): Triton's stubs are built for numpy 1, and under numpy 2 each tensor crosses by DLPack, which costs more.")] = None,
+    triton_backend: Annotated[str, typer.Option("--triton-backend", help="With --front triton: the model instances' backend: native (infermux's C backend, built here with cc: several batches in flight per instance, no Python per request), python (Triton's Python-backend stubs), or auto (native where every model has one FP32/FP16 input and fixed outputs, and cc builds it).")] = "auto",
     trace_requests: Annotated[int, typer.Option("--trace-requests", help="Trace every Nth request's stages (front, queue, gather, launch, answer) with one host clock, 1: every request, 0: off; the p50/p99 of each gap go in the summary (--json).")] = 0,
     trace_file: Annotated[str, typer.Option("--trace-file", help="Where --trace-requests writes its JSON lines (each front process adds FILE.<pid>).")] = "serve-trace.jsonl",
     connection_age: Annotated[str, typer.Option("--connection-age", help="With --fronts: close a gRPC connection after about this long (GOAWAY; its calls finish, the client reconnects), so connections are re-placed on the least loaded front (e.g. 5s); 0 or off: never.")] = "0",
@@ -91,7 +92,7 @@ def serve_command(
         drain_timeout_s=parse_duration_s(drain_timeout, name="--drain-timeout"),
         telemetry_interval_s=interval, fronts=fronts, trace_requests=trace_requests,
         trace_path=trace_file, front=front, triton_home=triton_home,
-        triton_python_path=triton_python_path, loop=loop,
+        triton_python_path=triton_python_path, triton_backend=triton_backend, loop=loop,
         connection_age_s=0.0 if connection_age.strip().lower() in ("0", "off") else
         parse_duration_s(connection_age, name="--connection-age"))
     if cluster is None:

@@ -152,6 +152,10 @@ class ServeSettings:
     #: Folders (os.pathsep-separated) put first on the Triton model instances' import path,
     #: e.g. a numpy 1 install: the stubs are built against numpy 1 (serve/triton_front.py).
     triton_python_path: str | None = None
+    #: The Triton backend of the plan's models (`front="triton"`): auto (infermux's native C
+    #: backend wherever every model fits it and a C compiler builds it, else the Python
+    #: backend's stubs), native or python (serve/triton_front.py).
+    triton_backend: str = "auto"
     #: Trace every Nth request's stages (serve/trace.py; 1: all, 0: off) into `trace_path`
     #: (the runtime's lines) and `trace_path.<pid>` (each front process's).
     trace_requests: int = 0
@@ -192,6 +196,9 @@ class ServeSettings:
                     raise UsageError(f"--front triton does not take {flag}: use --front own")
             if self.fronts == 0:
                 raise UsageError("--front triton --fronts 0: give at least 1 instance per model")
+            if self.triton_backend not in ("auto", "native", "python"):
+                raise UsageError(f"--triton-backend {self.triton_backend!r} is not a backend: use "
+                                 "auto, native (infermux's C backend) or python")
             for folder in (self.triton_python_path or "").split(os.pathsep):
                 if folder and not os.path.isdir(folder):
                     raise UsageError(f"--triton-python-path: {folder!r} is not a folder: give "

@@ -32,13 +32,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import hashlib
 import importlib.util
 import json
+import math
 import os
 import pickle
 import shutil
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -49,12 +52,14 @@ from typing import Any
 import numpy as np
 
 from infermux.errors import UsageError
+from infermux.export import cache_dir
 from infermux.serve.core import DATATYPES
-from infermux.serve.fronts import FrontHub, _Generation
+from infermux.serve.fronts import FrontHub, _Generation, _layout
 from infermux.serve.proxy import DTYPE_CODES, REQUEST, FrameReader, Kind, Link, frame
 from infermux.serve.shm import Segment
 
-__all__ = ["TritonHub", "TritonInstall", "TritonPythonModel", "find_triton", "model_config"]
+__all__ = ["BACKENDS", "TritonHub", "TritonInstall", "TritonPythonModel", "build_native_backend",
+           "find_triton", "model_config", "native_init", "why_not_native"]
 
 #: Where a Triton install is looked for when `--triton-home` is not given.
 TRITON_HOME_ENV = "INFERMUX_TRITON_HOME"
@@ -65,18 +70,29 @@ _HOW = "pip install --no-deps nvidia-pytriton==0.7.0 (Linux x86-64, glibc 2.35 o
 _START_TIMEOUT_S = 180.0
 #: Whether this process runs numpy 1 (the ABI Triton's Python-backend stubs are built for).
 _NUMPY1 = int(np.__version__.split(".")[0]) < 2
+#: The Triton backends a plan model can be served through: `native`, infermux's own C backend
+#: (serve/triton_backend.c, built here with the machine's C compiler), or `python`, the Python
+#: backend's stubs; `auto` takes native wherever every model fits it and it builds.
+BACKENDS = ("auto", "native", "python")
+_BACKEND_SOURCE = Path(__file__).with_name("triton_backend.c")
+_NATIVE_TYPES = ("FP32", "FP16")
 _TYPES = {"FP32": "TYPE_FP32", "FP16": "TYPE_FP16", "FP64": "TYPE_FP64", "INT64": "TYPE_INT64",
           "INT32": "TYPE_INT32", "BOOL": "TYPE_BOOL"}
 
 
 @dataclass(frozen=True)
 class TritonInstall:
-    """A Triton server build: its binary, its Python backend and the stub for this Python."""
+    """A Triton server build: its binary, its Python backend and the stub for this Python.
+
+    The last two are None, with `python_problem` saying why, where the build has none: the
+    native backend needs neither.
+    """
 
     home: Path
     binary: Path
-    python_backend: Path
-    stub: Path
+    python_backend: Path | None
+    stub: Path | None
+    python_problem: str | None = None
 
 
 def _stub_for(home: Path, backend: Path) -> Path | None:
@@ -92,8 +108,8 @@ def _stub_for(home: Path, backend: Path) -> Path | None:
 def find_triton(home: str | None = None) -> TritonInstall:
     """The Triton build at `home`, else `$INFERMUX_TRITON_HOME`, /opt/tritonserver, pytriton's.
 
-    One clear line when none is found or the one given lacks a part (its binary, its Python
-    backend, a stub for this Python).
+    One clear line when none is found. A build without a Python backend or a stub for this
+    Python is returned with `python_problem` set: the native backend serves without them.
     """
     candidates: list[tuple[str, Path]] = []
     if home:
@@ -116,22 +132,24 @@ def find_triton(home: str | None = None) -> TritonInstall:
                 break
             continue
         if not (backend / "libtriton_python.so").is_file():
-            raise UsageError(f"--front triton: {path} has no Python backend "
-                             f"(backends/python/libtriton_python.so): use a Triton build with "
-                             f"it, or {_HOW}")
+            return TritonInstall(path, binary, None, None, python_problem=(
+                f"--front triton: {path} has no Python backend (backends/python/"
+                f"libtriton_python.so): use --triton-backend native, a Triton build with it, "
+                f"or {_HOW}"))
         stub = _stub_for(path, backend)
         if stub is None:
-            raise UsageError(f"--front triton: {path} has no triton_python_backend_stub for "
-                             f"Python {sys.version_info.major}.{sys.version_info.minor}: run "
-                             "infermux under a Python the build has a stub for")
+            return TritonInstall(path, binary, backend, None, python_problem=(
+                f"--front triton: {path} has no triton_python_backend_stub for Python "
+                f"{sys.version_info.major}.{sys.version_info.minor}: use --triton-backend "
+                "native, or run infermux under a Python the build has a stub for"))
         return TritonInstall(path, binary, backend, stub)
     raise UsageError("--front triton: no Triton server found (tried "
                      f"{', '.join(tried) or 'nothing'}): {_HOW}, or pass --triton-home DIR "
-                     "(a directory with bin/tritonserver and backends/python)")
+                     "(a directory with bin/tritonserver)")
 
 
 def model_config(info: Any, instances: int, link_path: str,
-                 answer_timeout_s: float = 120.0) -> str:
+                 answer_timeout_s: float = 120.0, backend: str = "python") -> str:
     """A plan model's `config.pbtxt`: its tensors, its largest batch, `instances` instances.
 
     Triton's batcher takes what has queued while every instance was busy (no queue delay:
@@ -157,7 +175,7 @@ def model_config(info: Any, instances: int, link_path: str,
         tensor(replace(s, shape=(-1,) * len(room[i])) if i < len(room)
                and len(room[i]) != len(s.shape) else s) for i, s in enumerate(info.outputs))
     return f"""name: "{info.name}"
-backend: "python"
+backend: "{'infermux' if backend == 'native' else 'python'}"
 max_batch_size: {info.max_batch_size}
 input [
   {inputs}
@@ -173,6 +191,71 @@ instance_group [ {{ count: {instances} kind: KIND_CPU }} ]
 parameters: {{ key: "infermux_link" value: {{ string_value: "{link_path}" }} }}
 parameters: {{ key: "infermux_answer_timeout_s" value: {{ string_value: "{answer_timeout_s:g}" }} }}
 """
+
+
+def why_not_native(info: Any, layout: Any) -> str | None:
+    """Why a plan model cannot be served through the native backend; None where it can.
+
+    The backend takes one input and outputs whose item shapes are fixed (the slab's layout
+    for a model of one input), FP32 or FP16 each.
+    """
+    if layout.several or len(info.inputs) != 1:
+        return f"model {info.name!r} has {len(info.inputs)} inputs (the native backend takes one)"
+    for spec in [*info.inputs, *info.outputs]:
+        if spec.datatype not in _NATIVE_TYPES:
+            return (f"tensor {spec.name!r} of model {info.name!r} is {spec.datatype} (the native "
+                    f"backend takes {' or '.join(_NATIVE_TYPES)})")
+    if len(layout.output_shapes) != len(info.outputs):
+        return f"model {info.name!r}'s outputs have no fixed shapes"
+    return None
+
+
+def native_init(index: int, info: Any, layout: Any, slab: str, slots: int) -> bytes:
+    """INIT for a native instance: its model's slab and layout as lines the C side reads.
+
+    `index`: the model's among the served; `slab`: the slab's shared-memory name; `slots`: its
+    slots. Each output line is its name, datatype, rank and item shape (FP32 in the slab).
+    """
+    spec = info.inputs[0]
+    itemsize = 2 if spec.datatype == "FP16" else 4
+    lines = [f"index {index}", f"slab {slab}", f"slots {slots}",
+             f"code {1 if spec.datatype == 'FP16' else 0}",
+             f"input_item_bytes {layout.input_item_bytes}",
+             f"row_bytes {math.prod(layout.input_shape) * itemsize}"]
+    for out, shape in zip(info.outputs, layout.output_shapes, strict=True):
+        lines.append(f"output {out.name} {out.datatype} {len(shape)} "
+                     + " ".join(str(d) for d in shape))
+    return ("\n".join(lines) + "\n").encode()
+
+
+def build_native_backend(folder: Path | None = None) -> Path:
+    """The native Triton backend (serve/triton_backend.c), built for this machine.
+
+    Built once per source (its digest names the library) into `folder` (default: the cache's
+    `triton/`) with `$CC`, `cc` or `gcc`; one line naming the compiler's first error, or how to
+    get one, where it cannot be built.
+    """
+    source = _BACKEND_SOURCE.read_bytes()
+    folder = folder or cache_dir() / "triton"
+    lib = folder / f"libtriton_infermux-{hashlib.sha256(source).hexdigest()[:16]}.so"
+    if lib.is_file():
+        return lib
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise UsageError("--front triton: no C compiler (cc) to build infermux's Triton backend: "
+                         "install one (e.g. apt-get install gcc), or pass --triton-backend python")
+    folder.mkdir(parents=True, exist_ok=True)
+    partial = lib.with_name(f"{lib.name}.{os.getpid()}.part")
+    proc = subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-o", str(partial),
+                           str(_BACKEND_SOURCE), "-lpthread"], capture_output=True, text=True,
+                          check=False)
+    if proc.returncode != 0:
+        partial.unlink(missing_ok=True)
+        first = next((ln for ln in proc.stderr.splitlines() if "error" in ln), proc.stderr[:200])
+        raise UsageError(f"--front triton: infermux's Triton backend did not build with "
+                         f"{compiler}: {first.strip()}; pass --triton-backend python")
+    os.replace(partial, lib)
+    return lib
 
 
 _MODEL_PY = '''"""A plan model served through Triton: each batch goes to the infermux runtime."""
@@ -195,6 +278,8 @@ class TritonHub(FrontHub):
 
     def __init__(self, core: Any, settings: Any, count: int, http_sock: socket.socket,
                  install: TritonInstall) -> None:
+        self.backend, self.native_lib, self.backend_note = self._choose_backend(
+            core, settings, count, install)
         super().__init__(core, settings, count, http_sock)
         self.install = install
         #: Folders first on the model instances' import path (`--triton-python-path`).
@@ -209,8 +294,35 @@ class TritonHub(FrontHub):
         # Triton binds the ports itself: the reservations go just before it starts.
         self._ports_held = [http_sock, self._grpc_reservation]
 
+    @staticmethod
+    def _choose_backend(core: Any, settings: Any, count: int, install: TritonInstall
+                        ) -> tuple[str, Path | None, str | None]:
+        """`native` or `python`, the native library, and why `auto` fell back (or None)."""
+        wanted = getattr(settings, "triton_backend", "auto") or "auto"
+        why = None if wanted == "python" else next(
+            (w for w in (why_not_native(m, _layout(m, count)) for m in core.models.values())
+             if w), None)
+        if why is not None and wanted == "native":
+            raise UsageError(f"--triton-backend native: {why}: use --triton-backend python")
+        if wanted != "python" and why is None:
+            try:
+                return "native", build_native_backend(), None
+            except UsageError as exc:
+                if wanted == "native" or install.python_problem:
+                    raise
+                why = str(exc)
+        if install.python_problem:
+            raise UsageError(f"{install.python_problem}" + (f" ({why})" if why else ""))
+        return "python", None, why
+
     def _slab_slots(self) -> list[int]:
-        """One Triton batch in flight per instance: its largest batch is all a slab holds."""
+        """Slots per model per instance.
+
+        A native instance holds many batches in flight: a front's slots (the admission limit).
+        A Python stub holds one Triton batch: its largest batch is all a slab holds.
+        """
+        if self.backend == "native":
+            return super()._slab_slots()
         return [m.max_batch_size for m in self.models]
 
     # -- starting ---------------------------------------------------------------------------------
@@ -222,14 +334,24 @@ class TritonHub(FrontHub):
             version.mkdir(parents=True, exist_ok=True)
             (repo / info.name / "config.pbtxt").write_text(
                 model_config(info, self.count, self.link_path,
-                             answer_timeout_s=self.settings.drain_timeout_s + 90))
+                             answer_timeout_s=self.settings.drain_timeout_s + 90,
+                             backend=self.backend))
+            if self.backend == "native":
+                continue
             (version / "model.py").write_text(
                 _MODEL_PY.format(path=[*self.python_path,
                                        *(p for p in sys.path if p and os.path.isdir(p))]))
+        if self.backend == "native":  # Triton finds backends/<name>/libtriton_<name>.so
+            native = self._dir / "backends" / "infermux"
+            native.mkdir(parents=True, exist_ok=True)
+            assert self.native_lib is not None
+            (native / "libtriton_infermux.so").symlink_to(self.native_lib)
+            return repo
         # The backend directory Triton is given: the install's Python backend, with the stub
         # built for this interpreter's Python beside it (where the backend looks for it).
         backend = self._dir / "backends" / "python"
         backend.mkdir(parents=True, exist_ok=True)
+        assert self.install.python_backend is not None and self.install.stub is not None
         for item in self.install.python_backend.iterdir():
             if item.name != "triton_python_backend_stub":
                 (backend / item.name).symlink_to(item)
@@ -331,10 +453,20 @@ class TritonHub(FrontHub):
         gen.pid = int(hello.get("pid", 0))
         gen.link = link
         gen.sink = self.core.batch_sink(functools.partial(self._answered, gen))
-        init = {"models": self.models,
-                "slabs": [(s.name, n) for s, n in zip(segments, self.slots, strict=True)],
-                "layouts": self.layouts, "slot": slot}
-        link.send(Kind.INIT, pickle.dumps(init), now=True)
+        if hello.get("init") == "text":  # a native instance: its model's slab alone
+            try:
+                index = [m.name for m in self.models].index(hello.get("model"))
+            except ValueError:
+                link.send(Kind.INIT, f"error no model {hello.get('model')!r}\n".encode(), now=True)
+            else:
+                link.send(Kind.INIT, native_init(index, self.models[index], self.layouts[index],
+                                                 segments[index].name, self.slots[index]),
+                          now=True)
+        else:
+            init = {"models": self.models,
+                    "slabs": [(s.name, n) for s, n in zip(segments, self.slots, strict=True)],
+                    "layouts": self.layouts, "slot": slot}
+            link.send(Kind.INIT, pickle.dumps(init), now=True)
         self.fronts.append(gen)
         return gen
 
@@ -374,7 +506,9 @@ class TritonHub(FrontHub):
 
     def summary(self) -> dict[str, Any]:
         """For the ready line and the stored run."""
-        return {"fronts": self.count, "front": "triton", "front_restarts": self.restarts,
+        return {"fronts": self.count, "front": "triton", "triton_backend": self.backend,
+                **({"triton_backend_note": self.backend_note} if self.backend_note else {}),
+                "front_restarts": self.restarts,
                 "front_pids": [self.process.pid] if self.process is not None else [],
                 "front_slab_items": {m.name: n for m, n in zip(self.models, self.slots,
                                                                 strict=True)}}
