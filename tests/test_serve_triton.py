@@ -137,6 +137,7 @@ def triton(net_file: Path, request: pytest.FixtureRequest) -> Any:
         extra += ["--triton-python-path", str(NUMPY1)]
     srv = Server(net_file.parent, _plan("triton", f"{net_file}:build"), "--front", "triton",
                  "--fronts", "2", *extra)
+    srv.backend = extra[1]  # type: ignore[attr-defined]
     yield srv
     code, out = srv.stop()
     assert code == 0, out
@@ -147,6 +148,7 @@ def triton(net_file: Path, request: pytest.FixtureRequest) -> Any:
 @needs_triton
 def test_triton_describes_the_plan_s_model(triton: Any) -> None:
     assert triton.ready["front"] == "triton" and triton.ready["fronts"] == 2
+    assert triton.ready["triton_backend"] == triton.backend
     client = thttp.InferenceServerClient(triton.http)
     assert client.is_server_ready() and client.is_model_ready("net")
     config = client.get_model_config("net")
@@ -251,14 +253,17 @@ def test_a_killed_triton_server_is_restarted_and_answers_again(net_file: Path,
 
 @needs_triton
 @pytest.mark.exclusive
+@pytest.mark.parametrize("instances", [1, 2])
 def test_past_triton_s_queue_a_request_is_refused_unavailable_never_reset(
-        net_file: Path, reference: Any) -> None:
+        net_file: Path, reference: Any, instances: int) -> None:
     """A burst past the model's admission limit (`--max-queue 6`) on a 0.3 s/batch model: every
     request is answered or refused with 503 / UNAVAILABLE, none reset or lost, and what is
-    answered is the network's output; the limit is Triton's queue, written from the plan, and
-    the native instances' slabs and the runtime's admission behind it."""
+    answered is the network's output. The limit is Triton's queue, written from the plan, and
+    behind it the native instances' slabs (one instance: its slab fills first) and the
+    runtime's admission (two: each slab holds the whole limit, the runtime refuses, and its
+    refusals reach the instances as ERROR frames)."""
     srv = Server(net_file.parent, _plan("triton-queue", f"{net_file}:slower"), "--front",
-                 "triton", "--fronts", "1", "--max-queue", "6")
+                 "triton", "--fronts", str(instances), "--max-queue", "6")
     outcomes: dict[int, str] = {}
     errors: list[BaseException] = []
 
@@ -289,6 +294,8 @@ def test_past_triton_s_queue_a_request_is_refused_unavailable_never_reset(
         # Triton's queue (the Python stubs hold one batch each), or the native instances' and
         # the runtime's admission limit (they take every request at once).
         assert all("queue" in o or "admission limit" in o for o in refused), refused
+        if instances == 2 and srv.ready["triton_backend"] == "native":
+            assert any("in flight" in o for o in refused), refused  # the runtime's, relayed
     finally:
         code, out = srv.stop()
     assert code == 0, out

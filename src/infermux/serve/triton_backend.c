@@ -364,8 +364,8 @@ static const char* respond(Instance* s, const Group* g, const Item* item, uint32
       break;
     }
     if (memory_type == MEMORY_GPU) {
-      problem = "an output in GPU memory (CUDA shared memory) is not written by this backend: "
-                "use system shared memory or none";
+      problem = "an output in GPU memory (CUDA shared memory) is not written by the native "
+                "backend: use system shared memory or none, or serve with --triton-backend python";
       break;
     }
     const float* rows = (const float*)(region + offset + (uint64_t)at * o->item_bytes);
@@ -832,8 +832,8 @@ TRITONSERVER_Error* TRITONBACKEND_ModelInstanceExecute(TRITONBACKEND_ModelInstan
     give_slots(s, g->start, g->total);
     pthread_mutex_unlock(&s->mu);
     fail_group(s, g, ERROR_INVALID_ARG,
-               "an input in GPU memory (CUDA shared memory) is not read by this backend: use "
-               "system shared memory or none");
+               "an input in GPU memory (CUDA shared memory) is not read by the native backend: "
+               "use system shared memory or none, or serve with --triton-backend python");
     free(g->items);
     free(g);
     return NULL;

@@ -2,29 +2,39 @@
 
 Python fronts cost 300-600 µs of CPU per request (docs/architecture-serve.md), most of it
 grpc's and uvicorn's own per-call work. Triton's server parses HTTP and gRPC in C++, batches
-in its dynamic batcher and hands each batch to a Python-backend model. Here that model is a
-thin client of the runtime process: each model instance (a `triton_python_backend_stub`
-process Triton starts) connects to the runtime process over a Unix socket, is given a slab of
-shared memory like a front process (`serve/fronts.py`), writes each Triton batch's rows into
-it and sends one descriptor; the runtime submits the rows where they lie and writes the
-outputs into the same slots. So the protocol work per request is Triton's C++, the Python
-work is per batch plus one tensor object per input and output of each request, and the plan's
-dispatcher still decides the batches the workers run (Triton's batcher only groups what has
-queued while an instance was busy: no queue delay). The stubs are built for numpy 1: under
-numpy 2 tensors cross by DLPack (their numpy conversions read numpy 1's array layout), at
-twice the cost; `--triton-python-path` can give them a numpy 1 (docs/architecture-serve.md).
+in its dynamic batcher and hands each batch to a model instance of the plan's model. Each
+instance links to the runtime process over a Unix socket, is given a slab of shared memory
+like a front process (`serve/fronts.py`), writes each Triton batch's rows into it and sends
+one descriptor; the runtime submits the rows where they lie and writes the outputs into the
+same slots. The plan's dispatcher still decides the batches the workers run (Triton's batcher
+only groups what has queued while an instance was busy: no queue delay).
+
+Two backends make the instances (`--triton-backend`):
+- `native` (serve/triton_backend.c, built here with the machine's C compiler and cached by
+  its source's digest): the instance copies a batch's rows into free slots, sends its
+  descriptor and returns at once; a thread of its own sends each request's response when the
+  runtime answers. Many batches are in flight per instance, and no interpreter runs per
+  request or per batch. Models of one FP32 or FP16 input and outputs of fixed shapes.
+- `python`: a Python-backend stub per instance (`TritonPythonModel`), one Triton batch in
+  flight each (every request queues behind a whole device round), for the models the native
+  backend does not take. The stubs are built for numpy 1: under numpy 2 tensors cross by
+  DLPack (their numpy conversions read numpy 1's array layout), at twice the cost;
+  `--triton-python-path` can give them a numpy 1.
+`auto` (the default) takes native wherever every model fits it and it builds, else python.
 
 `TritonHub` is the runtime process's side: it writes the model repository (one model per
 plan model: its tensors, `max_batch_size` its largest batch, `--fronts` instances, a queue
 of its admission limit), starts `tritonserver` on the HTTP and gRPC ports, accepts the
 instances' links and restarts the server if it dies. Triton answers the v2 protocol itself:
 health, metadata, config, statistics (Triton's own, per client request), shared memory
-(system and CUDA), and 503-like UNAVAILABLE past the queue. infermux's `/metrics` keeps its
-port and counts the runtime's view: each Triton batch is one request there.
+(system; CUDA with the python backend), and 503-like UNAVAILABLE past the queue. infermux's
+`/metrics` keeps its port and counts the runtime's view: each Triton batch is one request
+there.
 
 The server comes from a Triton install (`--triton-home`, `$INFERMUX_TRITON_HOME`,
 /opt/tritonserver) or the `nvidia-pytriton` wheel's bundled build (installed with
-`--no-deps`: infermux never imports pytriton, whose pins would downgrade numpy).
+`--no-deps`: infermux never imports pytriton, whose pins would downgrade numpy); the native
+backend needs only its `bin/tritonserver` and the libraries beside it.
 """
 
 from __future__ import annotations
