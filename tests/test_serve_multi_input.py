@@ -55,10 +55,11 @@ def server(tiny_bert: str, two_inputs: tuple[str, str],
     assert code == 0, out
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=["native", "python"])
 def triton_server(tiny_bert: str, two_inputs: tuple[str, str],
-                  tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """The same plan behind Triton's server (`--front triton`), where a Triton build exists."""
+                  tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Any:
+    """The same plan behind Triton's server (`--front triton`), where a Triton build exists:
+    its instances infermux's native backend, or Python-backend stubs."""
     from infermux.errors import UsageError
     from infermux.serve.triton_front import find_triton
 
@@ -67,7 +68,9 @@ def triton_server(tiny_bert: str, two_inputs: tuple[str, str],
     except UsageError as exc:
         pytest.skip(f"no Triton build: {exc}")
     srv = Server(tmp_path_factory.mktemp("serve_several_triton"),
-                 _several_plan(tiny_bert, two_inputs), "--front", "triton", "--fronts", "2")
+                 _several_plan(tiny_bert, two_inputs), "--front", "triton", "--fronts", "2",
+                 "--triton-backend", request.param)
+    assert srv.ready["triton_backend"] == request.param
     yield srv
     code, out = srv.stop()
     assert code == 0, out

@@ -72,6 +72,8 @@ extern TRITONSERVER_Error* TRITONBACKEND_ModelInstanceReportBatchStatistics(
     uint64_t compute_start_ns, uint64_t compute_end_ns, uint64_t exec_end_ns);
 extern TRITONSERVER_Error* TRITONBACKEND_RequestInputCount(
     TRITONBACKEND_Request* request, uint32_t* count);
+extern TRITONSERVER_Error* TRITONBACKEND_RequestInput(
+    TRITONBACKEND_Request* request, const char* name, TRITONBACKEND_Input** input);
 extern TRITONSERVER_Error* TRITONBACKEND_RequestInputByIndex(
     TRITONBACKEND_Request* request, uint32_t index, TRITONBACKEND_Input** input);
 extern TRITONSERVER_Error* TRITONBACKEND_InputProperties(
@@ -99,22 +101,26 @@ extern TRITONSERVER_Error* TRITONBACKEND_ResponseSend(
 
 /* -- the link's frames (serve/proxy.py) ------------------------------------------------------ */
 
-enum { K_INIT = 1, K_READY = 2, K_INFER = 3, K_DONE = 4, K_ERROR = 5, K_HELLO = 12 };
+enum { K_INIT = 1, K_READY = 2, K_INFER = 3, K_DONE = 4, K_ERROR = 5, K_SHAPED = 11,
+       K_HELLO = 12 };
 #define HEADER_BYTES 5
 #define REQUEST_BYTES 24
 #define MAX_OUTPUTS 16
+#define MAX_INPUTS 16
 #define MAX_DIMS 8
 #define GROUP_BUCKETS 1024
 
 typedef struct {
   TRITONBACKEND_Request* request;
   uint32_t items;
+  uint32_t length; /* its sequence length (a model of several inputs with one), else 0 */
 } Item;
 
-/* One Triton batch: its requests' rows in `total` contiguous slots from `start`. */
+/* Requests of one Triton batch (of one length): their rows in `total` contiguous slots from
+ * `start`. */
 typedef struct Group {
   uint64_t id;
-  uint32_t start, total, count;
+  uint32_t start, total, count, length;
   uint64_t exec_start_ns;
   Item* items;
   struct Group* next;
@@ -128,6 +134,19 @@ typedef struct {
   uint64_t item_bytes; /* FP32 in the slab */
   uint64_t elements;
 } Output;
+
+/* An input of a model of several: its bytes per element and item shape (-1: the length). */
+typedef struct {
+  char name[256];
+  uint32_t itemsize, ndims;
+  int64_t dims[MAX_DIMS];
+} Input;
+
+/* Each output's item shape as the runtime answered it (SHAPED: it follows the length). */
+typedef struct {
+  uint32_t ndims[MAX_OUTPUTS];
+  int64_t dims[MAX_OUTPUTS][MAX_DIMS];
+} Shapes;
 
 typedef struct {
   TRITONBACKEND_ModelInstance* instance;
@@ -143,6 +162,10 @@ typedef struct {
   uint8_t code;            /* the descriptor's dtype code: 0 FP32, 1 FP16 */
   int in_datatype;
   uint64_t in_item_bytes, row_bytes;
+  bool several;            /* a model of several inputs (the slab's `several` layout) */
+  bool fixed_outputs;      /* ... whose outputs have one shape whatever the length */
+  uint32_t n_inputs, max_length;
+  Input inputs[MAX_INPUTS];
   uint32_t n_outputs;
   Output outputs[MAX_OUTPUTS];
   uint64_t out_item_bytes; /* all outputs of one item */
@@ -303,9 +326,17 @@ static uint16_t to_half(float f) {
   return bits;
 }
 
+static uint64_t elements_of(const int64_t* dims, uint32_t ndims) {
+  uint64_t n = 1;
+  for (uint32_t d = 0; d < ndims; ++d) n *= (uint64_t)dims[d];
+  return n;
+}
+
 /* One request's response from its slots: the outputs it asked for (Triton fills in all of
- * them when it named none). Its rows are the group's `at`-th to `at + items`. */
-static const char* respond(Instance* s, const Group* g, const Item* item, uint32_t at) {
+ * them when it named none). Its rows are the group's `at`-th to `at + items`; `shapes`: the
+ * outputs' item shapes as answered (NULL: the model's own). */
+static const char* respond(Instance* s, const Group* g, const Item* item, uint32_t at,
+                           const Shapes* shapes) {
   TRITONBACKEND_Response* response = NULL;
   TRITONSERVER_Error* err = TRITONBACKEND_ResponseNew(&response, item->request);
   if (err) {
@@ -333,7 +364,9 @@ static const char* respond(Instance* s, const Group* g, const Item* item, uint32
     uint32_t k = 0;
     uint64_t offset = 0;
     while (k < s->n_outputs && strcmp(s->outputs[k].name, name) != 0) {
-      offset += (uint64_t)g->total * s->outputs[k].item_bytes;
+      uint64_t per = shapes ? elements_of(shapes->dims[k], shapes->ndims[k]) * 4
+                            : s->outputs[k].item_bytes;
+      offset += (uint64_t)g->total * per;
       ++k;
     }
     if (k == s->n_outputs) {
@@ -341,18 +374,21 @@ static const char* respond(Instance* s, const Group* g, const Item* item, uint32
       break;
     }
     const Output* o = &s->outputs[k];
+    const int64_t* dims = shapes ? shapes->dims[k] : o->dims;
+    uint32_t ndims = shapes ? shapes->ndims[k] : o->ndims;
+    uint64_t per_item = elements_of(dims, ndims);
     int64_t shape[MAX_DIMS + 1];
     shape[0] = item->items;
-    memcpy(shape + 1, o->dims, o->ndims * sizeof(int64_t));
+    memcpy(shape + 1, dims, ndims * sizeof(int64_t));
     TRITONBACKEND_Output* output = NULL;
     err = TRITONBACKEND_ResponseOutput(response, &output, o->name, o->datatype, shape,
-                                       o->ndims + 1);
+                                       ndims + 1);
     if (err) {
       TRITONSERVER_ErrorDelete(err);
       problem = "an output could not be added to the response";
       break;
     }
-    uint64_t elements = o->elements * item->items;
+    uint64_t elements = per_item * item->items;
     uint64_t bytes = elements * (o->datatype == TYPE_FP16 ? 2 : 4);
     void* buffer = NULL;
     int memory_type = MEMORY_CPU;
@@ -368,7 +404,7 @@ static const char* respond(Instance* s, const Group* g, const Item* item, uint32
                 "backend: use system shared memory or none, or serve with --triton-backend python";
       break;
     }
-    const float* rows = (const float*)(region + offset + (uint64_t)at * o->item_bytes);
+    const float* rows = (const float*)(region + offset + (uint64_t)at * per_item * 4);
     if (o->datatype == TYPE_FP16) {
       uint16_t* dst = buffer;
       for (uint64_t i = 0; i < elements; ++i) dst[i] = to_half(rows[i]);
@@ -383,11 +419,11 @@ static const char* respond(Instance* s, const Group* g, const Item* item, uint32
   return problem;
 }
 
-static void answer_group(Instance* s, Group* g) {
+static void answer_group(Instance* s, Group* g, const Shapes* shapes) {
   uint64_t done = now_ns();
   uint32_t at = 0;
   for (uint32_t i = 0; i < g->count; ++i) {
-    const char* problem = respond(s, g, &g->items[i], at);
+    const char* problem = respond(s, g, &g->items[i], at, shapes);
     at += g->items[i].items;
     TRITONSERVER_Error* e = TRITONBACKEND_ModelInstanceReportStatistics(
         s->instance, g->items[i].request, problem == NULL, g->exec_start_ns, g->exec_start_ns,
@@ -473,6 +509,73 @@ static void fail_all(Instance* s, const char* message) {
   }
 }
 
+static const char* skip_separators(const char* p) {
+  while (*p == ' ' || *p == ',' || *p == '\n') ++p;
+  return p;
+}
+
+/* One group answered with its outputs' item shapes: from its slots, at those shapes. */
+static void answer_shaped(Instance* s, uint64_t id, const Shapes* shapes, uint32_t n_shapes) {
+  pthread_mutex_lock(&s->mu);
+  Group* g = pop_group(s, id);
+  pthread_mutex_unlock(&s->mu);
+  if (g == NULL) return;
+  if (n_shapes == s->n_outputs) {
+    answer_group(s, g, shapes);
+  } else {
+    fail_group(s, g, ERROR_INTERNAL, "the runtime answered another number of outputs");
+  }
+  pthread_mutex_lock(&s->mu);
+  give_slots(s, g->start, g->total);
+  pthread_mutex_unlock(&s->mu);
+  free(g->items);
+  free(g);
+}
+
+/* SHAPED's payload: [[id, [[dim, ...], ...]], ...] (JSON, as the hub writes). */
+static void on_shaped(Instance* s, const char* p) {
+  p = skip_separators(p);
+  if (*p++ != '[') return;
+  for (;;) {
+    p = skip_separators(p);
+    if (*p != '[') return;
+    char* end = NULL;
+    uint64_t id = strtoull(p + 1, &end, 10);
+    if (end == p + 1) return;
+    p = skip_separators(end);
+    if (*p++ != '[') return;
+    Shapes shapes;
+    memset(&shapes, 0, sizeof shapes);
+    uint32_t k = 0;
+    for (;;) {
+      p = skip_separators(p);
+      if (*p == ']') {
+        ++p;
+        break;
+      }
+      if (*p++ != '[') return;
+      uint32_t d = 0;
+      for (;;) {
+        p = skip_separators(p);
+        if (*p == ']') {
+          ++p;
+          break;
+        }
+        long long v = strtoll(p, &end, 10);
+        if (end == p) return;
+        if (k < MAX_OUTPUTS && d < MAX_DIMS) shapes.dims[k][d] = v;
+        ++d;
+        p = end;
+      }
+      if (k < MAX_OUTPUTS) shapes.ndims[k] = d < MAX_DIMS ? d : MAX_DIMS;
+      ++k;
+    }
+    p = skip_separators(p);
+    if (*p == ']') ++p;
+    answer_shaped(s, id, &shapes, k);
+  }
+}
+
 typedef struct {
   Instance* s;
   int fd;
@@ -496,7 +599,7 @@ static void* reader(void* arg) {
         Group* g = pop_group(s, id);
         pthread_mutex_unlock(&s->mu);
         if (g == NULL) continue;
-        answer_group(s, g);
+        answer_group(s, g, NULL);
         pthread_mutex_lock(&s->mu);
         give_slots(s, g->start, g->total);
         pthread_mutex_unlock(&s->mu);
@@ -505,6 +608,8 @@ static void* reader(void* arg) {
       }
     } else if (kind == K_ERROR) {
       on_errors(s, (char*)payload);
+    } else if (kind == K_SHAPED) {
+      on_shaped(s, (const char*)payload);
     }
     free(payload);
   }
@@ -544,8 +649,11 @@ static const char* config_string(const char* json, const char* key, char* out, s
 
 /* INIT for this backend: lines of "key value..." (serve/triton_front.py, `native_init`). */
 static const char* parse_init(Instance* s, char* text, char* slab_name, size_t name_size) {
-  s->n_outputs = 0;
+  s->n_outputs = s->n_inputs = 0;
   s->out_item_bytes = 0;
+  s->several = s->fixed_outputs = false;
+  s->max_length = 1;
+  s->row_bytes = 1; /* a model of several inputs has none: its inputs' lines say */
   slab_name[0] = 0;
   for (char* line = strtok(text, "\n"); line; line = strtok(NULL, "\n")) {
     char key[32];
@@ -559,6 +667,20 @@ static const char* parse_init(Instance* s, char* text, char* slab_name, size_t n
     else if (!strcmp(key, "row_bytes")) s->row_bytes = strtoull(rest, NULL, 10);
     else if (!strcmp(key, "slab")) snprintf(slab_name, name_size, "%s", rest);
     else if (!strcmp(key, "error")) return strdup(rest);
+    else if (!strcmp(key, "several")) s->several = strtoul(rest, NULL, 10) != 0;
+    else if (!strcmp(key, "fixed_outputs")) s->fixed_outputs = strtoul(rest, NULL, 10) != 0;
+    else if (!strcmp(key, "max_length")) s->max_length = (uint32_t)strtoul(rest, NULL, 10);
+    else if (!strcmp(key, "input")) {
+      if (s->n_inputs == MAX_INPUTS) return "more inputs than this backend takes";
+      Input* in = &s->inputs[s->n_inputs];
+      int n = 0;
+      if (sscanf(rest, "%255s %u %u %n", in->name, &in->itemsize, &in->ndims, &n) != 3
+          || in->ndims > MAX_DIMS)
+        return "a malformed input line in INIT";
+      char* p = rest + n;
+      for (uint32_t d = 0; d < in->ndims; ++d) in->dims[d] = strtoll(p, &p, 10);
+      ++s->n_inputs;
+    }
     else if (!strcmp(key, "output")) {
       if (s->n_outputs == MAX_OUTPUTS) return "more outputs than this backend takes";
       Output* o = &s->outputs[s->n_outputs];
@@ -579,8 +701,9 @@ static const char* parse_init(Instance* s, char* text, char* slab_name, size_t n
       ++s->n_outputs;
     }
   }
-  if (!slab_name[0] || !s->slots || !s->in_item_bytes || !s->row_bytes || !s->n_outputs)
-    return "INIT is missing the slab, its slots, its input rows or its outputs";
+  if (!slab_name[0] || !s->slots || !s->in_item_bytes || !s->n_outputs
+      || (s->several && !s->n_inputs))
+    return "INIT is missing the slab, its slots, its inputs or its outputs";
   return NULL;
 }
 
@@ -737,95 +860,127 @@ static void put_rows(Instance* s, uint32_t first_slot, uint64_t offset, const ui
   }
 }
 
-TRITONSERVER_Error* TRITONBACKEND_ModelInstanceExecute(TRITONBACKEND_ModelInstance* instance,
-                                                       TRITONBACKEND_Request** requests,
-                                                       const uint32_t count) {
-  void* state = NULL;
-  TRITONSERVER_Error* err = TRITONBACKEND_ModelInstanceState(instance, &state);
-  if (err) return err;
-  Instance* s = state;
-  uint64_t start_ns = now_ns();
-  Item* items = calloc(count ? count : 1, sizeof *items);
-  uint32_t total = 0, kept = 0;
-  for (uint32_t r = 0; r < count; ++r) {
+/* Bytes of one item of input `k` of a model of several at sequence length `length`. */
+static uint64_t input_item_bytes(const Instance* s, uint32_t k, uint32_t length) {
+  const Input* in = &s->inputs[k];
+  uint64_t n = in->itemsize;
+  for (uint32_t d = 0; d < in->ndims; ++d) n *= (uint64_t)(in->dims[d] < 0 ? length : in->dims[d]);
+  return n;
+}
+
+/* A request's input `k` (by index for a model of one input, by name for several). */
+static TRITONSERVER_Error* request_input(const Instance* s, TRITONBACKEND_Request* request,
+                                         uint32_t k, TRITONBACKEND_Input** input) {
+  return s->several ? TRITONBACKEND_RequestInput(request, s->inputs[k].name, input)
+                    : TRITONBACKEND_RequestInputByIndex(request, 0, input);
+}
+
+/* Checks a request's inputs against the slab's layout: its items and sequence length, or the
+ * reason it cannot be taken. */
+static const char* check_request(const Instance* s, TRITONBACKEND_Request* request,
+                                 uint32_t* items, uint32_t* length) {
+  *items = 0;
+  *length = 0;
+  uint32_t inputs = s->several ? s->n_inputs : 1;
+  for (uint32_t k = 0; k < inputs; ++k) {
     TRITONBACKEND_Input* input = NULL;
     const char* name;
     int datatype;
     const int64_t* shape;
     uint32_t dims = 0, buffers = 0;
     uint64_t bytes = 0;
-    err = TRITONBACKEND_RequestInputByIndex(requests[r], 0, &input);
+    TRITONSERVER_Error* err = request_input(s, request, k, &input);
     if (!err)
       err = TRITONBACKEND_InputProperties(input, &name, &datatype, &shape, &dims, &bytes,
                                           &buffers);
     if (err) {
       TRITONSERVER_ErrorDelete(err);
-      respond_error(s, requests[r], ERROR_INVALID_ARG, "the request's input could not be read");
-      continue;
+      return "the request's inputs could not be read";
     }
     uint32_t n = dims ? (uint32_t)shape[0] : 1;
-    if (n == 0 || bytes != (uint64_t)n * s->row_bytes) {
-      respond_error(s, requests[r], ERROR_INVALID_ARG,
-                    "the input's bytes do not fit its shape and datatype");
+    if (n == 0 || (k > 0 && n != *items)) return "the inputs' batch sizes differ";
+    *items = n;
+    if (!s->several) {
+      if (bytes != (uint64_t)n * s->row_bytes)
+        return "the input's bytes do not fit its shape and datatype";
       continue;
     }
-    items[kept++] = (Item){requests[r], n};
-    total += n;
+    const Input* in = &s->inputs[k];
+    if (dims != in->ndims + 1) return "an input's rank is not the model's";
+    for (uint32_t d = 0; d < in->ndims; ++d) {
+      if (in->dims[d] >= 0) continue;
+      uint32_t given = (uint32_t)shape[d + 1];
+      if (*length && given != *length) return "the inputs' sequence lengths differ";
+      if (given == 0 || given > s->max_length)
+        return "the sequence length is not one the plan compiles (0 or past its longest)";
+      *length = given;
+    }
+    if (bytes != (uint64_t)n * input_item_bytes(s, k, *length ? *length : 1))
+      return "an input's bytes do not fit its shape and datatype";
   }
-  if (kept == 0) {
-    free(items);
-    return NULL;
-  }
+  return NULL;
+}
+
+/* Copies the rows of `count` requests (`total` items of one length) into the slots from
+ * `first` and hands them to the runtime as one descriptor; answers them itself where that
+ * fails. */
+static void submit(Instance* s, const Item* items, uint32_t count, uint32_t total,
+                   uint64_t start_ns) {
   pthread_mutex_lock(&s->mu);
-  if (s->fd < 0 && (err = link_up(s)) != NULL) {
-    pthread_mutex_unlock(&s->mu);
-    const char* why = "the infermux runtime is not reachable";
-    for (uint32_t i = 0; i < kept; ++i) respond_error(s, items[i].request, ERROR_UNAVAILABLE, why);
-    TRITONSERVER_ErrorDelete(err);
-    free(items);
-    return NULL;
-  }
   int64_t first = take_slots(s, total);
   if (first < 0) {
     pthread_mutex_unlock(&s->mu);
     char why[512];
     snprintf(why, sizeof why, "model '%s' holds its admission limit in this instance's queue: "
              "retry later", s->model);
-    for (uint32_t i = 0; i < kept; ++i) respond_error(s, items[i].request, ERROR_UNAVAILABLE, why);
-    free(items);
-    return NULL;
+    for (uint32_t i = 0; i < count; ++i) respond_error(s, items[i].request, ERROR_UNAVAILABLE, why);
+    return;
   }
   Group* g = calloc(1, sizeof *g);
-  *g = (Group){++s->next_id, (uint32_t)first, total, kept, start_ns, items, NULL};
+  Item* mine = malloc(count * sizeof *mine);
+  memcpy(mine, items, count * sizeof *mine);
+  *g = (Group){++s->next_id, (uint32_t)first, total, count, items[0].length, start_ns, mine,
+               NULL};
   int fd = s->fd;
   pthread_mutex_unlock(&s->mu);
-  /* The rows, each request's after the one before; the slots are this group's alone. */
-  uint32_t at = (uint32_t)first;
+  /* The rows, each request's after the one before; the slots are this group's alone. A model
+   * of several inputs has each input's `total` rows at the length one after another. */
   bool copied = true;
-  for (uint32_t i = 0; i < kept && copied; ++i) {
-    TRITONBACKEND_Input* input = NULL;
-    const char* name;
-    int datatype;
-    const int64_t* shape;
-    uint32_t dims = 0, buffers = 0;
-    uint64_t bytes = 0, offset = 0;
-    TRITONBACKEND_RequestInputByIndex(items[i].request, 0, &input);
-    TRITONBACKEND_InputProperties(input, &name, &datatype, &shape, &dims, &bytes, &buffers);
-    for (uint32_t b = 0; b < buffers; ++b) {
-      const void* data = NULL;
-      uint64_t size = 0;
-      int memory_type = MEMORY_CPU;
-      int64_t memory_id = 0;
-      err = TRITONBACKEND_InputBuffer(input, b, &data, &size, &memory_type, &memory_id);
-      if (err || memory_type == MEMORY_GPU) {
-        if (err) TRITONSERVER_ErrorDelete(err);
-        copied = false;
-        break;
+  uint32_t at = 0;
+  for (uint32_t i = 0; i < count && copied; ++i) {
+    uint32_t inputs = s->several ? s->n_inputs : 1;
+    uint64_t region = (uint64_t)g->start * s->in_item_bytes;
+    for (uint32_t k = 0; k < inputs && copied; ++k) {
+      TRITONBACKEND_Input* input = NULL;
+      const char* name;
+      int datatype;
+      const int64_t* shape;
+      uint32_t dims = 0, buffers = 0;
+      uint64_t bytes = 0, offset = 0;
+      uint64_t item = s->several ? input_item_bytes(s, k, g->length ? g->length : 1) : 0;
+      request_input(s, mine[i].request, k, &input);
+      TRITONBACKEND_InputProperties(input, &name, &datatype, &shape, &dims, &bytes, &buffers);
+      for (uint32_t b = 0; b < buffers; ++b) {
+        const void* data = NULL;
+        uint64_t size = 0;
+        int memory_type = MEMORY_CPU;
+        int64_t memory_id = 0;
+        TRITONSERVER_Error* err = TRITONBACKEND_InputBuffer(input, b, &data, &size,
+                                                            &memory_type, &memory_id);
+        if (err || memory_type == MEMORY_GPU) {
+          if (err) TRITONSERVER_ErrorDelete(err);
+          copied = false;
+          break;
+        }
+        if (s->several)
+          memcpy(s->slab + region + (uint64_t)at * item + offset, data, size);
+        else
+          put_rows(s, g->start + at, offset, data, size);
+        offset += size;
       }
-      put_rows(s, at, offset, data, size);
-      offset += size;
+      region += (uint64_t)total * item;
     }
-    at += items[i].items;
+    at += mine[i].items;
   }
   if (!copied) {
     pthread_mutex_lock(&s->mu);
@@ -836,11 +991,11 @@ TRITONSERVER_Error* TRITONBACKEND_ModelInstanceExecute(TRITONBACKEND_ModelInstan
                "use system shared memory or none, or serve with --triton-backend python");
     free(g->items);
     free(g);
-    return NULL;
+    return;
   }
   uint8_t descriptor[REQUEST_BYTES] = {0};
   uint16_t index = (uint16_t)s->index;
-  uint32_t slot = g->start, length = 0;
+  uint32_t slot = g->start, length = g->length;
   memcpy(descriptor, &g->id, 8);
   memcpy(descriptor + 8, &index, 2);
   descriptor[10] = s->code;
@@ -865,5 +1020,45 @@ TRITONSERVER_Error* TRITONBACKEND_ModelInstanceExecute(TRITONBACKEND_ModelInstan
       free(left);
     }
   }
+}
+
+TRITONSERVER_Error* TRITONBACKEND_ModelInstanceExecute(TRITONBACKEND_ModelInstance* instance,
+                                                       TRITONBACKEND_Request** requests,
+                                                       const uint32_t count) {
+  void* state = NULL;
+  TRITONSERVER_Error* err = TRITONBACKEND_ModelInstanceState(instance, &state);
+  if (err) return err;
+  Instance* s = state;
+  uint64_t start_ns = now_ns();
+  Item* items = calloc(count ? count : 1, sizeof *items);
+  uint32_t kept = 0;
+  for (uint32_t r = 0; r < count; ++r) {
+    uint32_t n = 0, length = 0;
+    const char* problem = check_request(s, requests[r], &n, &length);
+    if (problem) {
+      respond_error(s, requests[r], ERROR_INVALID_ARG, problem);
+      continue;
+    }
+    items[kept++] = (Item){requests[r], n, length};
+  }
+  pthread_mutex_lock(&s->mu);
+  if (kept && s->fd < 0 && (err = link_up(s)) != NULL) {
+    pthread_mutex_unlock(&s->mu);
+    const char* why = "the infermux runtime is not reachable";
+    for (uint32_t i = 0; i < kept; ++i) respond_error(s, items[i].request, ERROR_UNAVAILABLE, why);
+    TRITONSERVER_ErrorDelete(err);
+    free(items);
+    return NULL;
+  }
+  pthread_mutex_unlock(&s->mu);
+  /* One descriptor per run of requests of one length (Triton batches requests of one shape,
+   * so a batch is usually one run). */
+  for (uint32_t i = 0; i < kept;) {
+    uint32_t j = i, total = 0;
+    while (j < kept && items[j].length == items[i].length) total += items[j++].items;
+    submit(s, items + i, j - i, total, start_ns);
+    i = j;
+  }
+  free(items);
   return NULL;
 }

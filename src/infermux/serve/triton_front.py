@@ -14,7 +14,8 @@ Two backends make the instances (`--triton-backend`):
   its source's digest): the instance copies a batch's rows into free slots, sends its
   descriptor and returns at once; a thread of its own sends each request's response when the
   runtime answers. Many batches are in flight per instance, and no interpreter runs per
-  request or per batch. Models of one FP32 or FP16 input and outputs of fixed shapes.
+  request or per batch. Models of one FP32 or FP16 input, or of several (a sequence dim at
+  each Triton batch's length); FP32 or FP16 outputs.
 - `python`: a Python-backend stub per instance (`TritonPythonModel`), one Triton batch in
   flight each (every request queues behind a whole device round), for the models the native
   backend does not take. The stubs are built for numpy 1: under numpy 2 tensors cross by
@@ -85,7 +86,7 @@ _NUMPY1 = int(np.__version__.split(".")[0]) < 2
 #: backend's stubs; `auto` takes native wherever every model fits it and it builds.
 BACKENDS = ("auto", "native", "python")
 _BACKEND_SOURCE = Path(__file__).with_name("triton_backend.c")
-_NATIVE_TYPES = ("FP32", "FP16")
+_NATIVE_TYPES = ("FP32", "FP16")  # of a single input, and of every output
 _TYPES = {"FP32": "TYPE_FP32", "FP16": "TYPE_FP16", "FP64": "TYPE_FP64", "INT64": "TYPE_INT64",
           "INT32": "TYPE_INT32", "BOOL": "TYPE_BOOL"}
 
@@ -206,17 +207,23 @@ parameters: {{ key: "infermux_answer_timeout_s" value: {{ string_value: "{answer
 def why_not_native(info: Any, layout: Any) -> str | None:
     """Why a plan model cannot be served through the native backend; None where it can.
 
-    The backend takes one input and outputs whose item shapes are fixed (the slab's layout
-    for a model of one input), FP32 or FP16 each.
+    The backend copies each input's bytes as they come (any datatype Triton is given here;
+    one FP32 or FP16 input, or several by the slab's `several` layout, a sequence dim at the
+    request's length) and answers outputs from the slab's FP32 rows as FP32 or FP16, at fixed
+    shapes or at those the runtime sends back (SHAPED).
     """
-    if layout.several or len(info.inputs) != 1:
-        return f"model {info.name!r} has {len(info.inputs)} inputs (the native backend takes one)"
-    for spec in [*info.inputs, *info.outputs]:
+    for spec in info.outputs:
         if spec.datatype not in _NATIVE_TYPES:
-            return (f"tensor {spec.name!r} of model {info.name!r} is {spec.datatype} (the native "
-                    f"backend takes {' or '.join(_NATIVE_TYPES)})")
-    if len(layout.output_shapes) != len(info.outputs):
-        return f"model {info.name!r}'s outputs have no fixed shapes"
+            return (f"output {spec.name!r} of model {info.name!r} is {spec.datatype} (the native "
+                    f"backend answers {' or '.join(_NATIVE_TYPES)})")
+    if not layout.several:
+        if len(info.inputs) != 1 or info.inputs[0].datatype not in _NATIVE_TYPES:
+            return (f"model {info.name!r}'s input is {info.inputs[0].datatype} (one FP32 or FP16 "
+                    "input, or several)")
+        if len(layout.output_shapes) != len(info.outputs):
+            return f"model {info.name!r}'s outputs have no fixed shapes"
+    elif len(layout.several) != len(info.inputs):
+        return f"model {info.name!r}'s inputs do not match its slab's layout"
     return None
 
 
@@ -224,14 +231,24 @@ def native_init(index: int, info: Any, layout: Any, slab: str, slots: int) -> by
     """INIT for a native instance: its model's slab and layout as lines the C side reads.
 
     `index`: the model's among the served; `slab`: the slab's shared-memory name; `slots`: its
-    slots. Each output line is its name, datatype, rank and item shape (FP32 in the slab).
+    slots. An output line is its name, datatype, rank and item shape (FP32 in the slab; for a
+    model of several inputs, the room at the longest length). A model of several inputs adds
+    `several 1`, its longest length, whether its outputs are fixed, and an input line each:
+    name, bytes per element, rank and item shape (-1 for the sequence dim).
     """
     spec = info.inputs[0]
-    itemsize = 2 if spec.datatype == "FP16" else 4
     lines = [f"index {index}", f"slab {slab}", f"slots {slots}",
              f"code {1 if spec.datatype == 'FP16' else 0}",
-             f"input_item_bytes {layout.input_item_bytes}",
-             f"row_bytes {math.prod(layout.input_shape) * itemsize}"]
+             f"input_item_bytes {layout.input_item_bytes}"]
+    if layout.several:
+        lines += ["several 1", f"max_length {layout.max_length}",
+                  f"fixed_outputs {int(bool(layout.fixed_outputs))}"]
+        for tensor, (shape, dtype) in zip(info.inputs, layout.several, strict=True):
+            lines.append(f"input {tensor.name} {np.dtype(dtype).itemsize} {len(shape)} "
+                         + " ".join(str(d) for d in shape))
+    else:
+        itemsize = 2 if spec.datatype == "FP16" else 4
+        lines.append(f"row_bytes {math.prod(layout.input_shape) * itemsize}")
     for out, shape in zip(info.outputs, layout.output_shapes, strict=True):
         lines.append(f"output {out.name} {out.datatype} {len(shape)} "
                      + " ".join(str(d) for d in shape))
