@@ -198,6 +198,21 @@ def test_the_api_key_is_never_stored_and_guards_the_metrics(tmp_path: Path) -> N
                 assert b"nv_inference_count" in reply.read()
         assert _post(srv, _x(1))[0] == 401
         assert _post(srv, _x(1), {"Authorization": f"Bearer {key}"})[0] == 200
+        # gRPC metadata in every form a client may send, Triton's prefixed one included.
+        import tritonclient.grpc as tgrpc
+        from tritonclient.utils import InferenceServerException
+
+        client = tgrpc.InferenceServerClient(srv.grpc)
+        tensor = tgrpc.InferInput("input", [1, 3, 16, 16], "FP32")
+        tensor.set_data_from_numpy(_x(1))
+        try:
+            with pytest.raises(InferenceServerException, match="API key"):
+                client.infer("net", [tensor])
+            for header in ({"authorization": f"Bearer {key}"}, {"x-api-key": key},
+                           {"triton-grpc-protocol-x-api-key": key}):
+                assert client.infer("net", [tensor], headers=header).as_numpy("output") is not None
+        finally:
+            client.close()
         code, out = srv.stop()
         assert code == 0, out
         run_id = json.loads(out[out.index("{"):])["run_id"]

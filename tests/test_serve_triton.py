@@ -95,8 +95,8 @@ def test_a_bad_front_or_options_it_cannot_take_exit_with_one_line(tmp_path: Path
                                 "replicas": [{"unit": "cpu:0", "engine": "torch",
                                               "batch": 4}]}]}))
     for extra, expected in ((["--front", "grpcio"], "--front 'grpcio' is not a front"),
-                            (["--front", "triton", "--api-key", "k"],
-                             "--front triton does not take --api-key")):
+                            (["--front", "triton", "--trace-requests", "1"],
+                             "--front triton does not take --trace-requests")):
         done = subprocess.run([sys.executable, "-m", "infermux", "serve", str(plan), "--no-store",
                                *extra], capture_output=True, text=True, timeout=120,
                               env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"})
@@ -193,6 +193,37 @@ def test_system_shared_memory_inputs_and_outputs_through_triton(triton: Any,
         client.close()
         for h in handles:
             tshm.destroy_shared_memory_region(h)
+
+
+@needs_triton
+def test_an_api_key_guards_all_but_health_behind_triton(net_file: Path, reference: Any) -> None:
+    """`--api-key` behind Triton's front: inference and metadata need `x-api-key: KEY` over
+    HTTP and gRPC, the health probes stay open, a wrong key is refused."""
+    srv = Server(net_file.parent, _plan("triton-key", f"{net_file}:build"), "--front", "triton",
+                 "--fronts", "1", "--api-key", "s3cret")
+    x = _x(2, seed=5)
+    try:
+        http = thttp.InferenceServerClient(srv.http)
+        grpc = tgrpc.InferenceServerClient(srv.grpc)
+        assert http.is_server_ready() and grpc.is_server_live()  # no key needed
+        # Triton reads gRPC's restricted header with its prefix (the own fronts take both).
+        for client, infer_input, header in (
+                (http, thttp.InferInput, "x-api-key"),
+                (grpc, tgrpc.InferInput, "triton-grpc-protocol-x-api-key")):
+            tensor = infer_input("input", list(x.shape), "FP32")
+            tensor.set_data_from_numpy(x)
+            for headers in (None, {header: "wrong"}):
+                with pytest.raises(InferenceServerException, match="x-api-key"):
+                    client.infer("net", [tensor], headers=headers)
+            with pytest.raises(InferenceServerException, match="x-api-key"):
+                client.get_model_metadata("net")
+            y = client.infer("net", [tensor], headers={header: "s3cret"}).as_numpy("output")
+            np.testing.assert_allclose(y, reference(x), rtol=1e-5, atol=1e-5)
+            assert client.get_model_metadata("net", headers={header: "s3cret"})
+        grpc.close()
+    finally:
+        code, out = srv.stop()
+    assert code == 0, out
 
 
 @needs_triton

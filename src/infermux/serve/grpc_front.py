@@ -274,14 +274,17 @@ class _Service(_servicer_base()):  # type: ignore[misc]
         if self.api_key is None:
             return
         meta = {k.lower(): v for k, v in (context.invocation_metadata() or ())}
-        given = meta.get("x-api-key")
+        # Triton's front reads its restricted header with this prefix: a client written for
+        # either front sends that one.
+        given = meta.get("x-api-key", meta.get("triton-grpc-protocol-x-api-key"))
         auth = str(meta.get("authorization", ""))
         if auth.lower().startswith("bearer "):
             given = auth[7:].strip()
         if not isinstance(given, str) or not hmac.compare_digest(given.encode(),
                                                                  self.api_key.encode()):
             raise ProtocolError(401, "missing or wrong API key: send metadata "
-                                     "`authorization: Bearer KEY` or `x-api-key: KEY`")
+                                     "`authorization: Bearer KEY` or `x-api-key: KEY` (or "
+                                     "`triton-grpc-protocol-x-api-key: KEY`)")
 
     async def ServerLive(self, request: Any, context: Any) -> Any:  # noqa: N802 - the proto's name
         """Whether the server is up."""

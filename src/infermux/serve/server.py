@@ -190,10 +190,8 @@ class ServeSettings:
             raise UsageError(f"--front {self.front!r} is not a front: use own (infermux's "
                              "fronts) or triton (Triton's server)")
         if self.front == "triton":
-            for flag, given in (("--api-key", self.api_key is not None),
-                                ("--trace-requests", self.trace_requests > 0)):
-                if given:
-                    raise UsageError(f"--front triton does not take {flag}: use --front own")
+            if self.trace_requests > 0:
+                raise UsageError("--front triton does not take --trace-requests: use --front own")
             if self.fronts == 0:
                 raise UsageError("--front triton --fronts 0: give at least 1 instance per model")
             if self.triton_backend not in ("auto", "native", "python"):

@@ -70,7 +70,7 @@ from infermux.serve.proxy import DTYPE_CODES, REQUEST, FrameReader, Kind, Link, 
 from infermux.serve.shm import Segment
 
 __all__ = ["BACKENDS", "TritonHub", "TritonInstall", "TritonPythonModel", "build_native_backend",
-           "find_triton", "model_config", "native_init", "why_not_native"]
+           "find_triton", "model_config", "native_init", "restricted", "why_not_native"]
 
 #: Where a Triton install is looked for when `--triton-home` is not given.
 TRITON_HOME_ENV = "INFERMUX_TRITON_HOME"
@@ -202,6 +202,26 @@ instance_group [ {{ count: {instances} kind: KIND_CPU }} ]
 parameters: {{ key: "infermux_link" value: {{ string_value: "{link_path}" }} }}
 parameters: {{ key: "infermux_answer_timeout_s" value: {{ string_value: "{answer_timeout_s:g}" }} }}
 """
+
+
+#: What `--api-key` guards behind Triton's front: all but the health probes (as the own
+#: fronts: liveness and readiness stay open).
+_GUARDED = "metadata,inference,shared-memory,model-config,model-repository,statistics,trace,logging"
+
+
+def restricted(api_key: str | None) -> list[str]:
+    """Triton's options that ask for the key on every API but health (`--api-key`).
+
+    Triton compares one header's value exactly: behind its front the key goes in HTTP's
+    `x-api-key` header and gRPC's `triton-grpc-protocol-x-api-key` metadata (Triton's prefix;
+    the own fronts take both, and `Authorization: Bearer KEY`). A request without it is
+    refused (HTTP 403, gRPC UNAVAILABLE) naming the header. The key is on `tritonserver`'s
+    command line, where this machine's users can read it (Triton takes it no other way).
+    """
+    if api_key is None:
+        return []
+    return [f"--http-restricted-api={_GUARDED}:x-api-key={api_key}",
+            f"--grpc-restricted-protocol={_GUARDED}:x-api-key={api_key}"]
 
 
 def why_not_native(info: Any, layout: Any) -> str | None:
@@ -419,7 +439,8 @@ class TritonHub(FrontHub):
                 f"--http-address={s.host}", f"--http-port={self.http_port}",
                 f"--grpc-address={s.host}", f"--grpc-port={self.grpc_port}",
                 "--allow-metrics=false", "--strict-readiness=true",
-                f"--exit-timeout-secs={max(1, int(s.drain_timeout_s))}", "--log-verbose=0"]
+                f"--exit-timeout-secs={max(1, int(s.drain_timeout_s))}", "--log-verbose=0",
+                *restricted(s.api_key)]
         log = open(self._log, "ab")  # noqa: SIM115 - the server's output, for its errors
         try:
             self.process = await asyncio.create_subprocess_exec(
