@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -87,6 +88,38 @@ def test_a_folder_without_triton_is_one_line_saying_how_to_get_it(tmp_path: Path
     with pytest.raises(UsageError, match="no Python backend.*--triton-backend native") as err:
         TritonHub._choose_backend(None, settings, 1, install)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                    reason="no C compiler to build the native backend")
+def test_the_native_backend_builds_once_and_rounds_fp16_outputs_as_numpy(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The backend builds with the machine's compiler into a library named by its source
+    (built once), and its FP32 → FP16 output conversion is IEEE round-to-nearest-even, bit for
+    bit numpy's, subnormals, overflow and infinities included; a compiler that fails is one
+    line naming it and `--triton-backend python`."""
+    import ctypes
+
+    from infermux.serve.triton_front import build_native_backend
+
+    lib = build_native_backend(tmp_path)
+    assert lib.parent == tmp_path and lib.name.startswith("libtriton_infermux-")
+    built = lib.stat().st_mtime_ns
+    assert build_native_backend(tmp_path) == lib and lib.stat().st_mtime_ns == built
+    half = ctypes.CDLL(str(lib), mode=os.RTLD_LAZY).infermux_to_half  # Triton's symbols unbound
+    half.argtypes, half.restype = [ctypes.c_float], ctypes.c_uint16
+    rng = np.random.default_rng(0)
+    values = np.concatenate([rng.standard_normal(4000) * 10 ** rng.uniform(-9, 6, 4000),
+                             [0.0, -0.0, 65504, 65519.99, 65520, 1e30, 6e-8, -6e-8, 2.98e-8,
+                              np.inf, -np.inf]]).astype(np.float32)
+    with np.errstate(over="ignore"):
+        want = values.astype(np.float16).view(np.uint16)
+    got = np.array([half(float(v)) for v in values], dtype=np.uint16)
+    np.testing.assert_array_equal(got, want)
+    monkeypatch.setenv("CC", "false")
+    with pytest.raises(UsageError,
+                       match=r"did not build with false \(exit code 1\): pass --triton-backend"):
+        build_native_backend(tmp_path / "other")
 
 
 def test_a_bad_front_or_options_it_cannot_take_exit_with_one_line(tmp_path: Path) -> None:

@@ -319,11 +319,27 @@ static void respond_error(Instance* s, TRITONBACKEND_Request* request, int code,
   if (e) TRITONSERVER_ErrorDelete(e);
 }
 
-static uint16_t to_half(float f) {
-  _Float16 h = (_Float16)f;
-  uint16_t bits;
-  memcpy(&bits, &h, 2);
-  return bits;
+/* IEEE half from float, rounded to nearest even (exported for the tests; no compiler's
+ * _Float16 needed). */
+uint16_t infermux_to_half(float f);
+uint16_t infermux_to_half(float f) {
+  uint32_t x;
+  memcpy(&x, &f, 4);
+  uint32_t sign = (x >> 16) & 0x8000u, bits = (x >> 23) & 0xffu, mant = x & 0x7fffffu;
+  if (bits == 0xff) return (uint16_t)(sign | 0x7c00u | (mant ? 0x200u : 0));
+  int32_t exp = (int32_t)bits - 127 + 15;
+  if (exp >= 31) return (uint16_t)(sign | 0x7c00u);
+  if (exp <= 0) {
+    if (exp < -10) return (uint16_t)sign;
+    mant |= 0x800000u;
+    uint32_t shift = (uint32_t)(14 - exp), half = mant >> shift;
+    uint32_t rest = mant & ((1u << shift) - 1), mid = 1u << (shift - 1);
+    if (rest > mid || (rest == mid && (half & 1u))) ++half;
+    return (uint16_t)(sign | half);
+  }
+  uint32_t half = sign | ((uint32_t)exp << 10) | (mant >> 13), rest = mant & 0x1fffu;
+  if (rest > 0x1000u || (rest == 0x1000u && (half & 1u))) ++half; /* a carry is still right */
+  return (uint16_t)half;
 }
 
 static uint64_t elements_of(const int64_t* dims, uint32_t ndims) {
@@ -407,7 +423,7 @@ static const char* respond(Instance* s, const Group* g, const Item* item, uint32
     const float* rows = (const float*)(region + offset + (uint64_t)at * per_item * 4);
     if (o->datatype == TYPE_FP16) {
       uint16_t* dst = buffer;
-      for (uint64_t i = 0; i < elements; ++i) dst[i] = to_half(rows[i]);
+      for (uint64_t i = 0; i < elements; ++i) dst[i] = infermux_to_half(rows[i]);
     } else {
       memcpy(buffer, rows, bytes);
     }

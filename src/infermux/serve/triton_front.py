@@ -298,9 +298,10 @@ def build_native_backend(folder: Path | None = None) -> Path:
                           check=False)
     if proc.returncode != 0:
         partial.unlink(missing_ok=True)
-        first = next((ln for ln in proc.stderr.splitlines() if "error" in ln), proc.stderr[:200])
+        first = next((ln for ln in proc.stderr.splitlines() if "error" in ln),
+                     proc.stderr[:200]).strip() or f"exit code {proc.returncode}"
         raise UsageError(f"--front triton: infermux's Triton backend did not build with "
-                         f"{compiler}: {first.strip()}; pass --triton-backend python")
+                         f"{compiler} ({first}): pass --triton-backend python")
     os.replace(partial, lib)
     return lib
 
