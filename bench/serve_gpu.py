@@ -137,11 +137,16 @@ def cpu_s(pids: list[int]) -> float:
 
 
 def answered(ready: dict[str, Any], model: str) -> float:
-    """Requests the server has answered (its Prometheus counter, kept by the runtime process)."""
+    """Items the server has answered (its Prometheus counter, kept by the runtime process).
+
+    Items, not the runtime's requests: behind Triton's front a runtime request is a Triton
+    batch of one or more client requests; at one item per client request (perf_analyzer's
+    `-b 1`) items are the client's requests whatever the front.
+    """
     import urllib.request
 
     url = f"http://127.0.0.1:{ready['metrics_port']}/metrics"
-    key = f'nv_inference_request_success_total{{model="{model}",version="1"}}'
+    key = f'nv_inference_count_total{{model="{model}",version="1"}}'
     for line in urllib.request.urlopen(url, timeout=10).read().decode().splitlines():
         if line.startswith(key):
             return float(line.rpartition(" ")[2])
