@@ -131,8 +131,7 @@ typedef struct {
   int datatype;
   uint32_t ndims;
   int64_t dims[MAX_DIMS];
-  uint64_t item_bytes; /* FP32 in the slab */
-  uint64_t elements;
+  uint64_t item_bytes; /* FP32 in the slab: at the longest length for a model of several */
 } Output;
 
 /* An input of a model of several: its bytes per element and item shape (-1: the length). */
@@ -160,7 +159,6 @@ typedef struct {
   size_t slab_bytes;
   uint32_t slots, index;
   uint8_t code;            /* the descriptor's dtype code: 0 FP32, 1 FP16 */
-  int in_datatype;
   uint64_t in_item_bytes, row_bytes;
   bool several;            /* a model of several inputs (the slab's `several` layout) */
   bool fixed_outputs;      /* ... whose outputs have one shape whatever the length */
@@ -707,12 +705,8 @@ static const char* parse_init(Instance* s, char* text, char* slab_name, size_t n
         return "a malformed output line in INIT";
       o->datatype = strcmp(dtype, "FP16") == 0 ? TYPE_FP16 : TYPE_FP32;
       char* p = rest + n;
-      o->elements = 1;
-      for (uint32_t d = 0; d < o->ndims; ++d) {
-        o->dims[d] = strtoll(p, &p, 10);
-        o->elements *= (uint64_t)o->dims[d];
-      }
-      o->item_bytes = o->elements * 4;
+      for (uint32_t d = 0; d < o->ndims; ++d) o->dims[d] = strtoll(p, &p, 10);
+      o->item_bytes = elements_of(o->dims, o->ndims) * 4;
       s->out_item_bytes += o->item_bytes;
       ++s->n_outputs;
     }
