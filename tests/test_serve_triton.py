@@ -129,7 +129,11 @@ def test_a_bad_front_or_options_it_cannot_take_exit_with_one_line(tmp_path: Path
                                               "batch": 4}]}]}))
     for extra, expected in ((["--front", "grpcio"], "--front 'grpcio' is not a front"),
                             (["--front", "triton", "--trace-requests", "1"],
-                             "--front triton does not take --trace-requests")):
+                             "--front triton does not take --trace-requests"),
+                            (["--front", "triton", "--api-key", "a:b=c"],
+                             "only letters, digits and ._~+/- pass intact"),
+                            (["--front", "triton", "--triton-backend", "cpp"],
+                             "--triton-backend 'cpp' is not a backend")):
         done = subprocess.run([sys.executable, "-m", "infermux", "serve", str(plan), "--no-store",
                                *extra], capture_output=True, text=True, timeout=120,
                               env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"})

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import signal
 import socket
 import sys
@@ -194,9 +195,15 @@ class ServeSettings:
                 raise UsageError("--front triton does not take --trace-requests: use --front own")
             if self.fronts == 0:
                 raise UsageError("--front triton --fronts 0: give at least 1 instance per model")
-            if self.triton_backend not in ("auto", "native", "python"):
+            from infermux.serve.triton_front import BACKENDS
+
+            if self.triton_backend not in BACKENDS:
                 raise UsageError(f"--triton-backend {self.triton_backend!r} is not a backend: use "
                                  "auto, native (infermux's C backend) or python")
+            if self.api_key is not None and not re.fullmatch(r"[A-Za-z0-9._~+/-]+", self.api_key):
+                raise UsageError("--api-key with --front triton: Triton reads the key from its "
+                                 "command line, where only letters, digits and ._~+/- pass "
+                                 "intact: use a key of those")
             for folder in (self.triton_python_path or "").split(os.pathsep):
                 if folder and not os.path.isdir(folder):
                     raise UsageError(f"--triton-python-path: {folder!r} is not a folder: give "
