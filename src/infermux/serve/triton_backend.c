@@ -188,25 +188,12 @@ static TRITONSERVER_Error* fail(int code, const char* fmt, ...) {
   return TRITONSERVER_ErrorNew(code, text);
 }
 
-static int send_all(int fd, const void* data, size_t size) {
-  const uint8_t* p = data;
-  while (size) {
-    ssize_t n = send(fd, p, size, MSG_NOSIGNAL);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return -1;
-    }
-    p += n;
-    size -= (size_t)n;
-  }
-  return 0;
-}
-
-static int recv_all(int fd, void* data, size_t size) {
+/* All of `size` bytes sent (`out`) or received on `fd`; -1 where the link ended. */
+static int transfer_all(int fd, void* data, size_t size, bool out) {
   uint8_t* p = data;
   while (size) {
-    ssize_t n = recv(fd, p, size, 0);
-    if (n == 0) return -1;
+    ssize_t n = out ? send(fd, p, size, MSG_NOSIGNAL) : recv(fd, p, size, 0);
+    if (n == 0 && !out) return -1;
     if (n < 0) {
       if (errno == EINTR) continue;
       return -1;
@@ -229,8 +216,8 @@ static int send_frame(Instance* s, int fd, uint8_t kind, const void* payload, ui
     pthread_mutex_unlock(&s->send_mu);
     return -1;
   }
-  int rc = send_all(fd, header, HEADER_BYTES);
-  if (rc == 0 && size) rc = send_all(fd, payload, size);
+  int rc = transfer_all(fd, header, HEADER_BYTES, true);
+  if (rc == 0 && size) rc = transfer_all(fd, (void*)payload, size, true);
   pthread_mutex_unlock(&s->send_mu);
   return rc;
 }
@@ -238,12 +225,12 @@ static int send_frame(Instance* s, int fd, uint8_t kind, const void* payload, ui
 /* A frame's payload (malloc'd) and kind; -1 when the link is gone. */
 static int read_frame(int fd, uint8_t* kind, uint8_t** payload, uint32_t* size) {
   uint8_t header[HEADER_BYTES];
-  if (recv_all(fd, header, HEADER_BYTES) < 0) return -1;
+  if (transfer_all(fd, header, HEADER_BYTES, false) < 0) return -1;
   memcpy(size, header, 4);
   *kind = header[4];
   *payload = malloc(*size + 1);
   if (*payload == NULL) return -1;
-  if (*size && recv_all(fd, *payload, *size) < 0) {
+  if (*size && transfer_all(fd, *payload, *size, false) < 0) {
     free(*payload);
     return -1;
   }
@@ -455,6 +442,30 @@ static void fail_group(Instance* s, Group* g, int code, const char* message) {
   for (uint32_t i = 0; i < g->count; ++i) respond_error(s, g->items[i].request, code, message);
 }
 
+/* Gives a group's slots back and frees it (its requests answered or failed already). */
+static void release_group(Instance* s, Group* g) {
+  pthread_mutex_lock(&s->mu);
+  give_slots(s, g->start, g->total);
+  pthread_mutex_unlock(&s->mu);
+  free(g->items);
+  free(g);
+}
+
+/* Group `id`, where still held: answered from its slots (at `shapes`; NULL: the model's own),
+ * or failed with `code` and `message` where a message is given; then released. */
+static void finish_group(Instance* s, uint64_t id, const Shapes* shapes, int code,
+                         const char* message) {
+  pthread_mutex_lock(&s->mu);
+  Group* g = pop_group(s, id);
+  pthread_mutex_unlock(&s->mu);
+  if (g == NULL) return;
+  if (message)
+    fail_group(s, g, code, message);
+  else
+    answer_group(s, g, shapes);
+  release_group(s, g);
+}
+
 /* The runtime's status as Triton's: 503 and 429 are UNAVAILABLE, 400 and 413 the client's. */
 static int error_code(long status) {
   if (status == 503 || status == 429) return ERROR_UNAVAILABLE;
@@ -485,17 +496,7 @@ static void on_errors(Instance* s, char* text) {
       }
     }
     message[m] = 0;
-    pthread_mutex_lock(&s->mu);
-    Group* g = pop_group(s, id);
-    pthread_mutex_unlock(&s->mu);
-    if (g) {
-      fail_group(s, g, error_code(status), message[0] ? message : "the runtime refused it");
-      pthread_mutex_lock(&s->mu);
-      give_slots(s, g->start, g->total);
-      pthread_mutex_unlock(&s->mu);
-      free(g->items);
-      free(g);
-    }
+    finish_group(s, id, NULL, error_code(status), message[0] ? message : "the runtime refused it");
     if (!p) break;
   }
 }
@@ -526,24 +527,6 @@ static void fail_all(Instance* s, const char* message) {
 static const char* skip_separators(const char* p) {
   while (*p == ' ' || *p == ',' || *p == '\n') ++p;
   return p;
-}
-
-/* One group answered with its outputs' item shapes: from its slots, at those shapes. */
-static void answer_shaped(Instance* s, uint64_t id, const Shapes* shapes, uint32_t n_shapes) {
-  pthread_mutex_lock(&s->mu);
-  Group* g = pop_group(s, id);
-  pthread_mutex_unlock(&s->mu);
-  if (g == NULL) return;
-  if (n_shapes == s->n_outputs) {
-    answer_group(s, g, shapes);
-  } else {
-    fail_group(s, g, ERROR_INTERNAL, "the runtime answered another number of outputs");
-  }
-  pthread_mutex_lock(&s->mu);
-  give_slots(s, g->start, g->total);
-  pthread_mutex_unlock(&s->mu);
-  free(g->items);
-  free(g);
 }
 
 /* SHAPED's payload: [[id, [[dim, ...], ...]], ...] (JSON, as the hub writes). */
@@ -586,7 +569,8 @@ static void on_shaped(Instance* s, const char* p) {
     }
     p = skip_separators(p);
     if (*p == ']') ++p;
-    answer_shaped(s, id, &shapes, k);
+    finish_group(s, id, &shapes, ERROR_INTERNAL,
+                 k == s->n_outputs ? NULL : "the runtime answered another number of outputs");
   }
 }
 
@@ -609,16 +593,7 @@ static void* reader(void* arg) {
       for (uint32_t at = 0; at + 8 <= size; at += 8) {
         uint64_t id;
         memcpy(&id, payload + at, 8);
-        pthread_mutex_lock(&s->mu);
-        Group* g = pop_group(s, id);
-        pthread_mutex_unlock(&s->mu);
-        if (g == NULL) continue;
-        answer_group(s, g, NULL);
-        pthread_mutex_lock(&s->mu);
-        give_slots(s, g->start, g->total);
-        pthread_mutex_unlock(&s->mu);
-        free(g->items);
-        free(g);
+        finish_group(s, id, NULL, 0, NULL);
       }
     } else if (kind == K_ERROR) {
       on_errors(s, (char*)payload);
@@ -993,14 +968,10 @@ static void submit(Instance* s, const Item* items, uint32_t count, uint32_t tota
     at += mine[i].items;
   }
   if (!copied) {
-    pthread_mutex_lock(&s->mu);
-    give_slots(s, g->start, g->total);
-    pthread_mutex_unlock(&s->mu);
     fail_group(s, g, ERROR_INVALID_ARG,
                "an input in GPU memory (CUDA shared memory) is not read by the native backend: "
                "use system shared memory or none, or serve with --triton-backend python");
-    free(g->items);
-    free(g);
+    release_group(s, g);
     return;
   }
   uint8_t descriptor[REQUEST_BYTES] = {0};
@@ -1012,23 +983,16 @@ static void submit(Instance* s, const Item* items, uint32_t count, uint32_t tota
   memcpy(descriptor + 12, &slot, 4);
   memcpy(descriptor + 16, &total, 4);
   memcpy(descriptor + 20, &length, 4);
+  uint64_t id = g->id; /* once held, the group may be answered and freed by the reader */
   pthread_mutex_lock(&s->mu);
-  Group** bucket = &s->groups[g->id % GROUP_BUCKETS];
+  Group** bucket = &s->groups[id % GROUP_BUCKETS];
   g->next = *bucket;
   *bucket = g;
   pthread_mutex_unlock(&s->mu);
   if (send_frame(s, fd, K_INFER, descriptor, REQUEST_BYTES, true) < 0) {
     /* The link ended: its reader answers every group still held (this one too, if it had
      * not yet); one it already passed is answered here. */
-    pthread_mutex_lock(&s->mu);
-    Group* left = pop_group(s, g->id);
-    if (left) give_slots(s, left->start, left->total);
-    pthread_mutex_unlock(&s->mu);
-    if (left) {
-      fail_group(s, left, ERROR_UNAVAILABLE, "the infermux runtime closed its link: retry");
-      free(left->items);
-      free(left);
-    }
+    finish_group(s, id, NULL, ERROR_UNAVAILABLE, "the infermux runtime closed its link: retry");
   }
 }
 
