@@ -181,6 +181,29 @@ def stop_server(proc: subprocess.Popen[str]) -> dict[str, Any]:
             "front_restarts": summary.get("front_restarts"), "summary": summary}
 
 
+def pa_figures(csv_file: Path) -> dict[str, Any]:
+    """perf_analyzer's CSV row: requests/s, p50 and p99, and where a request's time went.
+
+    The split (µs, perf_analyzer's averages): the server's queue and compute (from its
+    statistics), and the rest (`outside_us`): protocol, fronts, link, runtime process.
+    """
+    with csv_file.open() as f:
+        data = next(csv.DictReader(f))
+    row: dict[str, Any] = {"requests_per_s": float(data["Inferences/Second"]),
+                           "p50_ms": float(data["p50 latency"]) / 1e3,
+                           "p99_ms": float(data["p99 latency"]) / 1e3}
+    with contextlib.suppress(KeyError, ValueError):
+        server = {k: float(data[f"Server {k.title()}"]) for k in
+                  ("queue", "compute input", "compute infer", "compute output")}
+        outside = float(data["Network+Server Send/Recv"])
+        client = float(data["Client Send"]) + float(data["Client Recv"])
+        row.update(avg_us=round(client + outside + sum(server.values()), 1),
+                   server_queue_us=server["queue"],
+                   server_compute_us=round(sum(server.values()) - server["queue"], 1),
+                   outside_us=outside)
+    return row
+
+
 def perf_analyzer(exe: str, url: str, protocol: str, model: str, concurrency: int,
                   shared_memory: str, csv_file: Path, interval_ms: int, items: int = 1,
                   stability_pct: int = 20, extra: Sequence[str] = ()) -> dict[str, Any]:
@@ -195,21 +218,7 @@ def perf_analyzer(exe: str, url: str, protocol: str, model: str, concurrency: in
     if done.returncode != 0 or not csv_file.exists():
         row["error"] = (done.stdout + done.stderr)[-400:]
         return row
-    with csv_file.open() as f:
-        data = next(csv.DictReader(f))
-    row.update(requests_per_s=float(data["Inferences/Second"]),
-               p50_ms=float(data["p50 latency"]) / 1e3, p99_ms=float(data["p99 latency"]) / 1e3)
-    # Where a request's time went (µs, perf_analyzer's averages): the server's queue and
-    # compute (from its statistics), and the rest: protocol, fronts, link, runtime process.
-    with contextlib.suppress(KeyError, ValueError):
-        server = {k: float(data[f"Server {k.title()}"]) for k in
-                  ("queue", "compute input", "compute infer", "compute output")}
-        outside = float(data["Network+Server Send/Recv"])
-        client = float(data["Client Send"]) + float(data["Client Recv"])
-        row.update(avg_us=round(client + outside + sum(server.values()), 1),
-                   server_queue_us=server["queue"],
-                   server_compute_us=round(sum(server.values()) - server["queue"], 1),
-                   outside_us=outside)
+    row.update(pa_figures(csv_file))
     return row
 
 

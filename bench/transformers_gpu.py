@@ -127,7 +127,8 @@ def _served(args: argparse.Namespace, plan: dict[str, Any], offline_items_per_s:
 
     gRPC at the sequence length, each `--shared-memory` mode at each concurrency.
     """
-    import csv
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from serve_gpu import pa_figures
 
     exe = args.perf_analyzer
     lib = Path(exe).resolve().parent / "lib"
@@ -171,14 +172,13 @@ def _served(args: argparse.Namespace, plan: dict[str, Any], offline_items_per_s:
             if done.returncode != 0 or not csv_file.exists():
                 row["error"] = (done.stdout + done.stderr)[-400:]
             else:
-                with csv_file.open() as f:
-                    data = next(csv.DictReader(f))
-                row.update(requests_per_s=float(data["Inferences/Second"]),
-                           p50_ms=float(data["p50 latency"]) / 1e3,
-                           p99_ms=float(data["p99 latency"]) / 1e3)
+                row.update(pa_figures(csv_file))
             print(f"served {front} fronts {fronts} shm {shm} c{concurrency:<4d} "
                   f"{row.get('requests_per_s') or 0:10.1f} req/s "
-                  f"p99 {row.get('p99_ms') or 0:7.2f} ms {row.get('error', '')}", flush=True)
+                  f"p99 {row.get('p99_ms') or 0:7.2f} ms (server compute "
+                  f"{(row.get('server_compute_us') or 0) / 1e3:.1f} ms, outside "
+                  f"{(row.get('outside_us') or 0) / 1e3:.1f} ms) {row.get('error', '')}",
+                  flush=True)
             rows.append(row)
     finally:
         import signal
