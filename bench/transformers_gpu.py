@@ -42,6 +42,8 @@ downloaded (the network is BertConfig's defaults with random weights).
     python bench/transformers_gpu.py out.json --runtime --perf-analyzer /tmp/opt/perf_analyzer
     python bench/transformers_gpu.py out.json --runtime --tune 90 --mixed-sets fine \
         --mixed-buckets none
+    python bench/transformers_gpu.py out.json --runtime --tune 120 --tune-scenario server \
+        --perf-analyzer /tmp/opt/perf_analyzer --fronts 2 --front triton --mixed-sets ''
     python bench/transformers_gpu.py out.json --runtime --only-mixed --unit cpu \
         --model hf:FOLDER --batches 8 --min-duration 5
 """
@@ -241,11 +243,16 @@ def _outputs_factory(model: str, names: list[str]) -> str:
 
 def _tuned(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
     """`run_tune` on the unit at sequence `--seq`: (its written plan, a summary of the tune)."""
-    from infermux.tune import TrialSettings, TuneRequest, run_tune
+    from infermux.tune import Constraints, TrialSettings, TuneRequest, run_tune
 
     t0 = time.perf_counter()
+    # The server scenario's tune judges each candidate's peak rate within `--p99-ms` (the bound
+    # the served rows are held to), so the plan it writes is the one meant to be served.
+    server = args.tune_scenario == "server"
     request = TuneRequest(models=[ModelSpec(args.model)], units=args.unit, engines="torch",
                           budget_s=args.tune, max_instances=2, pipelines=False,
+                          scenario=args.tune_scenario,
+                          constraints=Constraints(p99_bound_ms=args.p99_ms if server else None),
                           trial=TrialSettings(lengths=str(args.seq)))
     report = run_tune(request)
     if report.plan is None:
@@ -330,11 +337,13 @@ def runtime_main(args: argparse.Namespace) -> dict[str, Any]:
         print(f"plan {name:14s} {p.get('items_per_s') or 0:10.1f} items/s "
               f"{p.get('tokens_per_s') or 0:12.0f} tok/s {p.get('error', '')}", flush=True)
     tune_summary = None
+    tuned_buckets: str | list[int] | None = None
     if args.tune and not args.only_mixed:
         tuned_plan, tune_summary = _tuned(args)
         # Offline batches fill: measured with one runner per length, as the tuner's trials
         # were (the written plan's pow2 buckets would compile every smaller batch too).
         replica = tuned_plan["models"][0]["replicas"][0]
+        tuned_buckets = replica.get("batch_buckets")
         space["tuned"] = (replica["batch"], replica.get("options") or {},
                           replica.get("instances", 1))
         plans["tuned"] = _offline(_plan(args.model, args.unit, replica["batch"],
@@ -377,9 +386,10 @@ def runtime_main(args: argparse.Namespace) -> dict[str, Any]:
             offline_items_per_s = again.get("items_per_s")
             print(f"plan {'outputs ' + args.served_outputs:14s} "
                   f"{offline_items_per_s or 0:10.1f} items/s {again.get('error', '')}", flush=True)
-        buckets: str | list[int] = args.serve_buckets
-        if args.serve_buckets not in ("pow2", "fine", "none"):
-            buckets = [int(b) for b in args.serve_buckets.split(",")]
+        # The tuned plan is served with the batch buckets it was tuned with, unless given.
+        buckets: str | list[int] = args.serve_buckets or tuned_buckets or "pow2"
+        if isinstance(buckets, str) and buckets not in ("pow2", "fine", "none"):
+            buckets = [int(b) for b in buckets.split(",")]
         served_plan = _plan(served_model, args.unit, batch, options, instances=instances,
                             seq_buckets=[seq], lengths=seq, duration_s=args.min_duration,
                             buckets=buckets)
@@ -428,12 +438,15 @@ def main() -> None:
     parser.add_argument("--serve-plan",
                         help="with --runtime --perf-analyzer: measure and serve this plan "
                              "(bBATCH[xINSTANCES][:key=value,...]) in place of the space")
-    parser.add_argument("--serve-buckets", default="pow2",
+    parser.add_argument("--serve-buckets",
                         help="batch buckets of the served plan: pow2, fine, none or a list "
-                             "(32,64,128)")
+                             "(32,64,128); default: the tuned plan's, else pow2")
     parser.add_argument("--tune", type=float, default=0.0,
                         help="with --runtime: tune for this many seconds first and measure "
                         "the tuned plan beside eager (0: no tune)")
+    parser.add_argument("--tune-scenario", default="offline", choices=("offline", "server"),
+                        help="with --tune: the scenario tuned for (server: each candidate's "
+                        "peak within --p99-ms; with --perf-analyzer the tuned plan is served)")
     parser.add_argument("--mixed-sets", default="pow2,fine",
                         help=f"bucket sets the mixed-length runs compare: {', '.join(MIXED_SETS)}"
                         " ('': no mixed-length runs)")
