@@ -264,6 +264,42 @@ def test_an_api_key_guards_all_but_health_behind_triton(net_file: Path, referenc
 
 
 @needs_triton
+def test_triton_runs_on_glibc_s_heap_settings_only_when_asked(net_file: Path, reference: Any,
+                                                             monkeypatch: Any) -> None:
+    """`$INFERMUX_TRITON_MALLOC=heap` puts `TRITON_MALLOC` in `tritonserver`'s environment
+    (and it serves as before); without it, or with allocator settings of the caller's own,
+    glibc's are left alone."""
+    from infermux.serve.triton_front import TRITON_MALLOC
+
+    def environ(srv: Any) -> dict[str, str]:
+        raw = Path(f"/proc/{srv.ready['front_pids'][0]}/environ").read_bytes()
+        return dict(item.split("=", 1) for item in raw.decode().split("\0") if "=" in item)
+
+    for name in [k for k in os.environ if k.startswith("MALLOC_")]:
+        monkeypatch.delenv(name)
+    cases = [("heap", {}, TRITON_MALLOC), (None, {}, {}),
+             ("heap", {"MALLOC_ARENA_MAX": "2"}, {"MALLOC_ARENA_MAX": "2"})]
+    for setting, own, expected in cases:
+        if setting:
+            monkeypatch.setenv("INFERMUX_TRITON_MALLOC", setting)
+        else:
+            monkeypatch.delenv("INFERMUX_TRITON_MALLOC", raising=False)
+        for name, value in own.items():
+            monkeypatch.setenv(name, value)
+        srv = Server(net_file.parent, _plan("triton-malloc", f"{net_file}:build"), "--front",
+                     "triton", "--fronts", "1")
+        try:
+            env = environ(srv)
+            assert {k: v for k, v in env.items() if k.startswith("MALLOC_")} == expected
+            x = _x(2, seed=3)
+            np.testing.assert_allclose(_infer("grpc", srv, x), reference(x), rtol=1e-5,
+                                       atol=1e-5)
+        finally:
+            code, out = srv.stop()
+        assert code == 0, out
+
+
+@needs_triton
 @pytest.mark.exclusive
 def test_sigterm_answers_every_request_triton_admitted(net_file: Path, reference: Any) -> None:
     srv = Server(net_file.parent, _plan("triton-drain", f"{net_file}:slower"), "--front",

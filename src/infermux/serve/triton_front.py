@@ -69,8 +69,9 @@ from infermux.serve.fronts import FrontHub, _Generation, _layout
 from infermux.serve.proxy import DTYPE_CODES, REQUEST, FrameReader, Kind, Link, frame
 from infermux.serve.shm import Segment
 
-__all__ = ["BACKENDS", "TritonHub", "TritonInstall", "TritonPythonModel", "build_native_backend",
-           "find_triton", "model_config", "native_init", "restricted", "why_not_native"]
+__all__ = ["BACKENDS", "TRITON_MALLOC", "TRITON_MALLOC_ENV", "TritonHub", "TritonInstall",
+           "TritonPythonModel", "build_native_backend", "find_triton", "model_config",
+           "native_init", "restricted", "why_not_native"]
 
 #: Where a Triton install is looked for when `--triton-home` is not given.
 TRITON_HOME_ENV = "INFERMUX_TRITON_HOME"
@@ -79,6 +80,15 @@ _DEFAULT_HOMES = ("/opt/tritonserver",)
 _HOW = "pip install --no-deps nvidia-pytriton==0.7.0 (Linux x86-64, glibc 2.35 or newer)"
 #: How long `tritonserver` may take to load every model before `serve` gives up.
 _START_TIMEOUT_S = 180.0
+#: glibc's allocator settings `tritonserver` runs with when `$INFERMUX_TRITON_MALLOC` is `heap`
+#: (and the environment sets none of its own): every request's tensor (hundreds of KB in the
+#: request) comes from the heap and goes back to it, instead of a fresh mapping per request whose
+#: pages fault in and are returned (glibc maps blocks over its adaptive threshold, and trims the
+#: heap's top past 128 KB); the heap keeps up to 256 MiB free before it trims. On the 2-core
+#: machine it cut Triton's CPU per 602 KB request to 0.83x, but its p99 was higher in each of
+#: four alternated pairs (bench/serve_triton_malloc.py, docs/benchmarks.md): not the default.
+TRITON_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(64 << 20), "MALLOC_TRIM_THRESHOLD_": str(256 << 20)}
+TRITON_MALLOC_ENV = "INFERMUX_TRITON_MALLOC"
 #: Whether this process runs numpy 1 (the ABI Triton's Python-backend stubs are built for).
 _NUMPY1 = int(np.__version__.split(".")[0]) < 2
 #: The Triton backends a plan model can be served through: `native`, infermux's own C backend
@@ -435,6 +445,8 @@ class TritonHub(FrontHub):
         env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
         src = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")]))
+        if env.get(TRITON_MALLOC_ENV) == "heap" and not any(k.startswith("MALLOC_") for k in env):
+            env.update(TRITON_MALLOC)
         args = [str(self.install.binary), f"--model-repository={repo}",
                 f"--backend-directory={self._dir / 'backends'}",
                 f"--http-address={s.host}", f"--http-port={self.http_port}",
