@@ -202,7 +202,7 @@ def test_a_runner_gathers_slab_rows_of_several_slabs_and_dtypes_by_slot(
 
 
 def test_frames_split_wherever_the_stream_breaks() -> None:
-    payload = b"".join(REQUEST.pack(rid, 0, 1, rid * 2, 1, 0) for rid in range(50))
+    payload = b"".join(REQUEST.pack(rid, 0, 1, rid * 2, 1, 0, 1) for rid in range(50))
     stream = frame(Kind.INFER, payload) + frame(Kind.DRAIN, b"") + frame(Kind.STATE, b"{}")
     reader = FrameReader()
     got: list[tuple[int, bytes]] = []
@@ -542,7 +542,8 @@ def test_cuda_shared_memory_inputs_and_outputs(net_file: Path, reference: Any) -
 
 def test_a_frame_of_requests_is_admitted_in_order_and_counted_like_single_requests() -> None:
     """`InferenceCore.submit_many` on a real runtime: the admission limit holds across the
-    requests of one call, refusals are counted, and every admitted request is one success."""
+    requests of one call, refusals are counted, and every admitted request is one success, or
+    as many as the client requests it carries (a Triton batch's), admitted or refused."""
     import asyncio
 
     from infermux.runtime import parse_plan, start_runtime
@@ -557,6 +558,7 @@ def test_a_frame_of_requests_is_admitted_in_order_and_counted_like_single_reques
     rt = start_runtime(plan)
     rows = np.random.default_rng(3).standard_normal((8, 3, 32, 32)).astype(np.float32)
     sizes = [1, 1, 1, 1, 2, 1, 1]  # 6 items fit the limit of 6; the last two do not
+    clients = [1, 1, 1, 3, 1, 1, 2]  # request 3 a Triton batch of three, 6 one of two
 
     async def run() -> tuple[Any, ...]:
         metrics = ServeMetrics(rt)
@@ -575,7 +577,7 @@ def test_a_frame_of_requests_is_admitted_in_order_and_counted_like_single_reques
 
         sink = core.batch_sink(deliver)
         outs = [[np.full((n, 10), np.nan, dtype=np.float32)] for n in sizes]
-        refused = core.submit_many([(info, rows[:n], outs[k], k) for k, n in
+        refused = core.submit_many([(info, rows[:n], outs[k], k, clients[k]) for k, n in
                                     enumerate(sizes)], sink)
         in_flight = info.in_flight_items
         await asyncio.wait_for(all_in.wait(), 60)
@@ -595,12 +597,12 @@ def test_a_frame_of_requests_is_admitted_in_order_and_counted_like_single_reques
         assert result[0] is outs[k][0]
         np.testing.assert_allclose(result[0], expected[sizes[k] - 1][0], rtol=1e-5, atol=1e-6)
     s = info.stats
-    assert (s.success.count, s.fail.count, s.rejected) == (5 + 2, 0, 2)
+    assert (s.success.count, s.fail.count, s.rejected) == (7 + 2, 0, 1 + 2)
     assert s.inference_count == 6 + 3 and info.in_flight_items == info.in_flight_requests == 0
-    assert core.summary()["tiny"].requests_rejected == 2
+    assert core.summary()["tiny"].requests_rejected == 3
     text = metrics.text().decode()
-    assert 'nv_inference_request_success_total{model="tiny",version="1"} 7.0' in text
-    assert 'infermux_requests_rejected_total{model="tiny"} 2.0' in text
+    assert 'nv_inference_request_success_total{model="tiny",version="1"} 9.0' in text
+    assert 'infermux_requests_rejected_total{model="tiny"} 3.0' in text
     assert 'infermux_items_in_flight{model="tiny"} 0.0' in text
 
 

@@ -203,6 +203,49 @@ def test_outputs_equal_the_network_through_triton(triton: Any, reference: Any,
 
 
 @needs_triton
+def test_every_client_request_in_a_triton_batch_is_counted_once(triton: Any) -> None:
+    """Behind Triton a runtime request is a Triton batch of one or more client requests:
+    infermux's `/metrics` and statistics count the client's requests, as Triton's own do."""
+    key = 'nv_inference_request_success_total{model="net",version="1"}'
+    client = tgrpc.InferenceServerClient(triton.grpc)
+
+    def triton_counts() -> tuple[int, int]:
+        stats = client.get_inference_statistics("net", as_json=True)["model_stats"][0]
+        return int(stats.get("inference_count", 0)), int(stats.get("execution_count", 0))
+
+    done = threading.Semaphore(0)
+    failures: list[Any] = []
+
+    def answered(result: Any, error: Any) -> None:
+        if error is not None:
+            failures.append(error)
+        done.release()
+
+    try:
+        for _ in range(5):  # until a round had Triton batch several requests
+            before, (infers, executions) = triton.scrape().get(key, 0.0), triton_counts()
+            for k in range(48):
+                x = _x(1, seed=k)
+                tensor = tgrpc.InferInput("input", list(x.shape), "FP32")
+                tensor.set_data_from_numpy(x)
+                client.async_infer("net", [tensor], answered)
+            for _ in range(48):
+                assert done.acquire(timeout=60)
+            assert not failures, failures
+            infers2, executions2 = triton_counts()
+            assert infers2 - infers == 48
+            deadline = time.monotonic() + 10
+            while triton.scrape().get(key, 0.0) - before < 48 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert triton.scrape().get(key, 0.0) - before == 48
+            if executions2 - executions < 48:
+                return
+        pytest.skip("Triton ran every request alone in five rounds: nothing batched to count")
+    finally:
+        client.close()
+
+
+@needs_triton
 def test_system_shared_memory_inputs_and_outputs_through_triton(triton: Any,
                                                                 reference: Any) -> None:
     tag = uuid.uuid4().hex[:8]
@@ -406,3 +449,8 @@ def test_past_triton_s_queue_a_request_is_refused_unavailable_never_reset(
     stopped = json.loads(out[out.index("{"):])
     assert stopped["status"] == "complete"
     assert stopped["models"]["net"]["requests_failed"] == 0
+    # infermux counts each client request it answered, and each it refused (an instance's
+    # full slab, the runtime's limit); Triton's own queue refusals are Triton's to count.
+    ours = [o for o in refused if "admission limit" in o or "in flight" in o]
+    assert stopped["models"]["net"]["requests_ok"] == 32 - len(refused), (stopped, outcomes)
+    assert stopped["models"]["net"]["requests_rejected"] == len(ours), (stopped, outcomes)

@@ -368,14 +368,18 @@ class _Pending:
     trace: dict[str, int] | None = None
     #: The request's sequence length: its outputs are cut to it (a batch ran padded).
     length: int | None = None
+    #: The client requests it carries (a Triton batch behind Triton's front: several), each
+    #: counted in the statistics and metrics with the request's time.
+    clients: int = 1
 
 
 #: A request for `InferenceCore.submit_many`: (model, input rows, output arrays to fill or
-#: None, the caller's token). The rows may be a list of FP32 or FP16 rows (a front's
-#: `serve.shm.SlabRow`s). A model of several inputs takes a list of arrays, one per input in
-#: the model's order, already checked (`ModelInfo.items`).
+#: None, the caller's token, the client requests it carries: 1 but for a Triton batch). The
+#: rows may be a list of FP32 or FP16 rows (a front's `serve.shm.SlabRow`s). A model of
+#: several inputs takes a list of arrays, one per input in the model's order, already checked
+#: (`ModelInfo.items`).
 BatchRequest = tuple["ModelInfo", "np.ndarray | list[np.ndarray]", "list[np.ndarray] | None",
-                     Any]
+                     Any, int]
 #: One answer of a `BatchSink`: (token, the outputs or the error).
 BatchAnswer = tuple[Any, "list[np.ndarray] | ProtocolError"]
 
@@ -395,17 +399,21 @@ class BatchSink:
         self.loop = loop
         self._deliver = deliver
         self._answers: list[BatchAnswer] = []
-        #: (model, ok, request ns) of each answer, for the metrics.
-        self._timings: list[tuple[ModelInfo, bool, int]] = []
+        #: (model, ok, request ns, client requests) of each answer, for the metrics.
+        self._timings: list[tuple[ModelInfo, bool, int, int]] = []
         #: Stage records of the traced answers gathered since the last delivery.
         self._traced: list[dict[str, int]] = []
         self._scheduled = False
 
     def _add(self, token: Any, result: list[np.ndarray] | ProtocolError, info: ModelInfo,
-             ok: bool, took_ns: int, trace: dict[str, int] | None = None) -> None:
-        """One answer (called with the core's lock held, on any thread)."""
+             ok: bool, took_ns: int, trace: dict[str, int] | None = None,
+             clients: int = 1) -> None:
+        """One answer (called with the core's lock held, on any thread).
+
+        It stands for `clients` client requests (a Triton batch's), each counted with its time.
+        """
         self._answers.append((token, result))
-        self._timings.append((info, ok, took_ns))
+        self._timings.append((info, ok, took_ns, clients))
         if trace is not None:
             self._traced.append(trace)
         if not self._scheduled:
@@ -434,8 +442,8 @@ class BatchSink:
         if metrics is not None and timings:
             by_model: dict[tuple[str, bool], list[int]] = {}
             touched: dict[str, ModelInfo] = {}
-            for info, ok, took in timings:
-                by_model.setdefault((info.name, ok), []).append(took)
+            for info, ok, took, clients in timings:
+                by_model.setdefault((info.name, ok), []).extend((took,) * clients)
                 touched[info.name] = info
             for (name, ok), durations in by_model.items():
                 metrics.requests(name, ok, durations)
@@ -729,15 +737,15 @@ class InferenceCore:
             for requests, sink, traces in frames:
                 refused: list[tuple[Any, ProtocolError]] = []
                 refusals.append(refused)
-                for info, inputs, out, token in requests:
+                for info, inputs, out, token, clients in requests:
                     n = len(inputs[0]) if info.io is not None else len(inputs)
                     is_ready = ready.get(info.name)
                     if is_ready is None:
                         is_ready = ready[info.name] = self.model_ready(info.name)
                     refusal = self._refusal(info, n, is_ready)
                     if refusal is not None:
-                        info.stats.rejected += 1
-                        rejected[info.name] = rejected.get(info.name, 0) + 1
+                        info.stats.rejected += clients
+                        rejected[info.name] = rejected.get(info.name, 0) + clients
                         refused.append((token, refusal))
                         continue
                     qid = next(self._ids)
@@ -750,12 +758,13 @@ class InferenceCore:
                                                                                np.float16):
                         rows = inputs.astype(np.float32)
                     pending = self._pending[qid] = _Pending(sink.loop, None, info, n, now, n,
-                                                            out, sink, token, length=length)
+                                                            out, sink, token, length=length,
+                                                            clients=clients)
                     if traces and token in traces:
                         pending.trace = traces[token]
                         pending.trace["admitted"] = now
                     info.in_flight_items += n
-                    info.in_flight_requests += 1
+                    info.in_flight_requests += clients
                     touched[info.name] = info
                     queries.append(Query(qid, info.name, tuple(range(n)), rows))
         if self.metrics is not None:
@@ -815,20 +824,22 @@ class InferenceCore:
             return
         info = pending.model
         info.in_flight_items -= pending.items
-        info.in_flight_requests -= 1
+        info.in_flight_requests -= pending.clients
         if pending.sink is not None:
             # Accounted here, under the lock already held; the sink's one wake-up of the loop
             # delivers it and updates the metrics for all the answers gathered by then.
             ok = error is None and outputs is not None
             took = time.perf_counter_ns() - pending.admitted_ns
-            (info.stats.success if ok else info.stats.fail).add(took)
+            (info.stats.success if ok else info.stats.fail).add(took * pending.clients,
+                                                                 pending.clients)
             info.stats.last_inference_ms = int(time.time() * 1000)
             result: list[np.ndarray] | ProtocolError = (
                 outputs if ok and outputs is not None
                 else ProtocolError(status, error or "inference failed", retry_after_s))
             if pending.trace is not None:
                 pending.trace["answer_queued"] = pending.admitted_ns + took
-            pending.sink._add(pending.token, result, info, ok, took, pending.trace)
+            pending.sink._add(pending.token, result, info, ok, took, pending.trace,
+                              pending.clients)
         else:
             self._answer(pending, outputs, error, status, retry_after_s)
         if self._closing and not self._pending and self._drained is not None:

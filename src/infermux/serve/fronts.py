@@ -284,7 +284,7 @@ class FrontHub:
             trace = self.core.trace
             traces: dict[int, dict[str, int]] = {}
             requests = []
-            for rid, index, code, start, n, length in REQUEST.iter_unpack(payload):
+            for rid, index, code, start, n, length, clients in REQUEST.iter_unpack(payload):
                 layout, segment = self.layouts[index], gen.segments[index]
                 if trace is not None and trace.wants(rid):
                     traces[rid] = {"front": gen.pid, "id": rid, "frame_read": read_ns}
@@ -294,7 +294,7 @@ class FrontHub:
                     out = layout.outputs(segment.map, start, n) if layout.fixed_outputs else None
                     requests.append((self.models[index],
                                      layout.several_inputs(segment.map, start, n, length or None),
-                                     out, rid))
+                                     out, rid, clients))
                     if out is None:
                         gen.several[rid] = (index, start, n)
                     continue
@@ -309,7 +309,7 @@ class FrontHub:
                     outs = gen.outs[index] = layout.output_rows(segment.map)
                 requests.append((self.models[index], rows[start:start + n],
                                  layout.outputs(segment.map, start, n) if outs is None
-                                 else [outs[start:start + n]], rid))
+                                 else [outs[start:start + n]], rid, clients))
             # Submitted at the end of this turn of the loop, with the frames of the other
             # fronts read in the same turn: one admission, one submit and one wake-up of the
             # runtime's workers for them all, not one per frame (about one request each).

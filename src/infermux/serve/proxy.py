@@ -57,8 +57,10 @@ STATE_PERIOD_S = 0.1
 PEER_TICKS = 2
 _HEADER = struct.Struct("<IB")
 #: A request's descriptor: id, model index, input dtype code, first slot, items, sequence
-#: length (a model of several inputs with a sequence dim; else 0).
-REQUEST = struct.Struct("<QHBxIII")
+#: length (a model of several inputs with a sequence dim; else 0), and the client requests it
+#: carries (a front's: 1; a Triton instance's: every request of its Triton batch), which the
+#: statistics and metrics count.
+REQUEST = struct.Struct("<QHBxIIII")
 _ID = struct.Struct("<Q")
 #: Requests of one model a front refused itself (its slab full, shutting down): index, count.
 REFUSALS = struct.Struct("<HI")
@@ -310,7 +312,7 @@ class RuntimeProxy:
         rid = next(self._ids)
         future: asyncio.Future[list[np.ndarray]] = asyncio.get_running_loop().create_future()
         waiting = self._pending[rid] = _Waiting(future, slab, start, n, length)
-        self._batch += REQUEST.pack(rid, slab.index, code, start, n, length or 0)
+        self._batch += REQUEST.pack(rid, slab.index, code, start, n, length or 0, 1)
         self._schedule()
         if self.trace is None or not self.trace.wants(rid):
             return await future

@@ -4,7 +4,7 @@
  * fronts. With this backend a model instance is a few hundred lines of C instead of a
  * Python-backend stub: it links to the runtime process over its Unix socket (HELLO, a text
  * INIT naming the model's slab and layout, READY), copies each request's rows into free slots
- * of the slab, sends one 24-byte descriptor per Triton batch and returns at once. A thread
+ * of the slab, sends one 28-byte descriptor per Triton batch and returns at once. A thread
  * reads the runtime's answers (DONE: the ids whose outputs are in their slots; ERROR: a JSON
  * list of [id, status, message, retry-after]) and sends each request's response from the
  * slots. So an instance holds as many batches in flight as its slab has room for (the
@@ -101,10 +101,10 @@ extern TRITONSERVER_Error* TRITONBACKEND_ResponseSend(
 
 /* -- the link's frames (serve/proxy.py) ------------------------------------------------------ */
 
-enum { K_INIT = 1, K_READY = 2, K_INFER = 3, K_DONE = 4, K_ERROR = 5, K_SHAPED = 11,
-       K_HELLO = 12 };
+enum { K_INIT = 1, K_READY = 2, K_INFER = 3, K_DONE = 4, K_ERROR = 5, K_REFUSED = 10,
+       K_SHAPED = 11, K_HELLO = 12 };
 #define HEADER_BYTES 5
-#define REQUEST_BYTES 24
+#define REQUEST_BYTES 28
 #define MAX_OUTPUTS 16
 #define MAX_INPUTS 16
 #define MAX_DIMS 8
@@ -914,11 +914,18 @@ static void submit(Instance* s, const Item* items, uint32_t count, uint32_t tota
   pthread_mutex_lock(&s->mu);
   int64_t first = take_slots(s, total);
   if (first < 0) {
+    int link = s->fd;
     pthread_mutex_unlock(&s->mu);
     char why[512];
     snprintf(why, sizeof why, "model '%s' holds its admission limit in this instance's queue: "
              "retry later", s->model);
     for (uint32_t i = 0; i < count; ++i) respond_error(s, items[i].request, ERROR_UNAVAILABLE, why);
+    /* Counted by the runtime with the refusals it makes itself (REFUSALS: index, requests). */
+    uint8_t refused[6];
+    uint16_t index = (uint16_t)s->index;
+    memcpy(refused, &index, 2);
+    memcpy(refused + 2, &count, 4);
+    if (link >= 0) send_frame(s, link, K_REFUSED, refused, sizeof refused, true);
     return;
   }
   Group* g = calloc(1, sizeof *g);
@@ -983,6 +990,7 @@ static void submit(Instance* s, const Item* items, uint32_t count, uint32_t tota
   memcpy(descriptor + 12, &slot, 4);
   memcpy(descriptor + 16, &total, 4);
   memcpy(descriptor + 20, &length, 4);
+  memcpy(descriptor + 24, &count, 4); /* the client requests it carries, for the counts */
   uint64_t id = g->id; /* once held, the group may be answered and freed by the reader */
   pthread_mutex_lock(&s->mu);
   Group** bucket = &s->groups[id % GROUP_BUCKETS];

@@ -681,7 +681,7 @@ class TritonPythonModel:
         self._ids += 1
         rid = self._ids
         self._sock.sendall(frame(Kind.INFER, REQUEST.pack(rid, self._index, self._code, 0, n,
-                                                          length or 0)))
+                                                          length or 0, len(requests))))
         shapes = None
         while True:
             kind, payload = self._next()
