@@ -126,7 +126,11 @@ def compile_config(device: str, opts: OvOptions) -> dict[str, str]:
 
 
 class _Tracker:
-    """Requests in flight, counted from submission to their completion callback."""
+    """Requests in flight, and the most at once.
+
+    A pool's are counted from submission to their completion callback; a split batch's are seen
+    at each submission (`seen`).
+    """
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -141,6 +145,11 @@ class _Tracker:
     def finished(self) -> None:
         with self.lock:
             self.in_flight -= 1
+
+    def seen(self, in_flight: int) -> None:
+        """`in_flight` requests were running at once (counted by the caller)."""
+        with self.lock:
+            self.peak = max(self.peak, in_flight)
 
 
 def split_parts(batch: int, requests: int) -> int:
@@ -231,7 +240,6 @@ class OvRunner(Runner):
         for out in self._compiled.outputs:
             shape = tuple(out.get_shape())  # static: (sub, ...)
             self._y.append(np.empty((rows, *shape[1:]), dtype=out.get_element_type().to_dtype()))
-        callback = _on_finished(self._tracker)
         for i in range(self._parts):
             request = self._compiled.create_infer_request()
             rows_i = slice(i * sub, (i + 1) * sub)  # C-contiguous rows: views, not copies
@@ -239,7 +247,6 @@ class OvRunner(Runner):
                 request.set_input_tensor(k, ov.Tensor(x[rows_i], shared_memory=True))
             for j, y in enumerate(self._y):
                 request.set_output_tensor(j, ov.Tensor(y[rows_i], shared_memory=True))
-            request.set_callback(callback, i)
             self._requests.append(request)
 
     def _build_pool(self, ov: Any) -> None:
@@ -275,11 +282,15 @@ class OvRunner(Runner):
             return self._run_pool()
         tracker = self._tracker
         start = time.perf_counter_ns()
-        for request in self._requests:
-            tracker.started()
+        for i, request in enumerate(self._requests):
+            # In flight at this submission: it and every earlier one OpenVINO has not finished.
+            # Asked of the requests, not counted by completion callbacks: a Python callback on
+            # OpenVINO's thread may still wait for the interpreter lock when the compiled model
+            # is released, and the release joins that thread holding the lock (a deadlock).
+            tracker.seen(1 + sum(not r.wait_for(0) for r in self._requests[:i]))
             request.start_async()
         for request in self._requests:
-            request.wait()  # returns once the request's callback has run
+            request.wait()
         latency = time.perf_counter_ns() - start
         return BatchTiming(latency_ns=latency, compute_ns=latency)
 
@@ -393,15 +404,6 @@ class OvRunner(Runner):
     def close(self) -> None:
         """Wait for the requests in flight, then let the compiled model go."""
         self._drain()
-
-
-def _on_finished(tracker: _Tracker) -> Callable[[Any], None]:
-    """A split request's completion callback (runs on an OpenVINO thread)."""
-
-    def callback(_userdata: Any) -> None:
-        tracker.finished()
-
-    return callback
 
 
 def _on_done(done: collections.deque[tuple[int, int, int]], cond: threading.Condition,
