@@ -261,7 +261,7 @@ class OvRunner(Runner):
         self._done: collections.deque[tuple[int, int, int]] = collections.deque()
         self._cond = threading.Condition()
         self._queue.set_callback(_on_done(self._done, self._cond, self._tracker))
-        self._finalizer = weakref.finalize(self, self._queue.wait_all)
+        self._finalizer = weakref.finalize(self, _settle, self._queue, self._tracker)
 
     @property
     def peak_in_flight(self) -> int:
@@ -331,11 +331,8 @@ class OvRunner(Runner):
     def _drain(self) -> None:
         if self._queue is None:
             return  # split batches are finished when run() returns
-        self._queue.wait_all()
+        _settle(self._queue, self._tracker, release=False)
         with self._cond:
-            # Completion callbacks may still be finishing: count them all out.
-            while self._tracker.in_flight > 0:
-                self._cond.wait(0.01)
             self._done.clear()
         self._in_flight = 0
 
@@ -402,7 +399,9 @@ class OvRunner(Runner):
         return [np.array(y, dtype=np.float32, copy=True) for y in self._output_views()]
 
     def close(self) -> None:
-        """Wait for the requests in flight, then let the compiled model go."""
+        """Wait for the requests in flight and their callbacks, then let the compiled model go."""
+        if self._queue is not None:
+            _settle(self._queue, self._tracker)
         self._drain()
 
 
@@ -413,12 +412,28 @@ def _on_done(done: collections.deque[tuple[int, int, int]], cond: threading.Cond
     def callback(_request: Any, userdata: tuple[int, int]) -> None:
         now = time.perf_counter_ns()  # runs on an OpenVINO thread
         submitted, slot = userdata
-        tracker.finished()
         with cond:
             done.append((submitted, now, slot))
             cond.notify()
+        tracker.finished()  # last: `_settle` waits for it
 
     return callback
+
+
+def _settle(queue: Any, tracker: _Tracker, release: bool = True) -> None:
+    """Wait until a pool's requests are done and their callbacks have counted them out.
+
+    `wait_all` returns when the requests have finished, not when their Python callbacks have:
+    one may still be waiting for the interpreter lock. Before a `release` of the compiled model,
+    which joins OpenVINO's threads while holding that lock (so such a callback hangs the
+    process), a short sleep after the count reaches zero gives a callback that was switched out
+    after counting itself out (its last act) the lock to return.
+    """
+    queue.wait_all()
+    while tracker.in_flight > 0:
+        time.sleep(0.0005)
+    if release:
+        time.sleep(0.02)
 
 
 def _int_property(compiled: Any, name: str) -> int | None:
