@@ -232,9 +232,13 @@ def test_every_client_request_in_a_triton_batch_is_counted_once(triton: Any) -> 
             for _ in range(48):
                 assert done.acquire(timeout=60)
             assert not failures, failures
+            # Both sides record a request once it is answered, a moment after its client has
+            # its response: each is waited for.
+            deadline = time.monotonic() + 10
+            while triton_counts()[0] - infers < 48 and time.monotonic() < deadline:
+                time.sleep(0.05)
             infers2, executions2 = triton_counts()
             assert infers2 - infers == 48
-            deadline = time.monotonic() + 10
             while triton.scrape().get(key, 0.0) - before < 48 and time.monotonic() < deadline:
                 time.sleep(0.05)
             assert triton.scrape().get(key, 0.0) - before == 48
