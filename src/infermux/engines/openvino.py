@@ -261,7 +261,7 @@ class OvRunner(Runner):
         self._done: collections.deque[tuple[int, int, int]] = collections.deque()
         self._cond = threading.Condition()
         self._queue.set_callback(_on_done(self._done, self._cond, self._tracker))
-        self._finalizer = weakref.finalize(self, _settle, self._queue, self._tracker)
+        self._finalizer = weakref.finalize(self, _settle, self._queue, self._tracker, self._cond)
 
     @property
     def peak_in_flight(self) -> int:
@@ -331,7 +331,7 @@ class OvRunner(Runner):
     def _drain(self) -> None:
         if self._queue is None:
             return  # split batches are finished when run() returns
-        _settle(self._queue, self._tracker, release=False)
+        _settle(self._queue, self._tracker, self._cond, release=False)
         with self._cond:
             self._done.clear()
         self._in_flight = 0
@@ -401,7 +401,7 @@ class OvRunner(Runner):
     def close(self) -> None:
         """Wait for the requests in flight and their callbacks, then let the compiled model go."""
         if self._queue is not None:
-            _settle(self._queue, self._tracker)
+            _settle(self._queue, self._tracker, self._cond)
         self._drain()
 
 
@@ -412,26 +412,28 @@ def _on_done(done: collections.deque[tuple[int, int, int]], cond: threading.Cond
     def callback(_request: Any, userdata: tuple[int, int]) -> None:
         now = time.perf_counter_ns()  # runs on an OpenVINO thread
         submitted, slot = userdata
-        with cond:
+        with cond:  # the count last: `_settle` waits for it
             done.append((submitted, now, slot))
+            tracker.finished()
             cond.notify()
-        tracker.finished()  # last: `_settle` waits for it
 
     return callback
 
 
-def _settle(queue: Any, tracker: _Tracker, release: bool = True) -> None:
+def _settle(queue: Any, tracker: _Tracker, cond: threading.Condition,
+            release: bool = True) -> None:
     """Wait until a pool's requests are done and their callbacks have counted them out.
 
     `wait_all` returns when the requests have finished, not when their Python callbacks have:
     one may still be waiting for the interpreter lock. Before a `release` of the compiled model,
     which joins OpenVINO's threads while holding that lock (so such a callback hangs the
     process), a short sleep after the count reaches zero gives a callback that was switched out
-    after counting itself out (its last act) the lock to return.
+    after counting itself out (the last thing it does under `cond`) the lock to return.
     """
     queue.wait_all()
-    while tracker.in_flight > 0:
-        time.sleep(0.0005)
+    with cond:
+        while tracker.in_flight > 0:
+            cond.wait(0.01)
     if release:
         time.sleep(0.02)
 

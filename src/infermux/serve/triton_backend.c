@@ -529,6 +529,14 @@ static const char* skip_separators(const char* p) {
   return p;
 }
 
+/* Past the separators at `*p`: whether a list closes there (then past its `]`). */
+static bool list_closes(const char** p) {
+  *p = skip_separators(*p);
+  if (**p != ']') return false;
+  ++*p;
+  return true;
+}
+
 /* SHAPED's payload: [[id, [[dim, ...], ...]], ...] (JSON, as the hub writes). */
 static void on_shaped(Instance* s, const char* p) {
   p = skip_separators(p);
@@ -544,20 +552,10 @@ static void on_shaped(Instance* s, const char* p) {
     Shapes shapes;
     memset(&shapes, 0, sizeof shapes);
     uint32_t k = 0;
-    for (;;) {
-      p = skip_separators(p);
-      if (*p == ']') {
-        ++p;
-        break;
-      }
+    while (!list_closes(&p)) {
       if (*p++ != '[') return;
       uint32_t d = 0;
-      for (;;) {
-        p = skip_separators(p);
-        if (*p == ']') {
-          ++p;
-          break;
-        }
+      while (!list_closes(&p)) {
         long long v = strtoll(p, &end, 10);
         if (end == p) return;
         if (k < MAX_OUTPUTS && d < MAX_DIMS) shapes.dims[k][d] = v;
@@ -567,8 +565,7 @@ static void on_shaped(Instance* s, const char* p) {
       if (k < MAX_OUTPUTS) shapes.ndims[k] = d < MAX_DIMS ? d : MAX_DIMS;
       ++k;
     }
-    p = skip_separators(p);
-    if (*p == ']') ++p;
+    list_closes(&p); /* the item's own `]` */
     finish_group(s, id, &shapes, ERROR_INTERNAL,
                  k == s->n_outputs ? NULL : "the runtime answered another number of outputs");
   }
