@@ -16,35 +16,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
-import time
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 
+from infermux.load.v2client import GrpcClient, HttpClient, LevelResult, V2Tensor, _read_response
+from infermux.load.v2client import run_level as _run_level
 
-@dataclass
-class Result:
-    """One load level: what was sent, answered and refused, and request latencies (ms)."""
-
-    protocol: str
-    concurrency: int | None
-    rate_qps: float | None
-    duration_s: float
-    ok: int = 0
-    rejected: int = 0
-    errors: int = 0
-    latencies_ms: list[float] = field(default_factory=list)
-
-    def summary(self) -> dict[str, Any]:
-        """Counts, throughput (answered requests/s) and latency percentiles."""
-        lat = np.asarray(self.latencies_ms) if self.latencies_ms else np.zeros(1)
-        out = {k: v for k, v in asdict(self).items() if k != "latencies_ms"}
-        out.update(throughput_rps=self.ok / self.duration_s,
-                   p50_ms=float(np.percentile(lat, 50)), p90_ms=float(np.percentile(lat, 90)),
-                   p95_ms=float(np.percentile(lat, 95)), p99_ms=float(np.percentile(lat, 99)))
-        return out
+Result = LevelResult  # the name bench scripts import
 
 
 async def _metadata(host: str, port: int, model: str) -> tuple[str, list[int]]:
@@ -58,151 +37,22 @@ async def _metadata(host: str, port: int, model: str) -> tuple[str, list[int]]:
     return tensor["name"], [int(d) for d in tensor["shape"][1:]]
 
 
-async def _read_response(reader: asyncio.StreamReader) -> tuple[int, bytes]:
-    head = await reader.readuntil(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    status = int(lines[0].split()[1])
-    length, chunked = 0, False
-    for line in lines[1:]:
-        key, _, value = line.partition(":")
-        if key.lower() == "content-length":
-            length = int(value)
-        elif key.lower() == "transfer-encoding" and "chunked" in value.lower():
-            chunked = True
-    if not chunked:
-        return status, (await reader.readexactly(length) if length else b"")
-    parts = []
-    while True:
-        size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
-        parts.append(await reader.readexactly(size + 2))
-        if size == 0:
-            return status, b"".join(p[:-2] for p in parts)
+def _Http(host: str, port: int, model: str, name: str, x: np.ndarray) -> HttpClient:  # noqa: N802
+    """A one-input HTTP client sending `x` (batch axis first) in every request."""
+    return HttpClient(host, port, model, [[V2Tensor(name, x)]])
 
 
-class _Http:
-    """One keep-alive connection per concurrent stream; binary tensors both ways."""
-
-    def __init__(self, host: str, port: int, model: str, name: str, x: np.ndarray) -> None:
-        header = json.dumps({"inputs": [{"name": name, "datatype": "FP32", "shape": list(x.shape),
-                                         "parameters": {"binary_data_size": x.nbytes}}],
-                             "parameters": {"binary_data_output": True}}).encode()
-        body = header + x.tobytes()
-        self.request = (f"POST /v2/models/{model}/infer HTTP/1.1\r\nHost: {host}\r\n"
-                        f"Inference-Header-Content-Length: {len(header)}\r\n"
-                        f"Content-Length: {len(body)}\r\n\r\n").encode() + body
-        self.host, self.port = host, port
-
-    async def connect(self) -> Any:
-        return await asyncio.open_connection(self.host, self.port)
-
-    async def call(self, conn: Any) -> int:
-        reader, writer = conn
-        writer.write(self.request)
-        status, _ = await _read_response(reader)
-        if status == 503:  # a server may close the connection after refusing (uvicorn does)
-            writer.close()
-            raise _Refused
-        return status
-
-
-class _Refused(Exception):  # noqa: N818 - a 503 that also ended the connection
-    pass
-
-
-class _Grpc:
-    def __init__(self, target: str, model: str, name: str, x: np.ndarray) -> None:
-        from tritonclient.grpc import service_pb2
-
-        self.target = target
-        request = service_pb2.ModelInferRequest(model_name=model)
-        request.inputs.add(name=name, datatype="FP32", shape=list(x.shape))
-        request.raw_input_contents.append(x.tobytes())
-        self.request = request
-
-    async def connect(self) -> Any:
-        import grpc
-        from tritonclient.grpc import service_pb2_grpc
-
-        channel = grpc.aio.insecure_channel(self.target, options=[
-            ("grpc.max_receive_message_length", 1 << 30),
-            ("grpc.max_send_message_length", 1 << 30)])
-        return service_pb2_grpc.GRPCInferenceServiceStub(channel)
-
-    async def call(self, stub: Any) -> int:
-        import grpc
-
-        try:
-            await stub.ModelInfer(self.request)
-            return 200
-        except grpc.aio.AioRpcError as exc:
-            return 503 if exc.code() == grpc.StatusCode.UNAVAILABLE else 500
-
-
-async def _call(client: Any, conn: Any) -> tuple[int, Any]:
-    """(status, the connection to reuse or None): 503 and broken connections are not reused."""
-    try:
-        return await client.call(conn), conn
-    except _Refused:
-        return 503, None
-    except (OSError, asyncio.IncompleteReadError):
-        return 0, None
+def _Grpc(target: str, model: str, name: str, x: np.ndarray) -> GrpcClient:  # noqa: N802
+    """A one-input gRPC client sending `x` (batch axis first) in every request."""
+    return GrpcClient(target, model, [[V2Tensor(name, x)]])
 
 
 async def run_level(client: Any, *, concurrency: int | None, rate_qps: float | None,
-                    duration_s: float, warmup_s: float, protocol: str, seed: int = 0) -> Result:
-    """One load level; returns its counts and latencies over the window after the warm-up."""
-    start = time.perf_counter()
-    t0, t1 = start + warmup_s, start + warmup_s + duration_s
-    result = Result(protocol, concurrency, rate_qps, duration_s)
-
-    def record(status: int, began: float, ended: float) -> None:
-        if not t0 <= began < t1:
-            return
-        if status == 200:
-            result.ok += 1
-            result.latencies_ms.append((ended - began) * 1e3)
-        elif status == 503:
-            result.rejected += 1
-        else:
-            result.errors += 1
-
-    if concurrency is not None:
-        async def stream() -> None:
-            conn = None
-            while time.perf_counter() < t1:
-                began = time.perf_counter()
-                conn = conn or await client.connect()
-                status, conn = await _call(client, conn)
-                record(status, began, time.perf_counter())
-
-        await asyncio.gather(*(stream() for _ in range(concurrency)))
-        return result
-    assert rate_qps is not None
-    # Poisson arrivals; a pool of connections large enough for the backlog.
-    pool: asyncio.Queue[Any] = asyncio.Queue()
-    rng = random.Random(seed)
-    tasks = []
-    at = start
-
-    async def one(due: float) -> None:
-        try:
-            conn = pool.get_nowait() if not pool.empty() else await client.connect()
-        except OSError:
-            record(0, due, time.perf_counter())
-            return
-        status, kept = await _call(client, conn)
-        record(status, due, time.perf_counter())
-        if kept is not None:
-            pool.put_nowait(kept)
-
-    while at < t1:
-        at += rng.expovariate(rate_qps)
-        delay = at - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(one(at)))
-    await asyncio.gather(*tasks)
-    return result
+                    duration_s: float, warmup_s: float, protocol: str = "",
+                    seed: int = 0) -> LevelResult:
+    """One load level (`infermux.load.v2client.run_level`)."""
+    return await _run_level(client, concurrency=concurrency, rate_qps=rate_qps,
+                            duration_s=duration_s, warmup_s=warmup_s, seed=seed)
 
 
 async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -219,7 +69,7 @@ async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
         else [(int(c), None) for c in args.concurrency.split(",")])
     for conc, rate in levels:
         res = await run_level(client, concurrency=conc, rate_qps=rate, duration_s=args.duration,
-                              warmup_s=args.warmup, protocol=args.protocol)
+                              warmup_s=args.warmup)
         row = res.summary()
         rows.append(row)
         if not args.json:

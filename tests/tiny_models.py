@@ -85,3 +85,18 @@ def failing_cnn() -> nn.Module:
 
 def switched_cnn() -> nn.Module:
     return SwitchedCNN()
+
+
+class PacedCNN(TinyCNN):
+    """Sleeps `pace_s` per batch, whatever its size (the interpreter lock released), then runs:
+    a device whose batch costs the same at batch 1 and batch 8."""
+
+    pace_s = 0.004
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.pace_s)
+        return super().forward(x)
+
+
+def paced_cnn() -> nn.Module:
+    return PacedCNN()

@@ -48,6 +48,11 @@ def tune_command(
     verify: Annotated[bool, typer.Option("--verify/--no-verify", help="Measure the chosen plan through the runtime when the search measured it in-process.")] = True,
     peak_trial_duration: Annotated[str, typer.Option("--peak-trial-duration", help="Server scenario: minimum duration of each find-peak rate's trial (at least 3× --trial-duration).")] = "2s",
     peak_trial_queries: Annotated[int, typer.Option("--peak-trial-queries", help="Server scenario: minimum queries of each find-peak rate's trial.")] = 256,
+    served: Annotated[str, typer.Option("--served", help="Server scenario: serve the plans of the best runtime peaks with `infermux serve` and write the one clients get the most from within --p99, driven over grpc or http (closed-loop concurrency sweep); none: the runtime's peak decides.")] = "none",
+    served_front: Annotated[str, typer.Option("--served-front", help="With --served: serve's --front (own or triton).")] = "own",
+    served_fronts: Annotated[int | None, typer.Option("--served-fronts", help="With --served: serve's --fronts (default: serve's).")] = None,
+    served_seconds: Annotated[float, typer.Option("--served-seconds", help="With --served: measured seconds per concurrency level (after 1 s of warm-up).")] = 3.0,
+    perf_analyzer: Annotated[str | None, typer.Option("--perf-analyzer", help="With --served: Triton's perf_analyzer (its path) as the client instead of the built-in one (a Python client may bound rates of tens of thousands of requests/s).")] = None,
     db: DbOpt = "infermux.db",
     as_json: JsonOpt = False,
 ) -> None:
@@ -65,7 +70,14 @@ def tune_command(
     from infermux.tune import Constraints, TrialSettings, TuneRequest, model_name, run_tune
     from infermux.tune.hosting import hosting_word
     from infermux.tune.search import speed_note
+    from infermux.tune.served import ServedSettings, served_words
 
+    if served.strip().lower() == "none" and (perf_analyzer or served_fronts is not None
+                                             or served_front != "own"):
+        from infermux.errors import UsageError
+
+        raise UsageError("--perf-analyzer, --served-front and --served-fronts drive --served: "
+                         "add --served grpc (or http)")
     shape = parse_shape(input_shape) if input_shape else None
     constraints = Constraints(
         p99_bound_ms=parse_latency_ms(p99) if p99 is not None else None,
@@ -82,7 +94,10 @@ def tune_command(
         fresh=fresh, seed=seed, fine_tune=not no_fine_tune, pipelines=pipelines,
         seq_buckets=_lengths(seq) if seq else None, verify=verify,
         peak_min_duration_s=parse_duration_s(peak_trial_duration, name="--peak-trial-duration"),
-        peak_min_queries=peak_trial_queries)
+        peak_min_queries=peak_trial_queries,
+        served=None if served.strip().lower() == "none" else ServedSettings(
+            protocol=served.strip().lower(), front=served_front, fronts=served_fronts,
+            seconds=served_seconds, perf_analyzer=perf_analyzer))
     path = out_file or f"tuned-{'-'.join(model_name(m) for m in model)}.yaml"
     store = open_store(db)
     command = "infermux " + shlex.join(sys.argv[1:])
@@ -121,7 +136,7 @@ def tune_command(
         peak = report.server_peak
         out.print(f"[bold]server[/]: peak {num(peak.get('peak_qps'))} qps within p99 ≤ "
                   f"{peak['p99_bound_ms']:g} ms")
-    if len(report.server_peaks) > 1:
+    if len(report.server_peaks) > 1 or report.served is not None:
         for row in report.server_peaks:
             mark = "[bold]chosen[/]" if row["chosen"] else "      "
             hosted = (f", CPU workers as {hosting_word(row['cpu_workers'])}"
@@ -133,6 +148,11 @@ def tune_command(
                       f" items/s, peak {num(row['peak_qps'])} qps"
                       + (f" ({frac:.0%} of offline)" if frac else "")
                       + (f" ({escape(str(row['reason']))})" if row["peak_qps"] is None and row["reason"] else ""))
+            if "served_peak_rps" in row and report.served is not None:
+                out.print(f"         served over {report.served['protocol']}: "
+                          f"{escape(served_words(row))}")
+    if report.served is not None and report.served.get("reason"):
+        out.print(f"[bold]served[/]: {escape(report.served['reason'])}")
     if report.hosting is not None:
         out.print(f"[bold]CPU workers[/]: {hosting_word(report.hosting['cpu_workers'])} written: "
                   f"{escape(report.hosting['reason'])}")

@@ -25,6 +25,13 @@ from infermux.tune.evaluate import (
 from infermux.tune.hosting import HOSTINGS, HostingPeak, choose_hosting, hosting_word
 from infermux.tune.pipelines import PipelineTrial, pipeline_units, tune_pipelines
 from infermux.tune.search import OBJECTIVES, Tuner, TuneResult, TuneSettings, speed_note
+from infermux.tune.served import (
+    SERVED_BUDGET_SHARE,
+    ServedSettings,
+    serve_candidates,
+    served_requests,
+    served_words,
+)
 from infermux.tune.space import (
     COMPILE_MODES,
     DEFAULT_COMPILE_MODES,
@@ -76,6 +83,10 @@ class TuneRequest:
     #: hundreds of queries; each trial still runs at least 3× the search's duration.
     peak_min_duration_s: float = 2.0
     peak_min_queries: int = 256
+    #: Server scenario: serve the plans with the best runtime peaks with `infermux serve` and
+    #: write the one clients get the most from within the bound (`tune.served`); None: the
+    #: runtime's peak decides.
+    served: ServedSettings | None = None
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -110,6 +121,12 @@ class TuneRequest:
         names = [model_name(m.ref) for m in self.models]
         if len(set(names)) != len(names):
             raise UsageError(f"models {names} repeat a name: tune each model once")
+        if self.served is not None and self.scenario != "server":
+            raise UsageError("--served ranks plans by their served peak within --p99: add "
+                             "--scenario server --p99 BOUND")
+        if self.served is not None and len(self.models) > 1:
+            raise UsageError(f"--served drives one model's requests, and {len(names)} were "
+                             "given: tune one model, or leave --served out")
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready copy (stored with the run)."""
@@ -125,6 +142,7 @@ class TuneRequest:
             "seq_buckets": self.seq_buckets, "verify": self.verify,
             "peak_min_duration_s": self.peak_min_duration_s,
             "peak_min_queries": self.peak_min_queries,
+            "served": self.served.to_dict() if self.served is not None else None,
         }
 
 
@@ -155,6 +173,11 @@ class TuneReport:
     #: Server scenario, ONNX Runtime CPU replicas with intra-op pools: the chosen plan's peak
     #: with the pool's threads spinning and not (`_choose_spinning`); None where not compared.
     spinning: dict[str, Any] | None = None
+    #: `--served`: how the plans were served and driven, which row was written and why
+    #: (`_choose_by_served_peak`); each served row of `server_peaks` has its served figures.
+    served: dict[str, Any] | None = None
+    #: Each `server_peaks` row's plan and runtime peak record, in its order (not reported).
+    peak_runs: list[tuple[dict[str, Any], dict[str, Any]]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready copy."""
@@ -162,7 +185,7 @@ class TuneReport:
                 "plan": self.plan, "plan_path": self.plan_path,
                 "server_peak": self.server_peak, "server_peaks": self.server_peaks,
                 "hosting": self.hosting, "batching": self.batching,
-                "spinning": self.spinning,
+                "spinning": self.spinning, "served": self.served,
                 "pipelines": [p.to_dict() for p in self.pipelines],
                 "pipelines_note": self.pipelines_note,
                 "replica_items_per_s": self.replica_items_per_s, **self.result.to_dict()}
@@ -332,6 +355,9 @@ def run_tune(
         if request.scenario == "server":
             # Server plans are chosen by their measured peak, each a find-peak through the runtime.
             share += SERVER_BUDGET_SHARE
+        served_s = SERVED_BUDGET_SHARE * request.budget_s if request.served is not None else 0.0
+        if request.served is not None:
+            share += SERVED_BUDGET_SHARE
         settings = TuneSettings(objective=request.objective,
                                 budget_s=max(1.0, (request.budget_s - setup_s) * (1 - share)),
                                 seed=request.seed, fine_tune=request.fine_tune,
@@ -355,11 +381,16 @@ def run_tune(
                     report.pipelines_note = piped
                 if request.scenario == "server":
                     _choose_by_server_peak(report, evaluator, request,
+                                           deadline=started + request.budget_s - served_s,
+                                           progress=measure_progress)
+                if request.served is not None and report.server_peaks:
+                    _choose_by_served_peak(report, evaluator, request, loaded,
                                            deadline=started + request.budget_s,
                                            progress=measure_progress)
                 if out_path is not None:
                     text = _plan_header(result, request, report.pipelines_note,
-                                        report.server_peaks, report.hosting) + yaml.safe_dump(
+                                        report.server_peaks, report.hosting,
+                                        report.served) + yaml.safe_dump(
                         report.plan, sort_keys=False, width=100)
                     try:
                         Path(out_path).write_text(text)
@@ -379,7 +410,8 @@ def run_tune(
                 "plan_path": report.plan_path,
                 # Both hostings' find-peaks, their trials and the decision, kept with the run.
                 "server_peaks": report.server_peaks or None, "hosting": report.hosting,
-                "batching": report.batching, "spinning": report.spinning}
+                "batching": report.batching, "spinning": report.spinning,
+                "served": report.served}
     if status == "interrupted":
         raise KeyboardInterrupt
     return report
@@ -585,6 +617,7 @@ def _choose_by_server_peak(report: TuneReport, evaluator: LiveEvaluator, request
                                     "reason": peak.get("reason"), "chosen": False,
                                     "cpu_workers": _cpu_workers(plan), **extra,
                                     **_peak_figures(peak)})
+        report.peak_runs.append((plan, peak))
         return peak, len(report.server_peaks) - 1
 
     if threaded is None:
@@ -624,6 +657,39 @@ def _choose_by_server_peak(report: TuneReport, evaluator: LiveEvaluator, request
     report.server_peaks[row]["chosen"] = True
     if best is not None:
         report.server_peak = best[2]
+
+
+def _choose_by_served_peak(report: TuneReport, evaluator: LiveEvaluator, request: TuneRequest,
+                           loaded: dict[str, LoadedModel], *, deadline: float,
+                           progress: ProgressFn | None) -> None:
+    """Serve the plans of the highest runtime peaks (`serve_candidates`); write the best.
+
+    The search's runners are released first: each plan is served by a process of its own.
+    `report.served` says how they were served and which row was written; a plan another than
+    the runtime's choice is written with its own peak record and hosting.
+    """
+    served = request.served
+    bound = request.constraints.p99_bound_ms
+    assert served is not None and bound is not None and report.plan is not None
+    evaluator.release()
+    entry = report.plan["models"][0]
+    name = entry["name"]
+    requests = served_requests(loaded[name].spec_io, name, entry, request.trial.lengths)
+    rows = report.server_peaks
+    runtime_row = next((i for i, row in enumerate(rows) if row["chosen"]), None)
+    choice = serve_candidates(rows, [plan for plan, _ in report.peak_runs], runtime_row,
+                              requests, bound, served, deadline=deadline, progress=progress)
+    report.served = {**served.to_dict(), "client": ("perf_analyzer" if served.perf_analyzer
+                                                     else "infermux"), **choice}
+    i = choice["written_row"]
+    if i is None or i == runtime_row:
+        return
+    for row in rows:
+        row["chosen"] = False
+    rows[i]["chosen"] = True
+    report.plan, report.server_peak = report.peak_runs[i][0], report.peak_runs[i][1] or None
+    if report.hosting is not None:
+        report.hosting["written_cpu_workers"] = _cpu_workers(report.plan)
 
 
 def _choose_batching(report: TuneReport, best: tuple[float, int, dict[str, Any]] | None,
@@ -877,7 +943,8 @@ def _server_peak(evaluator: LiveEvaluator, plan: dict[str, Any], request: TuneRe
 
 def _plan_header(result: TuneResult, request: TuneRequest, pipelines: str | None = None,
                  server_peaks: list[dict[str, Any]] | None = None,
-                 hosting_choice: dict[str, Any] | None = None) -> str:
+                 hosting_choice: dict[str, Any] | None = None,
+                 served: dict[str, Any] | None = None) -> str:
     best = result.best
     assert best is not None
     lines = [
@@ -905,6 +972,10 @@ def _plan_header(result: TuneResult, request: TuneRequest, pipelines: str | None
                                           f"none ({row['reason']})")
                      + (f" (round {row['hosting_round']})" if row.get("hosting_round") else "")
                      + (" (chosen)" if row["chosen"] else ""))
+        if "served_peak_rps" in row and served is not None:
+            lines.append(f"#   served over {served['protocol']}, closed loop: {served_words(row)}")
+    if served is not None and served.get("reason"):
+        lines.append(f"# served: {served['reason']}")
     if hosting_choice is not None:
         lines.append(f"# CPU workers as {hosting_word(hosting_choice['cpu_workers'])}: "
                      f"{hosting_choice['reason']}")

@@ -1,0 +1,351 @@
+"""A server tune's last step: the best plans served as clients see them, the fastest written.
+
+The runtime's find-peak measures a plan's queries inside its own process: no protocol, no
+fronts, no copies in and out of a request. Served, the same plans rank differently: on H200
+hosts the server tune's ResNet50 b32 ×4 peaked highest through the runtime, yet b64 ×2 served
+0.63-0.83 of its offline figure through Triton's front against b32 ×4's 0.47-0.50 (the front's
+per-request work and its batching stage sit between the client and the plan). So with
+`--served` the candidates whose runtime peak is highest are each started with `infermux serve`
+(a process of its own, its fronts as asked) and driven as a client would drive them: a
+closed-loop concurrency sweep over gRPC or HTTP (`load.v2client.closed_loop_peak`; the
+built-in client, or Triton's perf_analyzer where given), every input of the model in each
+request, each request as long as the tune's query lengths draw. The plan whose served
+throughput within the p99 bound is highest is written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from infermux.errors import UsageError
+from infermux.load.v2client import (
+    GrpcClient,
+    HttpClient,
+    V2Tensor,
+    closed_loop_peak,
+    requests_from_samples,
+    run_level,
+)
+
+__all__ = ["SERVED_BUDGET_SHARE", "SERVED_CANDIDATES", "ServedSettings", "serve_candidates",
+           "served_peak", "served_requests", "served_words"]
+
+#: A served tune keeps this share of its budget for serving its best plans.
+SERVED_BUDGET_SHARE = 0.25
+#: At most this many plans are served: the runtime's best peak and the next ones.
+SERVED_CANDIDATES = 3
+#: Distinct requests a client cycles through (lengths drawn per request).
+REQUESTS = 64
+#: How long `infermux serve` may take to say it is ready (a torch.compile build included).
+READY_TIMEOUT_S = 900.0
+
+PROTOCOLS = ("grpc", "http")
+FRONTS = ("own", "triton")
+
+
+@dataclass(frozen=True)
+class ServedSettings:
+    """How `tune --served` serves and drives each candidate plan."""
+
+    protocol: str = "grpc"
+    #: `infermux serve --front`: own or triton.
+    front: str = "own"
+    #: `infermux serve --fronts` (None: serve's default).
+    fronts: int | None = None
+    #: Measured seconds per concurrency level, after `warmup_s`.
+    seconds: float = 3.0
+    warmup_s: float = 1.0
+    max_concurrency: int = 512
+    #: Triton's perf_analyzer as the client (its path); None: the built-in client.
+    perf_analyzer: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.protocol not in PROTOCOLS:
+            raise UsageError(f"--served {self.protocol!r} unknown: serve over grpc or http "
+                             "(or leave --served out)")
+        if self.front not in FRONTS:
+            raise UsageError(f"--served-front {self.front!r} unknown: use own or triton")
+        if self.fronts is not None and self.fronts < 0:
+            raise UsageError(f"--served-fronts {self.fronts} must be 0 or more")
+        if self.seconds <= 0:
+            raise UsageError(f"--served-seconds {self.seconds:g} must be positive, e.g. 3")
+        if self.max_concurrency < 1:
+            raise UsageError(f"--served-max-concurrency {self.max_concurrency} must be at "
+                             "least 1")
+        if self.perf_analyzer is not None and shutil.which(self.perf_analyzer) is None:
+            raise UsageError(f"--perf-analyzer {self.perf_analyzer!r} is not an executable: "
+                             "give perf_analyzer's path (tritonclient's wheel ships it), or "
+                             "leave it out for the built-in client")
+        if self.perf_analyzer is None:
+            import importlib.util
+
+            need = ("grpc", "tritonclient") if self.protocol == "grpc" else ()
+            missing = [m for m in need if importlib.util.find_spec(m) is None]
+            if missing:
+                raise UsageError(f"--served grpc needs {', '.join(missing)}: pip install "
+                                 "'infermux[serve]'")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready."""
+        return asdict(self)
+
+    def serve_args(self) -> list[str]:
+        """The `infermux serve` options these settings ask for."""
+        args = ["--front", self.front]
+        if self.fronts is not None:
+            args += ["--fronts", str(self.fronts)]
+        return args
+
+
+def served_requests(io: Any, name: str, entry: dict[str, Any], lengths: str | None,
+                    count: int = REQUESTS) -> list[list[V2Tensor]]:
+    """Single-item requests for a plan's model entry: every input, seeded values.
+
+    `io` is the model's `IOSpec`. A model with a sequence length gets requests as long as
+    `lengths` draws (the tune's `--lengths`), unpadded, up to the entry's longest
+    `seq_buckets`; without `lengths` every request is that long.
+    """
+    from infermux.load.samples import IOSamples, parse_lengths
+
+    max_length = None
+    if io.dynamic_dims:
+        buckets = entry.get("seq_buckets") or []
+        max_length = max(buckets) if buckets else next(iter(io.dims_for().values()))
+    drawn = parse_lengths(lengths) if lengths is not None and io.dynamic_dims else None
+    samples = IOSamples.generate(io, name, count, 0, max_length, drawn)
+    axes = [[axis for axis, dim in enumerate(t.shape, start=1) if isinstance(dim, str)]
+            for t in io.inputs]
+    arrays = [a.astype(np.float32) if t.dtype == "bfloat16" else a
+              for t, a in zip(io.inputs, samples.arrays, strict=True)]
+    return requests_from_samples([t.name for t in io.inputs], arrays, samples.lengths, axes)
+
+
+@contextmanager
+def serving(plan: dict[str, Any], settings: ServedSettings, workdir: Path) -> Iterator[dict]:
+    """`infermux serve` of `plan` in a process of its own; yields its ready line.
+
+    Stopped with SIGTERM on the way out (its admitted requests answered), killed if it has not
+    stopped within 60 s.
+    """
+    plan_path = workdir / "plan.yaml"
+    plan_path.write_text(yaml.safe_dump(plan, sort_keys=False))
+    log_path = workdir / "serve.log"
+    cmd = [sys.executable, "-m", "infermux", "serve", str(plan_path), "--host", "127.0.0.1",
+           "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0", "--json",
+           "--no-store", "--telemetry", "off", *settings.serve_args()]
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True,
+                                start_new_session=True)
+    try:
+        ready = _ready_line(proc, log_path)
+        yield ready
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+def _ready_line(proc: subprocess.Popen[str], log_path: Path) -> dict[str, Any]:
+    import selectors
+
+    assert proc.stdout is not None
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if sel.select(timeout=1.0):
+            line = proc.stdout.readline()
+            if not line:
+                break
+            try:
+                info = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if info.get("event") == "ready":
+                return info
+        elif proc.poll() is not None:
+            break
+    tail = log_path.read_text(errors="replace").strip().splitlines()[-3:]
+    raise RuntimeError("infermux serve did not get ready"
+                       + (f": {' / '.join(tail)}" if tail else ""))
+
+
+def served_peak(plan: dict[str, Any], requests: list[list[V2Tensor]], bound_ms: float,
+                settings: ServedSettings,
+                progress: Callable[[str, float], None] | None = None) -> dict[str, Any]:
+    """The plan's highest closed-loop throughput within `bound_ms`, served and driven here.
+
+    Returns `closed_loop_peak`'s record (`peak_rps`, `concurrency`, `p99_ms`, `levels`,
+    `reason`) plus the server's `build_s`; a plan that cannot be served gets `peak_rps` None and
+    the reason.
+    """
+    model = plan["models"][0]["name"]
+    with tempfile.TemporaryDirectory(prefix="infermux-served-") as tmp:
+        workdir = Path(tmp)
+        try:
+            with serving(plan, settings, workdir) as ready:
+                host = ready["host"]
+                port = ready[f"{settings.protocol}_port"]
+                if settings.perf_analyzer is not None:
+                    data = _perf_analyzer_data(requests, workdir)
+
+                    def measure(c: int) -> dict[str, Any]:
+                        _say(progress, f"served c{c} (perf_analyzer)")
+                        return _perf_analyzer_level(settings, host, port, model, c, data,
+                                                    workdir)
+                else:
+                    client = (GrpcClient(f"{host}:{port}", model, requests)
+                              if settings.protocol == "grpc"
+                              else HttpClient(host, port, model, requests))
+
+                    def measure(c: int) -> dict[str, Any]:
+                        _say(progress, f"served c{c}")
+                        return asyncio.run(run_level(
+                            client, concurrency=c, duration_s=settings.seconds,
+                            warmup_s=settings.warmup_s)).summary()
+
+                peak = closed_loop_peak(measure, bound_ms,
+                                        max_concurrency=settings.max_concurrency)
+                return {**peak, "build_s": ready.get("build_s")}
+        except RuntimeError as exc:
+            return {"p99_bound_ms": bound_ms, "levels": [], "peak_rps": None,
+                    "concurrency": None, "p99_ms": None, "reason": str(exc)}
+
+
+def _say(progress: Callable[[str, float], None] | None, label: str) -> None:
+    if progress is not None:
+        progress(label, 0.0)
+
+
+def _perf_analyzer_data(requests: list[list[V2Tensor]], workdir: Path) -> Path:
+    """perf_analyzer's `--input-data` JSON: each request's tensors with their shapes."""
+    data = [{t.name: {"content": t.array[0].reshape(-1).tolist(),
+                      "shape": list(t.array.shape[1:])} for t in tensors}
+            for tensors in requests]
+    path = workdir / "input-data.json"
+    path.write_text(json.dumps({"data": data}))
+    return path
+
+
+def _perf_analyzer_level(settings: ServedSettings, host: str, port: int, model: str, c: int,
+                         data: Path, workdir: Path) -> dict[str, Any]:
+    """One concurrency level measured by perf_analyzer, as a `LevelResult.summary()` row."""
+    assert settings.perf_analyzer is not None
+    csv_file = workdir / f"pa-c{c}.csv"
+    cmd = [settings.perf_analyzer, "-m", model, "-u", f"{host}:{port}", "-i", settings.protocol,
+           "--concurrency-range", f"{c}:{c}", "--input-data", str(data),
+           "--measurement-interval", str(int(settings.seconds * 1000)),
+           "--stability-percentage", "20", "--max-trials", "5", "-f", str(csv_file)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    row: dict[str, Any] = {"protocol": settings.protocol, "concurrency": c,
+                           "duration_s": settings.seconds, "ok": 0, "rejected": 0, "errors": 0,
+                           "throughput_rps": 0.0, "p50_ms": 0.0, "p99_ms": float("inf"),
+                           "first_error": None}
+    if done.returncode != 0 or not csv_file.exists():
+        row["errors"] = 1
+        tail = (done.stdout + done.stderr).strip().splitlines()[-2:]
+        row["first_error"] = "perf_analyzer: " + " / ".join(tail)
+        return row
+    with csv_file.open() as f:
+        first = next(csv.DictReader(f))
+    rps = float(first["Inferences/Second"])
+    row.update(throughput_rps=rps, ok=max(1, round(rps * settings.seconds)),
+               p50_ms=float(first["p50 latency"]) / 1e3, p99_ms=float(first["p99 latency"]) / 1e3)
+    return row
+
+
+def serve_candidates(rows: list[dict[str, Any]], plans: list[dict[str, Any]],
+                     runtime_row: int | None, requests: list[list[V2Tensor]], bound_ms: float,
+                     settings: ServedSettings, *, deadline: float,
+                     progress: Callable[[str, float], None] | None = None) -> dict[str, Any]:
+    """Serve the plans of the highest runtime peaks; say which served the most.
+
+    `rows` are a server tune's find-peak rows (`peak_qps`, `plan`), `plans[i]` row i's plan.
+    Candidates are the distinct plans of the rows with a peak, the runtime's choice
+    (`runtime_row`) first, then the highest peaks, at most `SERVED_CANDIDATES`. The first is
+    always served; the others until `deadline` (`time.monotonic()`), and only while their
+    runtime peak is above the best served figure so far (a plan served through a front does not
+    answer more than its runtime alone). Each served row gets `served_peak_rps`,
+    `served_concurrency`, `served_p99_ms`, `served_reason`, `served_s`, `served_build_s` and
+    its `served_levels`, in place. Returns `rows` (the candidates' indices, in order),
+    `written_row` (the highest served, or None where none served within the bound) and the
+    `reason`, in words.
+    """
+    order: list[int] = []
+    seen: set[str] = set()
+    for i in sorted(range(len(rows)), key=lambda i: -(rows[i]["peak_qps"] or 0.0)):
+        key = yaml.safe_dump(plans[i], sort_keys=True)
+        if rows[i]["peak_qps"] is not None and key not in seen:
+            seen.add(key)
+            order.append(i)
+    if runtime_row in order:
+        order.remove(runtime_row)
+        order.insert(0, runtime_row)
+    order = order[:SERVED_CANDIDATES]
+    if not order:
+        return {"rows": [], "written_row": None,
+                "reason": "no plan held the bound through the runtime: none served"}
+    best: tuple[float, int] | None = None
+    for n, i in enumerate(order):
+        row = rows[i]
+        if n and (time.monotonic() >= deadline
+                  or (best is not None and (row["peak_qps"] or 0.0) <= best[0])):
+            continue
+        _say(progress, f"serving {row['plan']}")
+        began = time.monotonic()
+        peak = served_peak(plans[i], requests, bound_ms, settings, progress)
+        row.update(served_s=round(time.monotonic() - began, 1),
+                   served_build_s=peak.get("build_s"), served_peak_rps=peak["peak_rps"],
+                   served_concurrency=peak["concurrency"], served_p99_ms=peak["p99_ms"],
+                   served_reason=peak["reason"],
+                   served_levels=[{k: lv.get(k) for k in (
+                       "concurrency", "throughput_rps", "p50_ms", "p99_ms", "ok", "rejected",
+                       "errors", "within_bound")} for lv in peak["levels"]])
+        if peak["peak_rps"] is not None and (best is None or peak["peak_rps"] > best[0]):
+            best = (peak["peak_rps"], i)
+    if best is None:
+        return {"rows": order, "written_row": None,
+                "reason": "no plan served within the bound: the runtime's choice is written"}
+    rps, i = best
+    if runtime_row is None:
+        why = f"{rows[i]['plan']} served the most: {rps:,.1f} requests/s within the bound"
+    elif i == runtime_row:
+        why = f"the runtime's choice also served the most: {rps:,.1f} requests/s within the bound"
+    else:
+        theirs = rows[runtime_row].get("served_peak_rps")
+        why = (f"{rows[i]['plan']} served {rps:,.1f} requests/s within the bound, the runtime's "
+               "choice " + (f"{theirs:,.1f}" if theirs is not None else "none")
+               + ": the served figure decides")
+    return {"rows": order, "written_row": i, "reason": why}
+
+
+def served_words(row: dict[str, Any]) -> str:
+    """A served row's figure in words: requests/s, concurrency and p99, or none and why."""
+    rps = row.get("served_peak_rps")
+    if rps is None:
+        return f"none ({row.get('served_reason')})"
+    return (f"{rps:,.1f} requests/s at concurrency {row['served_concurrency']}, "
+            f"p99 {row['served_p99_ms']:.1f} ms")

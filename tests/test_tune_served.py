@@ -1,0 +1,157 @@
+"""`infermux tune --served`: the best plans served by `infermux serve`, driven over the wire.
+
+The concurrency sweep's rule on a measured curve, requests of several inputs cut to their
+drawn lengths, and real plans served by real server processes and a real client: the plan
+that serves the most within the bound is chosen even where the runtime ranked another first.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from infermux.iospec import IOSpec, TensorSpec
+from infermux.load.v2client import closed_loop_peak, requests_from_samples
+from infermux.tune.served import ServedSettings, serve_candidates, served_peak, served_requests
+
+from .conftest import invoke_cli
+
+TINY = str(Path(__file__).resolve().parent / "tiny_models.py")
+
+
+def _curve(table: dict[int, tuple[float, float]]):
+    seen: list[int] = []
+
+    def measure(c: int) -> dict:
+        seen.append(c)
+        rps, p99 = table[c]
+        return {"throughput_rps": rps, "p99_ms": p99, "ok": 100, "rejected": 0, "errors": 0}
+
+    return measure, seen
+
+
+def test_the_sweep_doubles_then_narrows_between_the_last_level_within_the_bound_and_the_first_past():
+    table = {1: (100, 2), 2: (190, 3), 4: (350, 5), 8: (600, 8), 16: (900, 12), 32: (950, 30),
+             24: (940, 14), 28: (945, 18)}
+    measure, seen = _curve(table)
+    peak = closed_loop_peak(measure, 15.0)
+    assert seen == [1, 2, 4, 8, 16, 32, 24, 28]
+    assert peak["concurrency"] == 24 and peak["peak_rps"] == 940 and peak["p99_ms"] == 14
+    assert [lv["within_bound"] for lv in peak["levels"]] == [True] * 5 + [False, True, False]
+
+
+def test_the_sweep_stops_where_more_streams_only_queue_and_says_why_none_held():
+    measure, seen = _curve({1: (100, 2), 2: (180, 3), 4: (182, 6), 8: (181, 11)})
+    peak = closed_loop_peak(measure, 50.0)
+    assert seen == [1, 2, 4]  # 182 is not 3% above 180: the knee
+    assert peak["concurrency"] == 4 and peak["peak_rps"] == 182
+    measure, seen = _curve({1: (100, 20)})
+    none = closed_loop_peak(measure, 15.0)
+    assert none["peak_rps"] is None and "20.0 ms at concurrency 1" in none["reason"]
+
+    def refusing(c: int) -> dict:
+        return {"throughput_rps": 50, "p99_ms": 1, "ok": 50, "rejected": 10, "errors": 0,
+                "first_error": None}
+
+    assert closed_loop_peak(refusing, 15.0)["peak_rps"] is None  # refusals do not count
+
+
+def test_requests_carry_every_input_cut_to_its_drawn_length():
+    io = IOSpec(inputs=(TensorSpec("ids", "int64", ("seq",), "ids", 100),
+                        TensorSpec("mask", "int64", ("seq",), "ones"),
+                        TensorSpec("scale", "float32", (3,))))
+    requests = served_requests(io, "m", {"seq_buckets": [16, 32]}, "uniform:5-20", count=32)
+    assert len(requests) == 32
+    lengths = {r[0].array.shape[1] for r in requests}
+    assert min(lengths) >= 5 and max(lengths) <= 20 and len(lengths) > 3
+    for ids, mask, scale in requests:
+        assert ids.name == "ids" and ids.datatype == "INT64" and mask.array.shape == ids.array.shape
+        assert (mask.array == 1).all() and (ids.array < 100).all()
+        assert scale.datatype == "FP32" and scale.array.shape == (1, 3)
+    fixed = served_requests(io, "m", {"seq_buckets": [16, 32]}, None, count=4)
+    assert {r[0].array.shape for r in fixed} == {(1, 32)}  # the longest bucket without lengths
+    two = requests_from_samples(["x"], [np.arange(12, dtype=np.float32).reshape(6, 2)], items=2)
+    assert [r[0].array.tolist() for r in two] == [[[0, 1], [2, 3]], [[4, 5], [6, 7]],
+                                                   [[8, 9], [10, 11]]]
+
+
+def _plan(batch: int, instances: int) -> dict:
+    return {"name": f"paced-b{batch}x{instances}",
+            "models": [{"name": "paced", "model": f"{TINY}:paced_cnn", "input_shape": [3, 32, 32],
+                        "replicas": [{"unit": "cpu", "engine": "torch", "instances": instances,
+                                      "batch": batch}]}],
+            "dispatcher": {"max_queue_delay_ms": 1.0, "cpu_workers": "thread"},
+            "load": {"scenario": "server", "p99_bound_ms": 60.0}}
+
+
+def test_the_plan_that_serves_the_most_is_chosen_over_the_runtime_s_first():
+    # Each batch costs 4 ms at any size: b1 x1 answers at most 250 requests/s, b8 x2 far more.
+    plans = [_plan(1, 1), _plan(8, 2)]
+    rows = [{"plan": "b1 x1", "peak_qps": 900.0, "chosen": True},  # ranked first by the runtime
+            {"plan": "b8 x2", "peak_qps": 800.0, "chosen": False}]
+    io = IOSpec(inputs=(TensorSpec("input", "float32", (3, 32, 32)),))
+    requests = served_requests(io, "paced", plans[0]["models"][0], None, count=8)
+    settings = ServedSettings(protocol="grpc", fronts=1, seconds=1.5, warmup_s=0.5,
+                              max_concurrency=16)
+    choice = serve_candidates(rows, plans, 0, requests, 60.0, settings,
+                              deadline=time.monotonic() + 600)
+    assert choice["rows"] == [0, 1]
+    slow, fast = rows[0]["served_peak_rps"], rows[1]["served_peak_rps"]
+    assert slow is not None and fast is not None
+    assert slow < 1000 / 4 * 1.05  # one 4 ms batch at a time
+    assert fast > 1.5 * slow, (slow, fast)
+    assert choice["written_row"] == 1 and "the served figure decides" in choice["reason"]
+    assert rows[1]["served_p99_ms"] <= 60.0
+    levels = rows[1]["served_levels"]
+    assert levels[0]["concurrency"] == 1 and all(lv["errors"] == 0 for lv in levels)
+    # A plan the runtime ranked below the best served figure is not served at all.
+    rows2 = [{"plan": "b8 x2", "peak_qps": 800.0, "chosen": True},
+             {"plan": "b1 x1", "peak_qps": fast * 0.9, "chosen": False}]
+    choice2 = serve_candidates(rows2, plans[::-1], 0, requests, 60.0, settings,
+                               deadline=time.monotonic() + 600)
+    assert choice2["written_row"] == 0 and "served_peak_rps" not in rows2[1]
+
+
+def test_a_network_of_several_inputs_is_served_at_the_lengths_drawn(tiny_bert):
+    from infermux.models import ModelSpec, load_model
+
+    plan = {"name": "bert", "models": [{"name": "bert", "model": tiny_bert,
+                                         "seq_buckets": [16, 32],
+                                         "replicas": [{"unit": "cpu", "engine": "torch",
+                                                       "batch": 4}]}],
+            "dispatcher": {"max_queue_delay_ms": 1.0, "cpu_workers": "thread"},
+            "load": {"scenario": "server", "p99_bound_ms": 200.0, "lengths": "uniform:4-32"}}
+    io = load_model(ModelSpec(tiny_bert)).spec_io
+    requests = served_requests(io, "bert", plan["models"][0], "uniform:4-32", count=16)
+    assert len({r[0].array.shape[1] for r in requests}) > 1
+    peak = served_peak(plan, requests, 200.0,
+                       ServedSettings(protocol="http", fronts=1, seconds=1.0, warmup_s=0.3,
+                                      max_concurrency=2))
+    assert peak["peak_rps"] and peak["peak_rps"] > 0, peak["reason"]
+    assert all(lv["errors"] == 0 and lv["rejected"] == 0 for lv in peak["levels"])
+
+
+def test_a_plan_that_cannot_be_served_gets_a_reason_not_a_traceback():
+    plan = _plan(1, 1)
+    plan["models"][0]["model"] = f"{TINY}:no_such_factory"
+    io = IOSpec(inputs=(TensorSpec("input", "float32", (3, 32, 32)),))
+    peak = served_peak(plan, served_requests(io, "paced", plan["models"][0], None, count=2),
+                       60.0, ServedSettings(fronts=1, seconds=0.5))
+    assert peak["peak_rps"] is None and "did not get ready" in peak["reason"]
+    assert "no_such_factory" in peak["reason"]
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["--served", "grpc"], "--scenario server --p99"),
+    (["--scenario", "server", "--p99", "10ms", "--served", "udp"], "--served 'udp' unknown"),
+    (["--perf-analyzer", "/bin/true"], "add --served grpc"),
+    (["--scenario", "server", "--p99", "10ms", "--served", "grpc", "--perf-analyzer",
+      "/no/such/pa"], "is not an executable"),
+])
+def test_bad_served_options_get_one_line(args, needle):
+    res = invoke_cli("tune", "-m", "digits-cnn", "-u", "cpu", "--budget", "5s", *args)
+    assert res.returncode != 0
+    assert needle in res.stderr and "Traceback" not in res.stderr
