@@ -44,9 +44,9 @@ def test_the_sweep_doubles_then_narrows_between_the_last_level_within_the_bound_
 
 
 def test_the_sweep_stops_where_more_streams_only_queue_and_says_why_none_held():
-    measure, seen = _curve({1: (100, 2), 2: (180, 3), 4: (182, 6), 8: (181, 11)})
+    measure, seen = _curve({1: (100, 2), 2: (180, 3), 4: (182, 6), 8: (181, 11), 16: (300, 20)})
     peak = closed_loop_peak(measure, 50.0)
-    assert seen == [1, 2, 4]  # 182 is not 3% above 180: the knee
+    assert seen == [1, 2, 4, 8]  # 182 and 181 are not 3% above 180, twice: the knee
     assert peak["concurrency"] == 4 and peak["peak_rps"] == 182
     measure, seen = _curve({1: (100, 20)})
     none = closed_loop_peak(measure, 15.0)

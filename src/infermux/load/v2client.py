@@ -343,8 +343,8 @@ def closed_loop_peak(measure: Callable[[int], dict[str, Any]], bound_ms: float, 
 
     `measure(c)` runs concurrency c and returns a `LevelResult.summary()`-like row
     (`throughput_rps`, `p99_ms`, `ok`, `rejected`, `errors`). Concurrency doubles from 1 while
-    the p99 holds the bound and the throughput still rises (by `plateau` or more: past the knee
-    more streams only queue); between the last level within the bound and the first past it,
+    the p99 holds the bound and the throughput still rises (by `plateau` or more, at one of the
+    last two levels: past the knee more streams only queue); between the last level within the bound and the first past it,
     up to `refine` midpoints are tried. Returns the peak row (`concurrency`, `throughput_rps`,
     `p99_ms`), every level measured in order (`levels`), and `reason` when no level held.
     """
@@ -358,6 +358,7 @@ def closed_loop_peak(measure: Callable[[int], dict[str, Any]], bound_ms: float, 
 
     good: dict[str, Any] | None = None
     bad: int | None = None
+    flat = 0
     c = 1
     while c <= max_concurrency:
         row = run(c)
@@ -367,7 +368,8 @@ def closed_loop_peak(measure: Callable[[int], dict[str, Any]], bound_ms: float, 
         rising = good is None or row["throughput_rps"] >= plateau * good["throughput_rps"]
         if good is None or row["throughput_rps"] > good["throughput_rps"]:
             good = row
-        if not rising:
+        flat = 0 if rising else flat + 1
+        if flat == 2:  # two levels in a row: one may be a noisy one
             break
         c *= 2
     if good is not None and bad is not None:
