@@ -147,6 +147,21 @@ def test_a_p99_bound_is_never_broken_by_the_chosen_plan():
     assert free.best.p99_ms > bound / 2
 
 
+def test_a_tight_bound_walks_the_ladder_down_past_every_batch_that_breaks_it():
+    # On the CPU's ONNX Runtime only b1 (p99 12 ms) and b2 (15 ms) hold half of a 31 ms bound;
+    # the ladder starts at b8 and b4 breaks it too.
+    space = space_one(cpu(), engines=("onnxruntime",), instances=(1,))
+    bound = 31.0
+    assert [round(p99_ms(Config.make("m", "cpu", "onnxruntime", b)), 1) for b in (1, 2, 4)] == [
+        12.0, 15.0, 21.0]
+    t, ev, _ = tuner(space, constraints=Constraints(p99_bound_ms=bound), fine_tune=False)
+    result = t.run()
+    assert result.best is not None and result.best.candidate.configs[0].batch == 2
+    assert result.best.p99_ms <= bound / 2
+    tried = {c.configs[0].batch for c, _ in ev.calls}
+    assert {8, 4, 2, 1} <= tried
+
+
 def test_memory_cap_and_impossible_constraints():
     cap = 16 * 10 * 2**20
     result = tuner(space_one(), constraints=Constraints(max_memory_bytes=cap))[0].run()

@@ -438,7 +438,8 @@ class Tuner:
         """Hill-climb the batch ladder from `start` while each step gains at least min_gain.
 
         Throughput and energy climb upward first; latency only looks down. Downward steps are
-        taken for throughput only when the start breaks a bound (or ran out of memory). After a
+        taken for throughput only when the start breaks a bound (or ran out of memory), and
+        then past every smaller batch that still breaks it, down to the first that holds it. After a
         step that gained four times min_gain the next one skips a rung (batch curves saturate,
         so a steep one has room); if the skip does not gain, the rung between is measured.
         """
@@ -460,6 +461,13 @@ class Tuner:
                     stride = 1
                     trial = self.measure(Candidate.of(start.with_(batch=batches[i + step])))
                 if not self.better(trial, best):
+                    if (step < 0 and self.score(best) == -math.inf
+                            and self.score(trial) == -math.inf
+                            and trial.status in ("ok", "invalid", "oom")):
+                        # Still past a bound going down: a smaller batch may hold it (a tight
+                        # p99 bound can leave only the smallest batches).
+                        i += stride * step
+                        continue
                     break
                 old = self.score(best)
                 steep = old > -math.inf and (
