@@ -11,6 +11,9 @@ Both figures of the CPU targets, side by side in one run of a few minutes:
    infermux's best throughput within KServe's p99 at KServe's best throughput over gRPC
    against that best (target ≥ 1.5).
 
+`--plan FILE` serves a plan of your own instead (a tuned one: `infermux tune --served grpc`);
+`--peer-cores all` lets KServe use every core, as such a plan may.
+
 `--loop asyncio,auto` serves the plan twice, on asyncio's loop and on uvloop, in turns too.
 The plan is bench/serve_cpu.py's (mobilenet_v3_small, ONNX Runtime on `cpu:1` at batch 4, a
 2 ms queue delay; the server's fronts on core 0). The load average before and after is in the
@@ -42,6 +45,21 @@ from serve_cpu import at_bound, load_client, offline, start_server, write_plan  
 from serve_kserve_workers import start_peer, stop  # noqa: E402
 
 
+def given_plan(path: Path, out: Path) -> Path:
+    """A copy of a plan file for the run: its one model named `mobilenet`, as the clients ask.
+
+    Its load becomes the offline figure's (the served levels are the clients').
+    """
+    import yaml
+
+    plan = yaml.safe_load(path.read_text())
+    plan["models"][0]["name"] = "mobilenet"
+    plan["load"] = {"scenario": "offline", "min_duration_s": 8.0, "min_queries": 256}
+    copy = out / "plan.yaml"
+    copy.write_text(json.dumps(plan, indent=2))
+    return copy
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -60,10 +78,16 @@ def main() -> None:
     p.add_argument("--triton-python-path", help="--front triton: a numpy<2 install")
     p.add_argument("--loop", default="auto",
                    help="serve's --loop: auto, asyncio, or a list (each served, in turns)")
+    p.add_argument("--plan", type=Path,
+                   help="serve this plan (e.g. one `infermux tune --served` wrote) instead of "
+                        "the one-replica plan above; its model is served as `mobilenet`")
+    p.add_argument("--peer-cores", choices=("unit", "all"), default="unit",
+                   help="KServe pinned to --unit's cores, or free on all of them (with --unit "
+                        "cpu: its session on every core, as a plan of both cores)")
     args = p.parse_args()
     started = time.monotonic()
     out = Path(tempfile.mkdtemp(prefix="serve-targets-"))
-    plan = write_plan(out, args)
+    plan = write_plan(out, args) if args.plan is None else given_plan(args.plan, out)
     levels = [int(c) for c in args.concurrency.split(",")]
     report: dict[str, Any] = {"plan": json.loads(plan.read_text()), "machine": os.uname().nodename,
                               "cpus": os.cpu_count(), "load_average_before": os.getloadavg()}
@@ -83,7 +107,7 @@ def main() -> None:
                                  *([loop] if loop != "auto" else [])])
                 servers[name] = (proc, {pr: ready[f"{pr}_port"] for pr in ("http", "grpc")})
         if args.peer_python:
-            peer, ports = start_peer(args.peer_python, args, out, 1, "unit")
+            peer, ports = start_peer(args.peer_python, args, out, 1, args.peer_cores)
             servers["kserve"] = (peer, {"http": ports[0], "grpc": ports[1]})
         rows: dict[str, list[dict[str, Any]]] = {name: [] for name in servers}
         for k, c in enumerate(levels):

@@ -90,7 +90,9 @@ def _plan(batch: int, instances: int) -> dict:
 def test_the_plan_that_serves_the_most_is_chosen_over_the_runtime_s_first():
     # Each batch costs 4 ms at any size: b1 x1 answers at most 250 requests/s, b8 x2 far more.
     plans = [_plan(1, 1), _plan(8, 2)]
-    rows = [{"plan": "b1 x1", "peak_qps": 900.0, "chosen": True},  # ranked first by the runtime
+    # The runtime's choice first, though its find-peak held no rate (a queue delay can break a
+    # bound that a server's idle worker, taking each request at once, holds).
+    rows = [{"plan": "b1 x1", "peak_qps": None, "chosen": True},
             {"plan": "b8 x2", "peak_qps": 800.0, "chosen": False}]
     io = IOSpec(inputs=(TensorSpec("input", "float32", (3, 32, 32)),))
     requests = served_requests(io, "paced", plans[0]["models"][0], None, count=8)

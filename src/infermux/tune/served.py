@@ -284,11 +284,12 @@ def serve_candidates(rows: list[dict[str, Any]], plans: list[dict[str, Any]],
     """Serve the plans of the highest runtime peaks; say which served the most.
 
     `rows` are a server tune's find-peak rows (`peak_qps`, `plan`), `plans[i]` row i's plan.
-    Candidates are the distinct plans of the rows with a peak, the runtime's choice
-    (`runtime_row`) first, then the highest peaks, at most `SERVED_CANDIDATES`. The first is
-    always served; the others until `deadline` (`time.monotonic()`), and only while their
-    runtime peak is above the best served figure so far (a plan served through a front does not
-    answer more than its runtime alone). Each served row gets `served_peak_rps`,
+    Candidates are the distinct plans of the rows, the runtime's choice (`runtime_row`) first,
+    then the highest peaks, at most `SERVED_CANDIDATES`; a plan with no runtime peak within the
+    bound is served too (a server whose idle worker takes a request at once may hold a bound
+    the runtime's queue delay broke). The first is always served; the others until `deadline`
+    (`time.monotonic()`), and only while their runtime peak is above the best served figure so
+    far (a plan served through a front does not answer more than its runtime alone). Each served row gets `served_peak_rps`,
     `served_concurrency`, `served_p99_ms`, `served_reason`, `served_s`, `served_build_s` and
     its `served_levels`, in place. Returns `rows` (the candidates' indices, in order),
     `written_row` (the highest served, or None where none served within the bound) and the
@@ -296,18 +297,15 @@ def serve_candidates(rows: list[dict[str, Any]], plans: list[dict[str, Any]],
     """
     order: list[int] = []
     seen: set[str] = set()
-    for i in sorted(range(len(rows)), key=lambda i: -(rows[i]["peak_qps"] or 0.0)):
+    first = [runtime_row] if runtime_row is not None else []
+    for i in first + sorted(range(len(rows)), key=lambda i: -(rows[i]["peak_qps"] or 0.0)):
         key = yaml.safe_dump(plans[i], sort_keys=True)
-        if rows[i]["peak_qps"] is not None and key not in seen:
+        if key not in seen:
             seen.add(key)
             order.append(i)
-    if runtime_row in order:
-        order.remove(runtime_row)
-        order.insert(0, runtime_row)
     order = order[:SERVED_CANDIDATES]
     if not order:
-        return {"rows": [], "written_row": None,
-                "reason": "no plan held the bound through the runtime: none served"}
+        return {"rows": [], "written_row": None, "reason": "no plan to serve"}
     best: tuple[float, int] | None = None
     for n, i in enumerate(order):
         row = rows[i]
