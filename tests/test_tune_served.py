@@ -157,3 +157,62 @@ def test_bad_served_options_get_one_line(args, needle):
     res = invoke_cli("tune", "-m", "digits-cnn", "-u", "cpu", "--budget", "5s", *args)
     assert res.returncode != 0
     assert needle in res.stderr and "Traceback" not in res.stderr
+
+
+def test_tune_served_writes_the_served_winner_and_says_so(tmp_path):
+    import json
+
+    import yaml
+
+    out = tmp_path / "plan.yaml"
+    res = invoke_cli("tune", "-m", f"{TINY}:tiny_cnn", "-u", "cpu", "--engine", "onnxruntime",
+                     "--scenario", "server", "--p99", "50ms", "--budget", "10s",
+                     "--trial-duration", "0.2s", "--peak-trial-duration", "0.5s",
+                     "--peak-trial-queries", "64", "--no-fine-tune", "--no-pipelines",
+                     "--served", "http", "--served-seconds", "0.5", "-o", str(out),
+                     "--db", str(tmp_path / "t.db"), "--json")
+    assert res.returncode == 0, res.stderr[-2000:]
+    report = json.loads(res.stdout)
+    served = report["served"]
+    assert served["protocol"] == "http" and served["client"] == "infermux"
+    written = served["written_row"]
+    assert written is not None and written in served["rows"]
+    rows = report["server_peaks"]
+    assert [i for i, r in enumerate(rows) if r["chosen"]] == [written]
+    row = rows[written]
+    assert row["served_peak_rps"] > 0 and row["served_p99_ms"] <= 50.0
+    assert row["served_levels"][0]["concurrency"] == 1
+    text = out.read_text()
+    assert "#   served over http, closed loop: " in text and "# served: " in text
+    assert yaml.safe_load(text) == report["plan"]
+
+
+def _perf_analyzer() -> str | None:
+    import os
+    import shutil
+
+    return os.environ.get("INFERMUX_PERF_ANALYZER") or shutil.which("perf_analyzer")
+
+
+@pytest.mark.parametrize("shared_memory", ["none", "system"])
+def test_perf_analyzer_drives_the_sweep_with_the_requests_written_for_it(shared_memory, tiny_bert):
+    pa = _perf_analyzer()
+    if pa is None:
+        pytest.skip("perf_analyzer is not installed (make perf-analyzer, or "
+                    "INFERMUX_PERF_ANALYZER=PATH)")
+    from infermux.models import ModelSpec, load_model
+
+    plan = {"name": "bert", "models": [{"name": "bert", "model": tiny_bert,
+                                         "seq_buckets": [16, 32],
+                                         "replicas": [{"unit": "cpu", "engine": "torch",
+                                                       "batch": 4}]}],
+            "dispatcher": {"max_queue_delay_ms": 1.0, "cpu_workers": "thread"},
+            "load": {"scenario": "server", "p99_bound_ms": 200.0}}
+    io = load_model(ModelSpec(tiny_bert)).spec_io
+    requests = served_requests(io, "bert", plan["models"][0], "uniform:4-32", count=16)
+    peak = served_peak(plan, requests, 200.0,
+                       ServedSettings(protocol="grpc", fronts=1, seconds=1.0, max_concurrency=2,
+                                      perf_analyzer=pa, shared_memory=shared_memory))
+    assert peak["peak_rps"] and peak["peak_rps"] > 0, (peak["reason"], peak["levels"])
+    assert [lv["concurrency"] for lv in peak["levels"]][:2] == [1, 2]
+    assert all(lv["errors"] == 0 for lv in peak["levels"])

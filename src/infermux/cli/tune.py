@@ -52,6 +52,7 @@ def tune_command(
     served_front: Annotated[str, typer.Option("--served-front", help="With --served: serve's --front (own or triton).")] = "own",
     served_fronts: Annotated[int | None, typer.Option("--served-fronts", help="With --served: serve's --fronts (default: serve's).")] = None,
     served_seconds: Annotated[float, typer.Option("--served-seconds", help="With --served: measured seconds per concurrency level (after 1 s of warm-up).")] = 3.0,
+    served_shared_memory: Annotated[str, typer.Option("--served-shared-memory", help="With --served and --perf-analyzer: perf_analyzer's --shared-memory (none, system or cuda).")] = "none",
     perf_analyzer: Annotated[str | None, typer.Option("--perf-analyzer", help="With --served: Triton's perf_analyzer (its path) as the client instead of the built-in one (a Python client may bound rates of tens of thousands of requests/s).")] = None,
     db: DbOpt = "infermux.db",
     as_json: JsonOpt = False,
@@ -73,11 +74,12 @@ def tune_command(
     from infermux.tune.served import ServedSettings, served_words
 
     if served.strip().lower() == "none" and (perf_analyzer or served_fronts is not None
-                                             or served_front != "own"):
+                                             or served_front != "own"
+                                             or served_shared_memory != "none"):
         from infermux.errors import UsageError
 
-        raise UsageError("--perf-analyzer, --served-front and --served-fronts drive --served: "
-                         "add --served grpc (or http)")
+        raise UsageError("--perf-analyzer and the --served-* options drive --served: add "
+                         "--served grpc (or http)")
     shape = parse_shape(input_shape) if input_shape else None
     constraints = Constraints(
         p99_bound_ms=parse_latency_ms(p99) if p99 is not None else None,
@@ -97,7 +99,8 @@ def tune_command(
         peak_min_queries=peak_trial_queries,
         served=None if served.strip().lower() == "none" else ServedSettings(
             protocol=served.strip().lower(), front=served_front, fronts=served_fronts,
-            seconds=served_seconds, perf_analyzer=perf_analyzer))
+            seconds=served_seconds, perf_analyzer=perf_analyzer,
+            shared_memory=served_shared_memory))
     path = out_file or f"tuned-{'-'.join(model_name(m) for m in model)}.yaml"
     store = open_store(db)
     command = "infermux " + shlex.join(sys.argv[1:])

@@ -75,6 +75,8 @@ class ServedSettings:
     max_concurrency: int = 512
     #: Triton's perf_analyzer as the client (its path); None: the built-in client.
     perf_analyzer: str | None = None
+    #: perf_analyzer's `--shared-memory`: none (tensors in the requests), system or cuda.
+    shared_memory: str = "none"
 
     def __post_init__(self) -> None:
         if self.protocol not in PROTOCOLS:
@@ -93,6 +95,12 @@ class ServedSettings:
             raise UsageError(f"--perf-analyzer {self.perf_analyzer!r} is not an executable: "
                              "give perf_analyzer's path (tritonclient's wheel ships it), or "
                              "leave it out for the built-in client")
+        if self.shared_memory not in ("none", "system", "cuda"):
+            raise UsageError(f"--served-shared-memory {self.shared_memory!r} unknown: use none, "
+                             "system or cuda")
+        if self.shared_memory != "none" and self.perf_analyzer is None:
+            raise UsageError(f"--served-shared-memory {self.shared_memory} needs perf_analyzer "
+                             "as the client: add --perf-analyzer PATH")
         if self.perf_analyzer is None:
             import importlib.util
 
@@ -240,11 +248,18 @@ def _say(progress: Callable[[str, float], None] | None, label: str) -> None:
         progress(label, 0.0)
 
 
+#: Requests written for perf_analyzer where their shapes vary (it cycles through them); one
+#: where every request has the same shape (a 224×224 image is megabytes of JSON text).
+PA_REQUESTS = 16
+
+
 def _perf_analyzer_data(requests: list[list[V2Tensor]], workdir: Path) -> Path:
     """perf_analyzer's `--input-data` JSON: each request's tensors with their shapes."""
+    shapes = {tuple(t.array.shape for t in tensors) for tensors in requests}
+    kept = requests[:PA_REQUESTS] if len(shapes) > 1 else requests[:1]
     data = [{t.name: {"content": t.array[0].reshape(-1).tolist(),
                       "shape": list(t.array.shape[1:])} for t in tensors}
-            for tensors in requests]
+            for tensors in kept]
     path = workdir / "input-data.json"
     path.write_text(json.dumps({"data": data}))
     return path
@@ -258,7 +273,8 @@ def _perf_analyzer_level(settings: ServedSettings, host: str, port: int, model: 
     cmd = [settings.perf_analyzer, "-m", model, "-u", f"{host}:{port}", "-i", settings.protocol,
            "--concurrency-range", f"{c}:{c}", "--input-data", str(data),
            "--measurement-interval", str(int(settings.seconds * 1000)),
-           "--stability-percentage", "20", "--max-trials", "5", "-f", str(csv_file)]
+           "--stability-percentage", "20", "--max-trials", "5", "-f", str(csv_file),
+           "--shared-memory", settings.shared_memory]
     done = subprocess.run(cmd, capture_output=True, text=True)
     row: dict[str, Any] = {"protocol": settings.protocol, "concurrency": c,
                            "duration_s": settings.seconds, "ok": 0, "rejected": 0, "errors": 0,
@@ -289,11 +305,11 @@ def serve_candidates(rows: list[dict[str, Any]], plans: list[dict[str, Any]],
     bound is served too (a server whose idle worker takes a request at once may hold a bound
     the runtime's queue delay broke). The first is always served; the others until `deadline`
     (`time.monotonic()`), and only while their runtime peak is above the best served figure so
-    far (a plan served through a front does not answer more than its runtime alone). Each served row gets `served_peak_rps`,
-    `served_concurrency`, `served_p99_ms`, `served_reason`, `served_s`, `served_build_s` and
-    its `served_levels`, in place. Returns `rows` (the candidates' indices, in order),
-    `written_row` (the highest served, or None where none served within the bound) and the
-    `reason`, in words.
+    far (a plan served through a front does not answer more than its runtime alone). Each
+    served row gets `served_peak_rps`, `served_concurrency`, `served_p99_ms`, `served_reason`,
+    `served_s`, `served_build_s` and its `served_levels`, in place. Returns `rows` (the
+    candidates' indices, in order), `written_row` (the highest served, or None where none
+    served within the bound) and the `reason`, in words.
     """
     order: list[int] = []
     seen: set[str] = set()
