@@ -128,8 +128,6 @@ def test_a_bad_front_or_options_it_cannot_take_exit_with_one_line(tmp_path: Path
                                 "replicas": [{"unit": "cpu:0", "engine": "torch",
                                               "batch": 4}]}]}))
     for extra, expected in ((["--front", "grpcio"], "--front 'grpcio' is not a front"),
-                            (["--front", "triton", "--trace-requests", "1"],
-                             "--front triton does not take --trace-requests"),
                             (["--front", "triton", "--api-key", "a:b=c"],
                              "only letters, digits and ._~+/- pass intact"),
                             (["--front", "triton", "--triton-backend", "cpp"],
@@ -308,6 +306,40 @@ def test_an_api_key_guards_all_but_health_behind_triton(net_file: Path, referenc
     finally:
         code, out = srv.stop()
     assert code == 0, out
+
+
+@needs_triton
+def test_requests_behind_triton_are_traced_in_triton_and_in_the_runtime(net_file: Path,
+                                                                       reference: Any) -> None:
+    """`--trace-requests 1` behind Triton: Triton's trace of every request (received, queued,
+    the backend's span, sent) and the runtime's stages of every descriptor its instances sent,
+    both summarized at stop, on the one clock."""
+    trace = net_file.parent / "triton-trace.jsonl"
+    srv = Server(net_file.parent, _plan("triton-trace", f"{net_file}:build"), "--front",
+                 "triton", "--fronts", "1", "--trace-requests", "1", "--trace-file", str(trace))
+    try:
+        sent = 6
+        for k in range(sent):  # one at a time: each its own Triton batch and descriptor
+            x = _x(1, seed=k)
+            np.testing.assert_allclose(_infer("grpc", srv, x), reference(x), rtol=1e-5,
+                                       atol=1e-5)
+    finally:
+        code, out = srv.stop()
+    assert code == 0, out
+    traced = json.loads(out[out.index("{"):])["trace"]
+    assert traced["requests"] == sent  # the runtime's side: frame read to answer written
+    assert {"frame_read->admitted", "enqueued->taken", "outputs_written->answer_queued"} <= set(
+        traced["gaps"])
+    ours = traced["triton"]
+    assert ours["path"] == f"{trace}.triton" and ours["requests"] == sent
+    for gap in ("grpc_waitread_end->request_start", "queue_start->compute_start",
+                "compute_output_start->compute_end", "request_end->grpc_send_end"):
+        assert ours["gaps"][gap]["count"] == sent, gap
+    # The backend's span holds the runtime's whole part of the request, so it is longer than
+    # the runtime's stamps from reading the descriptor to writing the answer.
+    span = sum(g["mean_ms"] for name, g in ours["gaps"].items()
+               if name.startswith(("compute_start", "compute_input_end", "compute_output_start")))
+    assert span >= traced["total"]["mean_ms"] * 0.9, (span, traced["total"])
 
 
 @needs_triton

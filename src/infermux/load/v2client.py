@@ -344,9 +344,10 @@ def closed_loop_peak(measure: Callable[[int], dict[str, Any]], bound_ms: float, 
     `measure(c)` runs concurrency c and returns a `LevelResult.summary()`-like row
     (`throughput_rps`, `p99_ms`, `ok`, `rejected`, `errors`). Concurrency doubles from 1 while
     the p99 holds the bound and the throughput still rises (by `plateau` or more, at one of the
-    last two levels: past the knee more streams only queue); between the last level within the bound and the first past it,
-    up to `refine` midpoints are tried. Returns the peak row (`concurrency`, `throughput_rps`,
-    `p99_ms`), every level measured in order (`levels`), and `reason` when no level held.
+    last two levels: past the knee more streams only queue); between the last level within the
+    bound and the first past it, up to `refine` midpoints are tried. Returns the peak row
+    (`concurrency`, `throughput_rps`, `p99_ms`), every level measured in order (`levels`), and
+    `reason` when no level held.
     """
     levels: list[dict[str, Any]] = []
 

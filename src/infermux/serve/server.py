@@ -191,8 +191,6 @@ class ServeSettings:
             raise UsageError(f"--front {self.front!r} is not a front: use own (infermux's "
                              "fronts) or triton (Triton's server)")
         if self.front == "triton":
-            if self.trace_requests > 0:
-                raise UsageError("--front triton does not take --trace-requests: use --front own")
             if self.fronts == 0:
                 raise UsageError("--front triton --fronts 0: give at least 1 instance per model")
             from infermux.serve.triton_front import BACKENDS
@@ -531,10 +529,11 @@ def _start_trace(s: ServeSettings) -> Any:
     """The runtime's trace writer, the files of an earlier trace at the same path removed."""
     import glob
 
-    from infermux.serve.trace import RequestTrace
+    from infermux.serve.trace import TRITON_SUFFIX, RequestTrace
 
     for old in [s.trace_path, *glob.glob(glob.escape(s.trace_path) + ".*")]:
-        if old == s.trace_path or old[len(s.trace_path) + 1:].isdigit():
+        suffix = old[len(s.trace_path) + 1:]
+        if old == s.trace_path or suffix.isdigit() or suffix == TRITON_SUFFIX:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(old)
     return RequestTrace(s.trace_path, s.trace_requests)

@@ -27,7 +27,11 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["STAGES", "RequestTrace", "summarize"]
+__all__ = ["STAGES", "TRITON_SUFFIX", "RequestTrace", "summarize"]
+
+#: Behind Triton's front (`--front triton`), Triton's own trace of the requests it sampled is
+#: written beside the runtime's lines, to `<trace file>.triton`.
+TRITON_SUFFIX = "triton"
 
 #: The stages in the order a request passes them (a record holds those that apply to it: an
 #: in-process front's requests have no front stages).
@@ -91,8 +95,10 @@ def summarize(path: str, window_ns: tuple[int, int] | None = None) -> dict[str, 
 
     Reads `path` (the runtime's lines) and `path.<pid>` (each front's), joined by (front pid,
     request id). A gap is named `from->to` between the stages a request has, in `STAGES` order.
+    Behind Triton's front, `path.triton` (Triton's own trace) is summarized apart (`triton`).
     `window_ns`: only the requests whose first stage falls in [begin, end) (clock ns).
     """
+    triton_path = f"{path}.{TRITON_SUFFIX}"
     runtime = _records([path] if os.path.exists(path) else [])
     front = _records(p for p in glob.glob(glob.escape(path) + ".*") if p[len(path) + 1:].isdigit())
     joined: dict[tuple[int, int], dict[str, int]] = {}
@@ -153,4 +159,57 @@ def summarize(path: str, window_ns: tuple[int, int] | None = None) -> dict[str, 
                     for bucket, (sizes, device, idle) in sorted(by_bucket.items())},
         # Where those batches' gathers ran (a pipelined GPU worker's: `Batch.gather_path`).
         "gather_paths": paths,
+        # Behind Triton's front: its own trace of the requests it sampled.
+        **({"triton": triton} if (triton := _triton(triton_path, window_ns, stats)) else {}),
     }
+
+
+#: Triton's trace timestamps in the order a request passes them (those of either protocol).
+TRITON_STAGES = ("HTTP_RECV_START", "HTTP_RECV_END", "GRPC_WAITREAD_START", "GRPC_WAITREAD_END",
+                 "REQUEST_START", "QUEUE_START", "COMPUTE_START", "COMPUTE_INPUT_END",
+                 "COMPUTE_OUTPUT_START", "COMPUTE_END", "INFER_RESPONSE_COMPLETE",
+                 "GRPC_SEND_START", "HTTP_SEND_START", "REQUEST_END", "GRPC_SEND_END",
+                 "HTTP_SEND_END")
+
+
+def _triton(path: str, window_ns: tuple[int, int] | None,
+            stats: Any) -> dict[str, Any] | None:
+    """p50/p99 of the gaps between Triton's stages over its traced requests, or None.
+
+    Triton's file is a JSON array of entries, each an `id` with its model or with some of its
+    `timestamps` (name, ns). Its clock is the runtime's (CLOCK_MONOTONIC), but its request ids
+    are its own, so its requests are summarized apart: from the front's read of the request to
+    the response sent, with the backend's span (`COMPUTE_START` → `COMPUTE_END`: the
+    runtime's part, up to the response's release) in between.
+    """
+    if not os.path.exists(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        try:
+            entries = json.load(f)
+        except json.JSONDecodeError:
+            return None
+    stamps: dict[int, dict[str, int]] = {}
+    for entry in entries:
+        for t in entry.get("timestamps", ()):
+            if t.get("name") in TRITON_STAGES:
+                stamps.setdefault(entry["id"], {})[t["name"]] = int(t["ns"])
+    gaps: dict[str, list[float]] = {}
+    totals: list[float] = []
+    kept = 0
+    for marks in stamps.values():
+        have = [s for s in TRITON_STAGES if s in marks]
+        if not have or (window_ns is not None
+                        and not window_ns[0] <= marks[have[0]] < window_ns[1]):
+            continue
+        kept += 1
+        for a, b in itertools.pairwise(have):
+            gaps.setdefault(f"{a.lower()}->{b.lower()}", []).append((marks[b] - marks[a]) / 1e6)
+        if len(have) > 1:
+            totals.append((marks[have[-1]] - marks[have[0]]) / 1e6)
+    if not kept:
+        return None
+    order = {f"{a.lower()}->{b.lower()}": (i, j) for i, a in enumerate(TRITON_STAGES)
+             for j, b in enumerate(TRITON_STAGES)}
+    return {"path": path, "requests": kept, "total": stats(totals) if totals else None,
+            "gaps": {name: stats(gaps[name]) for name in sorted(gaps, key=order.__getitem__)}}

@@ -219,6 +219,23 @@ parameters: {{ key: "infermux_answer_timeout_s" value: {{ string_value: "{answer
 _GUARDED = "metadata,inference,shared-memory,model-config,model-repository,statistics,trace,logging"
 
 
+def trace_args(settings: Any) -> list[str]:
+    """Triton's trace options for `--trace-requests N`: every Nth request's timestamps.
+
+    Triton stamps each traced request's stages (received, queued, the backend's execute,
+    response sent) with its steady clock, CLOCK_MONOTONIC on Linux as the runtime's stamps,
+    and writes them to `<trace file>.triton` when it stops (`serve.trace.summarize` reads it).
+    """
+    if not settings.trace_requests:
+        return []
+    from infermux.serve.trace import TRITON_SUFFIX
+
+    return ["--trace-config", "level=TIMESTAMPS",
+            "--trace-config", f"rate={settings.trace_requests}",
+            "--trace-config", "count=-1",
+            "--trace-config", f"triton,file={os.path.abspath(settings.trace_path)}.{TRITON_SUFFIX}"]
+
+
 def restricted(api_key: str | None) -> list[str]:
     """Triton's options that ask for the key on every API but health (`--api-key`).
 
@@ -438,6 +455,7 @@ class TritonHub(FrontHub):
         self.http_task = asyncio.create_task(self._stopped.wait())
 
     async def _launch(self, repo: Path) -> None:
+        """Start `tritonserver` on the repository, the ports and the settings."""
         s = self.settings
         env = dict(os.environ)
         # The stub embeds Python: it finds this environment (a venv's site-packages) from the
@@ -453,7 +471,7 @@ class TritonHub(FrontHub):
                 f"--grpc-address={s.host}", f"--grpc-port={self.grpc_port}",
                 "--allow-metrics=false", "--strict-readiness=true",
                 f"--exit-timeout-secs={max(1, int(s.drain_timeout_s))}", "--log-verbose=0",
-                *restricted(s.api_key)]
+                *restricted(s.api_key), *trace_args(s)]
         log = open(self._log, "ab")  # noqa: SIM115 - the server's output, for its errors
         try:
             self.process = await asyncio.create_subprocess_exec(
