@@ -68,9 +68,11 @@ def test_phases_add_up_to_the_measured_wall_time(images: Path, workers: int) -> 
     totals = result.phase_totals_ns()
     # Contiguous timestamps: the phases, startup and tail are the pass's wall time exactly ...
     assert sum(totals.values()) == result.wall_ns
-    # ... and that is the wall time seen from outside, less the few calls around it.
+    # ... and that is the wall time seen from outside, less the few calls around it (reading
+    # the CPU counters, starting the loader: 9.7 ms once on the 2-core host under a full test
+    # run's load).
     assert result.wall_ns <= outside_ns
-    assert outside_ns - result.wall_ns < 0.05 * outside_ns + 5e6
+    assert outside_ns - result.wall_ns < 0.05 * outside_ns + 20e6
     for step in result.steps:
         assert step.wall_ns == sum(getattr(step, f"{p}_ns") for p in
                                    ("fetch", "h2d", "forward", "backward", "optimizer"))
