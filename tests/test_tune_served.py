@@ -15,7 +15,13 @@ import pytest
 
 from infermux.iospec import IOSpec, TensorSpec
 from infermux.load.v2client import closed_loop_peak, requests_from_samples
-from infermux.tune.served import ServedSettings, serve_candidates, served_peak, served_requests
+from infermux.tune.served import (
+    ServedSettings,
+    front_room,
+    serve_candidates,
+    served_peak,
+    served_requests,
+)
 
 from .conftest import invoke_cli
 
@@ -76,6 +82,33 @@ def test_requests_carry_every_input_cut_to_its_drawn_length():
     two = requests_from_samples(["x"], [np.arange(12, dtype=np.float32).reshape(6, 2)], items=2)
     assert [r[0].array.tolist() for r in two] == [[[0, 1], [2, 3]], [[4, 5], [6, 7]],
                                                    [[8, 9], [10, 11]]]
+
+
+def test_a_plan_on_every_core_is_given_a_twin_that_leaves_the_fronts_their_cores():
+    plan = {"name": "p", "models": [
+        {"name": "a", "model": "m", "replicas": [
+            {"unit": "cpu", "engine": "onnxruntime", "instances": 3, "batch": 4},
+            {"unit": "cuda:0/fp16", "engine": "torch", "batch": 64}]},
+        {"name": "b", "model": "m", "replicas": [
+            {"unit": "cpu/int8", "engine": "onnxruntime", "batch": 2}]}]}
+    # 2 cores: serve's fronts run in its own process, on the first core.
+    moved, unit = front_room(plan, ServedSettings(), [0, 1])
+    assert unit == "cpu:1"
+    a, b = moved["models"]
+    assert a["replicas"][0] == {"unit": "cpu:1", "engine": "onnxruntime", "instances": 1,
+                                "batch": 4}
+    assert a["replicas"][1]["unit"] == "cuda:0/fp16"  # GPUs stay as they were
+    assert b["replicas"][0]["unit"] == "cpu:1/int8"
+    assert plan["models"][0]["replicas"][0]["unit"] == "cpu"  # the tuned plan is left alone
+    # 16 cores: serve starts 8 front processes by default, or as many as asked.
+    assert front_room(plan, ServedSettings(), list(range(16)))[1] == "cpu:8-15"
+    assert front_room(plan, ServedSettings(fronts=2), list(range(16)))[1] == "cpu:2-15"
+    assert front_room(plan, ServedSettings(fronts=3), [0, 1, 2, 5, 6])[1] == "cpu:5-6"
+    assert front_room(plan, ServedSettings(fronts=8), [0, 1])[1] == "cpu:1"  # one left at least
+    assert front_room(plan, ServedSettings(), [0]) is None
+    on_cores = {"name": "q", "models": [{"name": "a", "model": "m", "replicas": [
+        {"unit": "cpu:1", "engine": "torch", "batch": 1}]}]}
+    assert front_room(on_cores, ServedSettings(), [0, 1]) is None
 
 
 def _plan(batch: int, instances: int) -> dict:
@@ -185,6 +218,12 @@ def test_tune_served_writes_the_served_winner_and_says_so(tmp_path):
     text = out.read_text()
     assert "#   served over http, closed loop: " in text and "# served: " in text
     assert yaml.safe_load(text) == report["plan"]
+    # The plan on both cores is served beside a twin whose worker leaves core 0 to the front.
+    twin = [r for r in rows if r.get("derived") == "front_room"]
+    assert len(twin) == 1 and "on cpu:1, the other cores left to the fronts" in twin[0]["plan"]
+    assert twin[0]["peak_qps"] is None and "served_peak_rps" in twin[0]
+    if rows.index(twin[0]) == written:
+        assert report["plan"]["models"][0]["replicas"][0]["unit"] == "cpu:1"
 
 
 def _perf_analyzer() -> str | None:

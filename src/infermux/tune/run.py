@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from infermux.tune.search import OBJECTIVES, Tuner, TuneResult, TuneSettings, sp
 from infermux.tune.served import (
     SERVED_BUDGET_SHARE,
     ServedSettings,
+    front_room,
     serve_candidates,
     served_requests,
     served_words,
@@ -677,6 +679,17 @@ def _choose_by_served_peak(report: TuneReport, evaluator: LiveEvaluator, request
     requests = served_requests(loaded[name].spec_io, name, entry, request.trial.lengths)
     rows = report.server_peaks
     runtime_row = next((i for i, row in enumerate(rows) if row["chosen"]), None)
+    # A plan on every core serves with its fronts on them too: served beside it, the same
+    # replicas with cores left to the fronts (`front_room`).
+    roomy = front_room(report.plan, served, sorted(os.sched_getaffinity(0)))
+    if roomy is not None:
+        plan, unit = roomy
+        label = rows[runtime_row]["plan"] if runtime_row is not None else "the chosen plan"
+        rows.append({"plan": f"{label} on {unit}, the other cores left to the fronts",
+                     "offline_items_per_s": None, "batching": _batching(plan),
+                     "peak_qps": None, "reason": "derived for serving, not measured by the runtime",
+                     "chosen": False, "cpu_workers": _cpu_workers(plan), "derived": "front_room"})
+        report.peak_runs.append((plan, {}))
     choice = serve_candidates(rows, [plan for plan, _ in report.peak_runs], runtime_row,
                               requests, bound, served, deadline=deadline, progress=progress)
     report.served = {**served.to_dict(), "client": ("perf_analyzer" if served.perf_analyzer

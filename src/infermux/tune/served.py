@@ -44,8 +44,8 @@ from infermux.load.v2client import (
     run_level,
 )
 
-__all__ = ["SERVED_BUDGET_SHARE", "SERVED_CANDIDATES", "ServedSettings", "serve_candidates",
-           "served_peak", "served_requests", "served_words"]
+__all__ = ["SERVED_BUDGET_SHARE", "SERVED_CANDIDATES", "ServedSettings", "front_room",
+           "serve_candidates", "served_peak", "served_requests", "served_words"]
 
 #: A served tune keeps this share of its budget for serving its best plans.
 SERVED_BUDGET_SHARE = 0.25
@@ -120,6 +120,53 @@ class ServedSettings:
         if self.fronts is not None:
             args += ["--fronts", str(self.fronts)]
         return args
+
+
+def _core_text(cores: list[int]) -> str:
+    """A core set as a unit writes it: `2`, `1-3`, `0-1+4-5`."""
+    runs: list[list[int]] = []
+    for c in sorted(cores):
+        if runs and c == runs[-1][-1] + 1:
+            runs[-1].append(c)
+        else:
+            runs.append([c])
+    return "+".join(f"{r[0]}" if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
+
+
+def front_room(plan: dict[str, Any], settings: ServedSettings,
+               cores: list[int]) -> tuple[dict[str, Any], str] | None:
+    """The plan with its whole-host CPU replicas moved off the cores the server's fronts take.
+
+    A plan tuned through the runtime spends every core on its workers (`cpu`), and served, its
+    front processes (`infermux serve --fronts`; on a host of under four cores the server
+    process itself) and their clients take cores from them: on the 2-core machine such a plan
+    kept 0.48 of its offline figure over gRPC where a plan on one core kept 0.90. The fronts get
+    the first cores (as many as serve starts by default, `fronts.default_fronts`, or
+    `--served-fronts`; at least one, and one core is left to the workers), the replicas the rest,
+    each keeping its engine, batch and options (instances at most one per core left). None
+    where no replica runs on all the host's cores, the host has one core, or the plan has
+    pipeline stages. Returns the plan and the unit the replicas moved to.
+    """
+    from infermux.serve.fronts import default_fronts
+
+    if len(cores) < 2 or any("stages" in m for m in plan["models"]):
+        return None
+    fronts = settings.fronts if settings.fronts else default_fronts(len(cores))
+    rest = sorted(cores)[max(1, min(fronts, len(cores) - 1)):]
+    unit = f"cpu:{_core_text(rest)}"
+    moved = False
+    models = []
+    for m in plan["models"]:
+        replicas = []
+        for r in m["replicas"]:
+            name, _, mode = str(r["unit"]).partition("/")
+            if name == "cpu":
+                r = {**r, "unit": unit + (f"/{mode}" if mode else ""),
+                     "instances": min(int(r.get("instances", 1)), len(rest))}
+                moved = True
+            replicas.append(r)
+        models.append({**m, "replicas": replicas})
+    return ({**plan, "models": models}, unit) if moved else None
 
 
 def served_requests(io: Any, name: str, entry: dict[str, Any], lengths: str | None,
@@ -301,20 +348,23 @@ def serve_candidates(rows: list[dict[str, Any]], plans: list[dict[str, Any]],
 
     `rows` are a server tune's find-peak rows (`peak_qps`, `plan`), `plans[i]` row i's plan.
     Candidates are the distinct plans of the rows, the runtime's choice (`runtime_row`) first,
-    then the highest peaks, at most `SERVED_CANDIDATES`; a plan with no runtime peak within the
-    bound is served too (a server whose idle worker takes a request at once may hold a bound
-    the runtime's queue delay broke). The first is always served; the others until `deadline`
-    (`time.monotonic()`), and only while their runtime peak is above the best served figure so
-    far (a plan served through a front does not answer more than its runtime alone). Each
-    served row gets `served_peak_rps`, `served_concurrency`, `served_p99_ms`, `served_reason`,
-    `served_s`, `served_build_s` and its `served_levels`, in place. Returns `rows` (the
-    candidates' indices, in order), `written_row` (the highest served, or None where none
-    served within the bound) and the `reason`, in words.
+    then rows `derived` for serving (`front_room`: not measured by the runtime, served as the
+    first is, whatever the budget), then the highest peaks, at most `SERVED_CANDIDATES`; a plan with no
+    runtime peak within the bound is served too (a server whose idle worker takes a request at
+    once may hold a bound the runtime's queue delay broke). The first is always served; the others
+    until `deadline` (`time.monotonic()`), and only while their runtime peak is above the best
+    served figure so far (a plan served through a front does not answer more than its runtime
+    alone). Each served row gets `served_peak_rps`, `served_concurrency`, `served_p99_ms`,
+    `served_reason`, `served_s`, `served_build_s` and its `served_levels`, in place. Returns
+    `rows` (the candidates' indices, in order), `written_row` (the highest served, or None where
+    none served within the bound) and the `reason`, in words.
     """
     order: list[int] = []
     seen: set[str] = set()
     first = [runtime_row] if runtime_row is not None else []
-    for i in first + sorted(range(len(rows)), key=lambda i: -(rows[i]["peak_qps"] or 0.0)):
+    derived = [i for i, row in enumerate(rows) if row.get("derived")]
+    for i in first + derived + sorted(range(len(rows)),
+                                      key=lambda i: -(rows[i]["peak_qps"] or 0.0)):
         key = yaml.safe_dump(plans[i], sort_keys=True)
         if key not in seen:
             seen.add(key)
@@ -325,8 +375,9 @@ def serve_candidates(rows: list[dict[str, Any]], plans: list[dict[str, Any]],
     best: tuple[float, int] | None = None
     for n, i in enumerate(order):
         row = rows[i]
-        if n and (time.monotonic() >= deadline
-                  or (best is not None and (row["peak_qps"] or 0.0) <= best[0])):
+        if n and not row.get("derived") and (
+                time.monotonic() >= deadline
+                or (best is not None and (row["peak_qps"] or 0.0) <= best[0])):
             continue
         _say(progress, f"serving {row['plan']}")
         began = time.monotonic()
