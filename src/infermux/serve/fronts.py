@@ -53,27 +53,14 @@ from infermux.serve.proxy import (
 )
 from infermux.serve.shm import SHM_DIR, Segment, SlabLayout
 from infermux.serve.steer import Steering, listening_sockets
+from infermux.units.cpu import default_fronts
 
-__all__ = ["FrontHub", "default_fronts", "reuse_port_socket"]
+__all__ = ["FrontHub", "default_fronts", "reuse_port_socket"]  # default_fronts: units.cpu's
 
 #: How long the fronts may take to start (import, bind, listen) before the server gives up.
 _START_TIMEOUT_S = 120.0
 #: Share of /dev/shm's free space the fronts' slabs may take.
 _SHM_SHARE = 0.5
-#: Most front processes chosen by default (more did not help a single runtime process).
-_MAX_DEFAULT_FRONTS = 8
-
-
-def default_fronts(cores: int) -> int:
-    """Front processes for a host with `cores` usable cores: half of them (at most 8).
-
-    The other half are the runtime process's (dispatcher, GPU worker threads, the gather
-    threads). Below four cores a separate front would take a core the runtime needs: 1, the
-    fronts run in the server process as before.
-    """
-    return 1 if cores < 4 else min(_MAX_DEFAULT_FRONTS, cores // 2)
-
-
 def reuse_port_socket(host: str, port: int, *, listen: bool) -> socket.socket:
     """A TCP socket bound with SO_REUSEPORT (listening if asked), so processes share the port."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET

@@ -141,13 +141,13 @@ def front_room(plan: dict[str, Any], settings: ServedSettings,
     front processes (`infermux serve --fronts`; on a host of under four cores the server
     process itself) and their clients take cores from them: on the 2-core machine such a plan
     kept 0.48 of its offline figure over gRPC where a plan on one core kept 0.90. The fronts get
-    the first cores (as many as serve starts by default, `fronts.default_fronts`, or
+    the first cores (as many as serve starts by default, `units.cpu.default_fronts`, or
     `--served-fronts`; at least one, and one core is left to the workers), the replicas the rest,
     each keeping its engine, batch and options (instances at most one per core left). None
     where no replica runs on all the host's cores, the host has one core, or the plan has
     pipeline stages. Returns the plan and the unit the replicas moved to.
     """
-    from infermux.serve.fronts import default_fronts
+    from infermux.units.cpu import default_fronts
 
     if len(cores) < 2 or any("stages" in m for m in plan["models"]):
         return None

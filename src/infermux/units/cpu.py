@@ -7,7 +7,7 @@ import platform
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ISA_FLAGS", "read_cpu_info", "split_cores"]
+__all__ = ["ISA_FLAGS", "MAX_DEFAULT_FRONTS", "default_fronts", "read_cpu_info", "split_cores"]
 
 #: Flags worth reporting: vector widths and matrix extensions that inference kernels use.
 ISA_FLAGS = (
@@ -62,3 +62,18 @@ def split_cores(cores: tuple[int, ...], parts: int) -> list[tuple[int, ...]]:
         out.append(cores[at:at + n])
         at += n
     return out
+
+
+#: Most front processes `infermux serve` starts by default (more did not help one runtime
+#: process).
+MAX_DEFAULT_FRONTS = 8
+
+
+def default_fronts(cores: int) -> int:
+    """Front processes `infermux serve` starts on a host of `cores` usable cores: half (at most 8).
+
+    The other half are the runtime process's (dispatcher, GPU worker threads, the gather
+    threads). Below four cores a separate front would take a core the runtime needs: 1, the
+    fronts run in the server process as before.
+    """
+    return 1 if cores < 4 else min(MAX_DEFAULT_FRONTS, cores // 2)
