@@ -105,6 +105,7 @@ def test_a_plan_on_every_core_is_given_a_twin_that_leaves_the_fronts_their_cores
     assert front_room(plan, ServedSettings(fronts=2), list(range(16)))[1] == "cpu:2-15"
     assert front_room(plan, ServedSettings(fronts=3), [0, 1, 2, 5, 6])[1] == "cpu:5-6"
     assert front_room(plan, ServedSettings(fronts=8), [0, 1])[1] == "cpu:1"  # one left at least
+    assert front_room(plan, ServedSettings(fronts=0), list(range(16)))[1] == "cpu:1-15"
     assert front_room(plan, ServedSettings(), [0]) is None
     on_cores = {"name": "q", "models": [{"name": "a", "model": "m", "replicas": [
         {"unit": "cpu:1", "engine": "torch", "batch": 1}]}]}
@@ -183,6 +184,8 @@ def test_a_plan_that_cannot_be_served_gets_a_reason_not_a_traceback():
     (["--served", "grpc"], "--scenario server --p99"),
     (["--scenario", "server", "--p99", "10ms", "--served", "udp"], "--served 'udp' unknown"),
     (["--perf-analyzer", "/bin/true"], "add --served grpc"),
+    (["--scenario", "server", "--p99", "10ms", "--served", "grpc", "--served-max-concurrency",
+      "0"], "--served-max-concurrency 0 must be at least 1"),
     (["--scenario", "server", "--p99", "10ms", "--served", "grpc", "--perf-analyzer",
       "/no/such/pa"], "is not an executable"),
 ])

@@ -51,6 +51,7 @@ def tune_command(
     served: Annotated[str, typer.Option("--served", help="Server scenario: serve the plans of the best runtime peaks with `infermux serve` and write the one clients get the most from within --p99, driven over grpc or http (closed-loop concurrency sweep); none: the runtime's peak decides.")] = "none",
     served_front: Annotated[str, typer.Option("--served-front", help="With --served: serve's --front (own or triton).")] = "own",
     served_fronts: Annotated[int | None, typer.Option("--served-fronts", help="With --served: serve's --fronts (default: serve's).")] = None,
+    served_max_concurrency: Annotated[int, typer.Option("--served-max-concurrency", help="With --served: the highest concurrency the sweep may reach.")] = 512,
     served_seconds: Annotated[float, typer.Option("--served-seconds", help="With --served: measured seconds per concurrency level (after 1 s of warm-up).")] = 3.0,
     served_shared_memory: Annotated[str, typer.Option("--served-shared-memory", help="With --served and --perf-analyzer: perf_analyzer's --shared-memory (none, system or cuda).")] = "none",
     perf_analyzer: Annotated[str | None, typer.Option("--perf-analyzer", help="With --served: Triton's perf_analyzer (its path) as the client instead of the built-in one (a Python client may bound rates of tens of thousands of requests/s).")] = None,
@@ -75,6 +76,7 @@ def tune_command(
 
     if served.strip().lower() == "none" and (perf_analyzer or served_fronts is not None
                                              or served_front != "own"
+                                             or served_max_concurrency != 512
                                              or served_shared_memory != "none"):
         from infermux.errors import UsageError
 
@@ -99,7 +101,8 @@ def tune_command(
         peak_min_queries=peak_trial_queries,
         served=None if served.strip().lower() == "none" else ServedSettings(
             protocol=served.strip().lower(), front=served_front, fronts=served_fronts,
-            seconds=served_seconds, perf_analyzer=perf_analyzer,
+            seconds=served_seconds, max_concurrency=served_max_concurrency,
+            perf_analyzer=perf_analyzer,
             shared_memory=served_shared_memory))
     path = out_file or f"tuned-{'-'.join(model_name(m) for m in model)}.yaml"
     store = open_store(db)

@@ -151,7 +151,7 @@ def front_room(plan: dict[str, Any], settings: ServedSettings,
 
     if len(cores) < 2 or any("stages" in m for m in plan["models"]):
         return None
-    fronts = settings.fronts if settings.fronts else default_fronts(len(cores))
+    fronts = max(1, settings.fronts) if settings.fronts is not None else default_fronts(len(cores))
     rest = sorted(cores)[max(1, min(fronts, len(cores) - 1)):]
     unit = f"cpu:{_core_text(rest)}"
     moved = False
