@@ -61,6 +61,8 @@ __all__ = ["FrontHub", "default_fronts", "reuse_port_socket"]  # default_fronts:
 _START_TIMEOUT_S = 120.0
 #: Share of /dev/shm's free space the fronts' slabs may take.
 _SHM_SHARE = 0.5
+
+
 def reuse_port_socket(host: str, port: int, *, listen: bool) -> socket.socket:
     """A TCP socket bound with SO_REUSEPORT (listening if asked), so processes share the port."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
