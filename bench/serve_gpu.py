@@ -24,8 +24,6 @@ peaks shortest latency first: b32 x4, the same offline rate with four workers ta
 from __future__ import annotations
 
 import argparse
-import contextlib
-import csv
 import importlib.util
 import json
 import os
@@ -39,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from infermux.load.v2client import perf_analyzer_figures as pa_figures
 from serve_cpu import ENV, INFERMUX, VENV_BIN
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -179,29 +178,6 @@ def stop_server(proc: subprocess.Popen[str]) -> dict[str, Any]:
         summary = {}
     return {"exit_code": proc.returncode, "status": summary.get("status"),
             "front_restarts": summary.get("front_restarts"), "summary": summary}
-
-
-def pa_figures(csv_file: Path) -> dict[str, Any]:
-    """perf_analyzer's CSV row: requests/s, p50 and p99, and where a request's time went.
-
-    The split (µs, perf_analyzer's averages): the server's queue and compute (from its
-    statistics), and the rest (`outside_us`): protocol, fronts, link, runtime process.
-    """
-    with csv_file.open() as f:
-        data = next(csv.DictReader(f))
-    row: dict[str, Any] = {"requests_per_s": float(data["Inferences/Second"]),
-                           "p50_ms": float(data["p50 latency"]) / 1e3,
-                           "p99_ms": float(data["p99 latency"]) / 1e3}
-    with contextlib.suppress(KeyError, ValueError):
-        server = {k: float(data[f"Server {k.title()}"]) for k in
-                  ("queue", "compute input", "compute infer", "compute output")}
-        outside = float(data["Network+Server Send/Recv"])
-        client = float(data["Client Send"]) + float(data["Client Recv"])
-        row.update(avg_us=round(client + outside + sum(server.values()), 1),
-                   server_queue_us=server["queue"],
-                   server_compute_us=round(sum(server.values()) - server["queue"], 1),
-                   outside_us=outside)
-    return row
 
 
 def perf_analyzer(exe: str, url: str, protocol: str, model: str, concurrency: int,

@@ -65,6 +65,17 @@ def test_the_sweep_stops_where_more_streams_only_queue_and_says_why_none_held():
     assert closed_loop_peak(refusing, 15.0)["peak_rps"] is None  # refusals do not count
 
 
+def test_perf_analyzer_s_csv_row_gives_the_rate_the_tail_and_the_server_s_split():
+    # Captured from perf_analyzer 2.48 (`-f`) against `infermux serve`, gRPC, concurrency 2.
+    from infermux.load.v2client import perf_analyzer_figures
+
+    row = perf_analyzer_figures(Path(__file__).parent / "fixtures" / "perf_analyzer" /
+                                "grpc_c2.csv")
+    assert row == {"requests_per_s": 1299.74, "p50_ms": 1.531, "p99_ms": 2.172,
+                   "avg_us": 1532.0, "server_queue_us": 241.0, "server_compute_us": 539.0,
+                   "outside_us": 750.0}
+
+
 def test_requests_carry_every_input_cut_to_its_drawn_length():
     io = IOSpec(inputs=(TensorSpec("ids", "int64", ("seq",), "ids", 100),
                         TensorSpec("mask", "int64", ("seq",), "ones"),
@@ -79,9 +90,8 @@ def test_requests_carry_every_input_cut_to_its_drawn_length():
         assert scale.datatype == "FP32" and scale.array.shape == (1, 3)
     fixed = served_requests(io, "m", {"seq_buckets": [16, 32]}, None, count=4)
     assert {r[0].array.shape for r in fixed} == {(1, 32)}  # the longest bucket without lengths
-    two = requests_from_samples(["x"], [np.arange(12, dtype=np.float32).reshape(6, 2)], items=2)
-    assert [r[0].array.tolist() for r in two] == [[[0, 1], [2, 3]], [[4, 5], [6, 7]],
-                                                   [[8, 9], [10, 11]]]
+    three = requests_from_samples(["x"], [np.arange(6, dtype=np.float32).reshape(3, 2)])
+    assert [r[0].array.tolist() for r in three] == [[[0, 1]], [[2, 3]], [[4, 5]]]
 
 
 def test_a_plan_on_every_core_is_given_a_twin_that_leaves_the_fronts_their_cores():

@@ -16,18 +16,21 @@ perf_analyzer's concurrency sweeps give: it is what `infermux tune --served` ran
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import csv
 import itertools
 import json
 import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 __all__ = ["GrpcClient", "HttpClient", "LevelResult", "V2Tensor", "closed_loop_peak",
-           "requests_from_samples", "run_level", "v2_datatype"]
+           "perf_analyzer_figures", "requests_from_samples", "run_level", "v2_datatype"]
 
 #: numpy dtype name → the v2 protocol's datatype.
 _V2 = {"float32": "FP32", "float16": "FP16", "float64": "FP64", "int64": "INT64",
@@ -59,30 +62,25 @@ class V2Tensor:
 def requests_from_samples(names: Sequence[str], arrays: Sequence[np.ndarray],
                           lengths: np.ndarray | None = None,
                           dynamic_axes: Sequence[Sequence[int]] | None = None,
-                          items: int = 1) -> list[list[V2Tensor]]:
-    """Requests of `items` samples each from per-input sample arrays (`IOSamples`' layout).
+                          ) -> list[list[V2Tensor]]:
+    """One single-item request per sample, from per-input sample arrays (`IOSamples`' layout).
 
     `arrays[i]` holds input i's samples, `(count, ...)`. With `lengths`, sample s is cut to its
     own length along each of input i's `dynamic_axes[i]` (axes of one item, 1-based as in the
-    batch array), so a server sees requests of the lengths a client sends, unpadded; samples
-    of one request share the first one's length.
+    batch array), so a server sees requests of the lengths a client sends, unpadded.
     """
-    count = len(arrays[0])
     out: list[list[V2Tensor]] = []
-    for first in range(0, count - items + 1, items):
-        picked = slice(first, first + items)
+    for s in range(len(arrays[0])):
         tensors = []
         for i, (name, array) in enumerate(zip(names, arrays, strict=True)):
-            part = array[picked]
+            part = array[s:s + 1]
             if lengths is not None and dynamic_axes is not None:
                 cut = [slice(None)] * part.ndim
                 for axis in dynamic_axes[i]:
-                    cut[axis] = slice(0, int(lengths[first]))
+                    cut[axis] = slice(0, int(lengths[s]))
                 part = part[tuple(cut)]
             tensors.append(V2Tensor(name, np.ascontiguousarray(part)))
         out.append(tensors)
-    if not out:
-        raise ValueError(f"{count} samples make no request of {items} items")
     return out
 
 
@@ -400,3 +398,26 @@ def closed_loop_peak(measure: Callable[[int], dict[str, Any]], bound_ms: float, 
         return {**out, "peak_rps": None, "concurrency": None, "p99_ms": None, "reason": why}
     return {**out, "peak_rps": good["throughput_rps"], "concurrency": good["concurrency"],
             "p99_ms": good["p99_ms"], "reason": None}
+
+
+def perf_analyzer_figures(csv_file: Path) -> dict[str, Any]:
+    """perf_analyzer's CSV row (`-f FILE`): requests/s, p50 and p99, and where time went.
+
+    The split (µs, perf_analyzer's averages, where the server reports statistics): the server's
+    queue and compute, and the rest (`outside_us`): protocol, fronts, link, runtime process.
+    """
+    with Path(csv_file).open() as f:
+        data = next(csv.DictReader(f))
+    row: dict[str, Any] = {"requests_per_s": float(data["Inferences/Second"]),
+                           "p50_ms": float(data["p50 latency"]) / 1e3,
+                           "p99_ms": float(data["p99 latency"]) / 1e3}
+    with contextlib.suppress(KeyError, ValueError):
+        server = {k: float(data[f"Server {k.title()}"]) for k in
+                  ("queue", "compute input", "compute infer", "compute output")}
+        outside = float(data["Network+Server Send/Recv"])
+        client = float(data["Client Send"]) + float(data["Client Recv"])
+        row.update(avg_us=round(client + outside + sum(server.values()), 1),
+                   server_queue_us=server["queue"],
+                   server_compute_us=round(sum(server.values()) - server["queue"], 1),
+                   outside_us=outside)
+    return row

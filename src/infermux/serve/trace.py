@@ -22,7 +22,7 @@ import glob
 import itertools
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -98,7 +98,6 @@ def summarize(path: str, window_ns: tuple[int, int] | None = None) -> dict[str, 
     Behind Triton's front, `path.triton` (Triton's own trace) is summarized apart (`triton`).
     `window_ns`: only the requests whose first stage falls in [begin, end) (clock ns).
     """
-    triton_path = f"{path}.{TRITON_SUFFIX}"
     runtime = _records([path] if os.path.exists(path) else [])
     front = _records(p for p in glob.glob(glob.escape(path) + ".*") if p[len(path) + 1:].isdigit())
     joined: dict[tuple[int, int], dict[str, int]] = {}
@@ -114,53 +113,33 @@ def summarize(path: str, window_ns: tuple[int, int] | None = None) -> dict[str, 
         key = (r["front"], r["id"])
         if key in joined:
             joined[key].update({k: v for k, v in r.items() if k in STAGES})
-    gaps: dict[str, list[float]] = {}
-    totals: list[float] = []
+    kept, timing = _gap_summary(joined.items(), STAGES, window_ns)
     by_bucket: dict[int, tuple[list[int], list[float], list[float]]] = {}
     paths: dict[str, int] = {}
-    kept = 0
-    for key, stamps in joined.items():
-        have = [s for s in STAGES if s in stamps]
-        if not have or (window_ns is not None
-                        and not window_ns[0] <= stamps[have[0]] < window_ns[1]):
-            continue
-        kept += 1
+    for key in kept:
         if key in batches:
-            bucket, items, device_ns, path, idle_ns = batches[key]
+            bucket, items, device_ns, gather_path, idle_ns = batches[key]
             sizes, device, idle = by_bucket.setdefault(bucket, ([], [], []))
             sizes.append(items)
             if device_ns:
                 device.append(device_ns / 1e6)
             idle.append(idle_ns / 1e6)
-            if path:
-                paths[path] = paths.get(path, 0) + 1
-        for a, b in itertools.pairwise(have):
-            gaps.setdefault(f"{a}->{b}", []).append((stamps[b] - stamps[a]) / 1e6)
-        if len(have) > 1:
-            totals.append((stamps[have[-1]] - stamps[have[0]]) / 1e6)
-    order = {f"{a}->{b}": (STAGES.index(a), STAGES.index(b)) for a in STAGES for b in STAGES}
-
-    def stats(values: list[float]) -> dict[str, float]:
-        arr = np.asarray(values)
-        return {"p50_ms": round(float(np.percentile(arr, 50)), 4),
-                "p99_ms": round(float(np.percentile(arr, 99)), 4),
-                "mean_ms": round(float(arr.mean()), 4), "count": len(values)}
-
+            if gather_path:
+                paths[gather_path] = paths.get(gather_path, 0) + 1
     return {
-        "requests": kept,
-        "total": stats(totals) if totals else None,
-        "gaps": {name: stats(gaps[name]) for name in sorted(gaps, key=order.__getitem__)},
+        **timing,
         # The traced requests' batches by bucket (a batch counted once per traced request in
         # it): their items, their time on the device as the runner timed it, and how long the
         # worker's device had nothing of its own to run while the batch's first item waited.
         "batches": {bucket: {"requests": len(sizes), "mean_items": round(float(np.mean(sizes)), 1),
-                             "device": stats(device) if device else None,
-                             "idle_before": stats(idle)}
+                             "device": _stats(device) if device else None,
+                             "idle_before": _stats(idle)}
                     for bucket, (sizes, device, idle) in sorted(by_bucket.items())},
         # Where those batches' gathers ran (a pipelined GPU worker's: `Batch.gather_path`).
         "gather_paths": paths,
         # Behind Triton's front: its own trace of the requests it sampled.
-        **({"triton": triton} if (triton := _triton(triton_path, window_ns, stats)) else {}),
+        **({"triton": triton} if (triton := _triton(f"{path}.{TRITON_SUFFIX}", window_ns))
+           else {}),
     }
 
 
@@ -172,8 +151,7 @@ TRITON_STAGES = ("HTTP_RECV_START", "HTTP_RECV_END", "GRPC_WAITREAD_START", "GRP
                  "HTTP_SEND_END")
 
 
-def _triton(path: str, window_ns: tuple[int, int] | None,
-            stats: Any) -> dict[str, Any] | None:
+def _triton(path: str, window_ns: tuple[int, int] | None) -> dict[str, Any] | None:
     """p50/p99 of the gaps between Triton's stages over its traced requests, or None.
 
     Triton's file is a JSON array of entries, each an `id` with its model or with some of its
@@ -194,22 +172,40 @@ def _triton(path: str, window_ns: tuple[int, int] | None,
         for t in entry.get("timestamps", ()):
             if t.get("name") in TRITON_STAGES:
                 stamps.setdefault(entry["id"], {})[t["name"]] = int(t["ns"])
+    kept, timing = _gap_summary(stamps.items(), TRITON_STAGES, window_ns, name=str.lower)
+    return {"path": path, **timing} if kept else None
+
+
+def _stats(values: list[float]) -> dict[str, float]:
+    arr = np.asarray(values)
+    return {"p50_ms": round(float(np.percentile(arr, 50)), 4),
+            "p99_ms": round(float(np.percentile(arr, 99)), 4),
+            "mean_ms": round(float(arr.mean()), 4), "count": len(values)}
+
+
+def _gap_summary(stamped: Iterable[tuple[Any, dict[str, int]]], stages: tuple[str, ...],
+                 window_ns: tuple[int, int] | None,
+                 name: Callable[[str], str] = str) -> tuple[list[Any], dict[str, Any]]:
+    """The keys of the requests kept, and their `requests`, `total` and `gaps`.
+
+    Over (key, stage → ns) records: each gap is `from->to` between consecutive stages a request
+    has (named by `name`, in `stages` order). A request is kept when it has a stage and, with
+    `window_ns`, when its first stage falls in [begin, end).
+    """
     gaps: dict[str, list[float]] = {}
     totals: list[float] = []
-    kept = 0
-    for marks in stamps.values():
-        have = [s for s in TRITON_STAGES if s in marks]
+    kept = []
+    for key, marks in stamped:
+        have = [s for s in stages if s in marks]
         if not have or (window_ns is not None
                         and not window_ns[0] <= marks[have[0]] < window_ns[1]):
             continue
-        kept += 1
+        kept.append(key)
         for a, b in itertools.pairwise(have):
-            gaps.setdefault(f"{a.lower()}->{b.lower()}", []).append((marks[b] - marks[a]) / 1e6)
+            gaps.setdefault(f"{name(a)}->{name(b)}", []).append((marks[b] - marks[a]) / 1e6)
         if len(have) > 1:
             totals.append((marks[have[-1]] - marks[have[0]]) / 1e6)
-    if not kept:
-        return None
-    order = {f"{a.lower()}->{b.lower()}": (i, j) for i, a in enumerate(TRITON_STAGES)
-             for j, b in enumerate(TRITON_STAGES)}
-    return {"path": path, "requests": kept, "total": stats(totals) if totals else None,
-            "gaps": {name: stats(gaps[name]) for name in sorted(gaps, key=order.__getitem__)}}
+    order = {f"{name(a)}->{name(b)}": (i, j) for i, a in enumerate(stages)
+             for j, b in enumerate(stages)}
+    return kept, {"requests": len(kept), "total": _stats(totals) if totals else None,
+                  "gaps": {g: _stats(gaps[g]) for g in sorted(gaps, key=order.__getitem__)}}

@@ -357,9 +357,9 @@ def run_tune(
         if request.scenario == "server":
             # Server plans are chosen by their measured peak, each a find-peak through the runtime.
             share += SERVER_BUDGET_SHARE
-        served_s = SERVED_BUDGET_SHARE * request.budget_s if request.served is not None else 0.0
-        if request.served is not None:
-            share += SERVED_BUDGET_SHARE
+        # `--served`: the budget's last share serves the best plans (`_choose_by_served_peak`).
+        served_share = SERVED_BUDGET_SHARE if request.served is not None else 0.0
+        share += served_share
         settings = TuneSettings(objective=request.objective,
                                 budget_s=max(1.0, (request.budget_s - setup_s) * (1 - share)),
                                 seed=request.seed, fine_tune=request.fine_tune,
@@ -383,7 +383,7 @@ def run_tune(
                     report.pipelines_note = piped
                 if request.scenario == "server":
                     _choose_by_server_peak(report, evaluator, request,
-                                           deadline=started + request.budget_s - served_s,
+                                           deadline=started + request.budget_s * (1 - served_share),
                                            progress=measure_progress)
                 if request.served is not None and report.server_peaks:
                     _choose_by_served_peak(report, evaluator, request, loaded,

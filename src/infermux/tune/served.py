@@ -16,7 +16,6 @@ throughput within the p99 bound is highest is written.
 from __future__ import annotations
 
 import asyncio
-import csv
 import json
 import os
 import shutil
@@ -40,6 +39,7 @@ from infermux.load.v2client import (
     HttpClient,
     V2Tensor,
     closed_loop_peak,
+    perf_analyzer_figures,
     requests_from_samples,
     run_level,
 )
@@ -332,11 +332,9 @@ def _perf_analyzer_level(settings: ServedSettings, host: str, port: int, model: 
         tail = (done.stdout + done.stderr).strip().splitlines()[-2:]
         row["first_error"] = "perf_analyzer: " + " / ".join(tail)
         return row
-    with csv_file.open() as f:
-        first = next(csv.DictReader(f))
-    rps = float(first["Inferences/Second"])
-    row.update(throughput_rps=rps, ok=max(1, round(rps * settings.seconds)),
-               p50_ms=float(first["p50 latency"]) / 1e3, p99_ms=float(first["p99 latency"]) / 1e3)
+    figures = perf_analyzer_figures(csv_file)
+    rps = figures.pop("requests_per_s")
+    row.update(figures, throughput_rps=rps, ok=max(1, round(rps * settings.seconds)))
     return row
 
 
