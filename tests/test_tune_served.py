@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from infermux.iospec import IOSpec, TensorSpec
-from infermux.load.v2client import closed_loop_peak, requests_from_samples
+from infermux.load.v2client import V2Tensor, closed_loop_peak, requests_from_samples
 from infermux.tune.served import (
     ServedSettings,
     front_room,
@@ -269,3 +269,50 @@ def test_perf_analyzer_drives_the_sweep_with_the_requests_written_for_it(shared_
     assert peak["peak_rps"] and peak["peak_rps"] > 0, (peak["reason"], peak["levels"])
     assert [lv["concurrency"] for lv in peak["levels"]][:2] == [1, 2]
     assert all(lv["errors"] == 0 for lv in peak["levels"])
+
+
+def test_perf_analyzer_data_carries_each_tensor_s_bytes_whatever_its_datatype(tmp_path) -> None:
+    """FP16 values go as base64 of their bytes (perf_analyzer refuses a content list for FP16)."""
+    import base64
+    import json
+
+    from infermux.tune.served import _perf_analyzer_data
+
+    rng = np.random.default_rng(0)
+    image = rng.standard_normal((1, 3, 8, 8)).astype(np.float16)
+    ids = rng.integers(0, 1000, (1, 16)).astype(np.int64)
+    data = json.loads(_perf_analyzer_data(
+        [[V2Tensor("input", image)], [V2Tensor("input", image)]], tmp_path).read_text())["data"]
+    assert len(data) == 1 and data[0]["input"]["shape"] == [3, 8, 8]  # one shape: one request
+    got = np.frombuffer(base64.b64decode(data[0]["input"]["b64"]), np.float16)
+    np.testing.assert_array_equal(got.reshape(3, 8, 8), image[0])
+    two = json.loads(_perf_analyzer_data(
+        [[V2Tensor("ids", ids[:, :n])] for n in (8, 16)], tmp_path).read_text())["data"]
+    assert [d["ids"]["shape"] for d in two] == [[8], [16]]
+    np.testing.assert_array_equal(np.frombuffer(base64.b64decode(two[1]["ids"]["b64"]), np.int64),
+                                  ids[0])
+
+
+def test_requests_go_in_the_datatypes_the_server_states(tiny_bert, tmp_path) -> None:
+    """The served model's metadata names each input's datatype; requests are cast to it."""
+    from infermux.load.v2client import as_datatypes, model_datatypes
+    from infermux.models import ModelSpec, load_model
+    from infermux.tune.served import serving
+
+    plan = {"name": "bert", "models": [{"name": "bert", "model": tiny_bert, "seq_buckets": [16],
+                                         "replicas": [{"unit": "cpu", "engine": "torch",
+                                                       "batch": 2}]}],
+            "dispatcher": {"cpu_workers": "thread"}}
+    io = load_model(ModelSpec(tiny_bert)).spec_io
+    with serving(plan, ServedSettings(protocol="http", fronts=1), tmp_path) as ready:
+        stated = model_datatypes(ready["host"], ready["http_port"], "bert")
+    assert stated == {t.name: {"int64": "INT64", "float32": "FP32"}[t.dtype] for t in io.inputs}
+    # An fp16 plan's server states FP16 (the CUDA units): its requests carry half the bytes.
+    image = V2Tensor("input", np.linspace(-1, 1, 48, dtype=np.float32).reshape(1, 3, 4, 4))
+    ids = V2Tensor("ids", np.arange(4, dtype=np.int64).reshape(1, 4))
+    [[half, same]] = as_datatypes([[image, ids]], {"input": "FP16", "ids": "INT64"})
+    assert half.datatype == "FP16" and half.array.nbytes == image.array.nbytes // 2
+    np.testing.assert_allclose(half.array, image.array, atol=1e-3)
+    assert same.array is ids.array
+    [[kept]] = as_datatypes([[image]], {"input": "BF16"})  # numpy has no BF16: left as it is
+    assert kept.array is image.array

@@ -114,7 +114,9 @@ def test_the_child_holds_the_next_batch_before_it_ends_the_last() -> None:
             spans = [end - start for _, start, end, _ in run.batches]
             # Counting a batch from when it was sent would double it (it waited behind one).
             assert np.median(spans) < 1.5 * np.median(child), (spans, child)
-            assert DELAY_NS <= estimate < 1.5 * np.median(child)
+            # The estimate follows the child's own times (a stall of the machine moves both),
+            # never the doubled span from the send.
+            assert DELAY_NS <= estimate <= 1.1 * max(child), (estimate, child)
     assert stats[1]["batches"] >= 12 and stats[1]["waiting"] == 0
     # 11 batches can wait (not the first); on a loaded machine a late send may miss a few.
     assert stats[2]["waiting"] >= 8, stats

@@ -29,8 +29,9 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["GrpcClient", "HttpClient", "LevelResult", "V2Tensor", "closed_loop_peak",
-           "perf_analyzer_figures", "requests_from_samples", "run_level", "v2_datatype"]
+__all__ = ["GrpcClient", "HttpClient", "LevelResult", "V2Tensor", "as_datatypes",
+           "closed_loop_peak", "model_datatypes", "perf_analyzer_figures", "requests_from_samples",
+           "run_level", "v2_datatype"]
 
 #: numpy dtype name → the v2 protocol's datatype.
 _V2 = {"float32": "FP32", "float16": "FP16", "float64": "FP64", "int64": "INT64",
@@ -44,6 +45,29 @@ def v2_datatype(array: np.ndarray) -> str:
     except KeyError:
         raise ValueError(f"dtype {array.dtype.name} has no v2 datatype here: use one of "
                          f"{', '.join(_V2)}") from None
+
+
+def model_datatypes(host: str, http_port: int, model: str, timeout_s: float = 10.0,
+                    ) -> dict[str, str]:
+    """Each input's datatype as the server's model metadata states it (`GET /v2/models/M`)."""
+    import urllib.request
+
+    url = f"http://{host}:{http_port}/v2/models/{model}"
+    with urllib.request.urlopen(url, timeout=timeout_s) as answer:
+        meta = json.loads(answer.read())
+    return {t["name"]: t["datatype"] for t in meta.get("inputs", [])}
+
+
+def as_datatypes(requests: Sequence[Sequence[V2Tensor]], datatypes: dict[str, str],
+                 ) -> list[list[V2Tensor]]:
+    """The requests with each tensor cast to the datatype the server states for its input.
+
+    A client must send what the model takes (an fp16 plan's server takes FP16: half the bytes);
+    a datatype numpy has no dtype for (BF16) leaves the tensor as it is.
+    """
+    dtypes = {v: np.dtype(k) for k, v in _V2.items()}
+    return [[V2Tensor(t.name, t.array.astype(dtypes[datatypes[t.name]], copy=False))
+             if datatypes.get(t.name) in dtypes else t for t in tensors] for tensors in requests]
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,8 @@ throughput within the p99 bound is highest is written.
 from __future__ import annotations
 
 import asyncio
+import base64
+import contextlib
 import json
 import os
 import shutil
@@ -38,7 +40,9 @@ from infermux.load.v2client import (
     GrpcClient,
     HttpClient,
     V2Tensor,
+    as_datatypes,
     closed_loop_peak,
+    model_datatypes,
     perf_analyzer_figures,
     requests_from_samples,
     run_level,
@@ -264,6 +268,10 @@ def served_peak(plan: dict[str, Any], requests: list[list[V2Tensor]], bound_ms: 
             with serving(plan, settings, workdir) as ready:
                 host = ready["host"]
                 port = ready[f"{settings.protocol}_port"]
+                with contextlib.suppress(OSError, ValueError, KeyError):
+                    # The datatypes the server states (FP16 for an fp16 plan), where it says.
+                    requests = as_datatypes(requests, model_datatypes(
+                        host, ready["http_port"], model))
                 if settings.perf_analyzer is not None:
                     data = _perf_analyzer_data(requests, workdir)
 
@@ -301,10 +309,15 @@ PA_REQUESTS = 16
 
 
 def _perf_analyzer_data(requests: list[list[V2Tensor]], workdir: Path) -> Path:
-    """perf_analyzer's `--input-data` JSON: each request's tensors with their shapes."""
+    """perf_analyzer's `--input-data` JSON: each request's tensors with their shapes.
+
+    The values go as base64 of their bytes (`b64`): exact for every datatype, and perf_analyzer
+    takes no `content` list for FP16 or BF16 inputs ("Can not use explicit tensor description").
+    """
     shapes = {tuple(t.array.shape for t in tensors) for tensors in requests}
     kept = requests[:PA_REQUESTS] if len(shapes) > 1 else requests[:1]
-    data = [{t.name: {"content": t.array[0].reshape(-1).tolist(),
+    data = [{t.name: {"b64": base64.b64encode(np.ascontiguousarray(t.array[0]).tobytes())
+                      .decode("ascii"),
                       "shape": list(t.array.shape[1:])} for t in tensors}
             for tensors in kept]
     path = workdir / "input-data.json"
