@@ -20,7 +20,6 @@ infermux throughput whose p99 is no higher (same client, same protocol).
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import shutil
@@ -31,6 +30,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from infermux.load.v2client import perf_analyzer_figures
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
@@ -86,10 +87,9 @@ def perf_analyzer(url: str, protocol: str, concurrency: int, csv_file: Path,
         print(f"  perf_analyzer {protocol} c{concurrency} failed: {done.stdout[-300:]}",
               file=sys.stderr)
         return None
-    with csv_file.open() as f:
-        row = next(csv.DictReader(f))
-    return {"command": " ".join(cmd), "throughput": float(row["Inferences/Second"]),
-            "p50_ms": float(row["p50 latency"]) / 1e3, "p99_ms": float(row["p99 latency"]) / 1e3}
+    row = perf_analyzer_figures(csv_file)
+    return {"command": " ".join(cmd), "throughput": row["requests_per_s"],
+            "p50_ms": row["p50_ms"], "p99_ms": row["p99_ms"]}
 
 
 def load_client(url: str, protocol: str, concurrency: int, duration: float) -> dict[str, Any]:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import csv
 import importlib.util
 import json
 import os
@@ -35,6 +34,8 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+
+from infermux.load.v2client import perf_analyzer_figures
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -139,9 +140,8 @@ def measure_pa(host: str, port: int, protocol: str, concurrency: int, items: int
         print(f"  perf_analyzer {protocol} c{concurrency} did not settle: "
               f"{done.stdout.strip().splitlines()[-1:]}", file=sys.stderr)
         return None
-    with csv_file.open() as f:
-        row = next(csv.DictReader(f))
-    ips = float(row["Inferences/Second"])
+    row = perf_analyzer_figures(csv_file)
+    ips = row["requests_per_s"]
     return {"protocol": protocol, "dtype": "FP32", "concurrency": concurrency,
             "requests_per_s": ips / items, "items_per_s": ips,
             "input_mb_per_s": ips * 3 * 224 * 224 * 4 / 1e6,

@@ -52,7 +52,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import csv
 import json
 import os
 import random
@@ -68,6 +67,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from infermux.load.v2client import perf_analyzer_figures
 
 ROOT = Path(__file__).resolve().parents[1]
 INFERMUX = [sys.executable, "-m", "infermux"]
@@ -128,10 +129,8 @@ def perf_analyzer(exe: str, url: str, model: str, csv_file: Path, *, concurrency
     if not row["ok"]:
         row["error"] = done.stdout[-500:] + done.stderr[-500:]
         return row
-    with csv_file.open() as f:
-        data = next(csv.DictReader(f))
-    row.update(throughput_rps=float(data["Inferences/Second"]),
-               p99_ms=float(data["p99 latency"]) / 1e3, p50_ms=float(data["p50 latency"]) / 1e3)
+    data = perf_analyzer_figures(csv_file)
+    row.update(throughput_rps=data["requests_per_s"], p99_ms=data["p99_ms"], p50_ms=data["p50_ms"])
     return row
 
 

@@ -44,6 +44,7 @@ from serve_cpu import ENV, ROOT, VENV_BIN
 from serve_gpu import cpu_s, ensure_serve_extra, perf_analyzer_env, plans, start_server, stop_server
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from infermux.load.v2client import perf_analyzer_figures
 from infermux.serve.trace import summarize
 
 _DEFAULT_CASES = "resnet50:8:64,resnet50:8:256,digits:8:256"
@@ -105,7 +106,6 @@ def _stop(proc: subprocess.Popen[str]) -> dict[str, Any]:
 
 def _perf_analyzer(exe: str, port: int, model: str, concurrency: int, shm: str,
                    interval_ms: int, csv_file: Path) -> dict[str, Any]:
-    import csv
 
     cmd = [exe, "-m", model, "-u", f"127.0.0.1:{port}", "-i", "grpc", "-b", "1",
            "--concurrency-range", f"{concurrency}:{concurrency}",
@@ -120,10 +120,8 @@ def _perf_analyzer(exe: str, port: int, model: str, concurrency: int, shm: str,
     if done.returncode != 0 or not csv_file.exists():
         row["error"] = (done.stdout + done.stderr)[-400:]
         return row
-    with csv_file.open() as f:
-        data = next(csv.DictReader(f))
-    row.update(requests_per_s=float(data["Inferences/Second"]),
-               p50_ms=float(data["p50 latency"]) / 1e3, p99_ms=float(data["p99 latency"]) / 1e3)
+    data = perf_analyzer_figures(csv_file)
+    row.update(requests_per_s=data["requests_per_s"], p50_ms=data["p50_ms"], p99_ms=data["p99_ms"])
     return row
 
 
