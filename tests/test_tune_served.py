@@ -21,6 +21,7 @@ from infermux.tune.served import (
     serve_candidates,
     served_peak,
     served_requests,
+    served_words,
 )
 
 from .conftest import invoke_cli
@@ -160,6 +161,15 @@ def test_the_plan_that_serves_the_most_is_chosen_over_the_runtime_s_first():
                                deadline=time.monotonic() + 600)
     assert rows2[0]["served_peak_rps"] > 100.0
     assert choice2["written_row"] == 0 and "served_peak_rps" not in rows2[1]
+    assert served_words(rows2[1]).startswith("not served: its runtime peak is not above")
+    assert served_words({"plan": "no candidate"}) is None
+    # Past the served share of the budget only the first is served, and the rest say so.
+    rows3 = [{"plan": "b8 x2", "peak_qps": 800.0, "chosen": True},
+             {"plan": "b1 x1", "peak_qps": 900.0, "chosen": False}]
+    serve_candidates(rows3, plans[::-1], 0, requests, 60.0, settings,
+                     deadline=time.monotonic())
+    assert rows3[0]["served_peak_rps"] and "served_peak_rps" not in rows3[1]
+    assert served_words(rows3[1]) == "not served: the budget's share for serving was spent"
 
 
 def test_a_network_of_several_inputs_is_served_at_the_lengths_drawn(tiny_bert):

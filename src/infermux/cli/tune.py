@@ -154,9 +154,9 @@ def tune_command(
                       f" items/s, peak {num(row['peak_qps'])} qps"
                       + (f" ({frac:.0%} of offline)" if frac else "")
                       + (f" ({escape(str(row['reason']))})" if row["peak_qps"] is None and row["reason"] else ""))
-            if "served_peak_rps" in row and report.served is not None:
-                out.print(f"         served over {report.served['protocol']}: "
-                          f"{escape(served_words(row))}")
+            words = served_words(row)
+            if report.served is not None and words is not None:
+                out.print(f"         served over {report.served['protocol']}: {escape(words)}")
     if report.served is not None and report.served.get("reason"):
         out.print(f"[bold]served[/]: {escape(report.served['reason'])}")
     if report.hosting is not None:

@@ -985,8 +985,9 @@ def _plan_header(result: TuneResult, request: TuneRequest, pipelines: str | None
                                           f"none ({row['reason']})")
                      + (f" (round {row['hosting_round']})" if row.get("hosting_round") else "")
                      + (" (chosen)" if row["chosen"] else ""))
-        if "served_peak_rps" in row and served is not None:
-            lines.append(f"#   served over {served['protocol']}, closed loop: {served_words(row)}")
+        words = served_words(row)
+        if served is not None and words is not None:
+            lines.append(f"#   served over {served['protocol']}, closed loop: {words}")
     if served is not None and served.get("reason"):
         lines.append(f"# served: {served['reason']}")
     if hosting_choice is not None:

@@ -365,8 +365,9 @@ def serve_candidates(rows: list[dict[str, Any]], plans: list[dict[str, Any]],
     once may hold a bound the runtime's queue delay broke). The first is always served; the others
     until `deadline` (`time.monotonic()`), and only while their runtime peak is above the best
     served figure so far (a plan served through a front does not answer more than its runtime
-    alone). Each served row gets `served_peak_rps`, `served_concurrency`, `served_p99_ms`,
-    `served_reason`, `served_s`, `served_build_s` and its `served_levels`, in place. Returns
+    alone); a candidate left unserved gets `served_skipped`, the reason. Each served row gets
+    `served_peak_rps`, `served_concurrency`, `served_p99_ms`, `served_reason`, `served_s`,
+    `served_build_s` and its `served_levels`, in place. Returns
     `rows` (the candidates' indices, in order), `written_row` (the highest served, or None where
     none served within the bound) and the `reason`, in words.
     """
@@ -386,10 +387,14 @@ def serve_candidates(rows: list[dict[str, Any]], plans: list[dict[str, Any]],
     best: tuple[float, int] | None = None
     for n, i in enumerate(order):
         row = rows[i]
-        if n and not row.get("derived") and (
-                time.monotonic() >= deadline
-                or (best is not None and (row["peak_qps"] or 0.0) <= best[0])):
-            continue
+        if n and not row.get("derived"):
+            if time.monotonic() >= deadline:
+                row["served_skipped"] = "the budget's share for serving was spent"
+                continue
+            if best is not None and (row["peak_qps"] or 0.0) <= best[0]:
+                row["served_skipped"] = (f"its runtime peak is not above the best served "
+                                         f"figure, {best[0]:,.1f} requests/s")
+                continue
         _say(progress, f"serving {row['plan']}")
         began = time.monotonic()
         peak = served_peak(plans[i], requests, bound_ms, settings, progress)
@@ -418,8 +423,14 @@ def serve_candidates(rows: list[dict[str, Any]], plans: list[dict[str, Any]],
     return {"rows": order, "written_row": i, "reason": why}
 
 
-def served_words(row: dict[str, Any]) -> str:
-    """A served row's figure in words: requests/s, concurrency and p99, or none and why."""
+def served_words(row: dict[str, Any]) -> str | None:
+    """A served row's figure in words: requests/s, concurrency and p99, or none and why.
+
+    A candidate left unserved says why (`served_skipped`); a row that was no candidate, None.
+    """
+    if "served_peak_rps" not in row:
+        skipped = row.get("served_skipped")
+        return f"not served: {skipped}" if skipped else None
     rps = row.get("served_peak_rps")
     if rps is None:
         return f"none ({row.get('served_reason')})"
