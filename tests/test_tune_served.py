@@ -242,6 +242,7 @@ def test_tune_served_writes_the_served_winner_and_says_so(tmp_path):
     text = out.read_text()
     assert "#   served over http, closed loop: " in text and "# served: " in text
     assert yaml.safe_load(text) == report["plan"]
+    assert report["plan"]["serve"] == {"front": "own"}  # what it was served through
     # The plan on both cores is served beside a twin whose worker leaves core 0 to the front.
     twin = [r for r in rows if r.get("derived") == "front_room"]
     assert len(twin) == 1 and "on cpu:1, the other cores left to the fronts" in twin[0]["plan"]
@@ -326,3 +327,19 @@ def test_requests_go_in_the_datatypes_the_server_states(tiny_bert, tmp_path) -> 
     assert same.array is ids.array
     [[kept]] = as_datatypes([[image]], {"input": "BF16"})  # numpy has no BF16: left as it is
     assert kept.array is image.array
+
+
+def test_serve_takes_the_front_the_plan_was_tuned_with_unless_told(tmp_path) -> None:
+    """A plan's `serve` section (written by `tune --served`) sets serve's fronts by default."""
+    from infermux.errors import UsageError
+    from infermux.runtime import parse_plan
+    from infermux.tune.served import serving
+
+    plan = {**_plan(4, 1), "serve": {"front": "own", "fronts": 2}}
+    assert parse_plan(plan).serve.fronts == 2
+    with serving(plan, ServedSettings(protocol="http"), tmp_path) as ready:
+        assert ready["fronts"] == 2 and len(ready["front_pids"]) == 2
+    with serving(plan, ServedSettings(protocol="http", fronts=0), tmp_path) as ready:
+        assert ready["fronts"] == 1  # the command line wins
+    with pytest.raises(UsageError, match="serve.front"):
+        parse_plan({**plan, "serve": {"front": "nginx"}})

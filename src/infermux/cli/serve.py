@@ -43,8 +43,8 @@ def serve_command(
     api_key: Annotated[str | None, typer.Option("--api-key", help="Require `Authorization: Bearer KEY` (or env INFERMUX_API_KEY) on inference and /metrics; health probes stay open.")] = None,
     drain_timeout: Annotated[str, typer.Option("--drain-timeout", help="On SIGTERM/Ctrl-C, how long admitted requests may take to finish; also the longest an admitted request waits for a restarting worker (then 503).")] = "30s",
     telemetry: Annotated[str, typer.Option("--telemetry", help="Sampler period for the hardware metrics (e.g. 1s) or off.")] = "1s",
-    fronts: Annotated[int | None, typer.Option("--fronts", help="Front processes serving HTTP and gRPC on the same ports, tensors passed to the runtime process through shared memory (default: half the usable cores, at most 8; 0 or 1: in the server process).")] = None,
-    front: Annotated[str, typer.Option("--front", help="Who parses HTTP and gRPC: own (infermux's fronts, --fronts processes) or triton (Triton's C++ server, --fronts instances of each model forwarding its batches to the runtime; needs a Triton build: --triton-home, or pip install --no-deps nvidia-pytriton).")] = "own",
+    fronts: Annotated[int | None, typer.Option("--fronts", help="Front processes serving HTTP and gRPC on the same ports, tensors passed to the runtime process through shared memory (default: the plan's serve.fronts, else half the usable cores, at most 8; 0 or 1: in the server process).")] = None,
+    front: Annotated[str | None, typer.Option("--front", help="Who parses HTTP and gRPC: own (infermux's fronts, --fronts processes) or triton (Triton's C++ server, --fronts instances of each model forwarding its batches to the runtime; needs a Triton build: --triton-home, or pip install --no-deps nvidia-pytriton). Default: the plan's serve.front (tune --served writes it), else own.")] = None,
     triton_home: Annotated[str | None, typer.Option("--triton-home", help="With --front triton: a Triton build (a directory with bin/tritonserver and backends/python); default: $INFERMUX_TRITON_HOME, /opt/tritonserver, or the nvidia-pytriton wheel's.")] = None,
     triton_python_path: Annotated[str | None, typer.Option("--triton-python-path", help="With --front triton: folders (':'-separated) first on the model instances' import path, e.g. one with numpy<2 (pip install --target DIR 'numpy<2'): Triton's stubs are built for numpy 1, and under numpy 2 each tensor crosses by DLPack, which costs more.")] = None,
     triton_backend: Annotated[str, typer.Option("--triton-backend", help="With --front triton: the model instances' backend: native (infermux's C backend, built here with cc: several batches in flight per instance, no Python per request), python (Triton's Python-backend stubs), or auto (native where every model has one FP32/FP16 input and fixed outputs, and cc builds it).")] = "auto",
@@ -77,6 +77,9 @@ def serve_command(
     else:
         plan = load_plan(plan_file)
         plan_name = plan.name
+        if plan.serve is not None:  # how `tune --served` measured it, unless the line says
+            front = front or plan.serve.front
+            fronts = plan.serve.fronts if fronts is None else fronts
     why = _missing_extra()
     if why is not None:
         raise UsageError(why)
@@ -91,7 +94,7 @@ def serve_command(
         api_key=api_key or os.environ.get("INFERMUX_API_KEY") or None,
         drain_timeout_s=parse_duration_s(drain_timeout, name="--drain-timeout"),
         telemetry_interval_s=interval, fronts=fronts, trace_requests=trace_requests,
-        trace_path=trace_file, front=front, triton_home=triton_home,
+        trace_path=trace_file, front=front or "own", triton_home=triton_home,
         triton_python_path=triton_python_path, triton_backend=triton_backend, loop=loop,
         connection_age_s=0.0 if connection_age.strip().lower() in ("0", "off") else
         parse_duration_s(connection_age, name="--connection-age"))

@@ -30,6 +30,7 @@ __all__ = [
     "ModelEntry",
     "Plan",
     "Replica",
+    "ServeDefaults",
     "Stage",
     "fine_buckets",
     "load_plan",
@@ -278,6 +279,19 @@ class DispatcherSettings(_Strict):
     gpu_take: Literal["early", "just_in_time"] = "just_in_time"
 
 
+class ServeDefaults(_Strict):
+    """How `infermux serve` serves the plan where its command line does not say.
+
+    `tune --served` writes the front and the front count it served the written plan through,
+    so `infermux serve PLAN` serves it as it was measured; `--front` and `--fronts` override.
+    """
+
+    #: `own`: infermux's fronts; `triton`: Triton's server as the front (needs a Triton build).
+    front: Literal["own", "triton"] = "own"
+    #: Front processes (`own`) or model instances (`triton`); None: serve's default for the host.
+    fronts: int | None = Field(None, ge=0, le=64)
+
+
 class MixPhase(_Strict):
     """From `at_s` seconds on, queries go to models in these proportions."""
 
@@ -370,6 +384,8 @@ class Plan(_Strict):
     #: set to measure the contention the papers measured; recorded with every run.
     sharing: Literal["none", "cores"] = "none"
     load: LoadSettings = Field(default_factory=lambda: LoadSettings.model_validate({}))
+    #: `infermux serve`'s front where its command line names none (`tune --served` writes it).
+    serve: ServeDefaults | None = None
 
     @model_validator(mode="after")
     def _whole(self) -> Plan:

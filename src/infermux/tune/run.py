@@ -695,14 +695,18 @@ def _choose_by_served_peak(report: TuneReport, evaluator: LiveEvaluator, request
     report.served = {**served.to_dict(), "client": ("perf_analyzer" if served.perf_analyzer
                                                      else "infermux"), **choice}
     i = choice["written_row"]
-    if i is None or i == runtime_row:
+    if i is None:
         return
-    for row in rows:
-        row["chosen"] = False
-    rows[i]["chosen"] = True
-    report.plan, report.server_peak = report.peak_runs[i][0], report.peak_runs[i][1] or None
-    if report.hosting is not None:
-        report.hosting["written_cpu_workers"] = _cpu_workers(report.plan)
+    if i != runtime_row:
+        for row in rows:
+            row["chosen"] = False
+        rows[i]["chosen"] = True
+        report.plan, report.server_peak = report.peak_runs[i][0], report.peak_runs[i][1] or None
+        if report.hosting is not None:
+            report.hosting["written_cpu_workers"] = _cpu_workers(report.plan)
+    # `infermux serve PLAN` then serves it through the front it was measured through.
+    report.plan = {**report.plan, "serve": {k: v for k, v in (
+        ("front", served.front), ("fronts", served.fronts)) if v is not None}}
 
 
 def _choose_batching(report: TuneReport, best: tuple[float, int, dict[str, Any]] | None,
