@@ -209,6 +209,8 @@ def test_a_plan_that_cannot_be_served_gets_a_reason_not_a_traceback():
       "0"], "--served-max-concurrency 0 must be at least 1"),
     (["--scenario", "server", "--p99", "10ms", "--served", "grpc", "--perf-analyzer",
       "/no/such/pa"], "is not an executable"),
+    (["--scenario", "server", "--p99", "10ms", "--served", "grpc", "--served-front",
+      "own,nginx"], "--served-front 'own,nginx' unknown: use own, triton or own,triton"),
 ])
 def test_bad_served_options_get_one_line(args, needle):
     res = invoke_cli("tune", "-m", "digits-cnn", "-u", "cpu", "--budget", "5s", *args)
@@ -343,3 +345,30 @@ def test_serve_takes_the_front_the_plan_was_tuned_with_unless_told(tmp_path) -> 
         assert ready["fronts"] == 1  # the command line wins
     with pytest.raises(UsageError, match="serve.front"):
         parse_plan({**plan, "serve": {"front": "nginx"}})
+
+
+def test_each_candidate_is_served_through_each_front_and_keeps_the_best(tmp_path) -> None:
+    """`--served-front own,triton`: both fronts serve the plan; its figure is the higher."""
+    from infermux.errors import UsageError
+    from infermux.serve.triton_front import find_triton
+
+    try:
+        find_triton()
+    except UsageError as exc:
+        pytest.skip(f"no Triton build: {exc}")
+    plan = _plan(8, 2)
+    rows = [{"plan": "b8 x2", "peak_qps": 800.0, "chosen": True}]
+    io = IOSpec(inputs=(TensorSpec("input", "float32", (3, 32, 32)),))
+    requests = served_requests(io, "paced", plan["models"][0], None, count=8)
+    settings = ServedSettings(protocol="grpc", front="own,triton", fronts=2, seconds=1.0,
+                              warmup_s=0.3, max_concurrency=8)
+    choice = serve_candidates(rows, [plan], 0, requests, 60.0, settings,
+                              deadline=time.monotonic() + 600)
+    row = rows[0]
+    assert choice["written_row"] == 0
+    figures = {f: v["served_peak_rps"] for f, v in row["served_by_front"].items()}
+    assert set(figures) == {"own", "triton"} and all(figures.values()), row["served_by_front"]
+    assert row["served_front"] == max(figures, key=figures.get)
+    assert row["served_peak_rps"] == figures[row["served_front"]]
+    other = ({"own", "triton"} - {row["served_front"]}).pop()
+    assert f"through the {row['served_front']} front; {other}: " in served_words(row)

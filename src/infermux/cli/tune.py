@@ -49,7 +49,7 @@ def tune_command(
     peak_trial_duration: Annotated[str, typer.Option("--peak-trial-duration", help="Server scenario: minimum duration of each find-peak rate's trial (at least 3× --trial-duration).")] = "2s",
     peak_trial_queries: Annotated[int, typer.Option("--peak-trial-queries", help="Server scenario: minimum queries of each find-peak rate's trial.")] = 256,
     served: Annotated[str, typer.Option("--served", help="Server scenario: serve the plans of the best runtime peaks with `infermux serve` and write the one clients get the most from within --p99, driven over grpc or http (closed-loop concurrency sweep); none: the runtime's peak decides.")] = "none",
-    served_front: Annotated[str, typer.Option("--served-front", help="With --served: serve's --front (own or triton).")] = "own",
+    served_front: Annotated[str, typer.Option("--served-front", help="With --served: serve's --front (own or triton), or own,triton: each candidate served through each front, the plan written with the front that served it most.")] = "own",
     served_fronts: Annotated[int | None, typer.Option("--served-fronts", help="With --served: serve's --fronts (default: serve's).")] = None,
     served_max_concurrency: Annotated[int, typer.Option("--served-max-concurrency", help="With --served: the highest concurrency the sweep may reach.")] = 512,
     served_seconds: Annotated[float, typer.Option("--served-seconds", help="With --served: measured seconds per concurrency level (after 1 s of warm-up).")] = 3.0,

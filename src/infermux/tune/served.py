@@ -28,7 +28,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +69,8 @@ class ServedSettings:
     """How `tune --served` serves and drives each candidate plan."""
 
     protocol: str = "grpc"
-    #: `infermux serve --front`: own or triton.
+    #: `infermux serve --front`: own or triton, or both comma-separated (`own,triton`): each
+    #: candidate is then served through each, and the front that served it most is its figure.
     front: str = "own"
     #: `infermux serve --fronts` (None: serve's default).
     fronts: int | None = None
@@ -86,8 +87,10 @@ class ServedSettings:
         if self.protocol not in PROTOCOLS:
             raise UsageError(f"--served {self.protocol!r} unknown: serve over grpc or http "
                              "(or leave --served out)")
-        if self.front not in FRONTS:
-            raise UsageError(f"--served-front {self.front!r} unknown: use own or triton")
+        if not self.front_list or any(f not in FRONTS for f in self.front_list) or len(
+                set(self.front_list)) < len(self.front_list):
+            raise UsageError(f"--served-front {self.front!r} unknown: use own, triton or "
+                             "own,triton (each candidate served through each)")
         if self.fronts is not None and self.fronts < 0:
             raise UsageError(f"--served-fronts {self.fronts} must be 0 or more")
         if self.seconds <= 0:
@@ -114,12 +117,17 @@ class ServedSettings:
                 raise UsageError(f"--served grpc needs {', '.join(missing)}: pip install "
                                  "'infermux[serve]'")
 
+    @property
+    def front_list(self) -> list[str]:
+        """The fronts each candidate is served through, in order."""
+        return [f.strip() for f in self.front.split(",") if f.strip()]
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready."""
         return asdict(self)
 
     def serve_args(self) -> list[str]:
-        """The `infermux serve` options these settings ask for."""
+        """The `infermux serve` options these settings ask for (one front)."""
         args = ["--front", self.front]
         if self.fronts is not None:
             args += ["--fronts", str(self.fronts)]
@@ -395,18 +403,26 @@ def serve_candidates(rows: list[dict[str, Any]], plans: list[dict[str, Any]],
                 row["served_skipped"] = (f"its runtime peak is not above the best served "
                                          f"figure, {best[0]:,.1f} requests/s")
                 continue
-        _say(progress, f"serving {row['plan']}")
-        began = time.monotonic()
-        peak = served_peak(plans[i], requests, bound_ms, settings, progress)
-        row.update(served_s=round(time.monotonic() - began, 1),
-                   served_build_s=peak.get("build_s"), served_peak_rps=peak["peak_rps"],
-                   served_concurrency=peak["concurrency"], served_p99_ms=peak["p99_ms"],
-                   served_reason=peak["reason"],
-                   served_levels=[{k: lv.get(k) for k in (
-                       "concurrency", "throughput_rps", "p50_ms", "p99_ms", "ok", "rejected",
-                       "errors", "within_bound")} for lv in peak["levels"]])
-        if peak["peak_rps"] is not None and (best is None or peak["peak_rps"] > best[0]):
-            best = (peak["peak_rps"], i)
+        fronts = settings.front_list
+        by_front: dict[str, dict[str, Any]] = {}
+        for front in fronts:
+            _say(progress, f"serving {row['plan']}"
+                 + (f" through the {front} front" if len(fronts) > 1 else ""))
+            by_front[front] = _served_row(plans[i], requests, bound_ms,
+                                          replace(settings, front=front), progress)
+        # The front that served it most (a plan that served within the bound through neither
+        # keeps the first front's reason).
+        front = max(fronts, key=lambda f: (by_front[f]["served_peak_rps"] is not None,
+                                           by_front[f]["served_peak_rps"] or 0.0,
+                                           -fronts.index(f)))
+        row.update(by_front[front], served_front=front)
+        if len(fronts) > 1:
+            row["served_by_front"] = {f: {k: by_front[f][k] for k in (
+                "served_peak_rps", "served_concurrency", "served_p99_ms", "served_reason")}
+                for f in fronts}
+        rps = row["served_peak_rps"]
+        if rps is not None and (best is None or rps > best[0]):
+            best = (rps, i)
     if best is None:
         return {"rows": order, "written_row": None,
                 "reason": "no plan served within the bound: the runtime's choice is written"}
@@ -423,6 +439,21 @@ def serve_candidates(rows: list[dict[str, Any]], plans: list[dict[str, Any]],
     return {"rows": order, "written_row": i, "reason": why}
 
 
+def _served_row(plan: dict[str, Any], requests: list[list[V2Tensor]], bound_ms: float,
+                settings: ServedSettings,
+                progress: Callable[[str, float], None] | None) -> dict[str, Any]:
+    """One plan served through one front: the `served_*` fields of its row."""
+    began = time.monotonic()
+    peak = served_peak(plan, requests, bound_ms, settings, progress)
+    return {"served_s": round(time.monotonic() - began, 1),
+            "served_build_s": peak.get("build_s"), "served_peak_rps": peak["peak_rps"],
+            "served_concurrency": peak["concurrency"], "served_p99_ms": peak["p99_ms"],
+            "served_reason": peak["reason"],
+            "served_levels": [{k: lv.get(k) for k in (
+                "concurrency", "throughput_rps", "p50_ms", "p99_ms", "ok", "rejected", "errors",
+                "within_bound")} for lv in peak["levels"]]}
+
+
 def served_words(row: dict[str, Any]) -> str | None:
     """A served row's figure in words: requests/s, concurrency and p99, or none and why.
 
@@ -432,7 +463,13 @@ def served_words(row: dict[str, Any]) -> str | None:
         skipped = row.get("served_skipped")
         return f"not served: {skipped}" if skipped else None
     rps = row.get("served_peak_rps")
-    if rps is None:
-        return f"none ({row.get('served_reason')})"
-    return (f"{rps:,.1f} requests/s at concurrency {row['served_concurrency']}, "
-            f"p99 {row['served_p99_ms']:.1f} ms")
+    words = (f"none ({row.get('served_reason')})" if rps is None else
+             f"{rps:,.1f} requests/s at concurrency {row['served_concurrency']}, "
+             f"p99 {row['served_p99_ms']:.1f} ms")
+    others = {f: v for f, v in (row.get("served_by_front") or {}).items()
+              if f != row.get("served_front")}
+    if others:  # served through several fronts: which one this is, and the others' figures
+        words += f" through the {row['served_front']} front; " + "; ".join(
+            f"{f}: " + (f"{v['served_peak_rps']:,.1f}" if v["served_peak_rps"] is not None
+                        else "none") for f, v in others.items())
+    return words
