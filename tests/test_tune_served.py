@@ -352,6 +352,10 @@ def test_each_candidate_is_served_through_each_front_and_keeps_the_best(tmp_path
     from infermux.errors import UsageError
     from infermux.serve.triton_front import find_triton
 
+    both = ServedSettings(protocol="grpc", front="own,triton")
+    assert both.front_list == ["own", "triton"]
+    with pytest.raises(ValueError, match="one front"):
+        both.serve_args()  # a server has one front: each is served in turn
     try:
         find_triton()
     except UsageError as exc:

@@ -706,7 +706,7 @@ def _choose_by_served_peak(report: TuneReport, evaluator: LiveEvaluator, request
             report.hosting["written_cpu_workers"] = _cpu_workers(report.plan)
     # `infermux serve PLAN` then serves it through the front it was measured through.
     report.plan = {**report.plan, "serve": {k: v for k, v in (
-        ("front", rows[i].get("served_front", served.front)), ("fronts", served.fronts))
+        ("front", rows[i]["served_front"]), ("fronts", served.fronts))
         if v is not None}}
 
 

@@ -128,6 +128,9 @@ class ServedSettings:
 
     def serve_args(self) -> list[str]:
         """The `infermux serve` options these settings ask for (one front)."""
+        if len(self.front_list) != 1:
+            raise ValueError(f"serve takes one front, not {self.front!r}: serve through each "
+                             "(dataclasses.replace(settings, front=F))")
         args = ["--front", self.front]
         if self.fronts is not None:
             args += ["--fronts", str(self.fronts)]
@@ -375,7 +378,9 @@ def serve_candidates(rows: list[dict[str, Any]], plans: list[dict[str, Any]],
     served figure so far (a plan served through a front does not answer more than its runtime
     alone); a candidate left unserved gets `served_skipped`, the reason. Each served row gets
     `served_peak_rps`, `served_concurrency`, `served_p99_ms`, `served_reason`, `served_s`,
-    `served_build_s` and its `served_levels`, in place. Returns
+    `served_build_s`, its `served_levels` and `served_front`, the front they are from (with
+    several fronts, the one that served it most; each front's figures in `served_by_front`),
+    in place. Returns
     `rows` (the candidates' indices, in order), `written_row` (the highest served, or None where
     none served within the bound) and the `reason`, in words.
     """
