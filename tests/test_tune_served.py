@@ -376,3 +376,31 @@ def test_each_candidate_is_served_through_each_front_and_keeps_the_best(tmp_path
     assert row["served_peak_rps"] == figures[row["served_front"]]
     other = ({"own", "triton"} - {row["served_front"]}).pop()
     assert f"through the {row['served_front']} front; {other}: " in served_words(row)
+
+
+def test_serve_says_which_settings_it_took_from_the_plan(tmp_path) -> None:
+    """Without --json, serve names the options the plan's serve section set."""
+    import signal
+    import subprocess
+    import sys
+
+    import yaml
+
+    plan_file = tmp_path / "plan.yaml"
+    plan_file.write_text(yaml.safe_dump({**_plan(4, 1), "serve": {"front": "own", "fronts": 2}}))
+    errors = tmp_path / "serve.err"
+    with errors.open("w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "infermux", "serve", str(plan_file), "--http-port", "0",
+             "--grpc-port", "0", "--metrics-port", "0", "--no-store", "--telemetry", "off",
+             "--fronts", "1"], stdout=subprocess.PIPE, stderr=err, text=True)
+        try:
+            assert proc.stdout is not None
+            first = proc.stdout.readline()
+            assert first.startswith("serving "), (first, errors.read_text())
+        finally:
+            proc.send_signal(signal.SIGINT)
+            proc.wait(timeout=60)
+    said = errors.read_text()
+    # --fronts was given, so only --front came from the plan.
+    assert "--front from the plan's serve section (--front own --fronts 1)" in said, said

@@ -78,8 +78,14 @@ def serve_command(
         plan = load_plan(plan_file)
         plan_name = plan.name
         if plan.serve is not None:  # how `tune --served` measured it, unless the line says
+            taken = [o for o, given in (("--front", front), ("--fronts", fronts))
+                     if given is None and getattr(plan.serve, o[2:]) is not None]
             front = front or plan.serve.front
             fronts = plan.serve.fronts if fronts is None else fronts
+            if taken and not as_json:
+                err.print(f"[dim]{' and '.join(taken)} from the plan's serve section "
+                          f"(--front {front}{'' if fronts is None else f' --fronts {fronts}'}); "
+                          "the command line overrides it[/]")
     why = _missing_extra()
     if why is not None:
         raise UsageError(why)
