@@ -1,7 +1,8 @@
 """Where a served BERT request's time goes: perf_analyzer's server split, a trace, py-spy.
 
 One server (`infermux serve --fronts 8`) of BERT-base as a service answering only
-`pooler_output` (the factory module `transformers_gpu._outputs_factory` writes), fp16 on
+`pooler_output` (the factory module `transformers_gpu._outputs_factory` writes; `--front
+triton`: behind Triton's server, `--fronts` instances), fp16 on
 `cuda:0`, batch `--batch` × `--instances` with `torch.compile` `default`; perf_analyzer over
 gRPC at `--concurrency` (a perf_analyzer range, e.g. 128:256:128) with INT64 inputs of
 length 128; with `--py-spy PATH`, six seconds of the runtime process's stacks (raw, 250 Hz)
@@ -77,6 +78,8 @@ def main() -> None:
     p.add_argument("--buckets", default="pow2", help="batch buckets: pow2 or 64,128,256")
     p.add_argument("--input-data", default="tokens", choices=("tokens", "zero"))
     p.add_argument("--fronts", type=int, default=8)
+    p.add_argument("--front", default="own", choices=("own", "triton"),
+                   help="who parses gRPC (serve --front); with triton, --fronts instances")
     p.add_argument("--model", default="hf:bert-base")
     p.add_argument("--unit", default="cuda:0/fp16")
     args = p.parse_args()
@@ -98,7 +101,8 @@ def main() -> None:
         server = subprocess.Popen(
             [sys.executable, "-m", "infermux", "serve", str(out / "plan.json"), "--http-port", "0",
              "--grpc-port", "0", "--metrics-port", "0", "--json", "--fronts", str(args.fronts),
-             "--no-store", "--telemetry", "off", "--trace-requests", "8", "--trace-file", str(trace)],
+             "--front", args.front, "--no-store", "--telemetry", "off", "--trace-requests", "8",
+             "--trace-file", str(trace)],
             stdout=subprocess.PIPE, stderr=log, text=True)
         assert server.stdout is not None
         line = server.stdout.readline()
@@ -121,7 +125,8 @@ def main() -> None:
                                   text=True, env=env)
         import psutil
 
-        tree = [psutil.Process(server.pid), *psutil.Process(server.pid).children(recursive=True)]
+        tree = [psutil.Process(server.pid), *psutil.Process(server.pid).children(recursive=True),
+                psutil.Process(client.pid)]
         time.sleep(6)  # past perf_analyzer's warm-up
         cpu0 = {p.pid: sum(p.cpu_times()[:2]) for p in tree}
         t0 = time.perf_counter()
@@ -137,7 +142,7 @@ def main() -> None:
             time.sleep(8)
         elapsed = time.perf_counter() - t0
         # Cores each process of the server used over those seconds (the runtime first).
-        report["cores"] = {f"{p.pid} {' '.join(p.cmdline()[2:4])[:60]}":
+        report["cores"] = {f"{p.pid} {' '.join(p.cmdline()[:4])[-60:]}":
                            round((sum(p.cpu_times()[:2]) - cpu0[p.pid]) / elapsed, 2)
                            for p in tree if p.is_running()}
         shown = client.communicate(timeout=300)[0]

@@ -10,7 +10,8 @@ commit) each round serves them one after another, so they are compared on one ma
 `--py-spy PATH` samples the runtime process for 5 s of each measurement (`--gil`: only the
 thread holding the interpreter lock) and prints the shares per thread and frame; compare the
 CPU figures of runs without it. `--module image` serves a one-input module instead (an 8×8
-image into a linear layer): the path ResNet50's requests take.
+image into a linear layer): the path ResNet50's requests take. `--front triton` serves it
+behind Triton's server (its batches reach the runtime as descriptors of several rows).
 
     python bench/serve_runtime_cpu.py --perf-analyzer /tmp/pa/opt/perf_analyzer \
         --src /tmp/base/src,src --rounds 2 --concurrency 64
@@ -84,8 +85,8 @@ def _one(src: str, folder: Path, args: argparse.Namespace) -> dict[str, Any]:
     log = (folder / "serve.log").open("w")
     server = subprocess.Popen(
         [sys.executable, "-m", "infermux", "serve", str(folder / "plan.json"), "--http-port",
-         "0", "--grpc-port", "0", "--metrics-port", "0", "--json", "--fronts", "2",
-         "--no-store", "--telemetry", "off"],
+         "0", "--grpc-port", "0", "--metrics-port", "0", "--json", "--fronts", str(args.fronts),
+         "--front", args.front, "--no-store", "--telemetry", "off"],
         stdout=subprocess.PIPE, stderr=log, text=True, env=env)
     assert server.stdout is not None
     line = server.stdout.readline()
@@ -135,6 +136,10 @@ def main() -> None:
     p.add_argument("--module", choices=("tokens", "image"), default="tokens",
                    help="three token inputs (BERT's path) or one small image (ResNet50's)")
     p.add_argument("--json", default=None)
+    p.add_argument("--front", choices=("own", "triton"), default="own",
+                   help="serve --front: triton hands the runtime each Triton batch as one "
+                   "descriptor of several rows")
+    p.add_argument("--fronts", type=int, default=2)
     p.add_argument("--py-spy", help="py-spy executable: sample the runtime process for 5 s")
     p.add_argument("--gil", action="store_true", help="with --py-spy: only the lock's holder")
     args = p.parse_args()
