@@ -68,6 +68,8 @@ def test_mobilenet_runner_matches(found):
     ({"cuda_graph": True}, "needs a CUDA unit"),
     ({"compile": "fastest"}, "compile='fastest'"),
     ({"turbo": 1}, "turbo"),
+    ({"wait": "sleep"}, "wait=sleep is how a CUDA unit's runner waits"),
+    ({"wait": "nap"}, "wait"),
 ])
 def test_bad_options(found, tiny, options, message):
     with pytest.raises(UsageError, match=message):
@@ -78,6 +80,36 @@ def test_wrong_input_shape_is_rejected(found, tiny):
     runner = create_engine("torch").build(tiny, select_units("cpu", found)[0], 2)
     with pytest.raises(UsageError, match="runner takes"):
         runner.set_input(np.zeros((3, 3, 32, 32), np.float32))
+
+
+def test_a_sleeping_wait_sleeps_through_most_of_the_least_recent_device_time():
+    """`wait: sleep` sleeps from the launch to 0.8 of the least recent batch's device time,
+    never for less than 0.2 ms, and not before a batch was timed; the least time follows a
+    shorter batch at once and a longer one by 5% of the gap."""
+    from infermux.engines.pytorch import SLEEP_SHARE, device_floor, sleep_before_wait
+
+    ms = 1_000_000
+    assert SLEEP_SHARE == 0.8
+    assert sleep_before_wait(0, 2 * ms, 10 * ms) == pytest.approx(0.006)
+    assert sleep_before_wait(0, int(7.9 * ms), 10 * ms) == 0.0  # 0.1 ms left: spin
+    assert sleep_before_wait(0, 9 * ms, 10 * ms) == 0.0  # past it
+    assert sleep_before_wait(0, 0, 0) == 0.0  # nothing timed yet
+    assert device_floor(0, 9 * ms) == 9 * ms
+    assert device_floor(10 * ms, 6 * ms) == 6 * ms
+    assert device_floor(10 * ms, 20 * ms) == int(10.5 * ms)
+    assert device_floor(10 * ms, 0) == 10 * ms
+
+
+@needs_cuda
+@pytest.mark.parametrize("wait", ["sleep", "block"])
+def test_cuda_runners_that_sleep_or_block_give_the_spinning_ones_outputs(found, tiny, wait):
+    unit = select_units("cuda:0/fp32", found)[0]
+    engine = create_engine("torch")
+    spin, other = engine.build(tiny, unit, 4), engine.build(tiny, unit, 4, {"wait": wait})
+    assert other.options["wait"] == wait and spin.options["wait"] == "spin"
+    x = np.random.default_rng(2).standard_normal((4, 3, 32, 32)).astype(np.float32)
+    for _ in range(3):  # past the first timed batch, where `sleep` starts to sleep
+        np.testing.assert_allclose(other.infer(x)[0], spin.infer(x)[0], rtol=1e-5, atol=1e-5)
 
 
 @needs_cuda

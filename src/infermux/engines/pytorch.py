@@ -56,6 +56,34 @@ _DTYPES = {"fp32": "float32", "tf32": "float32", "fp16": "float16", "bf16": "bfl
 _SELF_GRAPHING = {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}
 #: Compiled graphs dynamo keeps per code object: every batch bucket of every unit's module.
 _RECOMPILE_LIMIT = 64
+#: `wait: sleep`: the share of a batch's least recent device time a runner sleeps through
+#: after its launch before it spins, and the shortest sleep worth the wake-up (a sleep
+#: overshoots by tens of microseconds; a batch that ends earlier than SLEEP_SHARE of the
+#: least recent device time is collected that much late).
+SLEEP_SHARE = 0.8
+_SLEEP_MIN_NS = 200_000
+#: How fast the least recent device time forgets an old minimum: it rises by this share of
+#: the gap to a longer batch's time, so one fast batch does not hold the sleep short for good.
+_FLOOR_RISE = 0.05
+
+
+def sleep_before_wait(launch_ns: int, now_ns: int, device_floor_ns: int) -> float:
+    """Seconds a `wait: sleep` runner sleeps before it spins on its launched batch.
+
+    Until `SLEEP_SHARE` of the least recent device time has passed since the launch; 0 before
+    any batch was timed, or when less than `_SLEEP_MIN_NS` is left of that.
+    """
+    left = launch_ns + int(SLEEP_SHARE * device_floor_ns) - now_ns
+    return left / 1e9 if device_floor_ns > 0 and left >= _SLEEP_MIN_NS else 0.0
+
+
+def device_floor(floor_ns: int, device_ns: int) -> int:
+    """The least recent device time after a batch of `device_ns`: its minimum, slowly rising."""
+    if device_ns <= 0:
+        return floor_ns
+    if floor_ns <= 0 or device_ns <= floor_ns:
+        return device_ns
+    return floor_ns + int(_FLOOR_RISE * (device_ns - floor_ns))
 
 
 class _ServedRows:
@@ -93,6 +121,13 @@ class TorchOptions(BaseModel):
     #: second build of each (batch, length) runner, and a second CUDA graph's memory pool
     #: (the two graphs do not share one). None: on for CUDA units.
     dense_attention: bool | None = None
+    #: How a CUDA runner's thread waits for its launched batch (trtexec's `--useSpinWait`
+    #: choice): `spin` (CUDA's default event wait: the thread runs a core until the device
+    #: signals), `sleep` (sleeps until `SLEEP_SHARE` of the batch's device time, as its last
+    #: batches took it, has passed since its launch, then spins for the rest), `block` (a
+    #: blocking-sync event: the thread sleeps until the device wakes it). The cores a spin
+    #: holds are the ones a served host's fronts and clients also need.
+    wait: Literal["spin", "sleep", "block"] = "spin"
 
     def resolve(self, unit: Unit, ndim: int) -> TorchOptions:
         """Fill the defaults for `unit`: the measured best choices, overridable by the user."""
@@ -120,6 +155,9 @@ class TorchOptions(BaseModel):
             why = unit_reason(unit)
             if why:
                 raise UsageError(f"option precision=fp8 on {unit.id!r}: {why}; drop the option")
+        if self.wait != "spin" and not on_gpu:
+            raise UsageError(f"option wait={self.wait} is how a CUDA unit's runner waits for its "
+                             f"batch; {unit.id!r} runs on the CPU: drop the option")
         dense_attention = self.dense_attention
         if dense_attention is None:
             dense_attention = on_gpu
@@ -202,7 +240,13 @@ class TorchRunner(Runner):
         self.asynchronous = self._on_gpu
         if self._on_gpu:
             self._stream = torch.cuda.Stream(self._device)
-            self._events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+            # The last is the one `collect` waits on: blocking-sync with `wait: block`.
+            self._events = [torch.cuda.Event(enable_timing=True,
+                                             blocking=i == 3 and options.wait == "block")
+                            for i in range(4)]
+        #: The least device time (first copy's start to last copy's end) of recent batches,
+        #: ns, for `wait: sleep`; 0 until a batch was collected.
+        self._device_floor_ns = 0
         self._xs_dev: list[Any] = []
         self._xs_host: list[Any] = []
         rng = np.random.default_rng(0)
@@ -376,16 +420,25 @@ class TorchRunner(Runner):
         if not self._on_gpu:
             return self._launched
         ev = self._events
+        if self._opts.wait == "sleep" and not ev[3].query():
+            pause = sleep_before_wait(self._launch_ns, time.perf_counter_ns(),
+                                      self._device_floor_ns)
+            if pause > 0:
+                time.sleep(pause)
         ev[3].synchronize()
         self._in_flight = False
         self._y_host = self._y_launched
         latency = time.perf_counter_ns() - self._launch_ns
-        return BatchTiming(
+        timing = BatchTiming(
             latency_ns=latency,
             h2d_ns=int(ev[0].elapsed_time(ev[1]) * 1e6),
             compute_ns=int(ev[1].elapsed_time(ev[2]) * 1e6),
             d2h_ns=int(ev[2].elapsed_time(ev[3]) * 1e6),
         )
+        if self._opts.wait == "sleep":
+            self._device_floor_ns = device_floor(self._device_floor_ns,
+                                                 timing.h2d_ns + timing.compute_ns + timing.d2h_ns)
+        return timing
 
     def _run_cpu(self) -> BatchTiming:
         import torch
