@@ -82,8 +82,8 @@ def test_wrong_input_shape_is_rejected(found, tiny):
         runner.set_input(np.zeros((3, 3, 32, 32), np.float32))
 
 
-def test_a_sleeping_wait_sleeps_through_most_of_the_least_recent_device_time():
-    """`wait: sleep` sleeps from the launch to 0.8 of the least recent batch's device time,
+def test_a_sleeping_wait_sleeps_through_most_of_the_shortest_recent_device_time():
+    """`wait: sleep` sleeps from the launch to 0.8 of the shortest recent batch's device time,
     never for less than 0.2 ms, and not before a batch was timed; the least time follows a
     shorter batch at once and a longer one by 5% of the gap."""
     from infermux.engines.pytorch import SLEEP_SHARE, device_floor, sleep_before_wait

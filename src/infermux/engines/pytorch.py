@@ -56,13 +56,13 @@ _DTYPES = {"fp32": "float32", "tf32": "float32", "fp16": "float16", "bf16": "bfl
 _SELF_GRAPHING = {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}
 #: Compiled graphs dynamo keeps per code object: every batch bucket of every unit's module.
 _RECOMPILE_LIMIT = 64
-#: `wait: sleep`: the share of a batch's least recent device time a runner sleeps through
+#: `wait: sleep`: the share of the shortest recent device time a runner sleeps through
 #: after its launch before it spins, and the shortest sleep worth the wake-up (a sleep
 #: overshoots by tens of microseconds; a batch that ends earlier than SLEEP_SHARE of the
-#: least recent device time is collected that much late).
+#: shortest recent device time is collected that much late).
 SLEEP_SHARE = 0.8
 _SLEEP_MIN_NS = 200_000
-#: How fast the least recent device time forgets an old minimum: it rises by this share of
+#: How fast the shortest recent device time forgets an old minimum: it rises by this share of
 #: the gap to a longer batch's time, so one fast batch does not hold the sleep short for good.
 _FLOOR_RISE = 0.05
 
@@ -70,7 +70,7 @@ _FLOOR_RISE = 0.05
 def sleep_before_wait(launch_ns: int, now_ns: int, device_floor_ns: int) -> float:
     """Seconds a `wait: sleep` runner sleeps before it spins on its launched batch.
 
-    Until `SLEEP_SHARE` of the least recent device time has passed since the launch; 0 before
+    Until `SLEEP_SHARE` of the shortest recent device time has passed since the launch; 0 before
     any batch was timed, or when less than `_SLEEP_MIN_NS` is left of that.
     """
     left = launch_ns + int(SLEEP_SHARE * device_floor_ns) - now_ns
@@ -78,7 +78,7 @@ def sleep_before_wait(launch_ns: int, now_ns: int, device_floor_ns: int) -> floa
 
 
 def device_floor(floor_ns: int, device_ns: int) -> int:
-    """The least recent device time after a batch of `device_ns`: its minimum, slowly rising."""
+    """The shortest recent device time after a batch of `device_ns`: the minimum, slowly rising."""
     if device_ns <= 0:
         return floor_ns
     if floor_ns <= 0 or device_ns <= floor_ns:
