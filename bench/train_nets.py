@@ -285,7 +285,7 @@ def targets(fig: dict[str, Any]) -> dict[str, Any]:
             f"{_pct(s['later_time_mape_pct'])} as measured, "
             f"{_pct(s.get('first_time_mape_drift_corrected_pct'))} / "
             f"{_pct(s.get('later_time_mape_drift_corrected_pct'))} corrected for it")
-    elif rng and max(abs(r - 1) for r in rng) > 0.1:
+    elif rng and applied and max(abs(r - 1) for r in rng) > 0.1:
         # The drift applied to an epoch is its configuration's probes' together (their mean),
         # and only where it stands out of their noise: a single probe may read past ±10%.
         out["said"].append(
