@@ -21,6 +21,9 @@ extras (and a GPU for the default unit).
 runs it on the CPU); perf_analyzer sends ids and masks of ones (`--input-data tokens`). It
 prints each server process's cores over the sampled seconds, the trace's gaps, and py-spy's
 samples twice: of the running threads, and of the interpreter lock's holder (`--gil`).
+Behind Triton's front, perf_analyzer's inference and execution counts say how many client
+requests Triton put in each batch it handed on (`--triton-queue-delay` sets how long it waits
+for them).
 """
 
 from __future__ import annotations
@@ -80,6 +83,8 @@ def main() -> None:
     p.add_argument("--fronts", type=int, default=8)
     p.add_argument("--front", default="own", choices=("own", "triton"),
                    help="who parses gRPC (serve --front); with triton, --fronts instances")
+    p.add_argument("--triton-queue-delay",
+                   help="--front triton: serve's --triton-queue-delay (default: the backend's)")
     p.add_argument("--model", default="hf:bert-base")
     p.add_argument("--unit", default="cuda:0/fp16")
     args = p.parse_args()
@@ -102,7 +107,9 @@ def main() -> None:
             [sys.executable, "-m", "infermux", "serve", str(out / "plan.json"), "--http-port", "0",
              "--grpc-port", "0", "--metrics-port", "0", "--json", "--fronts", str(args.fronts),
              "--front", args.front, "--no-store", "--telemetry", "off", "--trace-requests", "8",
-             "--trace-file", str(trace)],
+             "--trace-file", str(trace),
+             *(["--triton-queue-delay", args.triton_queue_delay]
+               if args.triton_queue_delay is not None else [])],
             stdout=subprocess.PIPE, stderr=log, text=True)
         assert server.stdout is not None
         line = server.stdout.readline()
@@ -128,7 +135,10 @@ def main() -> None:
         tree = [psutil.Process(server.pid), *psutil.Process(server.pid).children(recursive=True),
                 psutil.Process(client.pid)]
         time.sleep(6)  # past perf_analyzer's warm-up
-        cpu0 = {p.pid: sum(p.cpu_times()[:2]) for p in tree}
+        cpu0: dict[int, float] = {}
+        for proc in tree:
+            with contextlib.suppress(psutil.Error):
+                cpu0[proc.pid] = sum(proc.cpu_times()[:2])
         t0 = time.perf_counter()
         if args.py_spy:
             # Threads while they run (py-spy's default), then only the one holding the
@@ -142,9 +152,12 @@ def main() -> None:
             time.sleep(8)
         elapsed = time.perf_counter() - t0
         # Cores each process of the server used over those seconds (the runtime first).
-        report["cores"] = {f"{p.pid} {' '.join(p.cmdline()[:4])[-60:]}":
-                           round((sum(p.cpu_times()[:2]) - cpu0[p.pid]) / elapsed, 2)
-                           for p in tree if p.is_running()}
+        cores: dict[str, float] = {}
+        for proc in tree:  # a child that has ended (a compile worker) is left out
+            with contextlib.suppress(psutil.Error, KeyError):
+                cores[f"{proc.pid} {' '.join(proc.cmdline()[:4])[-60:]}"] = round(
+                    (sum(proc.cpu_times()[:2]) - cpu0[proc.pid]) / elapsed, 2)
+        report["cores"] = cores
         shown = client.communicate(timeout=300)[0]
         ended = time.perf_counter_ns()
         server.send_signal(signal.SIGTERM)
@@ -154,7 +167,7 @@ def main() -> None:
         report["mean_batch"] = {name: m.get("mean_batch") for name, m in models.items()}
     report["perf_analyzer"] = [ln.strip() for ln in shown.splitlines() if any(
         k in ln for k in ("Request concurrency", "Throughput", "p99 latency", "Avg request",
-                          "Avg gRPC"))]
+                          "Avg gRPC", "Inference count", "Execution count"))]
     report["trace"] = summarize(str(trace), (began, ended))
     if (out / "spy.txt").exists():
         report["py_spy"] = _spy_summary(out / "spy.txt")

@@ -227,6 +227,8 @@ def main() -> None:
                         "triton:native or triton:python name its --triton-backend")
     p.add_argument("--triton-python-path",
                    help="--front triton: a numpy<2 install for its model instances")
+    p.add_argument("--triton-queue-delay",
+                   help="--front triton: serve's --triton-queue-delay (default: the backend's)")
     p.add_argument("--concurrency", default="1,64,256")
     p.add_argument("--shared-memory",
                    help="perf_analyzer --shared-memory modes (none, system, cuda); default: "
@@ -296,6 +298,8 @@ def main() -> None:
                 extra = ["--front", kind, *(["--triton-backend", backend] if backend else [])]
                 if kind == "triton" and args.triton_python_path:
                     extra += ["--triton-python-path", args.triton_python_path]
+                if kind == "triton" and args.triton_queue_delay is not None:
+                    extra += ["--triton-queue-delay", args.triton_queue_delay]
                 proc, ready = start_server(plan_file, work, fronts, extra=extra,
                                            tag=f"-{front.replace(':', '-')}")
             except RuntimeError as exc:

@@ -59,6 +59,9 @@ def test_the_model_configuration_names_every_tensor_its_batch_and_its_queue() ->
     assert 'name: "bert"' in text and 'backend: "python"' in text
     assert "max_batch_size: 16" in text and "max_queue_size: 96" in text
     assert "max_queue_delay_microseconds: 0" in text  # the runtime's dispatcher batches
+    # A native instance's batch is a descriptor the runtime takes in: Triton gathers for it.
+    assert "max_queue_delay_microseconds: 300" in model_config(info, 3, "/l", backend="native",
+                                                               queue_delay_ms=0.3)
     assert '{ name: "input_ids" data_type: TYPE_INT64 dims: [ -1 ] }' in text
     assert '{ name: "hidden" data_type: TYPE_FP16 dims: [ -1, 8 ] }' in text
     assert "count: 3 kind: KIND_CPU" in text
@@ -131,7 +134,11 @@ def test_a_bad_front_or_options_it_cannot_take_exit_with_one_line(tmp_path: Path
                             (["--front", "triton", "--api-key", "a:b=c"],
                              "only letters, digits and ._~+/- pass intact"),
                             (["--front", "triton", "--triton-backend", "cpp"],
-                             "--triton-backend 'cpp' is not a backend")):
+                             "--triton-backend 'cpp' is not a backend"),
+                            (["--front", "triton", "--triton-queue-delay", "2s"],
+                             "--triton-queue-delay 2000ms is out of range: use 0 to 100ms"),
+                            (["--front", "triton", "--triton-queue-delay", "soon"],
+                             "--triton-queue-delay 'soon' is not a duration")):
         done = subprocess.run([sys.executable, "-m", "infermux", "serve", str(plan), "--no-store",
                                *extra], capture_output=True, text=True, timeout=120,
                               env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"})
@@ -188,6 +195,11 @@ def test_triton_describes_the_plan_s_model(triton: Any) -> None:
     assert client.is_server_ready() and client.is_model_ready("net")
     config = client.get_model_config("net")
     assert config["max_batch_size"] == 4 and config["input"][0]["dims"] == [3, 16, 16]
+    # Triton's batcher waits for company only where an instance's batch is a descriptor.
+    delay_ms = 0.3 if triton.backend == "native" else 0.0
+    assert triton.ready["triton_queue_delay_ms"] == delay_ms
+    assert int(config["dynamic_batching"].get("max_queue_delay_microseconds", 0)) == round(
+        delay_ms * 1000)
     assert "system_shared_memory" in client.get_server_metadata()["extensions"]
 
 
@@ -490,3 +502,44 @@ def test_past_triton_s_queue_a_request_is_refused_unavailable_never_reset(
     ours = [o for o in refused if "admission limit" in o or "in flight" in o]
     assert stopped["models"]["net"]["requests_ok"] == 32 - len(refused), (stopped, outcomes)
     assert stopped["models"]["net"]["requests_rejected"] == len(ours), (stopped, outcomes)
+
+
+@needs_triton
+def test_triton_s_queue_delay_gathers_a_native_instance_s_requests(net_file: Path) -> None:
+    """`--triton-queue-delay`: Triton holds a request that long for others to join its batch,
+    so 48 requests sent together reach the runtime in batches, not one by one."""
+    srv = Server(net_file.parent, _plan("triton", f"{net_file}:build"), "--front", "triton",
+                 "--fronts", "2", "--triton-backend", "native", "--triton-queue-delay", "40ms")
+    client = tgrpc.InferenceServerClient(srv.grpc)
+    try:
+        assert srv.ready["triton_queue_delay_ms"] == 40.0
+        done = threading.Semaphore(0)
+        failures: list[Any] = []
+
+        def answered(result: Any, error: Any) -> None:
+            if error is not None:
+                failures.append(error)
+            done.release()
+
+        for k in range(48):
+            x = _x(1, seed=k)
+            tensor = tgrpc.InferInput("input", list(x.shape), "FP32")
+            tensor.set_data_from_numpy(x)
+            client.async_infer("net", [tensor], answered)
+        for _ in range(48):
+            assert done.acquire(timeout=60)
+        assert not failures, failures
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            stats = client.get_inference_statistics("net", as_json=True)["model_stats"][0]
+            if int(stats.get("inference_count", 0)) >= 48:
+                break
+            time.sleep(0.05)
+        assert int(stats["inference_count"]) == 48
+        # The plan's largest batch is 4: twelve batches when each waits to be full (with no
+        # delay, 20-43 batches here in three runs).
+        assert int(stats["execution_count"]) <= 16, stats
+    finally:
+        client.close()
+        code, out = srv.stop()
+    assert code == 0, out

@@ -6,8 +6,8 @@ import re
 
 from infermux.errors import UsageError
 
-__all__ = ["parse_batches", "parse_bytes", "parse_duration_s", "parse_latency_ms",
-           "parse_shape"]
+__all__ = ["parse_batches", "parse_bytes", "parse_delay_ms", "parse_duration_s",
+           "parse_latency_ms", "parse_shape"]
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|min|h|d)?\s*$")
 _SCALE_S = {"ms": 1e-3, "s": 1.0, None: 1.0, "m": 60.0, "min": 60.0, "h": 3600.0,
@@ -47,6 +47,11 @@ def parse_latency_ms(text: str | float, *, name: str = "--p99") -> float:
     if not value > 0:
         raise UsageError(f"{name} {text!r} must be above 0: a latency bound, e.g. 15ms")
     return value
+
+
+def parse_delay_ms(text: str | float, *, name: str = "delay") -> float:
+    """A delay in ms, 0 allowed: `"0.3ms"`, `"0"`, or a bare number of milliseconds (`0.3`)."""
+    return _ms(text, name)
 
 
 _BARE_NUMBER = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*$")

@@ -48,6 +48,7 @@ def serve_command(
     triton_home: Annotated[str | None, typer.Option("--triton-home", help="With --front triton: a Triton build (a directory with bin/tritonserver and backends/python); default: $INFERMUX_TRITON_HOME, /opt/tritonserver, or the nvidia-pytriton wheel's.")] = None,
     triton_python_path: Annotated[str | None, typer.Option("--triton-python-path", help="With --front triton: folders (':'-separated) first on the model instances' import path, e.g. one with numpy<2 (pip install --target DIR 'numpy<2'): Triton's stubs are built for numpy 1, and under numpy 2 each tensor crosses by DLPack, which costs more.")] = None,
     triton_backend: Annotated[str, typer.Option("--triton-backend", help="With --front triton: the model instances' backend: native (infermux's C backend, built here with cc: several batches in flight per instance, no Python per request), python (Triton's Python-backend stubs), or auto (native where every model has one FP32/FP16 input and fixed outputs, and cc builds it).")] = "auto",
+    triton_queue_delay: Annotated[str | None, typer.Option("--triton-queue-delay", help="With --front triton: how long Triton's batcher holds a request for others to join its batch, e.g. 0.3ms (a bare number is ms; 0: hand on at once). Default: 0.3ms for the native backend (fewer, fuller batches for the runtime process to take in), 0 for python.")] = None,
     trace_requests: Annotated[int, typer.Option("--trace-requests", help="Trace every Nth request's stages (front, queue, gather, launch, answer) with one host clock, 1: every request, 0: off; the p50/p99 of each gap go in the summary (--json).")] = 0,
     trace_file: Annotated[str, typer.Option("--trace-file", help="Where --trace-requests writes its JSON lines (each front process adds FILE.<pid>; behind --front triton, Triton's own trace goes to FILE.triton).")] = "serve-trace.jsonl",
     connection_age: Annotated[str, typer.Option("--connection-age", help="With --fronts: close a gRPC connection after about this long (GOAWAY; its calls finish, the client reconnects), so connections are re-placed on the least loaded front (e.g. 5s); 0 or off: never.")] = "0",
@@ -61,7 +62,7 @@ def serve_command(
 
     Stops on SIGTERM or Ctrl-C: no new requests, the admitted ones answered, exit code 0.
     """
-    from infermux._parse import parse_duration_s
+    from infermux._parse import parse_delay_ms, parse_duration_s
     from infermux.runtime import load_plan
     from infermux.store import open_store
 
@@ -102,6 +103,8 @@ def serve_command(
         telemetry_interval_s=interval, fronts=fronts, trace_requests=trace_requests,
         trace_path=trace_file, front=front or "own", triton_home=triton_home,
         triton_python_path=triton_python_path, triton_backend=triton_backend, loop=loop,
+        triton_queue_delay_ms=None if triton_queue_delay is None else
+        parse_delay_ms(triton_queue_delay, name="--triton-queue-delay"),
         connection_age_s=0.0 if connection_age.strip().lower() in ("0", "off") else
         parse_duration_s(connection_age, name="--connection-age"))
     if cluster is None:

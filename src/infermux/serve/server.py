@@ -42,6 +42,10 @@ if TYPE_CHECKING:
 __all__ = ["SWITCH_INTERVAL_S", "InferenceServer", "ServeSettings", "ServeSummary", "drain_fronts",
            "serve_plan"]
 
+#: The longest queue delay `--triton-queue-delay` takes (ms): past it, each request waits
+#: longer than most plans' batches run.
+MAX_TRITON_QUEUE_DELAY_MS = 100.0
+
 #: The interpreter's switch interval while a server runs (see `serve_plan`).
 SWITCH_INTERVAL_S = 0.0005
 
@@ -157,6 +161,9 @@ class ServeSettings:
     #: backend wherever every model fits it and a C compiler builds it, else the Python
     #: backend's stubs), native or python (serve/triton_front.py).
     triton_backend: str = "auto"
+    #: How long Triton's batcher holds a request for others to join its batch (ms); None: the
+    #: backend's (`triton_front.QUEUE_DELAY_MS`: 0.3 for native, 0 for python).
+    triton_queue_delay_ms: float | None = None
     #: Trace every Nth request's stages (serve/trace.py; 1: all, 0: off) into `trace_path`
     #: (the runtime's lines) and `trace_path.<pid>` (each front process's).
     trace_requests: int = 0
@@ -202,6 +209,11 @@ class ServeSettings:
                 raise UsageError("--api-key with --front triton: Triton reads the key from its "
                                  "command line, where only letters, digits and ._~+/- pass "
                                  "intact: use a key of those")
+            if self.triton_queue_delay_ms is not None and not (
+                    0 <= self.triton_queue_delay_ms <= MAX_TRITON_QUEUE_DELAY_MS):
+                raise UsageError(f"--triton-queue-delay {self.triton_queue_delay_ms:g}ms is out "
+                                 f"of range: use 0 to {MAX_TRITON_QUEUE_DELAY_MS:g}ms (e.g. 0.3ms; "
+                                 "0: Triton hands on what has queued at once)")
             for folder in (self.triton_python_path or "").split(os.pathsep):
                 if folder and not os.path.isdir(folder):
                     raise UsageError(f"--triton-python-path: {folder!r} is not a folder: give "

@@ -95,6 +95,14 @@ _NUMPY1 = int(np.__version__.split(".")[0]) < 2
 #: (serve/triton_backend.c, built here with the machine's C compiler), or `python`, the Python
 #: backend's stubs; `auto` takes native wherever every model fits it and it builds.
 BACKENDS = ("auto", "native", "python")
+#: How long Triton's batcher holds a request for others to join its batch, by backend, unless
+#: `--triton-queue-delay` says (ms). A native instance's execute copies rows and returns at once,
+#: so with no delay Triton handed it 1.9 requests a batch at 19k BERT requests/s, and each
+#: batch is a descriptor the runtime process handles under its interpreter lock; 0.3 ms made
+#: them 14.7 a batch and served 1.13-1.31x the requests/s on an H200 host, alternated
+#: (docs/benchmarks.md, "Triton's queue delay"). A Python stub holds its batch until the runtime
+#: answers, so requests gather meanwhile without one.
+QUEUE_DELAY_MS = {"native": 0.3, "python": 0.0}
 _BACKEND_SOURCE = Path(__file__).with_name("triton_backend.c")
 _NATIVE_TYPES = ("FP32", "FP16")  # of a single input, and of every output
 _TYPES = {"FP32": "TYPE_FP32", "FP16": "TYPE_FP16", "FP64": "TYPE_FP64", "INT64": "TYPE_INT64",
@@ -170,12 +178,14 @@ def find_triton(home: str | None = None) -> TritonInstall:
 
 
 def model_config(info: Any, instances: int, link_path: str,
-                 answer_timeout_s: float = 120.0, backend: str = "python") -> str:
+                 answer_timeout_s: float = 120.0, backend: str = "python",
+                 queue_delay_ms: float = 0.0) -> str:
     """A plan model's `config.pbtxt`: its tensors, its largest batch, `instances` instances.
 
-    Triton's batcher takes what has queued while every instance was busy (no queue delay:
-    the runtime's dispatcher applies the plan's), up to the model's largest batch; past its
-    admission limit a request is refused at once (UNAVAILABLE).
+    Triton's batcher takes what has queued while every instance was busy, and waits up to
+    `queue_delay_ms` for more (`QUEUE_DELAY_MS`: a native instance's batch is one descriptor
+    for the runtime process; the plan's own queue delay is the runtime dispatcher's), up to the
+    model's largest batch; past its admission limit a request is refused at once (UNAVAILABLE).
     """
     def tensor(spec: Any, datatype: str | None = None) -> str:
         dims = ", ".join(str(d) for d in spec.shape) or "1"
@@ -205,7 +215,7 @@ output [
   {outputs}
 ]
 dynamic_batching {{
-  max_queue_delay_microseconds: 0
+  max_queue_delay_microseconds: {round(queue_delay_ms * 1000)}
   default_queue_policy {{ max_queue_size: {info.max_queue_items} }}
 }}
 instance_group [ {{ count: {instances} kind: KIND_CPU }} ]
@@ -355,6 +365,9 @@ class TritonHub(FrontHub):
                  install: TritonInstall) -> None:
         self.backend, self.native_lib, self.backend_note = self._choose_backend(
             core, settings, count, install)
+        #: Triton's queue delay for the plan's models (`QUEUE_DELAY_MS`, `--triton-queue-delay`).
+        given = getattr(settings, "triton_queue_delay_ms", None)
+        self.queue_delay_ms = QUEUE_DELAY_MS[self.backend] if given is None else float(given)
         super().__init__(core, settings, count, http_sock)
         self.install = install
         #: Folders first on the model instances' import path (`--triton-python-path`).
@@ -410,7 +423,7 @@ class TritonHub(FrontHub):
             (repo / info.name / "config.pbtxt").write_text(
                 model_config(info, self.count, self.link_path,
                              answer_timeout_s=self.settings.drain_timeout_s + 90,
-                             backend=self.backend))
+                             backend=self.backend, queue_delay_ms=self.queue_delay_ms))
             if self.backend == "native":
                 continue
             (version / "model.py").write_text(
@@ -586,6 +599,7 @@ class TritonHub(FrontHub):
     def summary(self) -> dict[str, Any]:
         """For the ready line and the stored run."""
         return {"fronts": self.count, "front": "triton", "triton_backend": self.backend,
+                "triton_queue_delay_ms": self.queue_delay_ms,
                 **({"triton_backend_note": self.backend_note} if self.backend_note else {}),
                 "front_restarts": self.restarts,
                 "front_pids": [self.process.pid] if self.process is not None else [],
