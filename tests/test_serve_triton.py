@@ -212,6 +212,26 @@ def test_outputs_equal_the_network_through_triton(triton: Any, reference: Any,
                                                                           protocol)
 
 
+def _send_together(client: Any, count: int) -> None:
+    """`count` single-image gRPC requests sent at once, each answered without an error."""
+    done = threading.Semaphore(0)
+    failures: list[Any] = []
+
+    def answered(result: Any, error: Any) -> None:
+        if error is not None:
+            failures.append(error)
+        done.release()
+
+    for k in range(count):
+        x = _x(1, seed=k)
+        tensor = tgrpc.InferInput("input", list(x.shape), "FP32")
+        tensor.set_data_from_numpy(x)
+        client.async_infer("net", [tensor], answered)
+    for _ in range(count):
+        assert done.acquire(timeout=60)
+    assert not failures, failures
+
+
 @needs_triton
 def test_every_client_request_in_a_triton_batch_is_counted_once(triton: Any) -> None:
     """Behind Triton a runtime request is a Triton batch of one or more client requests:
@@ -223,25 +243,10 @@ def test_every_client_request_in_a_triton_batch_is_counted_once(triton: Any) -> 
         stats = client.get_inference_statistics("net", as_json=True)["model_stats"][0]
         return int(stats.get("inference_count", 0)), int(stats.get("execution_count", 0))
 
-    done = threading.Semaphore(0)
-    failures: list[Any] = []
-
-    def answered(result: Any, error: Any) -> None:
-        if error is not None:
-            failures.append(error)
-        done.release()
-
     try:
         for _ in range(5):  # until a round had Triton batch several requests
             before, (infers, executions) = triton.scrape().get(key, 0.0), triton_counts()
-            for k in range(48):
-                x = _x(1, seed=k)
-                tensor = tgrpc.InferInput("input", list(x.shape), "FP32")
-                tensor.set_data_from_numpy(x)
-                client.async_infer("net", [tensor], answered)
-            for _ in range(48):
-                assert done.acquire(timeout=60)
-            assert not failures, failures
+            _send_together(client, 48)
             # Both sides record a request once it is answered, a moment after its client has
             # its response: each is waited for.
             deadline = time.monotonic() + 10
@@ -513,22 +518,7 @@ def test_triton_s_queue_delay_gathers_a_native_instance_s_requests(net_file: Pat
     client = tgrpc.InferenceServerClient(srv.grpc)
     try:
         assert srv.ready["triton_queue_delay_ms"] == 40.0
-        done = threading.Semaphore(0)
-        failures: list[Any] = []
-
-        def answered(result: Any, error: Any) -> None:
-            if error is not None:
-                failures.append(error)
-            done.release()
-
-        for k in range(48):
-            x = _x(1, seed=k)
-            tensor = tgrpc.InferInput("input", list(x.shape), "FP32")
-            tensor.set_data_from_numpy(x)
-            client.async_infer("net", [tensor], answered)
-        for _ in range(48):
-            assert done.acquire(timeout=60)
-        assert not failures, failures
+        _send_together(client, 48)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             stats = client.get_inference_statistics("net", as_json=True)["model_stats"][0]
