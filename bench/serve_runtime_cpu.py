@@ -11,7 +11,8 @@ commit) each round serves them one after another, so they are compared on one ma
 thread holding the interpreter lock) and prints the shares per thread and frame; compare the
 CPU figures of runs without it. `--module image` serves a one-input module instead (an 8×8
 image into a linear layer): the path ResNet50's requests take. `--front triton` serves it
-behind Triton's server (its batches reach the runtime as descriptors of several rows).
+behind Triton's server (its batches reach the runtime as descriptors of several rows);
+`--triton-queue-delay 0,0.3ms` serves each tree at each of Triton's queue delays in turn.
 
     python bench/serve_runtime_cpu.py --perf-analyzer /tmp/pa/opt/perf_analyzer \
         --src /tmp/base/src,src --rounds 2 --concurrency 64
@@ -80,13 +81,15 @@ def build():
 '''
 
 
-def _one(src: str, folder: Path, args: argparse.Namespace) -> dict[str, Any]:
+def _one(src: str, folder: Path, args: argparse.Namespace, delay: str | None = None,
+         ) -> dict[str, Any]:
     env = dict(os.environ, PYTHONPATH=str(Path(src).resolve()))
     log = (folder / "serve.log").open("w")
     server = subprocess.Popen(
         [sys.executable, "-m", "infermux", "serve", str(folder / "plan.json"), "--http-port",
          "0", "--grpc-port", "0", "--metrics-port", "0", "--json", "--fronts", str(args.fronts),
-         "--front", args.front, "--no-store", "--telemetry", "off"],
+         "--front", args.front, "--no-store", "--telemetry", "off",
+         *(["--triton-queue-delay", delay] if delay is not None else [])],
         stdout=subprocess.PIPE, stderr=log, text=True, env=env)
     assert server.stdout is not None
     line = server.stdout.readline()
@@ -123,7 +126,7 @@ def _one(src: str, folder: Path, args: argparse.Namespace) -> dict[str, Any]:
     rates = [float(ln.split()[-2]) for ln in shown.splitlines() if "Throughput:" in ln]
     rate = rates[-1] if rates else 0.0
     cores = (cpu1 - cpu0) / (t1 - t0)
-    return {"src": src, "requests_per_s": rate, "runtime_cores": cores,
+    return {"src": src, "triton_queue_delay": delay, "requests_per_s": rate, "runtime_cores": cores,
             "runtime_us_per_request": 1e6 * cores / rate if rate else None, "py_spy": spy}
 
 
@@ -140,6 +143,9 @@ def main() -> None:
                    help="serve --front: triton hands the runtime each Triton batch as one "
                    "descriptor of several rows")
     p.add_argument("--fronts", type=int, default=2)
+    p.add_argument("--triton-queue-delay",
+                   help="--front triton: a comma list of serve's --triton-queue-delay values, "
+                   "each served in turn (default: the backend's own)")
     p.add_argument("--py-spy", help="py-spy executable: sample the runtime process for 5 s")
     p.add_argument("--gil", action="store_true", help="with --py-spy: only the lock's holder")
     args = p.parse_args()
@@ -156,11 +162,14 @@ def main() -> None:
     plan = {"name": args.module, "models": [model], "dispatcher": {"cpu_workers": "thread"}}
     (folder / "plan.json").write_text(json.dumps(plan))
     rows = []
+    delays: list[str | None] = (args.triton_queue_delay.split(",") if args.triton_queue_delay
+                                else [None])
     for k in range(args.rounds):
-        for src in args.src.split(","):
-            row = {"round": k + 1, **_one(src, folder, args)}
+        for src, delay in [(s, d) for s in args.src.split(",") for d in delays]:
+            row = {"round": k + 1, **_one(src, folder, args, delay)}
             rows.append(row)
-            print(f"round {k + 1} {src}: {row['requests_per_s']:.0f} requests/s, runtime process "
+            label = src if delay is None else f"{src} (Triton's delay {delay})"
+            print(f"round {k + 1} {label}: {row['requests_per_s']:.0f} requests/s, runtime process "
                   f"{row['runtime_cores']:.2f} cores, {row['runtime_us_per_request'] or 0:.0f} "
                   "us of its CPU per request", flush=True)
             for part in ("by_thread", "own", "inclusive"):

@@ -6,8 +6,9 @@ in its dynamic batcher and hands each batch to a model instance of the plan's mo
 instance links to the runtime process over a Unix socket, is given a slab of shared memory
 like a front process (`serve/fronts.py`), writes each Triton batch's rows into it and sends
 one descriptor; the runtime submits the rows where they lie and writes the outputs into the
-same slots. The plan's dispatcher still decides the batches the workers run (Triton's batcher
-only groups what has queued while an instance was busy: no queue delay).
+same slots. The plan's dispatcher still decides the batches the workers run: Triton's batcher
+only groups what has queued while an instance was busy, and, for the native backend, what comes
+within a short queue delay (`QUEUE_DELAY_MS`), so that the runtime takes fewer descriptors.
 
 Two backends make the instances (`--triton-backend`):
 - `native` (serve/triton_backend.c, built here with the machine's C compiler and cached by
