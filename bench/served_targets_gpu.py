@@ -13,6 +13,10 @@ prints each target beside its bound:
   batch (≥ 1.5×) and served over gRPC, answering its pooled output, within p99 50 ms against
   its offline figure (≥ 0.7) (`bench/transformers_gpu.py`).
 
+The host's own speed goes beside them (`host_speed`: one Python core's time for a fixed loop,
+a host memory copy, the CPU's name and cores): a served figure is bound by the runtime
+process's interpreter lock, so it moves with one core's speed, which differs by host.
+
 `--bert-options` adds torch options to the BERT plan (e.g. `wait=sleep`); `--only` runs one of
 the two; each step gets what is left of `--budget-s`, and a step that runs out is reported as
 such with what it measured. `--summarize DIR` prints the table of a folder written before.
@@ -26,7 +30,9 @@ such with what it measured. `--summarize DIR` prints the table of a folder writt
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import subprocess
 import sys
 import time
@@ -54,6 +60,34 @@ def _commands(args: argparse.Namespace, out: Path) -> dict[str, list[str]]:
                  args.perf_analyzer, "--fronts", "2", "--front", "triton", "--concurrency",
                  args.bert_concurrency, "--shared-memory", "none", "--mixed-sets", ""],
     }
+
+
+def host_speed() -> dict[str, Any]:
+    """The host's CPU: its name, usable cores, and two timings, each the best of five.
+
+    One Python core's time for a 5e6-step loop and a 256 MiB copy in memory (docs/benchmarks.md,
+    hosts P-R: a host whose loop took twice as long served BERT-base at half the rate).
+    """
+    import numpy as np
+
+    def best(fn: Any) -> float:
+        times = []
+        for _ in range(5):
+            began = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - began)
+        return min(times)
+
+    name = ""
+    with contextlib.suppress(OSError):
+        name = next((line.split(":", 1)[1].strip() for line in
+                     Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("model name")), "")
+    a = np.ones(32 * 2**20)
+    b = np.empty_like(a)
+    return {"cpu": name, "cores": len(os.sched_getaffinity(0)),
+            "python_loop_s": round(best(lambda: sum(i * i for i in range(5_000_000))), 4),
+            "host_copy_gb_per_s": round(a.nbytes / best(lambda: np.copyto(b, a)) / 1e9, 2)}
 
 
 def _read(path: Path) -> dict[str, Any] | None:
@@ -148,6 +182,9 @@ def main() -> None:
         p.error(f"--only {','.join(unknown)}: the steps are {', '.join(STEPS)}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    host = host_speed()
+    print(f"host: {host['cpu']}, {host['cores']} cores, Python loop {host['python_loop_s']} s, "
+          f"copy {host['host_copy_gb_per_s']} GB/s", flush=True)
     commands = _commands(args, out)
     began = time.monotonic()
     ran: dict[str, Any] = {}
@@ -168,7 +205,8 @@ def main() -> None:
                      "command": " ".join(commands[step])}
         print(f"{step}: {status} ({ran[step]['wall_s']} s)", flush=True)
     rows = summarize(out)
-    (out / "summary.json").write_text(json.dumps({"steps": ran, "targets": rows}, indent=1))
+    (out / "summary.json").write_text(json.dumps({"host": host, "steps": ran, "targets": rows},
+                                                 indent=1))
     _print(rows)
 
 
