@@ -75,6 +75,8 @@ def summary(report: PredictReport, started: float, args: dict[str, Any]) -> dict
         "power_sources": data["model_info"].get("power_sources", {}),
         "short_epochs": data["budget"].get("short_epochs"),
         "drift_probes_counted": data["budget"].get("drift_probes_counted"),
+        # The machine's own speed by fixed reference work beside the validation.
+        "machine_drift": data["machine_speed"]["drift"],
         "rows": rows(report),
         "misses": miss_terms(report, len(os.sched_getaffinity(0))),
         "missed": {e: data["attribution"][e] for e in ("first", "later")

@@ -27,7 +27,12 @@ Each validated epoch's drift is measured at its own batch (its batch's compute p
 profile of its batch re-measured beside it; the reference configuration only where its batch
 has no figure of its own), the compute probes read the device's power at their batch, and
 each run says per configuration where its energy prediction's power came from
-(`power_sources`) and which probe corrected which epoch (`drift_by_config`).
+(`power_sources`) and which probe corrected which epoch (`drift_by_config`). Beside the
+probes, the machine's own speed by fixed reference work (one core's Python loop and, on a GPU,
+a fixed FP16 product), read after the profiles and after each validated configuration, with a
+spread of a few percent: the `machine` column (each reading over the first's, the wider range
+of the two) says whether the machine itself stayed within ±10% where the step probes' noise
+cannot (`infermux.train.reference`).
 
     # GPU (one command, ≤ 7 min on an H100 host; only the image's torch, torchvision, numpy,
     # psutil and nvidia-ml-py are needed)
@@ -293,6 +298,17 @@ def targets(fig: dict[str, Any]) -> dict[str, Any]:
             f"validated epochs (each configuration's probes together, where out of their noise, "
             f"±{_pct(out['drift_noise_pct'])}) are {applied[0]:.2f}-{applied[1]:.2f}x, "
             "within ±10%")
+    # The machine's own speed (fixed reference work, `infermux.train.reference`): whether it
+    # stayed within ±10% between the profiles and the validated epochs, whatever the step
+    # probes' noise let them show.
+    machine = fig.get("machine_drift") or {}
+    out["machine_range"] = _machine_range(machine)
+    out["machine_within_10pct"] = machine.get("within_10pct")
+    if machine.get("within_10pct") is False:
+        out["said"].append(
+            "the machine's own speed moved past ±10% beside the validation (reference work: "
+            + "; ".join(f"{k} {r['range'][0]:.2f}-{r['range'][1]:.2f}x"
+                        for k, r in machine["by_reference"].items()) + ")")
     for epoch in ("first", "later"):
         t, e = s[f"{epoch}_time_mape_pct"], s[f"{epoch}_energy_mape_pct"]
         out[f"{epoch}_time_ok"] = None if t is None else t <= 10.0
@@ -305,6 +321,12 @@ def targets(fig: dict[str, Any]) -> dict[str, Any]:
             if att["time_missed"] or att.get("energy_missed"):
                 out["said"].append(f"{epoch} epochs: {att['verdict']}")
     return out
+
+
+def _machine_range(machine: dict[str, Any]) -> list[float] | None:
+    """The widest range over the machine's reference works' readings (over the first's)."""
+    ranges = [r["range"] for r in (machine.get("by_reference") or {}).values()]
+    return [min(r[0] for r in ranges), max(r[1] for r in ranges)] if ranges else None
 
 
 def _pct(v: float | None) -> str:
@@ -323,7 +345,7 @@ def _table(results: dict[str, dict]) -> str:
         return f"{v:5.1f}" if v is not None else "    -"
 
     lines = [f"{'run':<34} {'time 1st/later %':>17} {'corrected %':>13} {'in cells %':>13} "
-             f"{'energy %':>13} {'valid.':>7} {'drift':>12} {'probes':>8} plan"]
+             f"{'energy %':>13} {'valid.':>7} {'drift':>12} {'probes':>8} {'machine':>10} plan"]
     for key, fig in results.items():
         s, dr = fig["scores"], fig.get("drift") or {}
         rng = dr.get("range")
@@ -331,6 +353,8 @@ def _table(results: dict[str, dict]) -> str:
         # `!`: beyond ±10% and out of the probes' noise (the drift corrected for).
         moved = bool(applied) and max(abs(r - 1) for r in applied) > 0.1
         drift = f"{rng[0]:.2f}-{rng[1]:.2f}{'!' if moved else ' '}" if rng else "-"
+        m = _machine_range(fig.get("machine_drift") or {})
+        machine = f"{m[0]:.2f}-{m[1]:.2f}" if m else "-"
         lines.append(
             f"{key:<34} {pct(s['first_time_mape_pct'])} / {pct(s['later_time_mape_pct'])} "
             f"{pct(s.get('first_time_mape_drift_corrected_pct'))} / "
@@ -339,7 +363,7 @@ def _table(results: dict[str, dict]) -> str:
             f"{pct(s.get('later_time_mape_in_cells_pct'))} "
             f"{pct(s['first_energy_mape_pct'])} / {pct(s['later_energy_mape_pct'])} "
             f"{s['configurations']:>3}/{s.get('held_out', '?'):<3} "
-            f"{drift:>12} {_bases(dr):>8} {fig.get('profile_mode')}")
+            f"{drift:>12} {_bases(dr):>8} {machine:>10} {fig.get('profile_mode')}")
     return "\n".join(lines)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -19,6 +20,7 @@ from infermux.train import DataSpec, Grid, TrainConfig
 from infermux.train.components import PROBE_POWER_MIN_S, fit_components
 from infermux.train.predict import predict_all
 from infermux.train.profile import measure_compute, measure_configs, prepare
+from infermux.train.reference import read_speed, speed_drift
 from infermux.train.run import PredictReport, drift_basis, repredict, short_epoch_line
 from infermux.train.steady import epoch_body
 
@@ -67,6 +69,14 @@ def test_a_validated_configuration_is_probed_for_drift_at_its_own_batch(
     assert budget["total_epochs_with_drift_probes"] == pytest.approx(
         budget["total_epochs"] + budget["drift_probe_epochs"])
     assert "not in it" in budget["drift_probes_counted"]
+    # The machine's own speed: read after the profiles, then after the validated configuration.
+    machine = report["machine_speed"]
+    assert [r["when"] for r in machine["readings"]] == ["the profiles", validated[0]["label"]]
+    for reading in machine["readings"]:
+        assert reading["python_loop"]["s"] > 0
+        assert "device_matmul" not in reading  # a CPU run
+    loop = machine["drift"]["by_reference"]["python_loop"]
+    assert loop["range"][0] <= 1.0 <= loop["range"][1] and loop["noise"] >= 0
     with Store(db) as store:
         again = repredict(store, report["run_id"], method="simple")
     (stored,) = again["drift"]["per_config"]
@@ -246,3 +256,35 @@ def test_a_probe_s_power_read_stops_at_its_share_of_the_rule_counted_in_time() -
     assert 4 <= steps < 25
     assert wall <= 30 * repeat * 1.15 + 0.02
     assert _probe_steps(1.0, times=3)[0] == 3
+
+
+def test_the_machine_s_drift_is_each_reading_over_the_first_with_its_spread() -> None:
+    """`speed_drift`: per reference, the range of each reading's time over the first's, the
+    largest spread among its repeats, and whether every ratio stayed within ±10%."""
+    def reading(loop_s: float, product_s: float, spread: float = 0.01) -> dict[str, Any]:
+        return {"when": "x", "python_loop": {"s": loop_s, "spread": spread},
+                "device_matmul": {"s": product_s, "spread": 0.002}}
+
+    assert speed_drift([reading(0.05, 0.004)]) is None  # one reading: nothing to compare
+    held = speed_drift([reading(0.05, 0.004), reading(0.052, 0.0038, 0.03),
+                        reading(0.049, 0.0041)])
+    assert held is not None and held["within_10pct"] and held["readings"] == 3
+    loop = held["by_reference"]["python_loop"]
+    assert loop["range"] == pytest.approx([0.98, 1.04]) and loop["noise"] == 0.03
+    assert held["by_reference"]["device_matmul"]["range"] == pytest.approx([0.95, 1.025])
+    moved = speed_drift([reading(0.05, 0.004), reading(0.05, 0.0046)])
+    assert moved is not None and not moved["within_10pct"]  # the device 1.15x slower
+
+
+def test_a_reading_of_the_reference_work_times_each_part_on_this_machine() -> None:
+    got = read_speed("cpu", "the profiles")
+    assert got["when"] == "the profiles" and set(got) == {"when", "python_loop"}  # no GPU
+    assert got["python_loop"]["s"] > 0 and got["python_loop"]["spread"] >= 0
+
+
+def test_a_gpu_reading_times_the_device_s_fixed_product() -> None:
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    got = read_speed("cuda:0", "the profiles")
+    assert got["device_matmul"]["s"] > 0 and got["python_loop"]["s"] > 0

@@ -261,6 +261,16 @@ def train_predict(
                       f"the profile-time figure per minibatch): MAPE time first "
                       f"{num(scores['first_time_mape_drift_corrected_pct'], 1)}%, later "
                       f"{num(scores['later_time_mape_drift_corrected_pct'], 1)}%")
+        machine = data_out["machine_speed"]["drift"]
+        if machine:
+            names = {"python_loop": "one core's Python loop", "device_matmul": "device FP16 product"}
+            out.print("the machine's own speed beside the validation (fixed reference work, "
+                      "each reading's time over the one after the profiles): " + "; ".join(
+                          f"{names[k]} {num(r['range'][0], 3)}–{num(r['range'][1], 3)}× "
+                          f"(repeats' spread {num(100 * r['noise'], 1)}%)"
+                          for k, r in machine["by_reference"].items())
+                      + (": within ±10%" if machine["within_10pct"] else ": [yellow]moved past "
+                         "±10%[/]"))
         # Which term of the model missed, from the validated epochs' own minibatches.
         for epoch in ("first", "later"):
             missed = (report.attribution.get(epoch) or {}).get("verdict")

@@ -52,6 +52,7 @@ from infermux.train.profile import (
     recorded,
     start_sampler,
 )
+from infermux.train.reference import read_speed, speed_drift
 from infermux.train.steady import MIN_STEADY_STEPS, warmup_steps
 
 __all__ = ["PredictReport", "drift_basis", "repredict", "run_train_predict"]
@@ -94,6 +95,9 @@ class PredictReport:
     #: Which rule could not hold and why, where epochs are too short for any profile
     #: (`short_epoch_line`); None where every configuration could be profiled within it.
     short_epochs: str | None = None
+    #: The machine's own speed by fixed reference work, read after the profiles and after
+    #: each validated configuration (`reference.read_speed`; reported, never applied).
+    machine_speed: list[dict[str, Any]] = field(default_factory=list)
 
     def scores(self) -> dict[str, Any]:
         """MAPE of the held-out (not profiled) configurations that were measured, %."""
@@ -240,6 +244,8 @@ class PredictReport:
             "notes": self.notes, "elapsed_s": self.elapsed_s, "profile_s": self.profile_s,
             "validate_s": self.validate_s, "drift": self.drift,
             "profile_mode": self.profile_mode, "attribution": self.attribution,
+            "machine_speed": {"readings": self.machine_speed,
+                              "drift": speed_drift(self.machine_speed)},
         }
 
 
@@ -674,6 +680,8 @@ def _predict_body(setup: TrainSetup, report: PredictReport, rec: Recording, *,
         "budget": {k: v for k, v in report.budget(config.profile_share).items()
                    if k != "per_config"}, "drift": report.drift,
         "profile_mode": report.profile_mode,
+        "machine_speed": {"readings": report.machine_speed,
+                          "drift": speed_drift(report.machine_speed)},
         "missed": {e: report.attribution[e]["verdict"] for e in ("first", "later")
                    if e in report.attribution},
         "elapsed_s": time.perf_counter() - started}
@@ -1011,6 +1019,9 @@ def _validate(setup: TrainSetup, report: PredictReport, validate: int | None,
 
     if budget_s is not None and order and expected_s(order[0]) > budget_s:
         order = []  # not even the first fits: no probe for it either
+    unit = setup.config.unit
+    if order:  # the machine's own speed before the first validated epoch, then after each
+        report.machine_speed.append(read_speed(unit, "the profiles"))
     for n, i in enumerate(order):
         spent = time.perf_counter() - started
         if budget_s is not None and spent + expected_s(i) > budget_s:
@@ -1022,6 +1033,7 @@ def _validate(setup: TrainSetup, report: PredictReport, validate: int | None,
         recs, _ = measure_configs(setup, [configs[i]], kind="epoch", indices=[i])
         report.validation += recs
         after = probe(i, 2 * n + 1, "after")
+        report.machine_speed.append(read_speed(unit, configs[i].label))
         around[i] = [x for x in (before, after) if x is not None]
         costs.append(time.perf_counter() - t)
         predicted.append(sum(e["predicted_s"] or 0.0
