@@ -70,13 +70,7 @@ def host_speed() -> dict[str, Any]:
     """
     import numpy as np
 
-    def best(fn: Any) -> float:
-        times = []
-        for _ in range(5):
-            began = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - began)
-        return min(times)
+    from infermux.train.reference import best_of
 
     name = ""
     with contextlib.suppress(OSError):
@@ -86,8 +80,8 @@ def host_speed() -> dict[str, Any]:
     a = np.ones(32 * 2**20)
     b = np.empty_like(a)
     return {"cpu": name, "cores": len(os.sched_getaffinity(0)),
-            "python_loop_s": round(best(lambda: sum(i * i for i in range(5_000_000))), 4),
-            "host_copy_gb_per_s": round(a.nbytes / best(lambda: np.copyto(b, a)) / 1e9, 2)}
+            "python_loop_s": round(best_of(lambda: sum(i * i for i in range(5_000_000)))["s"], 4),
+            "host_copy_gb_per_s": round(a.nbytes / best_of(lambda: np.copyto(b, a))["s"] / 1e9, 2)}
 
 
 def _read(path: Path) -> dict[str, Any] | None:

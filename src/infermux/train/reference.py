@@ -21,7 +21,7 @@ import statistics
 import time
 from typing import Any
 
-__all__ = ["REPEATS", "read_speed", "speed_drift"]
+__all__ = ["REPEATS", "best_of", "read_speed", "speed_drift"]
 
 #: Repeats of each reference per reading: its best is the reading, its spread the noise.
 REPEATS = 5
@@ -31,13 +31,14 @@ LOOP_STEPS = 1_000_000
 MATMUL_SIDE, MATMUL_TIMES = 2048, 10
 
 
-def _timed(fn: Any) -> list[float]:
+def best_of(fn: Any) -> dict[str, float]:
+    """`fn` timed `REPEATS` times on the host clock: its best (s) and spread (`_entry`)."""
     times = []
     for _ in range(REPEATS):
         began = time.perf_counter()
         fn()
         times.append(time.perf_counter() - began)
-    return times
+    return _entry(times)
 
 
 def _entry(times: list[float]) -> dict[str, float]:
@@ -49,7 +50,7 @@ def _entry(times: list[float]) -> dict[str, float]:
 def read_speed(unit: str, when: str) -> dict[str, Any]:
     """One reading of each reference on `unit`'s machine (`when`: what it was taken after)."""
     reading: dict[str, Any] = {"when": when}
-    reading["python_loop"] = _entry(_timed(lambda: sum(i * i for i in range(LOOP_STEPS))))
+    reading["python_loop"] = best_of(lambda: sum(i * i for i in range(LOOP_STEPS)))
     if unit.startswith("cuda"):
         import torch
 
