@@ -70,6 +70,19 @@ def test_ready_handshake_and_real_cpu_readings():
     assert cpu.extra["process_cpu_pct"] > 10.0  # this process was busy
 
 
+def test_a_read_right_after_another_is_measured_over_a_window_of_clock_ticks():
+    source = CpuSource()
+    deadline = time.perf_counter() + 0.3
+    x = 0
+    while time.perf_counter() < deadline:  # keep one core busy
+        x += 1
+    source.read()
+    again = source.read()[0]  # microseconds later: no kernel tick between the two reads
+    assert again.extra["process_cpu_pct"] > 50.0
+    assert len(again.cores_util_pct) == psutil.cpu_count()
+    assert max(again.cores_util_pct) > 50.0
+
+
 def test_rate_window_and_flush():
     source = CountingSource()
     with Sampler([source], interval_s=0.02) as sampler:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,20 @@ from infermux.telemetry.base import Reading, Source
 __all__ = ["CpuSource", "RaplDomain", "find_rapl", "wrap_delta"]
 
 POWERCAP = Path("/sys/class/powercap")
+
+#: Utilisation is a difference of tick counters that advance in the kernel's clock ticks
+#: (10 ms at the usual 100 Hz). A read sooner than this after the previous one (a flush just
+#: after a periodic tick) is measured from an earlier read, so it never reports 0 or nothing
+#: for lack of a tick.
+MIN_UTIL_WINDOW_S = 0.05
+
+
+def _base(reads: deque[tuple[int, Any]], now_ns: int) -> tuple[int, Any]:
+    """The newest read at least `MIN_UTIL_WINDOW_S` before `now_ns`, else the oldest kept."""
+    for t_ns, value in reversed(reads):
+        if now_ns - t_ns >= MIN_UTIL_WINDOW_S * 1e9:
+            return t_ns, value
+    return reads[0]
 
 
 def wrap_delta(previous: int, current: int, max_range: int) -> int:
@@ -108,8 +123,11 @@ class CpuSource(Source):
         self._process = psutil.Process()
         # Utilisation is computed from two reads of the tick counters (/proc/stat and
         # /proc/self/stat), one file each per tick: psutil's cpu_percent() reads more.
-        self._last_cores = psutil.cpu_times(percpu=True)
-        self._last_process = (time.perf_counter_ns(), self._process_cpu_s())
+        now_ns = time.perf_counter_ns()
+        self._core_reads: deque[tuple[int, Any]] = deque(
+            [(now_ns, psutil.cpu_times(percpu=True))], maxlen=8)
+        self._process_reads: deque[tuple[int, float]] = deque(
+            [(now_ns, self._process_cpu_s())], maxlen=8)
         domains, note = find_rapl(powercap)
         if note:
             self.notes.append(note)
@@ -143,22 +161,23 @@ class CpuSource(Source):
         times = self._process.cpu_times()
         return float(times.user + times.system)
 
-    def _cores_util_pct(self) -> tuple[float, ...]:
+    def _cores_util_pct(self, now_ns: int) -> tuple[float, ...]:
         now = psutil.cpu_times(percpu=True)
+        _, base = _base(self._core_reads, now_ns)
+        self._core_reads.append((now_ns, now))
         util = []
-        for before, after in zip(self._last_cores, now, strict=False):
+        for before, after in zip(base, now, strict=False):
             total = sum(after) - sum(before)
-            if total <= 0:  # no tick of the kernel's clock since the last read: no figure
+            if total <= 0:  # no tick of the kernel's clock since the base read: no figure
                 return ()
             idle = (after.idle - before.idle) + (getattr(after, "iowait", 0.0)
                                                  - getattr(before, "iowait", 0.0))
             util.append(max(0.0, min(100.0, 100.0 * (total - idle) / total)))
-        self._last_cores = now
         return tuple(util)
 
     def read(self) -> list[Reading]:
         """One reading for the CPU."""
-        cores = self._cores_util_pct()
+        cores = self._cores_util_pct(time.perf_counter_ns())
         chosen = [cores[i] for i in self._cores if i < len(cores)] if self._cores else list(cores)
         reading = Reading(
             source=self.name, device="cpu", cores_util_pct=cores,
@@ -166,10 +185,10 @@ class CpuSource(Source):
         )
         with contextlib.suppress(psutil.Error):
             now_ns, cpu_s = time.perf_counter_ns(), self._process_cpu_s()
-            last_ns, last_s = self._last_process
+            last_ns, last_s = _base(self._process_reads, now_ns)
             if now_ns > last_ns:
                 reading.extra["process_cpu_pct"] = 100.0 * (cpu_s - last_s) / ((now_ns - last_ns) / 1e9)
-            self._last_process = (now_ns, cpu_s)
+            self._process_reads.append((now_ns, cpu_s))
         if self._has_freq:
             freq = psutil.cpu_freq()
             if freq is not None and freq.current:
