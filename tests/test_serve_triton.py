@@ -138,7 +138,13 @@ def test_a_bad_front_or_options_it_cannot_take_exit_with_one_line(tmp_path: Path
                             (["--front", "triton", "--triton-queue-delay", "2s"],
                              "--triton-queue-delay 2000ms is out of range: use 0 to 100ms"),
                             (["--front", "triton", "--triton-queue-delay", "soon"],
-                             "--triton-queue-delay 'soon' is not a duration")):
+                             "--triton-queue-delay 'soon' is not a duration"),
+                            (["--triton-queue-delay", "1ms"],
+                             "--triton-queue-delay set Triton's front, and this server's front "
+                             "is own: add --front triton, or leave it out"),
+                            (["--front", "own", "--triton-backend", "native", "--triton-home",
+                              str(tmp_path)],
+                             "--triton-home, --triton-backend set Triton's front")):
         done = subprocess.run([sys.executable, "-m", "infermux", "serve", str(plan), "--no-store",
                                *extra], capture_output=True, text=True, timeout=120,
                               env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"})

@@ -197,6 +197,16 @@ class ServeSettings:
         if self.front not in ("own", "triton"):
             raise UsageError(f"--front {self.front!r} is not a front: use own (infermux's "
                              "fronts) or triton (Triton's server)")
+        if self.front != "triton":
+            given = [option for option, value in (
+                ("--triton-home", self.triton_home),
+                ("--triton-python-path", self.triton_python_path),
+                ("--triton-backend", None if self.triton_backend == "auto" else self.triton_backend),
+                ("--triton-queue-delay", self.triton_queue_delay_ms)) if value is not None]
+            if given:
+                raise UsageError(f"{', '.join(given)} set Triton's front, and this server's front "
+                                 f"is {self.front}: add --front triton, or leave "
+                                 f"{'them' if len(given) > 1 else 'it'} out")
         if self.front == "triton":
             if self.fronts == 0:
                 raise UsageError("--front triton --fronts 0: give at least 1 instance per model")
