@@ -223,3 +223,50 @@ def test_export_of_unexportable_model_fails_the_build_naming_the_operator(cpu: U
 def test_engines_share_one_export(cpu: Unit, tiny: LoadedModel) -> None:
     paths = {_engine(n).build(tiny, cpu, 1, {}).options["onnx_file"] for n in ONNX_ENGINES}
     assert len(paths) == 1 and paths == {str(export_onnx(tiny).path)}
+
+
+CLASSES = '''
+import torch
+from torch import nn
+
+
+class Classes(nn.Module):
+    """Scores, the best class (int64) and whether each score is positive (bool)."""
+
+    input_shape = (12,)
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(12, 5)
+
+    def forward(self, x):
+        scores = self.head(x)
+        return scores, scores.argmax(1), scores > 0
+
+
+def build():
+    torch.manual_seed(0)
+    return Classes()
+'''
+
+
+@pytest.mark.parametrize("name", ["torch", *ONNX_ENGINES])
+def test_integer_and_bool_outputs_come_back_as_themselves(name: str, cpu: Unit,
+                                                          tmp_path: Path) -> None:
+    """A float output is float32 whatever it was computed in; a class id stays int64 and a
+    flag bool (they were float32 copies, which rounds ids past 2**24 and makes flags 0.0/1.0)."""
+    import torch
+
+    path = tmp_path / "classes.py"
+    path.write_text(CLASSES)
+    model = load_model(f"{path}:build")
+    x = np.random.default_rng(0).standard_normal((4, 12)).astype(np.float32)
+    with torch.no_grad():
+        want = [t.numpy() for t in model.module(torch.from_numpy(x))]
+    runner = _engine(name).build(model, cpu, 4, {})
+    runner.infer(x)
+    scores, label, positive = runner.outputs()
+    assert (scores.dtype, label.dtype, positive.dtype) == (np.float32, np.int64, np.bool_)
+    np.testing.assert_allclose(scores, want[0], atol=1e-5)
+    np.testing.assert_array_equal(label, want[1])
+    np.testing.assert_array_equal(positive, want[2])

@@ -140,7 +140,7 @@ def test_a_batch_takes_the_oldest_items_length_bucket_and_keeps_the_others_in_or
 @pytest.mark.parametrize("hosting", ["thread", "process"])
 def test_a_two_input_onnx_file_runs_a_plan_on_onnxruntime(two, hosting):
     report = run_plan(_plan(two[1], engine="onnxruntime", hosting=hosting, seq_buckets=[4, 8],
-                            lengths="uniform:2-8"))
+                            lengths="4,8"))
     final = report.final
     assert report.status == "complete", report.error
     assert final.valid and final.items_per_s > 0 and not final.failed, final
@@ -218,6 +218,40 @@ def test_a_plan_input_that_does_not_fit_is_one_line(two, inputs, message):
     assert "\n" not in str(caught.value)
 
 
+def test_a_model_without_a_mask_is_never_padded(two, bert):
+    """The two-input network averages its ids' embeddings: padding 5 ids to 8 changes its
+    scores, so its queries run only at the lengths it compiles. The tiny BERT masks its
+    padding, so any length up to its longest runs, at its own outputs."""
+    from infermux.engines import create_engine
+    from infermux.runtime.inputs import SeqRunner
+    from infermux.units import discover, select_units
+
+    io = load_model(two[1]).spec_io
+    assert not io.pads_exactly and load_model(bert).spec_io.pads_exactly
+    ids = TensorSpec("ids", "int64", ("seq",))
+    assert IOSpec((ids, TensorSpec("padding_mask", "int64", ("seq",)))).pads_exactly  # by name
+    assert not IOSpec((ids, TensorSpec("segments", "int64", ("seq",)))).pads_exactly
+    assert IOSpec((TensorSpec("x", "float32", (3,)),)).pads_exactly  # nothing to pad
+    module = load_model(two[0]).module
+    features, ids = np.zeros((1, 16), np.float32), np.arange(5)[None]
+    padded = np.concatenate([ids, np.zeros((1, 3), np.int64)], axis=1)
+    with torch.no_grad():  # why: the padding is data to this network
+        assert not torch.allclose(module(torch.from_numpy(features), torch.from_numpy(ids)),
+                                  module(torch.from_numpy(features), torch.from_numpy(padded)))
+    with pytest.raises(UsageError, match=r"^plan field load.lengths: uniform:2-8 draws lengths "
+                                         r"m does not compile \(2, 3, 5, 6, \.\.\.\), and it has "
+                                         r"no mask input .* \(e\.g\. 4,8\)"):
+        run_plan(_plan(two[1], engine="onnxruntime", seq_buckets=[4, 8], lengths="uniform:2-8"))
+    # Served rows that reach a runner anyway (the runtime's own API) fail there, not padded.
+    engine, unit = create_engine("onnxruntime"), select_units("cpu", discover())[0]
+    model = load_model(two[1])
+    runner = SeqRunner(io, {n: engine.build(model, unit, 2, length=n) for n in (4, 8)})
+    with pytest.raises(UsageError, match=r"sequence length 5 given; the model has no mask input"):
+        runner.gather_input(runner.prepare_rows([[features[0], ids[0]]]), [0])
+    runner.gather_input(runner.prepare_rows([[features[0], padded[0]]]), [0])
+    assert runner.length == 8
+
+
 def test_lengths_past_the_buckets_and_buckets_without_a_length_are_refused(two, tmp_path):
     with pytest.raises(UsageError, match=r"load.lengths uniform:2-64 go past "
                                          r"models\[0\].seq_buckets \[4, 8\]"):
@@ -230,9 +264,9 @@ def test_lengths_past_the_buckets_and_buckets_without_a_length_are_refused(two, 
 
 
 def test_run_takes_query_lengths_and_reports_tokens_per_second(two, tmp_path):
-    """`infermux run --lengths uniform:2-8` on a two-input ONNX file: queries are generated from
-    its spec at lengths 2 to 8, and tokens/s (each query at its own length) is in the output,
-    the JSON and the store."""
+    """`infermux run --lengths 4,8` on a two-input ONNX file: queries are generated from its
+    spec at lengths 4 and 8 (it has no mask, so only the lengths it compiles), and tokens/s
+    (each query at its own length) is in the output, the JSON and the store."""
     import json
     import sqlite3
 
@@ -247,17 +281,17 @@ def test_run_takes_query_lengths_and_reports_tokens_per_second(two, tmp_path):
         "dispatcher": {"cpu_workers": "thread"},
         "load": {"min_duration_s": 0.3, "min_queries": 32, "sample_pool": 64}}))
     db = tmp_path / "runs.db"
-    run = invoke_cli("run", str(path), "--lengths", "uniform:2-8", "--json", "--db", str(db))
+    run = invoke_cli("run", str(path), "--lengths", "4,8", "--json", "--db", str(db))
     assert run.returncode == 0, run.stderr
     result = json.loads(run.stdout)["result"]
     model = result["models"]["two"]
-    assert 2 <= model["mean_length"] <= 8, model
+    assert 4 <= model["mean_length"] <= 8, model
     assert model["tokens_per_s"] == pytest.approx(model["items_per_s"] * model["mean_length"])
     assert result["tokens_per_s"] == pytest.approx(model["tokens_per_s"])
     with sqlite3.connect(db) as con:
         stored = json.loads(con.execute("SELECT record_json FROM run_trials").fetchone()[0])
     assert stored["tokens_per_s"] == pytest.approx(result["tokens_per_s"])
-    text = invoke_cli("run", str(path), "--lengths", "6", "--no-store")
+    text = invoke_cli("run", str(path), "--lengths", "8", "--no-store")
     assert text.returncode == 0, text.stderr
     assert "tok/s" in text.stdout
     bad = invoke_cli("run", str(path), "--lengths", "uniform:2-64", "--no-store")

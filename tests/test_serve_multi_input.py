@@ -36,6 +36,40 @@ pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs POS
 _BERT_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 
 
+#: A classifier that answers its scores (FP32), its best class (INT64) and an id past FP32's 24
+#: bits (INT64): integer outputs must cross every front as themselves, exactly.
+LABELS = '''
+import torch
+from torch import nn
+
+
+class Labels(nn.Module):
+    input_shape = (3, 2, 2)
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(12, 5)
+
+    def forward(self, x):
+        scores = self.head(x.flatten(1))
+        label = scores.argmax(1)
+        return scores, label, label + 2**40 + 3
+
+
+def build():
+    torch.manual_seed(0)
+    return Labels()
+'''
+
+
+@pytest.fixture(scope="module")
+def labels(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The factory reference of `LABELS`, written to a file."""
+    path = tmp_path_factory.mktemp("labels") / "labels.py"
+    path.write_text(LABELS)
+    return f"{path}:build"
+
+
 def _several_plan(tiny_bert: str, two_inputs: tuple[str, str]) -> dict[str, Any]:
     return {"name": "several", "models": [
         {"name": "bert", "model": tiny_bert, "seq_buckets": [8, 16],
@@ -250,6 +284,75 @@ def test_several_inputs_through_triton_equal_the_network(
         triton_server, bert_module, two_module, protocol)
 
 
+def _integer_outputs_exact(srv: Server, labels: str) -> None:
+    """The labels model's class and big id come back INT64 and exact over HTTP (binary and
+    JSON) and gRPC, as its metadata says; its scores stay FP32."""
+    import torch
+
+    from infermux.models import load_model
+
+    module = load_model(labels).module
+    x = np.random.default_rng(0).standard_normal((3, 3, 2, 2)).astype(np.float32)
+    with torch.no_grad():
+        want = [t.numpy() for t in module(torch.from_numpy(x))]
+    assert want[2].max() > 2**40  # past what FP32 holds exactly
+    names = ["output_0", "output_1", "output_2"]
+    for mod, url in ((thttp, srv.http), (tgrpc, srv.grpc)):
+        client = mod.InferenceServerClient(url)
+        try:
+            meta = client.get_model_metadata("labels")
+            outputs = meta["outputs"] if isinstance(meta, dict) else [
+                {"name": o.name, "datatype": o.datatype} for o in meta.outputs]
+            assert [(o["name"], o["datatype"]) for o in outputs] == list(
+                zip(names, ["FP32", "INT64", "INT64"], strict=True))
+            tensor = mod.InferInput("input", list(x.shape), "FP32")
+            tensor.set_data_from_numpy(x)
+            for binary in ((True, False) if mod is thttp else (True,)):
+                asked = ([thttp.InferRequestedOutput(n, binary_data=binary) for n in names]
+                         if mod is thttp else None)
+                result = client.infer("labels", [tensor], outputs=asked)
+                np.testing.assert_allclose(result.as_numpy("output_0"), want[0], atol=1e-5)
+                for name, expected in zip(names[1:], want[1:], strict=True):
+                    got = result.as_numpy(name)
+                    assert got.dtype == np.int64, (url, binary, name, got.dtype)
+                    np.testing.assert_array_equal(got.reshape(expected.shape), expected)
+        finally:
+            client.close()
+
+
+@pytest.mark.parametrize("front", ["own", "triton:native", "triton:python"])
+def test_integer_outputs_cross_every_front_as_themselves(labels: str, front: str,
+                                                         tmp_path_factory: pytest.TempPathFactory
+                                                         ) -> None:
+    """Two front processes, or Triton's server with either backend: the slabs hold each output
+    in its own dtype, and Triton's configuration states it."""
+    kind, _, backend = front.partition(":")
+    if kind == "triton":
+        from infermux.errors import UsageError
+        from infermux.serve.triton_front import find_triton
+
+        try:
+            find_triton()
+        except UsageError as exc:
+            pytest.skip(f"no Triton build: {exc}")
+    plan = {"name": "labels", "models": [
+        {"name": "labels", "model": labels, "input_shape": [3, 2, 2],
+         "replicas": [{"unit": "cpu:0", "engine": "torch", "batch": 4}]}],
+        "dispatcher": {"max_queue_delay_ms": 1, "cpu_workers": "thread"}}
+    srv = Server(tmp_path_factory.mktemp("serve_labels"), plan, "--fronts", "2", "--front", kind,
+                 *(["--triton-backend", backend] if backend else []))
+    try:
+        _integer_outputs_exact(srv, labels)
+        if kind == "triton":
+            assert srv.ready["triton_backend"] == backend
+            config = thttp.InferenceServerClient(srv.http).get_model_config("labels")
+            assert [o["data_type"] for o in config["output"]] == [
+                "TYPE_FP32", "TYPE_INT64", "TYPE_INT64"]
+    finally:
+        code, out = srv.stop()
+    assert code == 0, out
+
+
 def test_triton_answers_only_the_outputs_asked_for(triton_server: Server,
                                                   bert_module: Any) -> None:
     request = _bert_request(2, 12, seed=3)
@@ -325,10 +428,28 @@ def test_several_inputs_from_system_shared_memory(server: Server, bert_module: A
     ("bert", {"all": ("INT64", (1, 20))},
      "input 'input_ids': sequence length 20 given, the model takes at most 16"),
     ("two", {"features": ("FP32", (1, 15))}, "input 'features' shape [1, 15] does not match"),
+    # Its ids are a bag of embeddings with no mask: padding 5 ids to 8 would change its scores.
+    ("two", {"ids": ("INT64", (1, 5))}, "input 'ids': sequence length 5 given; model 'two' has "
+     "no mask input, so padding would change its outputs, and it runs only at the lengths it "
+     "compiles (8)"),
 ])
 def test_a_bad_input_is_400_or_invalid_argument_naming_it(server: Server, model: str,
                                                           change: dict[str, Any],
                                                           message: str) -> None:
+    _refused_naming_it(server, model, change, message)
+
+
+def test_behind_triton_a_model_without_a_mask_refuses_a_length_it_does_not_compile(
+        triton_server: Server) -> None:
+    """Triton passes any length of a -1 dim; the runtime refuses one it cannot pad, each
+    backend's request answered with the runtime's line, and the model serves on."""
+    _refused_naming_it(triton_server, "two", {"ids": ("INT64", (1, 5))},
+                       "sequence length 5 given; model 'two' has no mask input")
+    request = {"features": np.zeros((2, 16), np.float32), "ids": np.ones((2, 8), np.int64)}
+    assert _infer("grpc", triton_server, "two", request, ["scores"])["scores"].shape == (2, 4)
+
+
+def _refused_naming_it(server: Server, model: str, change: dict[str, Any], message: str) -> None:
     for protocol, mod, url in (("http", thttp, server.http), ("grpc", tgrpc, server.grpc)):
         request = (_bert_request(1, 5, 0) if model == "bert" else
                    {"features": np.zeros((1, 16), np.float32), "ids": np.ones((1, 5), np.int64)})

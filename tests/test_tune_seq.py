@@ -154,6 +154,16 @@ def test_tune_bucket_options_that_cannot_work_are_one_line(tiny_bert, two_inputs
     assert seq_sets(_request(tiny_bert, seq_buckets=[64, 16]), bert) == {"bert": [(16, 64)]}
     with pytest.raises(UsageError, match="at least 1"):
         _request(tiny_bert, seq_buckets=[0])
+    # A model with no mask input compiles exactly the lengths it is sent (never padded).
+    two = {"two": load_model(two_inputs[1])}
+    assert seq_sets(_request(two_inputs[1], trial=TrialSettings(lengths="8,4,8")), two) == {
+        "two": [(4, 8)]}
+    with pytest.raises(UsageError, match=r"uniform:8-64: model two has no mask input, .* that "
+                                         r"is 57 lengths: give --lengths as a list"):
+        seq_sets(_request(two_inputs[1]), two)
+    with pytest.raises(UsageError, match=r"--seq 4,16 leaves out 8: add them to --seq"):
+        seq_sets(_request(two_inputs[1], seq_buckets=[4, 16],
+                          trial=TrialSettings(lengths="4,8")), two)
     res = invoke_cli("tune", "-m", "mobilenet_v3_small", "--units", "cpu", "--lengths",
                   "uniform:8-64", "--db", str(tmp_path / "t.db"))
     assert res.returncode == 2

@@ -78,8 +78,11 @@ class TensorSpec:
                 raise UsageError(f"input {self.name!r}: dimension {dim!r} is neither a size ≥ 1 "
                                  "nor the name of a dynamic dimension (e.g. 'seq')")
         object.__setattr__(self, "shape", tuple(dims))
+        # An integer input named as a mask (attention_mask, padding_mask) holds ones, as a
+        # bool one does: generated as such, and it lets padding stay out (`pads_exactly`).
         values = self.values or ("normal" if self.is_float else
-                                 "ones" if self.dtype == "bool" else "ids")
+                                 "ones" if self.dtype == "bool" or "mask" in self.name.lower()
+                                 else "ids")
         if values not in VALUES:
             raise UsageError(f"input {self.name!r}: values {self.values!r} unknown: use one of "
                              f"{', '.join(VALUES)}")
@@ -195,6 +198,30 @@ class IOSpec:
         """One float input of fixed shape: the case every path of infermux runs."""
         return (len(self.inputs) == 1 and self.inputs[0].is_float
                 and not self.inputs[0].dynamic)
+
+    @property
+    def pads_exactly(self) -> bool:
+        """Whether an item padded to a longer compiled length keeps its own outputs.
+
+        True without a dynamic dim, or with an input that masks the sequence (values "ones": an
+        attention mask, 0 past an item's own length). A model without one (a bag of
+        embeddings, a convolution over the sequence) reads the padding as data, so its items
+        run only at lengths it compiles (`check_exact_length`).
+        """
+        return not self.dynamic_dims or any(t.values == "ones" and t.dynamic for t in self.inputs)
+
+    def check_exact_length(self, length: int | None, compiled: Sequence[int | None],
+                           name: str) -> None:
+        """For a model that cannot be padded: `length` must be one of `compiled`; one line if not."""
+        lengths = sorted(n for n in compiled if n is not None)
+        if self.pads_exactly or length is None or not lengths or length in lengths:
+            return
+        seq = next(t.name for t in self.inputs if t.dynamic)
+        model = f"model {name!r}" if name else "the model"
+        raise UsageError(f"input {seq!r}: sequence length {length} given; {model} has no "
+                         "mask input, so padding would change its outputs, and it runs only at "
+                         f"the lengths it compiles ({', '.join(map(str, lengths))}): send one of "
+                         f"those, or add {length} to its seq_buckets")
 
     @property
     def dynamic_dims(self) -> tuple[str, ...]:
@@ -342,9 +369,7 @@ def from_onnx(path: Path) -> IOSpec | None:
                 dims.append(dim.dim_param if _DIM_NAME.match(dim.dim_param or "")
                             else f"{value.name}_dim{i}")
         high = vocab.get(value.name) if is_input and dtype.startswith("int") else None
-        values = ("ones" if is_input and dtype.startswith("int") and "mask" in value.name.lower()
-                  else "")
-        return TensorSpec(value.name, dtype, tuple(dims), values=values, high=high)
+        return TensorSpec(value.name, dtype, tuple(dims), high=high)
 
     inputs = [spec(v, is_input=True) for v in graph.input if v.name not in initialisers]
     if not inputs:

@@ -37,6 +37,7 @@ __all__ = [
     "create_engine",
     "engine_status",
     "host_array",
+    "host_output",
     "is_out_of_memory",
     "list_engines",
     "parse_options",
@@ -92,7 +93,11 @@ class Runner(ABC):
 
     @abstractmethod
     def outputs(self) -> list[np.ndarray]:
-        """The last batch's outputs, as float32 host arrays (copies)."""
+        """The last batch's outputs as host arrays (copies).
+
+        Floats as float32, integer and bool outputs (class ids, token ids) as their own dtype
+        (`host_output`).
+        """
 
     def set_inputs(self, arrays: Sequence[np.ndarray]) -> None:
         """Copy one batch of every input, in the model's input order, into the input buffers.
@@ -218,6 +223,23 @@ def compute_device(unit: Unit) -> Any:
     import torch
 
     return torch.device(unit.device if unit.kind == "cuda" else "cpu")
+
+
+def host_output(y: Any) -> np.ndarray:
+    """One output as a runner returns it: a host copy.
+
+    A float output becomes float32 (whatever precision it was computed in); an integer or
+    bool one stays as it is (exact: an int64 id past float32's 24 bits is not rounded).
+    """
+    import torch
+
+    if isinstance(y, torch.Tensor):
+        y = y.detach()
+        if y.is_floating_point():
+            return y.float().cpu().numpy().copy()
+        return y.cpu().numpy().copy()
+    y = np.asarray(y)
+    return np.array(y, dtype=np.float32 if y.dtype.kind in "fc" else y.dtype, copy=True)
 
 
 def host_array(x: Any) -> np.ndarray:

@@ -42,7 +42,14 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from infermux.cache import bound_after_write, touch
-from infermux.engines.base import BatchTiming, Engine, Runner, parse_options, register_engine
+from infermux.engines.base import (
+    BatchTiming,
+    Engine,
+    Runner,
+    host_output,
+    parse_options,
+    register_engine,
+)
 from infermux.errors import RunError, UsageError, first_line
 from infermux.export import cache_dir, file_digest, write_atomic
 from infermux.models import LoadedModel
@@ -473,14 +480,18 @@ class LiteRtRunner(Runner):
             self._x[...] = batch
 
     def outputs(self) -> list[np.ndarray]:
-        """The last batch's outputs as float32 arrays (dequantized from int8)."""
+        """The last batch's outputs.
+
+        Quantized ones dequantized to float32, the others as `host_output` gives them (floats
+        float32, integer outputs as they are).
+        """
         result = []
         for y, o in zip(self._y, self._outs, strict=True):
-            if np.dtype(o["dtype"]).kind in "iu":
-                scale, zero = o["quantization"]
-                result.append(((y.astype(np.float32) - zero) * (scale or 1.0)).astype(np.float32))
+            scale, zero = o["quantization"]
+            if np.dtype(o["dtype"]).kind in "iu" and scale:
+                result.append(((y.astype(np.float32) - zero) * scale).astype(np.float32))
             else:
-                result.append(np.array(y, dtype=np.float32, copy=True))
+                result.append(host_output(y))
         return result
 
     def close(self) -> None:

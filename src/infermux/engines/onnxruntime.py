@@ -35,6 +35,7 @@ from infermux.engines.base import (
     Runner,
     compute_device,
     host_array,
+    host_output,
     parse_options,
     register_engine,
 )
@@ -342,10 +343,10 @@ class OrtRunner(Runner):
         return outs if device.type == "cpu" else [t.to(device) for t in outs]
 
     def outputs(self) -> list[np.ndarray]:
-        """The last batch's outputs as float32 arrays."""
+        """The last batch's outputs (`host_output`: floats as float32)."""
         if self._on_device:
-            return [v.numpy().astype(np.float32) for v in self._y_values]
-        return [y.astype(np.float32, copy=True) for y in self._y]
+            return [host_output(v.numpy()) for v in self._y_values]
+        return [host_output(y) for y in self._y]
 
     def close(self) -> None:
         """Drop the binding and the session."""

@@ -35,6 +35,7 @@ from infermux.engines.base import (
     Engine,
     Runner,
     host_array,
+    host_output,
     parse_options,
     register_engine,
 )
@@ -396,7 +397,7 @@ class OvRunner(Runner):
         Whole batches: every request in flight reads the one input buffer, so once they are
         done any of them holds the outputs of that input; the last one `run()` returned is read.
         """
-        return [np.array(y, dtype=np.float32, copy=True) for y in self._output_views()]
+        return [host_output(y) for y in self._output_views()]
 
     def close(self) -> None:
         """Wait for the requests in flight and their callbacks, then let the compiled model go."""

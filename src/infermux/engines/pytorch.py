@@ -20,6 +20,7 @@ from infermux.engines.base import (
     BatchTiming,
     Engine,
     Runner,
+    host_output,
     is_out_of_memory,
     parse_options,
     register_engine,
@@ -744,8 +745,8 @@ class TorchRunner(Runner):
         self._dense_next = self._mask_at is not None and bool(np.all(arrays[self._mask_at]))
 
     def outputs(self) -> list[np.ndarray]:
-        """The last collected batch's outputs as float32 numpy arrays."""
-        return [t.detach().float().cpu().numpy().copy() for t in self._y_host]
+        """The last collected batch's outputs as numpy arrays (`host_output`)."""
+        return [host_output(t) for t in self._y_host]
 
     def close(self) -> None:
         """Drop the graph and buffers so the device memory can be reused."""

@@ -51,6 +51,7 @@ from infermux.engines.base import (
     Engine,
     Runner,
     compute_device,
+    host_output,
     register_engine,
 )
 from infermux.errors import RunError, UsageError
@@ -462,8 +463,8 @@ class TrtRunner(Runner):
         self._x_host.copy_(torch.from_numpy(np.ascontiguousarray(batch)))
 
     def outputs(self) -> list[np.ndarray]:
-        """The last batch's outputs as float32 arrays."""
-        return [t.float().numpy().copy() for t in self._y_host]
+        """The last batch's outputs (`host_output`: floats as float32)."""
+        return [host_output(t) for t in self._y_host]
 
     def close(self) -> None:
         """Drop the graph before the buffers and the context it reads."""

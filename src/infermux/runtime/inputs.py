@@ -112,6 +112,16 @@ def sample_library(name: str, model: LoadedModel, count: int, seed: int,
             raise UsageError(f"plan field load.lengths: {lengths} go past the longest length "
                              f"{name} compiles, {longest}: set {where}.seq_buckets up to at "
                              f"least {spread.high} or shorten the lengths")
+        if spread is not None and not io.pads_exactly:
+            drawn = spread.choices or tuple(range(spread.low, spread.high + 1))
+            off = [n for n in drawn if n not in built]
+            if off:
+                raise UsageError(f"plan field load.lengths: {lengths} draws lengths {name} does "
+                                 f"not compile ({', '.join(map(str, off[:4]))}"
+                                 f"{', ...' if len(off) > 4 else ''}), and it has no mask input "
+                                 "to pad them under without changing its outputs: give lengths "
+                                 f"it compiles (e.g. {','.join(str(n) for n in built)}) or add "
+                                 f"them to {where}.seq_buckets")
         qsl = QuerySampleLibrary(name, model.input_shape, count, seed, io=io,
                                  max_length=longest, lengths=spread)
     qsl.seq_lengths = built
@@ -266,6 +276,8 @@ class SeqRunner(Runner):
         at = self._seq_axis
         own = [] if at is None else [np.shape(item[at[0]])[at[1]] for item in items]
         length = self.bucket_for(max(own, default=None))
+        if not self.io.pads_exactly and any(n != length for n in own):
+            self.io.check_exact_length(next(n for n in own if n != length), self.lengths, "")
         dims = self.io.dims_for(length) if length is not None else {}
         arrays = []
         for j, spec in enumerate(self.io.inputs):
@@ -284,6 +296,8 @@ class SeqRunner(Runner):
         at = self._seq_axis
         own = None if at is None else rows.arrays[at[0]].shape[1 + at[1]]
         length = self.bucket_for(own)
+        if own != length:
+            self.io.check_exact_length(own, self.lengths, "")
         dims = self.io.dims_for(length) if length is not None else {}
         arrays = []
         for spec, stacked in zip(self.io.inputs, rows.arrays, strict=True):

@@ -52,6 +52,7 @@ __all__ = [
     "ServedModelSummary",
     "TensorSpec",
     "find_model",
+    "output_datatype",
     "tensor_from_bytes",
     "tensor_from_list",
 ]
@@ -66,6 +67,19 @@ _FLOAT_DATATYPES = ("FP32", "FP16", "FP64")
 #: A spec dtype → its v2 datatype.
 _V2 = {"float32": "FP32", "float16": "FP16", "bfloat16": "FP32", "float64": "FP64",
        "int64": "INT64", "int32": "INT32", "bool": "BOOL", "uint8": "INT32", "int8": "INT32"}
+#: The datatype an output is served as, by its dtype's kind: floats as FP32 (what every float
+#: output has been, whatever precision the unit computed in), integers and bools as themselves
+#: (class ids, token ids, boxes' indices: exact, never rounded to a float's 24 bits).
+_OUTPUT_V2 = {"int64": "INT64", "uint32": "INT64", "int32": "INT32", "int16": "INT32",
+              "uint16": "INT32", "int8": "INT32", "uint8": "INT32", "bool": "BOOL"}
+
+
+def output_datatype(dtype: Any) -> str:
+    """The v2 datatype an output of `dtype` (a spec's name or a numpy dtype) is served as."""
+    name = str(dtype) if isinstance(dtype, str) else np.dtype(dtype).name
+    return _OUTPUT_V2.get(name, "FP32")
+
+
 #: Every datatype name of the protocol, so a wrong one is told apart from a misspelt one.
 _KNOWN_DATATYPES = ("BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32",
                     "INT64", "FP16", "FP32", "FP64", "BYTES", "BF16")
@@ -189,6 +203,9 @@ class ModelInfo:
     #: A model of several inputs: its `IOSpec` and the longest sequence length compiled.
     io: Any = None
     max_length: int | None = None
+    #: The sequence lengths compiled (ascending); a model whose inputs cannot be padded
+    #: (`IOSpec.pads_exactly`) takes only these.
+    lengths: tuple[int, ...] = ()
     #: A model of several inputs: each output's shape for one item at the longest length, as
     #: served (what a front process's slab makes room for; a spec's -1 may be any size).
     output_room: tuple[tuple[int, ...], ...] = ()
@@ -218,7 +235,33 @@ class ModelInfo:
             name = next(t.name for t in io.inputs if t.dynamic)
             raise ProtocolError(400, f"input {name!r}: sequence length {length} given, the "
                                      f"model takes at most {self.max_length}")
+        refusal = self.unpadded_refusal(length)
+        if refusal is not None:
+            raise refusal
         return [[a[k] for a in arrays] for k in range(len(arrays[0]))], length
+
+    @functools.cached_property
+    def exact_lengths(self) -> frozenset[int] | None:
+        """The only lengths a model whose inputs cannot be padded takes.
+
+        None: any up to the longest (`IOSpec.pads_exactly`).
+        """
+        if self.io is None or self.io.pads_exactly:
+            return None
+        return frozenset(self.lengths)
+
+    def unpadded_refusal(self, length: int | None) -> ProtocolError | None:
+        """A 400 for a request of a length the model can neither run nor pad to; else None."""
+        exact = self.exact_lengths
+        if exact is None or length is None or length in exact:
+            return None
+        from infermux.errors import UsageError
+
+        try:
+            self.io.check_exact_length(length, self.lengths, self.name)
+        except UsageError as exc:
+            return ProtocolError(400, str(exc))
+        return None
 
     def length_of(self, arrays: Sequence[np.ndarray] | np.ndarray) -> int | None:
         """The sequence length of a request's checked arrays (one per input), or None."""
@@ -515,7 +558,8 @@ class InferenceCore:
             if gpus:
                 group["gpus"] = gpus
             instance_groups.append(group)
-        io, lengths = None, [None]
+        io = None
+        lengths: list[int | None] = [None]
         describe = getattr(self.runtime, "io_spec", None)  # a local runtime's; not a cluster's
         if describe is not None:
             io, lengths = describe(entry.name)
@@ -524,7 +568,7 @@ class InferenceCore:
             inputs = [TensorSpec(t.name, _V2[t.dtype],
                                  tuple(-1 if isinstance(d, str) else d for d in t.shape))
                       for t in io.inputs]
-            outputs = [TensorSpec(t.name, "FP32",
+            outputs = [TensorSpec(t.name, output_datatype(t.dtype),
                                   tuple(-1 if isinstance(d, str) else d for d in t.shape))
                        for t in io.outputs]
         else:
@@ -534,6 +578,7 @@ class InferenceCore:
         return ModelInfo(
             name=entry.name, entry=entry, inputs=inputs, outputs=outputs,
             io=io, max_length=lengths[-1],
+            lengths=tuple(sorted(n for n in lengths if n is not None)),
             max_batch_size=max_batch,
             max_queue_delay_us=int(self.plan.dispatcher.max_queue_delay_ms * 1000),
             # Enough to keep every worker busy with a batch queued behind it, and no more:
@@ -557,14 +602,14 @@ class InferenceCore:
                 if not info.outputs:
                     names = (["output"] if len(outs) == 1
                              else [f"output_{i}" for i in range(len(outs))])
-                    info.outputs = [TensorSpec(n, "FP32", tuple(o.shape[1:]))
+                    info.outputs = [TensorSpec(n, output_datatype(o.dtype), tuple(o.shape[1:]))
                                     for n, o in zip(names, outs, strict=True)]
                 continue
             spec = info.inputs[0]
             outs = await self._submit(info, np.zeros((1, *spec.shape), dtype=np.float32),
                                       count=False)
             names = ["output"] if len(outs) == 1 else [f"output_{i}" for i in range(len(outs))]
-            info.outputs = [TensorSpec(n, "FP32", tuple(o.shape[1:]))
+            info.outputs = [TensorSpec(n, output_datatype(o.dtype), tuple(o.shape[1:]))
                             for n, o in zip(names, outs, strict=True)]
 
     def model(self, name: str, version: str | None = None) -> ModelInfo:
@@ -739,6 +784,11 @@ class InferenceCore:
                 refusals.append(refused)
                 for info, inputs, out, token, clients in requests:
                     n = len(inputs[0]) if info.io is not None else len(inputs)
+                    if info.exact_lengths is not None:  # checked here for Triton's instances
+                        bad = info.unpadded_refusal(info.length_of(inputs))
+                        if bad is not None:
+                            refused.append((token, bad))
+                            continue
                     is_ready = ready.get(info.name)
                     if is_ready is None:
                         is_ready = ready[info.name] = self.model_ready(info.name)

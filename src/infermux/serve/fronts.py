@@ -83,15 +83,19 @@ def _layout(info: Any, fronts: int) -> SlabLayout:
     A sequence dim (-1) is given room at the longest length compiled; a model with one and no
     such length cannot be sized, and is one line naming `--fronts`.
     """
+    dtypes = tuple("<f4" if o.datatype in ("FP32", "FP16", "FP64") else DATATYPES[o.datatype].str
+                   for o in info.outputs)
     if info.io is None:
-        return SlabLayout(tuple(info.inputs[0].shape), tuple(tuple(o.shape) for o in info.outputs))
+        return SlabLayout(tuple(info.inputs[0].shape), tuple(tuple(o.shape) for o in info.outputs),
+                          output_dtypes=dtypes)
     if any(-1 in t.shape for t in info.inputs) and info.max_length is None:
         raise UsageError(f"--fronts {fronts}: model {info.name!r} has a sequence dimension and no "
                          "longest length to size its shared memory by: give its plan entry "
                          "seq_buckets, or serve it with --fronts 1")
     return SlabLayout((), info.output_room,
                       tuple((tuple(t.shape), DATATYPES[t.datatype].str) for t in info.inputs),
-                      info.max_length or 1, fixed_outputs=info.fixed_outputs)
+                      info.max_length or 1, fixed_outputs=info.fixed_outputs,
+                      output_dtypes=dtypes)
 
 
 # -- the runtime process's side ---------------------------------------------------------------

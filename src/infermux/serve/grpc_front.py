@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from infermux.serve.core import (
+    DATATYPES,
     InferenceCore,
     ProtocolError,
     tensor_from_bytes,
@@ -463,14 +464,15 @@ class _Service(_servicer_base()):  # type: ignore[misc]
                                          shape=list(y.shape))
             target = targets.get(index)
             if target is not None and regions is not None:  # into the client's region
-                regions.write_output(spec.name, y, target)
+                regions.write_output(spec.name, y, target, DATATYPES[spec.datatype])
                 entry.parameters["shared_memory_region"].string_param = target.region
                 entry.parameters["shared_memory_byte_size"].int64_param = target.byte_size
                 # Empty contents keep `raw_output_contents[i]` the i-th output's, as Triton
                 # answers: its C++ client (perf_analyzer) indexes them by output position.
                 response.raw_output_contents.append(b"")
                 continue
-            response.raw_output_contents.append(np.ascontiguousarray(y, dtype="<f4").tobytes())
+            response.raw_output_contents.append(
+                np.ascontiguousarray(y, dtype=DATATYPES[spec.datatype]).tobytes())
         return response
 
     # -- Triton's shared-memory extensions (serve/shm.py) -----------------------------------------

@@ -427,13 +427,13 @@ def _response(info: ModelInfo, request_id: str | None, outputs: list[np.ndarray]
                 raise ProtocolError(400, "shared memory is not served here")
             # As Triton answers: no parameters (its clients read any `parameters` of an
             # output as binary data's).
-            regions.write_output(spec.name, y, target)
+            regions.write_output(spec.name, y, target, DATATYPES[spec.datatype])
         elif as_binary:
-            raw = np.ascontiguousarray(y, dtype="<f4").tobytes()
+            raw = np.ascontiguousarray(y, dtype=DATATYPES[spec.datatype]).tobytes()
             entry["parameters"] = {"binary_data_size": len(raw)}
             chunks.append(raw)
         else:
-            entry["data"] = y.ravel().tolist()
+            entry["data"] = np.asarray(y, dtype=DATATYPES[spec.datatype]).ravel().tolist()
         entries.append(entry)
     payload: dict[str, Any] = {"model_name": info.name, "model_version": info.version,
                                "outputs": entries}

@@ -180,6 +180,10 @@ class SlabLayout:
     #: are `output_shapes`, so the runtime writes them into the request's slots as it does a
     #: single-input model's (no shapes sent back, no second copy).
     fixed_outputs: bool = False
+    #: Each output's dtype in the slab (numpy's `str`, e.g. "<i8"); empty: every one FP32.
+    #: Float outputs are FP32 here whatever they are served as (the native backend makes FP16
+    #: of them); integer and bool ones keep their own, so their values cross exactly.
+    output_dtypes: tuple[str, ...] = ()
 
     def _at(self, shape: tuple[int, ...], length: int | None) -> tuple[int, ...]:
         """`shape` with its sequence dims (-1) at `length` (the longest when None)."""
@@ -200,9 +204,17 @@ class SlabLayout:
         return {}
 
     @functools.cached_property
+    def _out_dtypes(self) -> tuple[np.dtype, ...]:
+        """Each output's dtype in the slab."""
+        if len(self.output_dtypes) == len(self.output_shapes):
+            return tuple(np.dtype(d) for d in self.output_dtypes)
+        return tuple(np.dtype("<f4") for _ in self.output_shapes)
+
+    @functools.cached_property
     def output_item_bytes(self) -> tuple[int, ...]:
-        """Bytes of one item's row of each output (FP32, at the longest length)."""
-        return tuple(math.prod(s) * 4 for s in self.output_shapes)
+        """Bytes of one item's row of each output (at the longest length)."""
+        return tuple(math.prod(s) * d.itemsize
+                     for s, d in zip(self.output_shapes, self._out_dtypes, strict=True))
 
     @property
     def slot_bytes(self) -> int:
@@ -253,19 +265,19 @@ class SlabLayout:
         return views
 
     def output_rows(self, buf: Any) -> np.ndarray | None:
-        """A model of one output: the whole output region as `(slots, *shape)` FP32 rows.
+        """A model of one output: the whole output region as `(slots, *shape)` rows.
 
         A request's outputs are then a slice of it (made once per slab, as `rows`). None for
         a model of several outputs.
         """
         if len(self.output_shapes) != 1:
             return None
-        return np.ndarray((self.slots, *self.output_shapes[0]), dtype=np.float32, buffer=buf,
-                          offset=self.slots * self.input_item_bytes)
+        return np.ndarray((self.slots, *self.output_shapes[0]), dtype=self._out_dtypes[0],
+                          buffer=buf, offset=self.slots * self.input_item_bytes)
 
     def outputs(self, buf: Any, start: int, n: int,
                 shapes: Sequence[tuple[int, ...]] | None = None) -> list[np.ndarray]:
-        """The request's output arrays (FP32), one per output: `n` rows of `shapes`.
+        """The request's output arrays (each in its slab dtype): `n` rows of `shapes`.
 
         `shapes`: each output's item shape as served (a model of several inputs: at the
         request's length); None: `output_shapes`. Raises ValueError when they do not fit the
@@ -273,13 +285,14 @@ class SlabLayout:
         """
         if shapes is None:
             shapes = self.output_shapes
-        elif sum(math.prod(s) * 4 for s in shapes) > sum(self.output_item_bytes):
+        elif sum(math.prod(s) * d.itemsize for s, d in zip(shapes, self._out_dtypes, strict=True)
+                 ) > sum(self.output_item_bytes):
             raise ValueError(f"outputs of shapes {[list(s) for s in shapes]} per item exceed "
                              f"the slab's room for {[list(s) for s in self.output_shapes]}")
         at = self.slots * self.input_item_bytes + start * sum(self.output_item_bytes)
         views = []
-        for shape in shapes:
-            view = np.ndarray((n, *shape), dtype=np.float32, buffer=buf, offset=at)
+        for shape, dtype in zip(shapes, self._out_dtypes, strict=True):
+            view = np.ndarray((n, *shape), dtype=dtype, buffer=buf, offset=at)
             views.append(view)
             at += view.nbytes
         return views
@@ -521,9 +534,10 @@ class SharedMemoryRegions:
             return tensor_from_bytes(name, datatype, shape, host.data)
         return tensor_from_bytes(name, datatype, shape, region.view(offset, size, f"input {name!r}"))
 
-    def write_output(self, name: str, y: np.ndarray, target: OutputTarget) -> None:
-        """Write output `name` (FP32, little-endian) into its target region."""
-        data = np.ascontiguousarray(y, dtype="<f4")
+    def write_output(self, name: str, y: np.ndarray, target: OutputTarget,
+                     dtype: Any = "<f4") -> None:
+        """Write output `name` into its target region, as `dtype` (its served datatype's)."""
+        data = np.ascontiguousarray(y, dtype=dtype)
         if data.nbytes > target.byte_size:
             raise ProtocolError(400, f"output {name!r} has {data.nbytes} bytes, its "
                                      f"shared_memory_byte_size is {target.byte_size}")

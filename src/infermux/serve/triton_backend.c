@@ -12,9 +12,10 @@
  * interpreter runs per request or per batch.
  *
  * Triton's backend interface is C; the declarations below are the subset this file calls,
- * as Triton's backend API (1.x) defines them. Models of one input with outputs of fixed
- * shapes (FP32 or FP16 tensors, the slab's outputs FP32) are served here; the runtime's
- * hub falls back to the Python backend for the rest.
+ * as Triton's backend API (1.x) defines them. Models of one FP32 or FP16 input, or of
+ * several, are served here, with FP32, FP16, INT64, INT32 or BOOL outputs (floats FP32 in the
+ * slab, integers and bools as themselves); the runtime's hub falls back to the Python backend
+ * for the rest.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -44,7 +45,8 @@ typedef struct TRITONBACKEND_Response TRITONBACKEND_Response;
 typedef struct TRITONBACKEND_Input TRITONBACKEND_Input;
 typedef struct TRITONBACKEND_Output TRITONBACKEND_Output;
 
-enum { TYPE_FP16 = 10, TYPE_FP32 = 11 };                   /* TRITONSERVER_DataType */
+enum { TYPE_BOOL = 1, TYPE_INT32 = 8, TYPE_INT64 = 9, TYPE_FP16 = 10, TYPE_FP32 = 11 };
+/* ^ TRITONSERVER_DataType */
 enum { MEMORY_CPU = 0, MEMORY_CPU_PINNED = 1, MEMORY_GPU = 2 }; /* TRITONSERVER_MemoryType */
 enum { ERROR_INTERNAL = 1, ERROR_INVALID_ARG = 3, ERROR_UNAVAILABLE = 4 };
 enum { REQUEST_RELEASE_ALL = 1, RESPONSE_COMPLETE_FINAL = 1 };
@@ -131,7 +133,8 @@ typedef struct {
   int datatype;
   uint32_t ndims;
   int64_t dims[MAX_DIMS];
-  uint64_t item_bytes; /* FP32 in the slab: at the longest length for a model of several */
+  uint32_t itemsize;   /* bytes of one value in the slab: floats FP32, integers their own */
+  uint64_t item_bytes; /* in the slab: at the longest length for a model of several */
 } Output;
 
 /* An input of a model of several: its bytes per element and item shape (-1: the length). */
@@ -365,7 +368,8 @@ static const char* respond(Instance* s, const Group* g, const Item* item, uint32
     uint32_t k = 0;
     uint64_t offset = 0;
     while (k < s->n_outputs && strcmp(s->outputs[k].name, name) != 0) {
-      uint64_t per = shapes ? elements_of(shapes->dims[k], shapes->ndims[k]) * 4
+      uint64_t per = shapes ? elements_of(shapes->dims[k], shapes->ndims[k])
+                                  * s->outputs[k].itemsize
                             : s->outputs[k].item_bytes;
       offset += (uint64_t)g->total * per;
       ++k;
@@ -390,7 +394,7 @@ static const char* respond(Instance* s, const Group* g, const Item* item, uint32
       break;
     }
     uint64_t elements = per_item * item->items;
-    uint64_t bytes = elements * (o->datatype == TYPE_FP16 ? 2 : 4);
+    uint64_t bytes = elements * (o->datatype == TYPE_FP16 ? 2 : o->itemsize);
     void* buffer = NULL;
     int memory_type = MEMORY_CPU;
     int64_t memory_id = 0;
@@ -405,10 +409,11 @@ static const char* respond(Instance* s, const Group* g, const Item* item, uint32
                 "backend: use system shared memory or none, or serve with --triton-backend python";
       break;
     }
-    const float* rows = (const float*)(region + offset + (uint64_t)at * per_item * 4);
+    const uint8_t* rows = region + offset + (uint64_t)at * per_item * o->itemsize;
     if (o->datatype == TYPE_FP16) {
+      const float* values = (const float*)rows;
       uint16_t* dst = buffer;
-      for (uint64_t i = 0; i < elements; ++i) dst[i] = infermux_to_half(rows[i]);
+      for (uint64_t i = 0; i < elements; ++i) dst[i] = infermux_to_half(values[i]);
     } else {
       memcpy(buffer, rows, bytes);
     }
@@ -675,10 +680,15 @@ static const char* parse_init(Instance* s, char* text, char* slab_name, size_t n
       if (sscanf(rest, "%255s %15s %u %n", o->name, dtype, &o->ndims, &n) != 3
           || o->ndims > MAX_DIMS)
         return "a malformed output line in INIT";
-      o->datatype = strcmp(dtype, "FP16") == 0 ? TYPE_FP16 : TYPE_FP32;
+      if (!strcmp(dtype, "FP16")) o->datatype = TYPE_FP16, o->itemsize = 4;
+      else if (!strcmp(dtype, "FP32")) o->datatype = TYPE_FP32, o->itemsize = 4;
+      else if (!strcmp(dtype, "INT64")) o->datatype = TYPE_INT64, o->itemsize = 8;
+      else if (!strcmp(dtype, "INT32")) o->datatype = TYPE_INT32, o->itemsize = 4;
+      else if (!strcmp(dtype, "BOOL")) o->datatype = TYPE_BOOL, o->itemsize = 1;
+      else return "an output of a datatype this backend does not answer";
       char* p = rest + n;
       for (uint32_t d = 0; d < o->ndims; ++d) o->dims[d] = strtoll(p, &p, 10);
-      o->item_bytes = elements_of(o->dims, o->ndims) * 4;
+      o->item_bytes = elements_of(o->dims, o->ndims) * o->itemsize;
       s->out_item_bytes += o->item_bytes;
       ++s->n_outputs;
     }

@@ -16,7 +16,7 @@ Two backends make the instances (`--triton-backend`):
   descriptor and returns at once; a thread of its own sends each request's response when the
   runtime answers. Many batches are in flight per instance, and no interpreter runs per
   request or per batch. Models of one FP32 or FP16 input, or of several (a sequence dim at
-  each Triton batch's length); FP32 or FP16 outputs.
+  each Triton batch's length); FP32, FP16, INT64, INT32 or BOOL outputs.
 - `python`: a Python-backend stub per instance (`TritonPythonModel`), one Triton batch in
   flight each (every request queues behind a whole device round), for the models the native
   backend does not take. The stubs are built for numpy 1: under numpy 2 tensors cross by
@@ -105,7 +105,9 @@ BACKENDS = ("auto", "native", "python")
 #: answers, so requests gather meanwhile without one.
 QUEUE_DELAY_MS = {"native": 0.3, "python": 0.0}
 _BACKEND_SOURCE = Path(__file__).with_name("triton_backend.c")
-_NATIVE_TYPES = ("FP32", "FP16")  # of a single input, and of every output
+_NATIVE_TYPES = ("FP32", "FP16")  # of a single input
+#: Of every output: floats are FP32 in the slab (FP16 made by the backend), the others as are.
+_NATIVE_OUTPUT_TYPES = ("FP32", "FP16", "INT64", "INT32", "BOOL")
 _TYPES = {"FP32": "TYPE_FP32", "FP16": "TYPE_FP16", "FP64": "TYPE_FP64", "INT64": "TYPE_INT64",
           "INT32": "TYPE_INT32", "BOOL": "TYPE_BOOL"}
 
@@ -262,18 +264,32 @@ def restricted(api_key: str | None) -> list[str]:
             f"--grpc-restricted-protocol={_GUARDED}:x-api-key={api_key}"]
 
 
+def _triton_error(pb: Any, status: int, message: str) -> Any:
+    """The runtime's refusal as a Python-backend error with Triton's code for its status.
+
+    A 400 is INVALID_ARG (as the native backend answers it), a 503 UNAVAILABLE, where the
+    stub's `TritonError` takes a code.
+    """
+    codes = {400: "INVALID_ARG", 503: "UNAVAILABLE"}
+    code = getattr(pb.TritonError, codes.get(status, "INTERNAL"), None)
+    if code is None:  # a stub too old for codes: Triton answers it as INTERNAL
+        return pb.TritonError(f"{message} (status {status})")
+    return pb.TritonError(message, code)
+
+
 def why_not_native(info: Any, layout: Any) -> str | None:
     """Why a plan model cannot be served through the native backend; None where it can.
 
     The backend copies each input's bytes as they come (any datatype Triton is given here;
     one FP32 or FP16 input, or several by the slab's `several` layout, a sequence dim at the
-    request's length) and answers outputs from the slab's FP32 rows as FP32 or FP16, at fixed
-    shapes or at those the runtime sends back (SHAPED).
+    request's length) and answers outputs from the slab's rows (floats FP32, answered as FP32
+    or FP16; INT64, INT32 and BOOL as they are), at fixed shapes or at those the runtime sends
+    back (SHAPED).
     """
     for spec in info.outputs:
-        if spec.datatype not in _NATIVE_TYPES:
+        if spec.datatype not in _NATIVE_OUTPUT_TYPES:
             return (f"output {spec.name!r} of model {info.name!r} is {spec.datatype} (the native "
-                    f"backend answers {' or '.join(_NATIVE_TYPES)})")
+                    f"backend answers {', '.join(_NATIVE_OUTPUT_TYPES)})")
     if not layout.several:
         if len(info.inputs) != 1 or info.inputs[0].datatype not in _NATIVE_TYPES:
             return (f"model {info.name!r}'s input is {info.inputs[0].datatype} (one FP32 or FP16 "
@@ -289,7 +305,8 @@ def native_init(index: int, info: Any, layout: Any, slab: str, slots: int) -> by
     """INIT for a native instance: its model's slab and layout as lines the C side reads.
 
     `index`: the model's among the served; `slab`: the slab's shared-memory name; `slots`: its
-    slots. An output line is its name, datatype, rank and item shape (FP32 in the slab; for a
+    slots. An output line is its name, datatype, rank and item shape (floats FP32 in the slab,
+    integers and bools their own size; for a
     model of several inputs, the room at the longest length). A model of several inputs adds
     `several 1`, its longest length, whether its outputs are fixed, and an input line each:
     name, bytes per element, rank and item shape (-1 for the sequence dim).
@@ -729,7 +746,7 @@ class TritonPythonModel:
             if kind == Kind.ERROR:
                 for r, status, message, _ in json.loads(payload):
                     if r == rid:
-                        error = pb.TritonError(f"{message} (status {status})")
+                        error = _triton_error(pb, status, message)
                         return [pb.InferenceResponse(error=error) for _ in requests]
         outputs = layout.outputs(buf, 0, n, shapes)
         responses = []

@@ -50,6 +50,9 @@ __all__ = ["TuneReport", "TuneRequest", "build_space", "predicted_query_ms", "pr
            "seq_sets", "server_order"]
 
 SCENARIOS = ("offline", "server")
+#: A model that cannot be padded compiles every length its queries carry; past this many
+#: runners per batch a range of lengths is refused (give a list).
+_MAX_EXACT_LENGTHS = 16
 
 
 @dataclass
@@ -216,6 +219,24 @@ def seq_sets(request: TuneRequest, loaded: dict[str, LoadedModel]
         io = model.spec_io
         if not io.dynamic_dims:
             continue
+        if spread is not None and not io.pads_exactly:
+            # No mask to pad under: every length sent must be compiled (`IOSpec.pads_exactly`).
+            drawn = sorted(set(spread.choices or range(spread.low, spread.high + 1)))
+            if request.seq_buckets is not None:
+                off = [n for n in drawn if n not in request.seq_buckets]
+                if off:
+                    raise UsageError(f"--lengths {spread.text}: model {name} has no mask input, "
+                                     "so it runs only at lengths it compiles, and --seq "
+                                     f"{','.join(map(str, request.seq_buckets))} leaves out "
+                                     f"{', '.join(map(str, off[:4]))}: add them to --seq")
+            elif len(drawn) > _MAX_EXACT_LENGTHS:
+                raise UsageError(f"--lengths {spread.text}: model {name} has no mask input, so "
+                                 "each length it is sent must be one it compiles, and that is "
+                                 f"{len(drawn)} lengths: give --lengths as a list of at most "
+                                 f"{_MAX_EXACT_LENGTHS} (e.g. 64,128)")
+            else:
+                out[name] = [tuple(drawn)]
+                continue
         if request.seq_buckets is not None:
             if spread is not None and spread.high > request.seq_buckets[-1]:
                 raise UsageError(f"--lengths {spread.text} go past the longest of --seq "
