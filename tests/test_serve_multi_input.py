@@ -37,7 +37,8 @@ _BERT_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 
 
 #: A classifier that answers its scores (FP32), its best class (INT64) and an id past FP32's 24
-#: bits (INT64): integer outputs must cross every front as themselves, exactly.
+#: bits (INT64): integer outputs must cross every front as themselves, exactly, under the
+#: names the module gives them.
 LABELS = '''
 import torch
 from torch import nn
@@ -45,6 +46,7 @@ from torch import nn
 
 class Labels(nn.Module):
     input_shape = (3, 2, 2)
+    outputs = ["scores", "label", "big"]
 
     def __init__(self):
         super().__init__()
@@ -286,7 +288,7 @@ def test_several_inputs_through_triton_equal_the_network(
 
 def _integer_outputs_exact(srv: Server, labels: str) -> None:
     """The labels model's class and big id come back INT64 and exact over HTTP (binary and
-    JSON) and gRPC, as its metadata says; its scores stay FP32."""
+    JSON) and gRPC, as its metadata says, under its own names; its scores stay FP32."""
     import torch
 
     from infermux.models import load_model
@@ -296,7 +298,7 @@ def _integer_outputs_exact(srv: Server, labels: str) -> None:
     with torch.no_grad():
         want = [t.numpy() for t in module(torch.from_numpy(x))]
     assert want[2].max() > 2**40  # past what FP32 holds exactly
-    names = ["output_0", "output_1", "output_2"]
+    names = ["scores", "label", "big"]
     for mod, url in ((thttp, srv.http), (tgrpc, srv.grpc)):
         client = mod.InferenceServerClient(url)
         try:
@@ -311,7 +313,7 @@ def _integer_outputs_exact(srv: Server, labels: str) -> None:
                 asked = ([thttp.InferRequestedOutput(n, binary_data=binary) for n in names]
                          if mod is thttp else None)
                 result = client.infer("labels", [tensor], outputs=asked)
-                np.testing.assert_allclose(result.as_numpy("output_0"), want[0], atol=1e-5)
+                np.testing.assert_allclose(result.as_numpy("scores"), want[0], atol=1e-5)
                 for name, expected in zip(names[1:], want[1:], strict=True):
                     got = result.as_numpy(name)
                     assert got.dtype == np.int64, (url, binary, name, got.dtype)
@@ -320,13 +322,26 @@ def _integer_outputs_exact(srv: Server, labels: str) -> None:
             client.close()
 
 
-@pytest.mark.parametrize("front", ["own", "triton:native", "triton:python"])
+@pytest.mark.parametrize("front", ["own", "own:onnx", "triton:native", "triton:python"])
 def test_integer_outputs_cross_every_front_as_themselves(labels: str, front: str,
                                                          tmp_path_factory: pytest.TempPathFactory
                                                          ) -> None:
     """Two front processes, or Triton's server with either backend: the slabs hold each output
-    in its own dtype, and Triton's configuration states it."""
+    in its own dtype, and Triton's configuration states it. `own:onnx` serves the module's
+    ONNX export (its graph's output names, its int64 outputs) on ONNX Runtime."""
     kind, _, backend = front.partition(":")
+    folder = tmp_path_factory.mktemp("serve_labels")
+    model, engine = labels, "torch"
+    if backend == "onnx":
+        import torch
+
+        from infermux.models import load_model
+
+        model, engine, backend = str(folder / "labels.onnx"), "onnxruntime", ""
+        torch.onnx.export(load_model(labels).module, (torch.zeros(1, 3, 2, 2),), model,
+                          input_names=["input"], output_names=["scores", "label", "big"],
+                          dynamic_axes={n: {0: "batch"} for n in ("input", "scores", "label",
+                                                                   "big")}, dynamo=False)
     if kind == "triton":
         from infermux.errors import UsageError
         from infermux.serve.triton_front import find_triton
@@ -336,10 +351,10 @@ def test_integer_outputs_cross_every_front_as_themselves(labels: str, front: str
         except UsageError as exc:
             pytest.skip(f"no Triton build: {exc}")
     plan = {"name": "labels", "models": [
-        {"name": "labels", "model": labels, "input_shape": [3, 2, 2],
-         "replicas": [{"unit": "cpu:0", "engine": "torch", "batch": 4}]}],
+        {"name": "labels", "model": model,
+         "replicas": [{"unit": "cpu:0", "engine": engine, "batch": 4}]}],
         "dispatcher": {"max_queue_delay_ms": 1, "cpu_workers": "thread"}}
-    srv = Server(tmp_path_factory.mktemp("serve_labels"), plan, "--fronts", "2", "--front", kind,
+    srv = Server(folder, plan, "--fronts", "2", "--front", kind,
                  *(["--triton-backend", backend] if backend else []))
     try:
         _integer_outputs_exact(srv, labels)

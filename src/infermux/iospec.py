@@ -377,6 +377,12 @@ def from_onnx(path: Path) -> IOSpec | None:
     return IOSpec(tuple(inputs), tuple(spec(v, is_input=False) for v in graph.output))
 
 
+def module_outputs(module: Any) -> tuple[TensorSpec, ...]:
+    """A factory module's `outputs` (names or specs), whether or not it declares its inputs."""
+    return tuple(TensorSpec.coerce(o, f"output{i}" if i else "output")
+                 for i, o in enumerate(getattr(module, "outputs", None) or ()))
+
+
 def from_module(module: Any) -> IOSpec | None:
     """A factory module's spec, if it declares one; None when it does not.
 
@@ -388,8 +394,7 @@ def from_module(module: Any) -> IOSpec | None:
       tensors, an integer input's `high` from its largest value.
     """
     declared = getattr(module, "inputs", None)
-    outputs = tuple(TensorSpec.coerce(o, f"output{i}" if i else "output")
-                    for i, o in enumerate(getattr(module, "outputs", None) or ()))
+    outputs = module_outputs(module)
     defaults = dict(getattr(module, "default_dims", None) or {})
     if declared is not None and not callable(declared):
         if isinstance(declared, Mapping):

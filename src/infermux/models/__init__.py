@@ -372,7 +372,7 @@ def load_model(spec: ModelSpec | str) -> LoadedModel:
     elif spec.weights:
         note = _load_weights(module.model if source == "hf" else module, spec.weights)
     module.eval()
-    from infermux.iospec import from_module
+    from infermux.iospec import from_module, module_outputs
 
     io = from_module(module)
     if io is not None and spec.input_shape is not None and not io.simple:
@@ -405,8 +405,10 @@ def load_model(spec: ModelSpec | str) -> LoadedModel:
     if source == "factory":
         path_text, _, func = name.rpartition(":")
         identity = _file_identity(Path(path_text), func)
+    named = module_outputs(module)  # its outputs' names, kept beside a given input shape
     return LoadedModel(spec, display, source, shape, spec.dtype, note, module=module,
-                       info={"parameters": int(params)}, identity=identity)
+                       info={"parameters": int(params)}, identity=identity,
+                       io=IOSpec.single(tuple(shape), spec.dtype, outputs=named) if named else None)
 
 
 #: Seeded items whose batch statistics become a randomly initialised network's norm statistics.

@@ -206,6 +206,9 @@ class ModelInfo:
     #: The sequence lengths compiled (ascending); a model whose inputs cannot be padded
     #: (`IOSpec.pads_exactly`) takes only these.
     lengths: tuple[int, ...] = ()
+    #: The outputs' names the model states (an ONNX file's, a factory's `outputs`), if any: a
+    #: model of one input serves them; without them, `output` or `output_0`, `output_1`, ...
+    output_names: tuple[str, ...] = ()
     #: A model of several inputs: each output's shape for one item at the longest length, as
     #: served (what a front process's slab makes room for; a spec's -1 may be any size).
     output_room: tuple[tuple[int, ...], ...] = ()
@@ -561,8 +564,10 @@ class InferenceCore:
         io = None
         lengths: list[int | None] = [None]
         describe = getattr(self.runtime, "io_spec", None)  # a local runtime's; not a cluster's
+        names: tuple[str, ...] = ()
         if describe is not None:
             io, lengths = describe(entry.name)
+            names = tuple(t.name for t in io.outputs)  # an ONNX file's, a module's `outputs`
             io = None if io.simple else io
         if io is not None:
             inputs = [TensorSpec(t.name, _V2[t.dtype],
@@ -577,7 +582,7 @@ class InferenceCore:
             outputs = []  # filled by `probe_outputs`
         return ModelInfo(
             name=entry.name, entry=entry, inputs=inputs, outputs=outputs,
-            io=io, max_length=lengths[-1],
+            io=io, max_length=lengths[-1], output_names=names,
             lengths=tuple(sorted(n for n in lengths if n is not None)),
             max_batch_size=max_batch,
             max_queue_delay_us=int(self.plan.dispatcher.max_queue_delay_ms * 1000),
@@ -608,7 +613,8 @@ class InferenceCore:
             spec = info.inputs[0]
             outs = await self._submit(info, np.zeros((1, *spec.shape), dtype=np.float32),
                                       count=False)
-            names = ["output"] if len(outs) == 1 else [f"output_{i}" for i in range(len(outs))]
+            names = (list(info.output_names) if len(info.output_names) == len(outs) else
+                     ["output"] if len(outs) == 1 else [f"output_{i}" for i in range(len(outs))])
             info.outputs = [TensorSpec(n, output_datatype(o.dtype), tuple(o.shape[1:]))
                             for n, o in zip(names, outs, strict=True)]
 
