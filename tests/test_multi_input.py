@@ -239,7 +239,7 @@ def test_a_model_without_a_mask_is_never_padded(two, bert):
         assert not torch.allclose(module(torch.from_numpy(features), torch.from_numpy(ids)),
                                   module(torch.from_numpy(features), torch.from_numpy(padded)))
     with pytest.raises(UsageError, match=r"^plan field load.lengths: uniform:2-8 draws lengths "
-                                         r"m does not compile \(2, 3, 5, 6, \.\.\.\), and it has "
+                                         r"that m does not compile \(2, 3, 5, 6, \.\.\.\), and it has "
                                          r"no mask input .* \(e\.g\. 4,8\)"):
         run_plan(_plan(two[1], engine="onnxruntime", seq_buckets=[4, 8], lengths="uniform:2-8"))
     # Served rows that reach a runner anyway (the runtime's own API) fail there, not padded.

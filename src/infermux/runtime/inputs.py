@@ -116,8 +116,8 @@ def sample_library(name: str, model: LoadedModel, count: int, seed: int,
             drawn = spread.choices or tuple(range(spread.low, spread.high + 1))
             off = [n for n in drawn if n not in built]
             if off:
-                raise UsageError(f"plan field load.lengths: {lengths} draws lengths {name} does "
-                                 f"not compile ({', '.join(map(str, off[:4]))}"
+                raise UsageError(f"plan field load.lengths: {lengths} draws lengths that {name} "
+                                 f"does not compile ({', '.join(map(str, off[:4]))}"
                                  f"{', ...' if len(off) > 4 else ''}), and it has no mask input "
                                  "to pad them under without changing its outputs: give lengths "
                                  f"it compiles (e.g. {','.join(str(n) for n in built)}) or add "
