@@ -139,10 +139,10 @@ class TensorSpec:
             data["high"] = self.high
         return data
 
-    def text(self) -> str:
-        """`name: int64[batch, seq]`, for tables."""
+    def text(self, *, values: bool = True) -> str:
+        """`name: int64[batch, seq]`, for tables; `values`: with what an input is filled with."""
         dims = ", ".join(str(d) for d in ("batch", *self.shape))
-        extra = f" < {self.high}" if self.values == "ids" and self.high else (
+        extra = "" if not values else f" < {self.high}" if self.values == "ids" and self.high else (
             " (ones)" if self.values == "ones" else "")
         return f"{self.name}: {self.dtype}[{dims}]{extra}"
 

@@ -65,8 +65,8 @@ def models(
         out.print(f"[bold]{loaded.name}[/] ({loaded.source}): {loaded.weights_note}")
         for title, specs in (("inputs", io.inputs), ("outputs", io.outputs)):
             out.print(f"{title}:")
-            for spec in specs:
-                out.print(f"  {spec.text()}", markup=False)
+            for spec in specs:  # an output's values are the network's: no filling to show
+                out.print(f"  {spec.text(values=title == 'inputs')}", markup=False)
         if io.default_dims:
             out.print("default sizes: " + ", ".join(f"{k}={v}" for k, v in io.default_dims.items()))
         return
