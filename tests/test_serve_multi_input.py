@@ -484,3 +484,96 @@ def _refused_naming_it(server: Server, model: str, change: dict[str, Any], messa
         assert message in str(caught.value), (protocol, str(caught.value))
         assert caught.value.status() in ("400", "StatusCode.INVALID_ARGUMENT"), (
             protocol, caught.value.status())
+
+
+#: Int32 ids and a bool mask (a masked mean of embeddings), answering FP16 scores and a BOOL
+#: flag per score: inputs of the datatypes exporters write besides INT64, padded under the mask.
+MASKED = '''
+import torch
+from torch import nn
+
+
+class Masked(nn.Module):
+    inputs = [{"name": "ids", "dtype": "int32", "shape": ["seq"]},
+              {"name": "mask", "dtype": "bool", "shape": ["seq"]}]
+    default_dims = {"seq": 8}
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(100, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, ids, mask):
+        weight = mask.to(torch.float32).unsqueeze(-1)
+        pooled = (self.embed(ids.long()) * weight).sum(1) / weight.sum(1).clamp(min=1)
+        scores = self.head(pooled)
+        return scores.to(torch.float16), scores > 0
+
+
+def build():
+    torch.manual_seed(0)
+    return Masked()
+'''
+
+
+@pytest.mark.parametrize("front", ["own", "triton"])
+def test_int32_ids_and_a_bool_mask_are_padded_under_the_mask(
+        front: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """An ONNX file of INT32 ids and a BOOL mask: requests of 5 and 13 tokens (buckets 8 and
+    16) answer as the file does unpadded, its FP16 output as FP32 and its flags as BOOL."""
+    import onnxruntime as ort
+    import torch
+
+    from infermux.models import load_model
+
+    if front == "triton":
+        from infermux.errors import UsageError
+        from infermux.serve.triton_front import find_triton
+
+        try:
+            find_triton()
+        except UsageError as exc:
+            pytest.skip(f"no Triton build: {exc}")
+    folder = tmp_path_factory.mktemp("serve_masked")
+    (folder / "masked.py").write_text(MASKED)
+    path = str(folder / "masked.onnx")
+    torch.onnx.export(load_model(f"{folder / 'masked.py'}:build").module,
+                      (torch.zeros(2, 7, dtype=torch.int32), torch.ones(2, 7, dtype=torch.bool)),
+                      path, input_names=["ids", "mask"], output_names=["scores", "flag"],
+                      dynamic_axes={"ids": {0: "b", 1: "seq"}, "mask": {0: "b", 1: "seq"},
+                                    "scores": {0: "b"}, "flag": {0: "b"}}, dynamo=False)
+    plan = {"name": "masked", "models": [
+        {"name": "masked", "model": path, "seq_buckets": [8, 16],
+         "replicas": [{"unit": "cpu:0", "engine": "onnxruntime", "batch": 4}]}],
+        "dispatcher": {"max_queue_delay_ms": 1, "cpu_workers": "thread"}}
+    srv = Server(folder, plan, "--fronts", "2", "--front", front)
+    session = ort.InferenceSession(path)
+    rng = np.random.default_rng(0)
+    try:
+        for mod, url in ((thttp, srv.http), (tgrpc, srv.grpc)):
+            client = mod.InferenceServerClient(url)
+            meta = client.get_model_metadata("masked")
+            outputs = meta["outputs"] if isinstance(meta, dict) else [
+                {"name": o.name, "datatype": o.datatype} for o in meta.outputs]
+            assert [(o["name"], o["datatype"]) for o in outputs] == [("scores", "FP32"),
+                                                                     ("flag", "BOOL")]
+            for length in (5, 13):
+                ids = rng.integers(0, 100, (3, length)).astype(np.int32)
+                mask = np.ones((3, length), bool)
+                mask[1, length - 2:] = False  # the client's own padding, masked too
+                tensors = []
+                for name, array, datatype in (("ids", ids, "INT32"), ("mask", mask, "BOOL")):
+                    tensor = mod.InferInput(name, list(array.shape), datatype)
+                    tensor.set_data_from_numpy(array)
+                    tensors.append(tensor)
+                result = client.infer("masked", tensors)
+                scores, flag = session.run(None, {"ids": ids, "mask": mask})
+                np.testing.assert_allclose(result.as_numpy("scores"), scores.astype(np.float32),
+                                           atol=2e-3)
+                got = result.as_numpy("flag")
+                assert got.dtype == np.bool_
+                np.testing.assert_array_equal(got, flag)
+            client.close()
+    finally:
+        code, out = srv.stop()
+    assert code == 0, out
