@@ -67,7 +67,7 @@ _FLOAT_DATATYPES = ("FP32", "FP16", "FP64")
 #: A spec dtype → its v2 datatype.
 _V2 = {"float32": "FP32", "float16": "FP16", "bfloat16": "FP32", "float64": "FP64",
        "int64": "INT64", "int32": "INT32", "bool": "BOOL", "uint8": "INT32", "int8": "INT32"}
-#: The datatype an output is served as, by its dtype's kind: floats as FP32 (what every float
+#: The datatype an output is served as, by its dtype: floats as FP32 (what every float
 #: output has been, whatever precision the unit computed in), integers and bools as themselves
 #: (class ids, token ids, boxes' indices: exact, never rounded to a float's 24 bits).
 _OUTPUT_V2 = {"int64": "INT64", "uint32": "INT64", "int32": "INT32", "int16": "INT32",
