@@ -250,6 +250,10 @@ def test_a_model_without_a_mask_is_never_padded(two, bert):
         runner.gather_input(runner.prepare_rows([[features[0], ids[0]]]), [0])
     runner.gather_input(runner.prepare_rows([[features[0], padded[0]]]), [0])
     assert runner.length == 8
+    four = np.arange(4)
+    with pytest.raises(UsageError, match=r"items of lengths \[4, 8\] in one batch"):
+        runner.gather_input(runner.prepare_rows([[features[0], four], [features[0], padded[0]]]),
+                            [0, 1])
 
 
 def test_lengths_past_the_buckets_and_buckets_without_a_length_are_refused(two, tmp_path):

@@ -91,11 +91,8 @@ def server(tiny_bert: str, two_inputs: tuple[str, str],
     assert code == 0, out
 
 
-@pytest.fixture(scope="module", params=["native", "python"])
-def triton_server(tiny_bert: str, two_inputs: tuple[str, str],
-                  tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Any:
-    """The same plan behind Triton's server (`--front triton`), where a Triton build exists:
-    its instances infermux's native backend, or Python-backend stubs."""
+def _need_triton() -> None:
+    """Skip, saying why, where no Triton build is found."""
     from infermux.errors import UsageError
     from infermux.serve.triton_front import find_triton
 
@@ -103,6 +100,14 @@ def triton_server(tiny_bert: str, two_inputs: tuple[str, str],
         find_triton()
     except UsageError as exc:
         pytest.skip(f"no Triton build: {exc}")
+
+
+@pytest.fixture(scope="module", params=["native", "python"])
+def triton_server(tiny_bert: str, two_inputs: tuple[str, str],
+                  tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Any:
+    """The same plan behind Triton's server (`--front triton`), where a Triton build exists:
+    its instances infermux's native backend, or Python-backend stubs."""
+    _need_triton()
     srv = Server(tmp_path_factory.mktemp("serve_several_triton"),
                  _several_plan(tiny_bert, two_inputs), "--front", "triton", "--fronts", "2",
                  "--triton-backend", request.param)
@@ -343,13 +348,7 @@ def test_integer_outputs_cross_every_front_as_themselves(labels: str, front: str
                           dynamic_axes={n: {0: "batch"} for n in ("input", "scores", "label",
                                                                    "big")}, dynamo=False)
     if kind == "triton":
-        from infermux.errors import UsageError
-        from infermux.serve.triton_front import find_triton
-
-        try:
-            find_triton()
-        except UsageError as exc:
-            pytest.skip(f"no Triton build: {exc}")
+        _need_triton()
     plan = {"name": "labels", "models": [
         {"name": "labels", "model": model,
          "replicas": [{"unit": "cpu:0", "engine": engine, "batch": 4}]}],
@@ -527,13 +526,7 @@ def test_int32_ids_and_a_bool_mask_are_padded_under_the_mask(
     from infermux.models import load_model
 
     if front == "triton":
-        from infermux.errors import UsageError
-        from infermux.serve.triton_front import find_triton
-
-        try:
-            find_triton()
-        except UsageError as exc:
-            pytest.skip(f"no Triton build: {exc}")
+        _need_triton()
     folder = tmp_path_factory.mktemp("serve_masked")
     (folder / "masked.py").write_text(MASKED)
     path = str(folder / "masked.onnx")

@@ -206,22 +206,25 @@ class IOSpec:
         True without a dynamic dim, or with an input that masks the sequence (values "ones": an
         attention mask, 0 past an item's own length). A model without one (a bag of
         embeddings, a convolution over the sequence) reads the padding as data, so its items
-        run only at lengths it compiles (`check_exact_length`).
+        run only at lengths it compiles (`unpadded_error`).
         """
         return not self.dynamic_dims or any(t.values == "ones" and t.dynamic for t in self.inputs)
 
-    def check_exact_length(self, length: int | None, compiled: Sequence[int | None],
-                           name: str) -> None:
-        """For a model that cannot be padded: `length` must be one of `compiled`; one line if not."""
+    def unpadded_error(self, length: int | None, compiled: Sequence[int | None],
+                       name: str = "") -> str | None:
+        """Why a model that cannot be padded cannot run `length`; None when it can.
+
+        One line naming the input, the length and `compiled`, the lengths it can run.
+        """
         lengths = sorted(n for n in compiled if n is not None)
         if self.pads_exactly or length is None or not lengths or length in lengths:
-            return
+            return None
         seq = next(t.name for t in self.inputs if t.dynamic)
         model = f"model {name!r}" if name else "the model"
-        raise UsageError(f"input {seq!r}: sequence length {length} given; {model} has no "
-                         "mask input, so padding would change its outputs, and it runs only at "
-                         f"the lengths it compiles ({', '.join(map(str, lengths))}): send one of "
-                         f"those, or add {length} to its seq_buckets")
+        return (f"input {seq!r}: sequence length {length} given; {model} has no mask input, so "
+                "padding would change its outputs, and it runs only at the lengths it compiles "
+                f"({', '.join(map(str, lengths))}): send one of those, or add {length} to its "
+                "seq_buckets")
 
     @property
     def dynamic_dims(self) -> tuple[str, ...]:

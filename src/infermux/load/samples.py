@@ -45,6 +45,12 @@ class Lengths:
             return float(np.mean(self.choices))
         return (self.low + self.high) / 2
 
+    @property
+    def drawn(self) -> tuple[int, ...]:
+        """Every length a query may have, each once, ascending."""
+        return tuple(sorted(set(self.choices))) if self.choices else tuple(
+            range(self.low, self.high + 1))
+
     def draw(self, rng: np.random.Generator, count: int) -> np.ndarray:
         """`count` lengths, int64."""
         if self.choices:

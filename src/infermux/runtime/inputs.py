@@ -113,8 +113,7 @@ def sample_library(name: str, model: LoadedModel, count: int, seed: int,
                              f"{name} compiles, {longest}: set {where}.seq_buckets up to at "
                              f"least {spread.high} or shorten the lengths")
         if spread is not None and not io.pads_exactly:
-            drawn = spread.choices or tuple(range(spread.low, spread.high + 1))
-            off = [n for n in drawn if n not in built]
+            off = [n for n in spread.drawn if n not in built]
             if off:
                 raise UsageError(f"plan field load.lengths: {lengths} draws lengths that {name} "
                                  f"does not compile ({', '.join(map(str, off[:4]))}"
@@ -277,7 +276,7 @@ class SeqRunner(Runner):
         own = [] if at is None else [np.shape(item[at[0]])[at[1]] for item in items]
         length = self.bucket_for(max(own, default=None))
         if not self.io.pads_exactly and any(n != length for n in own):
-            self.io.check_exact_length(next(n for n in own if n != length), self.lengths, "")
+            self._refuse_padding(own, length)
         dims = self.io.dims_for(length) if length is not None else {}
         arrays = []
         for j, spec in enumerate(self.io.inputs):
@@ -296,8 +295,8 @@ class SeqRunner(Runner):
         at = self._seq_axis
         own = None if at is None else rows.arrays[at[0]].shape[1 + at[1]]
         length = self.bucket_for(own)
-        if own != length:
-            self.io.check_exact_length(own, self.lengths, "")
+        if own != length and not self.io.pads_exactly:
+            self._refuse_padding([own], length)
         dims = self.io.dims_for(length) if length is not None else {}
         arrays = []
         for spec, stacked in zip(self.io.inputs, rows.arrays, strict=True):
@@ -307,6 +306,20 @@ class SeqRunner(Runner):
             out[n:] = out[0]
             arrays.append(out)
         return arrays, length, n * (own or 0)
+
+    def _refuse_padding(self, own: Sequence[int | None], length: int | None) -> None:
+        """A model without a mask: items not at the batch's `length` cannot be padded to it.
+
+        The dispatcher never batches them so (each length is its own group); rows handed in by
+        other means (the runtime's own API) are refused rather than padded.
+        """
+        for n in own:
+            why = self.io.unpadded_error(n, self.lengths)
+            if why is not None:
+                raise UsageError(why)
+        raise UsageError(f"items of lengths {sorted({n for n in own if n is not None})} in one "
+                         f"batch: the model has no mask input, so each runs only at its own "
+                         f"length, in a batch of that length alone")
 
     def set_input(self, batch: np.ndarray) -> None:
         """Not for several inputs: `set_inputs`."""

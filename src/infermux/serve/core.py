@@ -67,17 +67,16 @@ _FLOAT_DATATYPES = ("FP32", "FP16", "FP64")
 #: A spec dtype → its v2 datatype.
 _V2 = {"float32": "FP32", "float16": "FP16", "bfloat16": "FP32", "float64": "FP64",
        "int64": "INT64", "int32": "INT32", "bool": "BOOL", "uint8": "INT32", "int8": "INT32"}
-#: The datatype an output is served as, by its dtype: floats as FP32 (what every float
-#: output has been, whatever precision the unit computed in), integers and bools as themselves
-#: (class ids, token ids, boxes' indices: exact, never rounded to a float's 24 bits).
-_OUTPUT_V2 = {"int64": "INT64", "uint32": "INT64", "int32": "INT32", "int16": "INT32",
-              "uint16": "INT32", "int8": "INT32", "uint8": "INT32", "bool": "BOOL"}
-
-
 def output_datatype(dtype: Any) -> str:
-    """The v2 datatype an output of `dtype` (a spec's name or a numpy dtype) is served as."""
+    """The v2 datatype an output of `dtype` (a spec's name or a numpy dtype) is served as.
+
+    Floats as FP32 (what every float output has been, whatever precision computed it),
+    integers and bools as themselves (class ids, token ids: exact, never rounded to a float's
+    24 bits; an integer type without a v2 name of its own as INT64).
+    """
     name = str(dtype) if isinstance(dtype, str) else np.dtype(dtype).name
-    return _OUTPUT_V2.get(name, "FP32")
+    v2 = _V2.get(name) or ("INT64" if name.startswith(("int", "uint")) else "FP32")
+    return "FP32" if v2 in _FLOAT_DATATYPES else v2
 
 
 #: Every datatype name of the protocol, so a wrong one is told apart from a misspelt one.
@@ -258,13 +257,7 @@ class ModelInfo:
         exact = self.exact_lengths
         if exact is None or length is None or length in exact:
             return None
-        from infermux.errors import UsageError
-
-        try:
-            self.io.check_exact_length(length, self.lengths, self.name)
-        except UsageError as exc:
-            return ProtocolError(400, str(exc))
-        return None
+        return ProtocolError(400, self.io.unpadded_error(length, self.lengths, self.name))
 
     def length_of(self, arrays: Sequence[np.ndarray] | np.ndarray) -> int | None:
         """The sequence length of a request's checked arrays (one per input), or None."""

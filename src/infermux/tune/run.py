@@ -221,7 +221,7 @@ def seq_sets(request: TuneRequest, loaded: dict[str, LoadedModel]
             continue
         if spread is not None and not io.pads_exactly:
             # No mask to pad under: every length sent must be compiled (`IOSpec.pads_exactly`).
-            drawn = sorted(set(spread.choices or range(spread.low, spread.high + 1)))
+            drawn = spread.drawn
             if request.seq_buckets is not None:
                 off = [n for n in drawn if n not in request.seq_buckets]
                 if off:

@@ -249,8 +249,7 @@ def padding_efficiency(buckets: Sequence[int], lengths: Lengths) -> float:
     a list.
     """
     ends = sorted(buckets)
-    values = list(lengths.choices) if lengths.choices else list(range(lengths.low,
-                                                                       lengths.high + 1))
+    values = list(lengths.choices) or list(lengths.drawn)  # a list's repeats weigh more
     padded = 0
     for n in values:
         bucket = next((b for b in ends if b >= n), None)
